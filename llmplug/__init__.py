@@ -1,0 +1,32 @@
+"""llmplug: an LLM inference and serving engine whose every backend is a plugin.
+
+Exports `LLM`, `SamplingParams` and the output types with vLLM's names, loaded lazily so that
+`import llmplug` stays cheap.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "LLM": "llmplug.engine.llm",
+    "AsyncLLM": "llmplug.engine.async_llm",
+    "EngineConfig": "llmplug.core.config",
+    "SamplingParams": "llmplug.core.params",
+    "GuidedDecodingParams": "llmplug.core.params",
+    "PoolingParams": "llmplug.core.params",
+    "RequestOutput": "llmplug.core.outputs",
+    "CompletionOutput": "llmplug.core.outputs",
+}
+
+__all__ = [*_EXPORTS, "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'llmplug' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -1,0 +1,1 @@
+"""llmplug.communicators."""

@@ -1,0 +1,39 @@
+"""The error types users of llmplug catch."""
+
+from __future__ import annotations
+
+
+class LlmplugError(Exception):
+    """Base class of every error llmplug raises on purpose."""
+
+
+class ConfigError(LlmplugError, ValueError):
+    """A configuration value is invalid; the message names the field, value and source."""
+
+
+class PluginError(LlmplugError):
+    """A plugin could not be discovered, chosen or loaded."""
+
+
+class PluginLoadError(PluginError):
+    """A plugin's module failed to import; names distribution, group, name and the cause."""
+
+
+class PluginConflictError(PluginError):
+    """Two distributions register the same name in one group and the config picks neither."""
+
+
+class PluginVersionError(PluginError):
+    """A plugin targets an incompatible plugin API version."""
+
+
+class InvalidRequestError(LlmplugError, ValueError):
+    """A request (prompt or sampling parameters) is invalid; only that request fails."""
+
+
+class ModelLoadError(LlmplugError):
+    """Weights, config or tokenizer of a model could not be loaded."""
+
+
+class EngineDeadError(LlmplugError):
+    """The engine failed and cannot serve further requests."""

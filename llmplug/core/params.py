@@ -1,0 +1,128 @@
+"""Per-request parameters: SamplingParams, GuidedDecodingParams, PoolingParams."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from llmplug.core.errors import InvalidRequestError
+
+
+class RequestOutputKind(enum.Enum):
+    """What each RequestOutput of a request carries while it streams."""
+
+    CUMULATIVE = 0  # everything generated so far
+    DELTA = 1  # only what is new since the previous output
+    FINAL_ONLY = 2  # one output, when the request finishes
+
+
+@dataclass
+class GuidedDecodingParams:
+    """A constraint on the generated text; exactly one of the fields is set."""
+
+    json: str | dict | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    backend: str | None = None  # None: the engine's decoding.guided_backend
+    whitespace_flexible: bool = False  # False: compact JSON
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        kinds += ["json_object"] if self.json_object else []
+        if len(kinds) != 1:
+            raise InvalidRequestError(
+                f"guided_decoding needs exactly one of json, json_object, regex, choice, grammar; got {kinds or 'none'}"
+            )
+
+    @property
+    def kind(self) -> str:
+        """The name of the constraint kind that is set."""
+        if self.json_object:
+            return "json_object"
+        return next(k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None)
+
+
+@dataclass
+class SamplingParams:
+    """How to sample the completion of one prompt (names and defaults follow vLLM)."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None  # None or 0: no top-k
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    max_tokens: int | None = 16  # None: up to the model's context length
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logits_processors: list[Callable[..., Any]] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    guided_decoding: GuidedDecodingParams | None = None
+    extra_args: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == 0:
+            self.top_k = None
+        self._validate()
+
+    def _validate(self) -> None:
+        checks = [
+            (self.n >= 1, "n", "must be at least 1"),
+            (self.temperature >= 0.0, "temperature", "must be non-negative"),
+            (0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
+            (self.top_k is None or self.top_k >= 1 or self.top_k == -1, "top_k", "must be None, -1, 0 or positive"),
+            (0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),
+            (self.repetition_penalty > 0.0, "repetition_penalty", "must be positive"),
+            (self.min_tokens >= 0, "min_tokens", "must be non-negative"),
+            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be at least 1"),
+            (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens", "must not exceed max_tokens"),
+            (self.logprobs is None or self.logprobs >= 0, "logprobs", "must be non-negative"),
+            (self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs", "must be non-negative"),
+        ]
+        for ok, name, why in checks:
+            if not ok:
+                raise InvalidRequestError(f"SamplingParams.{name}={getattr(self, name)!r} {why}")
+        if self.top_k == -1:  # vLLM's spelling of "disabled"
+            self.top_k = None
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling is argmax (temperature 0)."""
+        return self.temperature < 1e-5
+
+    def clone(self) -> "SamplingParams":
+        """A shallow copy that does not share the mutable lists."""
+        import copy
+
+        new = copy.copy(self)
+        new.stop, new.stop_token_ids = list(self.stop), list(self.stop_token_ids)
+        return new
+
+
+@dataclass
+class PoolingParams:
+    """Parameters of a pooling (embedding / classification) request."""
+
+    normalize: bool = True
+    dimensions: int | None = None

@@ -1,0 +1,194 @@
+"""The contracts plugins implement.
+
+Every protocol is `runtime_checkable`, so the registry can check a loaded plugin object before use.
+Members document who calls them, in which process, when, and what they may assume. Optional
+behaviour lives in base classes next to the in-tree implementations, never in these protocols.
+
+The plugin API (these protocols, the hook specs, the config schema and the public building blocks
+of `llmplug.layers`) is versioned by `PLUGIN_API_VERSION` ("MAJOR.MINOR"). A plugin may declare the
+version it targets as a module or class attribute `LLMPLUG_PLUGIN_API_VERSION`; the registry refuses
+it when the major differs or its minor is newer than ours.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterable, Protocol, runtime_checkable
+
+if TYPE_CHECKING:  # no heavy imports at run time
+    import torch
+
+    from llmplug.core.config import EngineConfig, LoadConfig, ModelConfig
+
+PLUGIN_API_VERSION = "1.0"
+
+
+@runtime_checkable
+class VllmModel(Protocol):
+    """A model architecture: built by the model loader inside each worker process.
+
+    `__init__(*, config, prefix="")` receives the Hugging Face `PretrainedConfig` of the checkpoint
+    (models convert it once into their own typed, frozen config) and the module-name prefix. It runs
+    under the target dtype and device as torch defaults. Attention metadata (block tables, slot
+    mapping) reaches the `llmplug.layers.Attention` layers through the forward context set by the
+    model runner, never through `forward`'s arguments.
+    """
+
+    def forward(self, input_ids: "torch.Tensor", positions: "torch.Tensor") -> "torch.Tensor":
+        """Called by the model runner once per step with the flattened batch.
+
+        input_ids and positions: [num_tokens]; returns hidden states [num_tokens, hidden_size].
+        """
+        ...
+
+    def load_weights(self, weights: Iterable[tuple[str, "torch.Tensor"]]) -> set[str]:
+        """Called by the loader with (checkpoint name, tensor) pairs; returns the parameter names loaded."""
+        ...
+
+
+@runtime_checkable
+class VllmModelForTextGeneration(VllmModel, Protocol):
+    """A model that produces next-token logits."""
+
+    def compute_logits(self, hidden_states: "torch.Tensor", sampling_metadata: Any = None) -> "torch.Tensor":
+        """Called by the model runner with the hidden states of the positions that sample only.
+
+        hidden_states: [num_sampled, hidden_size]; returns float logits [num_sampled, vocab_size].
+        A model may also define `sample(logits, sampling_metadata)` to replace the engine's sampler.
+        """
+        ...
+
+
+@runtime_checkable
+class VllmModelForPooling(VllmModel, Protocol):
+    """A model that turns hidden states into embeddings, rewards or class scores."""
+
+    def pooler(self, hidden_states: "torch.Tensor", pooling_metadata: Any) -> Any:
+        """Called by the model runner after `forward` for requests that finished their prompt."""
+        ...
+
+
+@runtime_checkable
+class Communicator(Protocol):
+    """Collective operations within one process group (one per TP/PP/DP group, per worker)."""
+
+    rank_in_group: int
+    world_size: int
+
+    def all_reduce(self, tensor: "torch.Tensor") -> "torch.Tensor":
+        """Sum across the group; every rank gets the result. Called by row-parallel layers."""
+        ...
+
+    def all_gather(self, tensor: "torch.Tensor", dim: int = -1) -> "torch.Tensor":
+        """Concatenate every rank's tensor along `dim`."""
+        ...
+
+    def reduce_scatter(self, tensor: "torch.Tensor", dim: int = -1) -> "torch.Tensor":
+        """Sum across the group, then keep this rank's slice along `dim`."""
+        ...
+
+    def gather(self, tensor: "torch.Tensor", dst: int = 0, dim: int = -1) -> "torch.Tensor | None":
+        """Concatenate along `dim` on rank `dst` only (others get None). Used for vocab-parallel logits."""
+        ...
+
+    def broadcast(self, tensor: "torch.Tensor", src: int = 0) -> "torch.Tensor":
+        """Copy rank `src`'s tensor to every rank."""
+        ...
+
+    def send(self, tensor: "torch.Tensor", dst: int) -> None:
+        """Point-to-point send (pipeline stages)."""
+        ...
+
+    def recv(self, size: Any, dtype: Any, src: int) -> "torch.Tensor":
+        """Point-to-point receive of a tensor of the given size and dtype."""
+        ...
+
+    def barrier(self) -> None:
+        """Wait for every rank (on the CPU group, never a device barrier)."""
+        ...
+
+
+@runtime_checkable
+class ModelLoader(Protocol):
+    """Reads weights in one format (`load.format`) and builds the model in each worker process.
+
+    Constructed with the `LoadConfig`. The engine process calls `download_model` once before workers
+    start; each worker calls `load_model`. Loaders may also override the base class's
+    `load_hf_config` / `load_tokenizer` when the format carries its own config and tokenizer (GGUF).
+    """
+
+    def download_model(self, model_config: "ModelConfig") -> None:
+        """Make the weights available locally (or fail with a clear error); no-op for local paths."""
+        ...
+
+    def load_model(self, config: "EngineConfig") -> VllmModel:
+        """Build the model for `config` on this worker's device with its weights loaded; eval mode."""
+        ...
+
+
+@runtime_checkable
+class LogitsProcessor(Protocol):
+    """Changes one request's next-token logits before sampling.
+
+    Called by the engine's sampler in the worker once per generated token, with the request's output
+    token ids so far and its logits row [vocab_size]; returns the new row (may modify in place).
+    For speed, batch-aware processors (guided decoding) fill a shared token bitmask instead.
+    """
+
+    def __call__(self, output_token_ids: list[int], logits: "torch.Tensor") -> "torch.Tensor": ...
+
+
+@runtime_checkable
+class Platform(Protocol):
+    """A kind of hardware. One class per platform; the engine asks it about capabilities, never identity.
+
+    Called in the engine process while resolving the config (is_available, priority,
+    check_and_update_config) and in each worker (device, memory, seeding, attention backend,
+    communicator).
+    """
+
+    name: str  # the registry name: "cpu", "cuda", ...
+    device_type: str  # torch device type: "cpu", "cuda", "xla", "xpu"
+    priority: int  # `platform: auto` picks the available platform with the highest priority
+    dispatch_key: str
+    supported_dtypes: tuple[str, ...]  # "float32", "bfloat16", "float16"
+    distributed_backend: str  # torch.distributed backend name: "gloo", "nccl", ...
+
+    @classmethod
+    def is_available(cls) -> bool:
+        """True when this process can use the hardware (no side effects, cheap)."""
+        ...
+
+    @classmethod
+    def check_and_update_config(cls, config: "EngineConfig") -> None:
+        """Validate and fill platform-dependent config (dtype, attention backend) before the engine starts."""
+        ...
+
+    @classmethod
+    def get_attention_backend(cls, requested: str | None, head_dim: int, dtype: Any) -> str:
+        """The `llmplug.attention` entry-point name to use."""
+        ...
+
+    @classmethod
+    def get_communicator(cls) -> str:
+        """The communicator name for device groups on this platform."""
+        ...
+
+    @classmethod
+    def total_memory(cls, device_id: int = 0) -> int:
+        """Total memory of the device in bytes."""
+        ...
+
+    @classmethod
+    def available_memory(cls, device_id: int = 0) -> int:
+        """Free memory of the device in bytes."""
+        ...
+
+    @classmethod
+    def seed_everything(cls, seed: int) -> None:
+        """Seed python, numpy and torch (and the device) RNGs."""
+        ...
+
+    @classmethod
+    def device_count(cls) -> int:
+        """Number of devices this process sees."""
+        ...

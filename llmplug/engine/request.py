@@ -1,0 +1,79 @@
+"""A request inside the engine: its tokens, progress, blocks' hashes and status."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from llmplug.core.params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its life."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def finished(self) -> bool:
+        """True for the three finished states."""
+        return self.name.startswith("FINISHED")
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The OpenAI finish reason of a finished status."""
+        return {"FINISHED_STOPPED": "stop", "FINISHED_LENGTH": "length", "FINISHED_ABORTED": "abort"}.get(self.name)
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence being generated. With `n` > 1 the engine makes one Request per completion,
+    all sharing the prompt (and, through prefix caching, its KV blocks)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    arrival_time: float = field(default_factory=time.time)
+    priority: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first scheduling
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+    block_hashes: list[int] = field(default_factory=list)  # one per full block of all_token_ids
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Tokens in the prompt."""
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Generated tokens."""
+        return len(self.output_token_ids)
+
+    def append_output_token(self, token_id: int) -> None:
+        """Record one sampled token."""
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    @property
+    def is_finished(self) -> bool:
+        """True once the request stopped, hit its length or was aborted."""
+        return self.status.finished

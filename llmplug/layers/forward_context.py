@@ -1,0 +1,61 @@
+"""Per-step state that layers read during `model.forward`, entered with `with forward_context(...)`."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+
+@dataclass(slots=True, frozen=True)
+class CommonAttentionMetadata:
+    """The flattened batch of one step, as the model runner builds it (backend independent).
+
+    B requests, T = sum of their scheduled tokens, laid out request after request.
+    """
+
+    query_start_loc: torch.Tensor  # [B + 1] int64, cumulative scheduled tokens
+    seq_lens: torch.Tensor  # [B] int64, KV length of each request after this step
+    num_computed_tokens: torch.Tensor  # [B] int64, KV already cached before this step
+    block_tables: torch.Tensor  # [B, max_blocks] int64, padded with 0 (masked by seq_lens)
+    slot_mapping: torch.Tensor  # [T] int64, cache slot (block * block_size + offset) of each token
+    positions: torch.Tensor  # [T] int64
+    block_size: int
+    num_reqs: int
+    num_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    # Python-side copies, so backends can choose a path without a device sync.
+    query_lens_list: tuple[int, ...] = ()
+    seq_lens_list: tuple[int, ...] = ()
+
+
+@dataclass(slots=True)
+class ForwardContext:
+    """What the Attention layers of one forward pass see: the backend's metadata for this step."""
+
+    attn_metadata: Any  # built once per step by the attention backend's `build`
+    virtual_engine: int = 0
+
+
+_current: ForwardContext | None = None
+
+
+@contextlib.contextmanager
+def forward_context(attn_metadata: Any) -> Iterator[ForwardContext]:
+    """Make `attn_metadata` visible to the Attention layers for the duration of one forward pass."""
+    global _current
+    previous, _current = _current, ForwardContext(attn_metadata)
+    try:
+        yield _current
+    finally:
+        _current = previous
+
+
+def get_forward_context() -> ForwardContext:
+    """The context of the running forward pass; an error outside one."""
+    if _current is None:
+        raise RuntimeError("Attention layer called outside `with forward_context(...)`: the model runner sets it")
+    return _current
