@@ -1,13 +1,26 @@
 """EngineConfig and its sub-configs (pydantic v2).
 
 Every field is settable from keyword arguments, a config file and CLI flags; see docs/config.md.
+`load_config` merges those sources (defaults < kwargs < file < flags unless told otherwise), lets
+plugins' `llmplug_adjust_config` hooks adjust the result and validates it once, naming the field,
+value and source of every error. Aliases and flag names live here too, generated from the schema.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import copy
+import difflib
+import json
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic.fields import FieldInfo
+
+from llmplug.core.errors import ConfigError, PluginError
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
@@ -111,3 +124,423 @@ class EngineConfig(_Section):
     device: DeviceConfig = Field(default_factory=DeviceConfig)
     decoding: DecodingConfig = Field(default_factory=DecodingConfig)
     plugins: PluginConfig = Field(default_factory=PluginConfig)
+
+
+# ---------------------------------------------------------------------------------------------
+# Keys: sections, flat (vLLM-style) aliases, dotted keys and CLI flag names.
+# ---------------------------------------------------------------------------------------------
+
+# section name -> its model, in validation order
+SECTIONS: dict[str, type[_Section]] = {name: field.annotation for name, field in EngineConfig.model_fields.items()}
+
+# every field as "section.field", the key of ResolvedConfig.sources
+FIELD_PATHS: tuple[str, ...] = tuple(f"{s}.{name}" for s, cls in SECTIONS.items() for name in cls.model_fields)
+
+# The one table of flat keyword names (vLLM's EngineArgs spelling) -> dotted field. Accepted in
+# kwargs, in config files and as CLI flags (`--gpu-memory-utilization`). When several names point
+# at one field, the first is the one a flag of an ambiguous field name uses.
+ALIASES: dict[str, str] = {
+    "model": "model.model",
+    "tokenizer": "model.tokenizer",
+    "dtype": "model.dtype",
+    "max_model_len": "model.max_model_len",
+    "seed": "model.seed",
+    "skip_tokenizer_init": "model.skip_tokenizer_init",
+    "trust_remote_code": "model.trust_remote_code",
+    "hf_overrides": "model.hf_overrides",
+    "block_size": "cache.block_size",
+    "num_gpu_blocks_override": "cache.num_blocks",
+    "kv_cache_memory": "cache.kv_cache_memory",
+    "gpu_memory_utilization": "cache.memory_fraction",
+    "enable_prefix_caching": "cache.enable_prefix_caching",
+    "max_num_seqs": "scheduler.max_num_seqs",
+    "max_num_batched_tokens": "scheduler.max_num_batched_tokens",
+    "enable_chunked_prefill": "scheduler.enable_chunked_prefill",
+    "scheduling_policy": "scheduler.policy",
+    "tensor_parallel_size": "parallel.tensor_parallel_size",
+    "pipeline_parallel_size": "parallel.pipeline_parallel_size",
+    "data_parallel_size": "parallel.data_parallel_size",
+    "distributed_executor_backend": "parallel.executor",
+    "load_format": "load.format",
+    "download_dir": "load.download_dir",
+    "model_loader_extra_config": "load.extra",
+    "platform": "device.platform",
+    "attention_backend": "device.attention_backend",
+    "guided_decoding_backend": "decoding.guided_backend",
+}
+
+# Field names that say too little as a bare flag (`--format`: of what?); their flag is the vLLM
+# alias when there is one, else `--<section>-<field>`. Names shared by two sections join them.
+_VAGUE_NAMES = frozenset({"model", "format", "seed", "enabled", "extra", "executor", "policy", "prefer"})
+
+
+def _dashed(name: str) -> str:
+    return "--" + name.replace("_", "-").replace(".", "-")
+
+
+def _field(path: str) -> FieldInfo:
+    section, name = path.split(".")
+    return SECTIONS[section].model_fields[name]
+
+
+def is_bool_field(path: str) -> bool:
+    """True when the field at `path` is a plain bool (its flag has a `--no-` form)."""
+    return _field(path).annotation is bool
+
+
+def _ambiguous_names() -> set[str]:
+    names = [path.split(".")[1] for path in FIELD_PATHS]
+    shared = {name for name in names if names.count(name) > 1 or name in SECTIONS}
+    return shared | _VAGUE_NAMES
+
+
+def _primary_flag(path: str, ambiguous: set[str]) -> str:
+    section, name = path.split(".")
+    if name not in ambiguous:
+        return _dashed(name)
+    alias = next((alias for alias, target in ALIASES.items() if target == path), None)
+    return _dashed(alias or f"{section}_{name}")
+
+
+def _build_flags() -> dict[str, tuple[str, ...]]:
+    ambiguous = _ambiguous_names()
+    flags = {}
+    for path in FIELD_PATHS:
+        primary = _primary_flag(path, ambiguous)
+        aliases = [_dashed(alias) for alias, target in ALIASES.items() if target == path]
+        flags[path] = tuple(dict.fromkeys([primary, *aliases]))
+    return flags
+
+
+# dotted field -> its CLI flags, the primary one first (`cache.num_blocks` -> --num-blocks,
+# --num-gpu-blocks-override). Generated from the schema, so a new field gets a flag for free.
+FIELD_FLAGS: dict[str, tuple[str, ...]] = _build_flags()
+
+
+def _build_flag_paths() -> dict[str, str]:
+    flag_paths: dict[str, str] = {}
+    for path, flags in FIELD_FLAGS.items():
+        negated = [f"--no-{flag[2:]}" for flag in flags] if is_bool_field(path) else []
+        for flag in [*flags, *negated]:
+            if flag in flag_paths:
+                raise RuntimeError(f"CLI flag {flag} would set both {flag_paths[flag]} and {path}; rename one field")
+            flag_paths[flag] = path
+    return flag_paths
+
+
+# every accepted flag spelling (including `--no-x` of booleans) -> dotted field
+FLAG_PATHS: dict[str, str] = _build_flag_paths()
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading: defaults < kwargs < file < flags (by default), then plugin hooks, then validation.
+# ---------------------------------------------------------------------------------------------
+
+SOURCE_ORDER: tuple[str, ...] = ("kwargs", "file", "cli")
+HOOK_SOURCE = "hook llmplug_adjust_config"
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedConfig:
+    """A validated EngineConfig and, for each dotted field, where its value came from."""
+
+    config: EngineConfig
+    sources: dict[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class _Setting:
+    """One value from one source, with the key as the user spelled it (for duplicate reports)."""
+
+    value: Any
+    source: str
+    key: str
+
+
+def load_config(
+    *,
+    kwargs: Mapping[str, Any] | None = None,
+    file: str | Path | None = None,
+    cli: Mapping[str, Any] | None = None,
+    apply_hooks: bool = True,
+    order: Sequence[str] = SOURCE_ORDER,
+) -> ResolvedConfig:
+    """Merge defaults and the given sources (later in `order` wins), run plugin hooks, validate.
+
+    `order` lists the sources lowest-precedence first: the CLI keeps the default kwargs < file <
+    cli; `LLM(config=path, **kwargs)` passes ("file", "kwargs", "cli") so its keyword arguments win.
+    """
+    if sorted(order) != sorted(SOURCE_ORDER):
+        raise ConfigError(
+            f"load_config(order={tuple(order)!r}): list each of {SOURCE_ORDER} once, lowest precedence first"
+        )
+    readers = {
+        "kwargs": lambda: _kwargs_settings(kwargs),
+        "file": lambda: _file_settings(file),
+        "cli": lambda: _cli_settings(cli),
+    }
+    merged: dict[str, _Setting] = {}
+    for name in order:
+        merged.update(readers[name]())
+    nested, sources = _nest(merged)
+    if apply_hooks:
+        _run_hooks(nested, sources)
+    return ResolvedConfig(_validate(EngineConfig, nested, sources), sources)
+
+
+def _kwargs_settings(kwargs: Mapping[str, Any] | None) -> dict[str, _Setting]:
+    return _settings_from(kwargs or {}, "kwargs", lambda key, path: "kwargs")
+
+
+def _file_settings(file: str | Path | None) -> dict[str, _Setting]:
+    if file is None:
+        return {}
+    label = f"file {file}"
+    return _settings_from(read_config_file(file), label, lambda key, path: label)
+
+
+def _cli_settings(cli: Mapping[str, Any] | None) -> dict[str, _Setting]:
+    # Keys are flags as typed (`--gpu-memory-utilization`), so the source names that very flag;
+    # plain keys (aliases, dotted) are named by their field's primary flag.
+    def label(key: str, path: str | None) -> str:
+        if key.startswith("-"):
+            return f"flag {key}"
+        return f"flag {FIELD_FLAGS[path][0]}" if path else "flags"
+
+    return _settings_from(cli or {}, "flags", label)
+
+
+def _settings_from(data: Any, where: str, label: Callable[[str, str | None], str]) -> dict[str, _Setting]:
+    """Flatten one source's keys (sections, aliases, dotted keys, flags) to dotted fields."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"config from {where} must be a mapping of keys to values, got {type(data).__name__}")
+    settings: dict[str, _Setting] = {}
+    for key, value in data.items():
+        for path, spelled, item in _expand(str(key), value, label(str(key), None)):
+            _put(settings, path, _Setting(item, label(spelled, path), spelled), where)
+    return settings
+
+
+def _expand(key: str, value: Any, where: str) -> list[tuple[str, str, Any]]:
+    """(dotted field, key as spelled, value) for one top-level key of a source."""
+    if key in SECTIONS and (value is None or isinstance(value, (Mapping, BaseModel))):
+        return [(f"{key}.{name}", f"{key}.{name}", item) for name, item in _section_items(key, value, where)]
+    if key in SECTIONS and key not in ALIASES:
+        raise ConfigError(
+            f"{key} = {value!r} (from {where}): section '{key}' must be a mapping of its fields, e.g. {key}: {{...}}"
+        )
+    return [(_path_of(key, where), key, value)]
+
+
+def _section_items(section: str, value: Mapping[str, Any] | BaseModel | None, where: str) -> list[tuple[str, Any]]:
+    if isinstance(value, BaseModel):  # a section object: only what its author set overrides lower sources
+        value = value.model_dump(exclude_unset=True)
+    items = [(str(name), item) for name, item in (value or {}).items()]
+    for name, _ in items:
+        if name not in SECTIONS[section].model_fields:
+            raise _unknown_key(f"{section}.{name}", where, _section_paths(section))
+    return items
+
+
+def _section_paths(section: str) -> list[str]:
+    return [f"{section}.{name}" for name in SECTIONS[section].model_fields]
+
+
+def _path_of(key: str, where: str) -> str:
+    if key.startswith("-"):
+        if key in FLAG_PATHS:
+            return FLAG_PATHS[key]
+        raise _unknown_key(key, where, list(FLAG_PATHS))
+    if key in ALIASES:
+        return ALIASES[key]
+    if key in FIELD_PATHS:
+        return key
+    raise _unknown_key(key, where, [*SECTIONS, *ALIASES, *FIELD_PATHS])
+
+
+def _unknown_key(key: str, where: str, candidates: list[str]) -> ConfigError:
+    """An unknown-key error with the closest valid keys as a suggestion."""
+    by_name = [path for path in FIELD_PATHS if path.split(".")[1] == key]  # a field name without its section
+    close = by_name or difflib.get_close_matches(key, candidates, n=2, cutoff=0.6)
+    hint = f"did you mean {' or '.join(repr(c) for c in close)}?" if close else "see docs/config.md for every key"
+    return ConfigError(f"unknown config key {key!r} (from {where}); {hint}")
+
+
+def _put(settings: dict[str, _Setting], path: str, setting: _Setting, where: str) -> None:
+    if path in settings and settings[path].key != setting.key:
+        raise ConfigError(
+            f"{path} is set twice in {where} (as {settings[path].key!r} and {setting.key!r}); keep one of them"
+        )
+    settings[path] = setting
+
+
+def _nest(merged: dict[str, _Setting]) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """The full config as nested plain dicts (defaults filled in, so hooks see every field) and sources."""
+    nested = EngineConfig().model_dump()
+    sources = dict.fromkeys(FIELD_PATHS, "default")
+    for path, setting in merged.items():
+        section, name = path.split(".")
+        nested[section][name] = setting.value
+        sources[path] = setting.source
+    return nested, sources
+
+
+def _run_hooks(nested: dict[str, Any], sources: dict[str, str]) -> None:
+    """Let `llmplug_adjust_config` hooks edit the merged dict; the fields they change name the hook as source."""
+    from llmplug.core.plugins import PluginRegistry, get_registry, set_registry  # lazy: plugins imports config
+
+    # The allow-list decides which plugins' hooks run, so it is validated and applied first.
+    plugin_config = _validate(PluginConfig, nested["plugins"], sources, prefix="plugins")
+    try:
+        registry = PluginRegistry.from_config(plugin_config)
+    except PluginError as exc:  # e.g. a malformed plugins.prefer key: say which source set it
+        where = ", ".join(sorted({sources["plugins.enabled"], sources["plugins.prefer"]} - {"default"}))
+        raise ConfigError(f"{exc} (plugins config from {where or 'default'})") from None
+    set_registry(registry)
+    before = copy.deepcopy(nested)
+    get_registry().hook_manager().hook.llmplug_adjust_config(config=nested)
+    _attribute_changes(before, nested, sources)
+
+
+def _attribute_changes(before: dict[str, Any], after: dict[str, Any], sources: dict[str, str]) -> None:
+    missing = object()
+    for section in after.keys() | before.keys():
+        if section not in SECTIONS:
+            raise _unknown_key(str(section), HOOK_SOURCE, list(SECTIONS))
+        old, new = before.get(section) or {}, after.get(section) or {}
+        if not isinstance(new, Mapping):
+            continue  # validation reports it against the section
+        for name in old.keys() | new.keys():
+            if name not in SECTIONS[section].model_fields:
+                raise _unknown_key(f"{section}.{name}", HOOK_SOURCE, _section_paths(section))
+            if old.get(name, missing) != new.get(name, missing):
+                sources[f"{section}.{name}"] = HOOK_SOURCE
+
+
+_ModelT = TypeVar("_ModelT", bound=BaseModel)
+
+
+def _validate(cls: type[_ModelT], data: Any, sources: dict[str, str], prefix: str = "") -> _ModelT:
+    try:
+        return cls.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError("; ".join(_describe_error(err, sources, prefix) for err in exc.errors())) from None
+
+
+def _describe_error(err: Any, sources: dict[str, str], prefix: str) -> str:
+    """'cache.block_size = -3 (from file c.yaml): Input should be greater than 0'."""
+    loc = [prefix, *map(str, err["loc"])] if prefix else list(map(str, err["loc"]))
+    path = ".".join(loc[:2])
+    where = path + "".join(f"[{part}]" for part in loc[2:])
+    return f"{where or 'config'} = {err['input']!r} (from {sources.get(path, 'default')}): {err['msg']}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Config files
+# ---------------------------------------------------------------------------------------------
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """Parse a .yaml/.yml, .toml or .json config file into a dict; errors name the file and line."""
+    path = Path(path)
+    parse = _FILE_PARSERS.get(path.suffix.lower())
+    if parse is None:
+        raise ConfigError(f"config file {path}: unknown extension {path.suffix!r}; use .yaml, .yml, .toml or .json")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"config file {path} cannot be read ({exc.strerror}); check the path") from None
+    data = parse(text, path)
+    if data is None:  # an empty (or all-comment) YAML file
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"config file {path} must hold a mapping of config keys at the top, got {type(data).__name__}"
+        )
+    return data
+
+
+def _parse_yaml(text: str, path: Path) -> Any:
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"config file {path} is not valid YAML{at}: {exc.problem}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+
+
+def _parse_toml(text: str, path: Path) -> Any:
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - 3.10 only
+        import tomli as tomllib
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:  # its message ends with "(at line L, column C)"
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+
+
+def _parse_json(text: str, path: Path) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        at = f"line {exc.lineno}, column {exc.colno}"
+        raise ConfigError(f"config file {path} is not valid JSON at {at}: {exc.msg}") from None
+
+
+_FILE_PARSERS: dict[str, Callable[[str, Path], Any]] = {
+    ".yaml": _parse_yaml,
+    ".yml": _parse_yaml,
+    ".toml": _parse_toml,
+    ".json": _parse_json,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Output of `llmplug config`
+# ---------------------------------------------------------------------------------------------
+
+CONFIG_FORMATS = ("yaml", "json", "table")
+
+
+def format_config(resolved: ResolvedConfig, fmt: str = "yaml") -> str:
+    """Render a resolved config: YAML with each value's source as a comment (loadable again), JSON or a table."""
+    values = resolved.config.model_dump(mode="json")
+    if fmt == "yaml":
+        return _format_yaml(values, resolved.sources)
+    if fmt == "json":
+        return json.dumps({"config": values, "sources": resolved.sources}, indent=2)
+    if fmt == "table":
+        return _format_table(values, resolved.sources)
+    raise ConfigError(f"unknown config output format {fmt!r}; use one of {', '.join(CONFIG_FORMATS)}")
+
+
+def _format_yaml(values: dict[str, dict[str, Any]], sources: dict[str, str]) -> str:
+    lines = [
+        "# llmplug engine config; the comment after each value says where it came from.",
+        "# Load it again with --config FILE.",
+    ]
+    for section, fields in values.items():
+        lines.append(f"{section}:")
+        lines += [f"  {name}: {_yaml_value(value)}  # {sources[f'{section}.{name}']}" for name, value in fields.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _yaml_value(value: Any) -> str:
+    """One value as single-line YAML (flow style for dicts and lists)."""
+    import yaml
+
+    text = yaml.safe_dump(value, default_flow_style=True, width=float("inf"), allow_unicode=True)
+    return text.removesuffix("\n...\n").strip()
+
+
+def _format_table(values: dict[str, dict[str, Any]], sources: dict[str, str]) -> str:
+    rows = [("field", "value", "source")]
+    for section, fields in values.items():
+        rows += [(f"{section}.{name}", json.dumps(v), sources[f"{section}.{name}"]) for name, v in fields.items()]
+    widths = [max(len(row[i]) for row in rows) for i in range(2)]
+    return "\n".join(f"{a:<{widths[0]}}  {b:<{widths[1]}}  {c}" for a, b, c in rows) + "\n"
