@@ -1,0 +1,277 @@
+"""The paged KV cache: blocks, their reference counts, and prefix caching by chained block hashes.
+
+A request's K/V live in fixed-size blocks (`block_size` tokens each) listed in its block table.
+A block that is full is named by a hash of its tokens chained to the hash of the block before it,
+so equal hashes mean equal prefixes. Freed blocks keep their hash and stay reusable until the pool
+needs them again; the least recently freed is evicted first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+from typing import Iterable, Sequence
+
+from llmplug.core.errors import ConfigError
+from llmplug.engine.request import Request
+
+
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], extra_keys: tuple = ()) -> int:
+    """The hash of one full block, chained to its parent's; stable across processes."""
+    # blake2b rather than hash(): Python's str hashing is salted per process, and a 128-bit digest
+    # makes a collision (which would silently reuse the wrong K/V) negligible.
+    h = hashlib.blake2b(digest_size=16)
+    # Fixed-width fields keep the byte layout unambiguous: no parent/tokens/extras mix can alias another.
+    h.update(b"\x00" * 17 if parent_hash is None else b"\x01" + parent_hash.to_bytes(16, "little"))
+    h.update(len(token_ids).to_bytes(4, "little"))
+    h.update(array("q", token_ids).tobytes())
+    if extra_keys:
+        h.update(repr(extra_keys).encode())
+    return int.from_bytes(h.digest(), "little")
+
+
+def num_blocks_for_budget(
+    memory_bytes: int,
+    block_size: int,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype_bytes: int,
+    max_model_len: int | None = None,
+) -> int:
+    """How many KV blocks (K and V of every layer) fit in `memory_bytes`."""
+    # k, v per layer: [num_blocks, block_size, num_kv_heads, head_dim]
+    bytes_per_block = 2 * num_layers * block_size * num_kv_heads * head_dim * dtype_bytes
+    num_blocks = memory_bytes // bytes_per_block
+    if max_model_len is not None:
+        needed = -(-max_model_len // block_size)
+        if num_blocks < needed:
+            raise ConfigError(
+                f"KV-cache budget of {memory_bytes} bytes holds {num_blocks} blocks of {bytes_per_block} bytes, "
+                f"but one request of max_model_len={max_model_len} needs {needed} blocks "
+                f"({needed * bytes_per_block} bytes); raise cache.kv_cache_memory / cache.memory_fraction "
+                f"or lower model.max_model_len"
+            )
+    return num_blocks
+
+
+@dataclass(slots=True)
+class Block:
+    """One KV block: how many requests use it and, once full and cached, its hash."""
+
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    """Prompt tokens looked up in the prefix cache and how many were found."""
+
+    queries: int = 0
+    hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """Hits per queried token (0.0 before any query)."""
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class BlockPool:
+    """All KV blocks: reference counts, the free list in LRU order, and the hash -> block map."""
+
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks <= 0:
+            raise ConfigError(f"num_blocks={num_blocks} must be positive")
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Insertion order is free order: the first entry is the least recently freed, evicted first.
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached_block_ids: dict[int, int] = {}  # block hash -> block id
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no request holds (cached or not)."""
+        return len(self.free_block_ids)
+
+    def get_new_blocks(self, num_blocks: int) -> list[int]:
+        """Take `num_blocks` free blocks, evicting the least recently freed cached ones."""
+        if num_blocks > len(self.free_block_ids):
+            raise ValueError(f"asked for {num_blocks} blocks, only {len(self.free_block_ids)} free")
+        block_ids = []
+        for _ in range(num_blocks):
+            block_id, _ = self.free_block_ids.popitem(last=False)
+            block = self.blocks[block_id]
+            self._evict(block)
+            block.ref_count = 1
+            block_ids.append(block_id)
+        return block_ids
+
+    def _evict(self, block: Block) -> None:
+        if block.block_hash is not None:
+            del self.cached_block_ids[block.block_hash]
+            block.block_hash = None
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """Take another reference to cached blocks, pulling free ones off the free list."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_block_ids[block_id]
+            block.ref_count += 1
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        """Drop one reference from each block; unreferenced ones join the free list in this order."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_block_ids[block_id] = None
+
+    def get_cached_block(self, block_hash: int) -> int | None:
+        """The block holding the K/V of the prefix named by `block_hash`, if still cached."""
+        return self.cached_block_ids.get(block_hash)
+
+    def cache_block(self, block_id: int, block_hash: int) -> None:
+        """Register a full block under its hash so later requests can reuse it."""
+        if not self.enable_prefix_caching:
+            return
+        # An equal block already cached (computed twice, e.g. the last block of a fully-cached prompt)
+        # keeps the name; this copy stays anonymous and is simply reused as a plain block once freed.
+        if block_hash not in self.cached_block_ids:
+            self.blocks[block_id].block_hash = block_hash
+            self.cached_block_ids[block_hash] = block_id
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; only possible while no block is in use."""
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        for block_id in self.cached_block_ids.values():
+            self.blocks[block_id].block_hash = None
+        self.cached_block_ids.clear()
+        return True
+
+
+class KVCacheManager:
+    """Block tables of running requests, allocation as they grow, and prefix-cache lookups."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if block_size <= 0:
+            raise ConfigError(f"block_size={block_size} must be positive")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.block_tables: dict[str, list[int]] = {}  # request id -> block ids, in token order
+        self.num_cached_blocks: dict[str, int] = {}  # request id -> leading blocks already hashed
+        self._stats = PrefixCacheStats()
+        # Requests whose lookup was counted but not yet allocated: a request that waits for blocks is
+        # looked up every step, and counting each lookup would skew the hit rate towards it.
+        self._counted_req_ids: set[str] = set()
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the cache."""
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no request holds."""
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests."""
+        return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """A snapshot of prefix-cache queries and hits, in tokens."""
+        return replace(self._stats)
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """The cached blocks of the request's longest cached prefix and the tokens they hold."""
+        if not self.enable_prefix_caching:
+            return [], 0
+        # At least one token is left to compute, so the model produces the logits to sample from.
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = self._hash_full_blocks(request, request.num_tokens // self.block_size)
+        block_ids = []
+        for block_hash in hashes[:max_blocks]:
+            block_id = self.pool.get_cached_block(block_hash)
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+        num_computed_tokens = len(block_ids) * self.block_size
+        self._count_query(request, num_computed_tokens)
+        return block_ids, num_computed_tokens
+
+    def _count_query(self, request: Request, num_hit_tokens: int) -> None:
+        if request.request_id not in self._counted_req_ids:
+            self._counted_req_ids.add(request.request_id)
+            self._stats.queries += request.num_tokens
+            self._stats.hits += num_hit_tokens
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[int] = ()) -> bool:
+        """Reserve blocks for the request's next `num_new_tokens`; False when too few are free.
+
+        `new_computed_blocks` are prefix-cache hits from `get_computed_blocks`, not yet counted in
+        `request.num_computed_tokens`."""
+        block_table = self.block_tables.get(request.request_id, [])
+        num_computed_tokens = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_total_tokens = num_computed_tokens + num_new_tokens
+        num_needed = -(-num_total_tokens // self.block_size) - len(block_table) - len(new_computed_blocks)
+        # Hits that sit on the free list stop being free once taken.
+        num_free_hits = sum(1 for b in new_computed_blocks if self.pool.blocks[b].ref_count == 0)
+        if max(num_needed, 0) + num_free_hits > self.pool.num_free_blocks:
+            return False
+        self.pool.touch(new_computed_blocks)
+        block_table = self.block_tables.setdefault(request.request_id, block_table)
+        block_table.extend(new_computed_blocks)
+        if num_needed > 0:
+            block_table.extend(self.pool.get_new_blocks(num_needed))
+        self._counted_req_ids.discard(request.request_id)
+        if self.enable_prefix_caching:
+            self.num_cached_blocks.setdefault(request.request_id, len(new_computed_blocks))
+            # The token sampled at the last position is not known yet: cache only blocks full of known tokens.
+            self._cache_full_blocks(request, min(num_total_tokens, request.num_tokens) // self.block_size)
+        return True
+
+    def _cache_full_blocks(self, request: Request, num_full_blocks: int) -> None:
+        # Blocks are named when allocated, before this step writes their K/V: a request that hits
+        # them in the same step reads them after the attention layer has written the whole batch.
+        num_cached = self.num_cached_blocks[request.request_id]
+        if num_full_blocks <= num_cached:
+            return
+        hashes = self._hash_full_blocks(request, num_full_blocks)
+        block_table = self.block_tables[request.request_id]
+        for i in range(num_cached, num_full_blocks):
+            self.pool.cache_block(block_table[i], hashes[i])
+        self.num_cached_blocks[request.request_id] = num_full_blocks
+
+    def _hash_full_blocks(self, request: Request, num_full_blocks: int) -> list[int]:
+        """request.block_hashes extended to cover its first `num_full_blocks` blocks."""
+        hashes, tokens, size = request.block_hashes, request.all_token_ids, self.block_size
+        parent = hashes[-1] if hashes else None
+        for i in range(len(hashes), num_full_blocks):
+            parent = hash_block(parent, tuple(tokens[i * size : (i + 1) * size]))
+            hashes.append(parent)
+        return hashes
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks; cached ones stay reusable until evicted."""
+        block_table = self.block_tables.pop(request.request_id, [])
+        # Tail first: its blocks are the least likely to be shared, so they are evicted first.
+        self.pool.free(reversed(block_table))
+        self.num_cached_blocks.pop(request.request_id, None)
+        self._counted_req_ids.discard(request.request_id)
+
+    def get_block_ids(self, request: Request) -> list[int]:
+        """A copy of the request's block table."""
+        return list(self.block_tables.get(request.request_id, ()))
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix; False (and nothing done) while any block is allocated."""
+        return self.pool.reset_prefix_cache()

@@ -1,0 +1,369 @@
+"""Continuous batching: which requests compute how many tokens each step, within one token budget.
+
+Each step running requests go first (one decode token, or their next prefill chunk), then waiting
+requests are admitted in policy order while the budget, `max_num_seqs` and the KV cache allow. When a
+running request cannot get a block, the lowest-priority (latest-arrived) running request is preempted:
+its blocks are freed and it is recomputed from its tokens when it is admitted again.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from bisect import insort
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Iterable, Literal
+
+from llmplug.core.errors import ConfigError, InvalidRequestError
+from llmplug.engine.kv_cache import KVCacheManager
+from llmplug.engine.request import Request, RequestStatus
+from llmplug.engine.scheduler_output import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
+
+SortKey = tuple
+
+
+class FcfsQueue:
+    """Waiting requests in arrival order; preempted ones go back to the front."""
+
+    def __init__(self) -> None:
+        self._queue: deque[Request] = deque()
+
+    def push(self, request: Request) -> None:
+        """Queue a newly arrived request."""
+        self._queue.append(request)
+
+    def push_front(self, request: Request) -> None:
+        """Queue a preempted request ahead of every other."""
+        self._queue.appendleft(request)
+
+    def peek(self) -> Request:
+        """The next request to admit."""
+        return self._queue[0]
+
+    def pop(self) -> Request:
+        """Remove and return the next request to admit."""
+        return self._queue.popleft()
+
+    def remove(self, request: Request) -> None:
+        """Take out an aborted request."""
+        self._queue.remove(request)
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+
+class PriorityQueue:
+    """Waiting requests by sort key (lower priority value first, then arrival)."""
+
+    def __init__(self, key: Callable[[Request], SortKey]) -> None:
+        self._key = key
+        self._heap: list[tuple[SortKey, Request]] = []  # keys are unique, so Requests are never compared
+
+    def push(self, request: Request) -> None:
+        """Queue a request by its key."""
+        heapq.heappush(self._heap, (self._key(request), request))
+
+    # A preempted request's "front" is its own place in priority order.
+    push_front = push
+
+    def peek(self) -> Request:
+        """The next request to admit."""
+        return self._heap[0][1]
+
+    def pop(self) -> Request:
+        """Remove and return the next request to admit."""
+        return heapq.heappop(self._heap)[1]
+
+    def remove(self, request: Request) -> None:
+        """Take out an aborted request (O(n); aborts are rare)."""
+        self._heap = [entry for entry in self._heap if entry[1] is not request]
+        heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+
+@dataclass(slots=True, frozen=True)
+class SchedulerStats:
+    """A snapshot of the scheduler's queues and cache, for stat loggers."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
+class Scheduler:
+    """Builds each step's batch from running and waiting requests and applies the sampled tokens."""
+
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        enable_chunked_prefill: bool = True,
+        policy: Literal["fcfs", "priority"] = "fcfs",
+    ) -> None:
+        if policy not in ("fcfs", "priority"):
+            raise ConfigError(f"scheduler.policy={policy!r} is not one of 'fcfs', 'priority'")
+        self.kv_cache_manager = kv_cache_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.policy = policy
+        # A request may not outgrow the whole cache either, or it would preempt itself forever.
+        self.max_num_tokens = min(max_model_len, kv_cache_manager.num_blocks * kv_cache_manager.block_size)
+        self.requests: dict[str, Request] = {}
+        self.waiting: FcfsQueue | PriorityQueue = FcfsQueue() if policy == "fcfs" else PriorityQueue(self._sort_key)
+        self.running: list[Request] = []  # sorted by _sort_key: the preemption victim is last
+        self.finished_req_ids: set[str] = set()  # since the last schedule()
+        self.num_preemptions = 0
+        self._sort_keys: dict[str, SortKey] = {}
+        self._arrivals = itertools.count()
+
+    # -- requests in and out -------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; InvalidRequestError when it could never be scheduled."""
+        self._check_fits(request)
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in the scheduler")
+        self.requests[request.request_id] = request
+        seq = next(self._arrivals)
+        self._sort_keys[request.request_id] = (
+            (seq,) if self.policy == "fcfs" else (request.priority, request.arrival_time, seq)
+        )
+        request.status = RequestStatus.WAITING
+        self.waiting.push(request)
+
+    def _check_fits(self, request: Request) -> None:
+        num_prompt = request.num_prompt_tokens
+        where = f"request {request.request_id!r}: prompt of {num_prompt} tokens"
+        if num_prompt == 0:
+            raise InvalidRequestError(f"request {request.request_id!r}: the prompt is empty")
+        if num_prompt + 1 > self.max_model_len:
+            raise InvalidRequestError(
+                f"{where} plus one generated token exceeds max_model_len={self.max_model_len}; shorten the prompt"
+            )
+        kv = self.kv_cache_manager
+        num_blocks = -(-(num_prompt + 1) // kv.block_size)
+        if num_blocks > kv.num_blocks:
+            raise InvalidRequestError(
+                f"{where} plus one generated token needs {num_blocks} KV blocks of {kv.block_size} tokens, "
+                f"but the cache holds {kv.num_blocks}; shorten the prompt or give the KV cache more memory"
+            )
+        if not self.enable_chunked_prefill and num_prompt > self.max_num_batched_tokens:
+            raise InvalidRequestError(
+                f"{where} exceeds max_num_batched_tokens={self.max_num_batched_tokens} with chunked prefill "
+                f"disabled; shorten the prompt, raise max_num_batched_tokens or enable chunked prefill"
+            )
+
+    def finish_requests(self, req_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """End waiting or running requests (abort, stop string); unknown or finished ids are ignored."""
+        if not status.finished:
+            raise ValueError(f"finish_requests needs a finished status, got {status}")
+        req_ids = [req_ids] if isinstance(req_ids, str) else req_ids
+        for req_id in req_ids:
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            if request.status is RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._free(request, status)
+
+    def _free(self, request: Request, status: RequestStatus) -> None:
+        """Mark a request finished and release everything the scheduler holds for it."""
+        request.status = status
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        del self._sort_keys[request.request_id]
+        self.finished_req_ids.add(request.request_id)
+
+    def _sort_key(self, request: Request) -> SortKey:
+        return self._sort_keys[request.request_id]
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's requests and token counts, allocating their KV blocks."""
+        scheduled: list[ScheduledRequest] = []
+        preempted: set[str] = set()
+        budget = self._schedule_running(scheduled, preempted, self.max_num_batched_tokens)
+        # After a preemption the cache is full: admitting new requests would only preempt again.
+        if not preempted:
+            self._schedule_waiting(scheduled, budget)
+        output = SchedulerOutput(
+            requests=scheduled,
+            num_scheduled_tokens=sum(len(s.token_ids) for s in scheduled),
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids=preempted,
+        )
+        self.finished_req_ids = set()
+        return output
+
+    def _schedule_running(self, scheduled: list[ScheduledRequest], preempted: set[str], budget: int) -> int:
+        """Schedule running requests in order; returns the budget left."""
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new_tokens = self._num_new_tokens(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new_tokens > 0 and self._allocate_or_preempt(request, num_new_tokens, preempted):
+                scheduled.append(self._scheduled_request(request, num_new_tokens, new=None))
+                budget -= num_new_tokens
+            i += 1
+        return budget
+
+    def _allocate_or_preempt(self, request: Request, num_new_tokens: int, preempted: set[str]) -> bool:
+        """Allocate, preempting from the end of `running` until it fits; False if `request` itself went."""
+        # The victim is always at or after `request` in `running`, so it was not scheduled this step.
+        while not self.kv_cache_manager.allocate_slots(request, num_new_tokens):
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.add(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        """Free a running request's blocks; it is recomputed from all_token_ids when resumed."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.push_front(request)
+
+    def _schedule_waiting(self, scheduled: list[ScheduledRequest], budget: int) -> None:
+        """Admit waiting requests in policy order until one does not fit (no overtaking)."""
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting.peek()
+            computed_blocks, num_computed_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            num_new_tokens = self._num_new_tokens(request.num_tokens - num_computed_tokens, budget)
+            if num_new_tokens == 0 or not self.kv_cache_manager.allocate_slots(
+                request, num_new_tokens, computed_blocks
+            ):
+                break
+            self.waiting.pop()
+            scheduled.append(self._admit(request, num_computed_tokens, num_new_tokens))
+            budget -= num_new_tokens
+
+    def _admit(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> ScheduledRequest:
+        """Move a request whose blocks are allocated from waiting to running."""
+        if request.status is RequestStatus.WAITING:  # first scheduling, not a resume
+            request.num_cached_tokens = num_computed_tokens
+        request.num_computed_tokens = num_computed_tokens
+        request.status = RequestStatus.RUNNING
+        insort(self.running, request, key=self._sort_key)
+        new = NewRequestData(
+            req_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=list(request.output_token_ids),
+            sampling_params=request.sampling_params,
+        )
+        return self._scheduled_request(request, num_new_tokens, new)
+
+    def _num_new_tokens(self, num_uncomputed: int, budget: int) -> int:
+        """Tokens to compute this step: all of them, a chunk of `budget`, or 0 (wait for a bigger budget)."""
+        if num_uncomputed <= budget:
+            return num_uncomputed
+        # Without chunked prefill only a recompute after preemption can be longer than any step's
+        # budget (prompts that are were rejected); it is chunked rather than left waiting forever.
+        if self.enable_chunked_prefill or num_uncomputed > self.max_num_batched_tokens:
+            return budget
+        return 0
+
+    def _scheduled_request(self, request: Request, num_new_tokens: int, new: NewRequestData | None) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        return ScheduledRequest(
+            req_id=request.request_id,
+            token_ids=request.all_token_ids[start : start + num_new_tokens],
+            num_computed_tokens=start,
+            block_ids=self.kv_cache_manager.get_block_ids(request),
+            samples=start + num_new_tokens == request.num_tokens,
+            new=new,
+        )
+
+    # -- results of a step ---------------------------------------------------------------------
+
+    def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
+        """Advance computed tokens, append sampled ones, apply stop checks; returns the requests with new tokens."""
+        sampled = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids))
+        updated: list[Request] = []
+        for scheduled in scheduler_output.requests:
+            request = self.requests.get(scheduled.req_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # finished (aborted) after it was scheduled
+            request.num_computed_tokens += len(scheduled.token_ids)
+            token_ids = sampled.get(scheduled.req_id)
+            if scheduled.samples and token_ids:
+                self._append_tokens(request, token_ids)
+                updated.append(request)
+        if any(request.is_finished for request in updated):
+            self.running = [request for request in self.running if not request.is_finished]
+        return updated
+
+    def _append_tokens(self, request: Request, token_ids: list[int]) -> None:
+        """Append sampled tokens up to the first stop; a stopped request is freed."""
+        for token_id in token_ids:
+            request.append_output_token(token_id)
+            status = self._check_stop(request)
+            if status is not None:
+                self._free(request, status)
+                return
+
+    def _check_stop(self, request: Request) -> RequestStatus | None:
+        """The finished status the last appended token causes, if any."""
+        params = request.sampling_params
+        last = request.output_token_ids[-1]
+        # Stop tokens count as a stop even on the last allowed token: "stop" says more than "length".
+        if request.num_output_tokens >= params.min_tokens:
+            if last == request.eos_token_id and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if last in params.stop_token_ids:
+                request.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.max_num_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # -- queries -------------------------------------------------------------------------------
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request waits or runs."""
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        """Requests holding KV blocks."""
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting to be admitted (new or preempted)."""
+        return len(self.waiting)
+
+    def get_request(self, req_id: str) -> Request | None:
+        """The unfinished request with this id, if any."""
+        return self.requests.get(req_id)
+
+    def make_stats(self) -> SchedulerStats:
+        """A snapshot for stat loggers."""
+        prefix = self.kv_cache_manager.prefix_cache_stats
+        return SchedulerStats(
+            num_running=self.num_running,
+            num_waiting=self.num_waiting,
+            kv_cache_usage=self.kv_cache_manager.usage,
+            num_preemptions=self.num_preemptions,
+            prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits,
+        )

@@ -1,0 +1,49 @@
+"""What the scheduler hands the model runner each step, and what the runner hands back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llmplug.core.params import SamplingParams
+
+
+@dataclass(slots=True, frozen=True)
+class NewRequestData:
+    """Everything the worker needs to (re)build a request's state: sent on first scheduling and on resume."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # generated before a preemption; [] for a fresh request
+    sampling_params: SamplingParams
+
+
+@dataclass(slots=True, frozen=True)
+class ScheduledRequest:
+    """One request's share of a step: the tokens whose K/V this step computes."""
+
+    req_id: str
+    token_ids: list[int]  # all_token_ids[num_computed_tokens : num_computed_tokens + len(token_ids)]
+    num_computed_tokens: int  # before this step
+    block_ids: list[int]  # the request's whole block table
+    samples: bool  # the chunk reaches the last known token, so a token is sampled
+    new: NewRequestData | None  # set when the worker has no state for the request
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's batch plus the requests whose worker state must be dropped."""
+
+    requests: list[ScheduledRequest]
+    num_scheduled_tokens: int
+    finished_req_ids: set[str]  # finished or aborted since the previous step
+    preempted_req_ids: set[str]
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """The tokens sampled in one step, for the requests that sampled, in order."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]  # one list per request; usually one token
+    logprobs: list | None = None
+    prompt_logprobs: dict[str, object] = field(default_factory=dict)
