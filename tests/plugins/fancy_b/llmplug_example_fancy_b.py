@@ -1,0 +1,27 @@
+"""Example loader plugin 'fancy' from llmplug-example-fancy-b; another distribution claims the same name.
+
+Used to show name conflicts: loading `llmplug.loaders` "fancy" is an error naming both distributions
+until the config picks one with `plugins.prefer: {"llmplug.loaders:fancy": "llmplug-example-fancy-b"}`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+LLMPLUG_PLUGIN_API_VERSION = "1.0"
+
+
+class FancyLoader:
+    """A ModelLoader that only says which distribution it came from."""
+
+    origin = "b"
+
+    def __init__(self, load_config: Any) -> None:
+        self.load_config = load_config
+
+    def download_model(self, model_config: Any) -> None:
+        """Nothing to download: the example reads no weights."""
+
+    def load_model(self, config: Any) -> Any:
+        """The example builds no model."""
+        raise NotImplementedError("llmplug-example-fancy-b is an example loader; it loads no model")
