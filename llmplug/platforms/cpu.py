@@ -1,0 +1,162 @@
+"""The CPU platform: always available, the fallback of `device.platform: auto`."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from llmplug.core.errors import ConfigError
+from llmplug.platforms.base import BasePlatform
+from llmplug.platforms.cpu_threads import threads_per_process
+
+if TYPE_CHECKING:
+    import torch
+
+    from llmplug.core.config import EngineConfig
+
+__all__ = ["CpuPlatform"]
+
+# CPU flags of native bf16 arithmetic: x86 AVX512-BF16 / AMX-BF16, Arm's BF16 extension
+_NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+_UNLIMITED_CGROUP_MEMORY = 1 << 60  # cgroup v1 reports "no limit" as a number near 2**63
+
+
+def _cpuinfo_flags() -> set[str]:
+    """The feature flags /proc/cpuinfo lists (x86 "flags", Arm "Features"); empty where it does not exist."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return set()
+    return {flag for line in lines if line.startswith(("flags", "Features")) for flag in line.split(":", 1)[1].split()}
+
+
+def _torch_cpu_flags() -> set[str]:
+    """The CPU capabilities torch detected (torch.cpu.get_capabilities, recent torch only), as a set of names."""
+    import torch
+
+    get_capabilities = getattr(torch.cpu, "get_capabilities", None)
+    if get_capabilities is None:
+        return set()
+    return {name for name, present in get_capabilities().items() if present is True}
+
+
+def has_native_bf16() -> bool:
+    """Whether the CPU computes bf16 in hardware (else bf16 is emulated and slower than float32)."""
+    # /proc/cpuinfo first: it answers on Linux without importing torch
+    return bool(_NATIVE_BF16_FLAGS & _cpuinfo_flags()) or bool(_NATIVE_BF16_FLAGS & _torch_cpu_flags())
+
+
+def _meminfo() -> dict[str, int]:
+    """/proc/meminfo in bytes, keyed by field name; empty where the file does not exist."""
+    try:
+        with open("/proc/meminfo") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return {}
+    fields = (line.split() for line in lines)
+    return {
+        parts[0].rstrip(":"): int(parts[1]) * (1024 if parts[-1] == "kB" else 1) for parts in fields if len(parts) >= 2
+    }
+
+
+def _cgroup_memory() -> tuple[int, int] | None:
+    """(limit, usage) in bytes of this process's cgroup (v2 or v1), or None when unlimited."""
+    for limit_file, usage_file in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):
+        try:
+            with open(limit_file) as f_limit, open(usage_file) as f_usage:
+                limit, usage = f_limit.read().strip(), int(f_usage.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or int(limit) >= _UNLIMITED_CGROUP_MEMORY:
+            return None
+        return int(limit), usage
+    return None
+
+
+def _sysconf_bytes(pages_name: str) -> int:
+    """`pages_name` pages times the page size, for systems without /proc/meminfo."""
+    try:
+        return os.sysconf(pages_name) * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError) as error:
+        raise ConfigError(
+            f"cannot read the machine's memory on this OS (no /proc/meminfo, sysconf {pages_name}: {error}); "
+            f"set cache.kv_cache_memory or cache.num_blocks."
+        ) from error
+
+
+class CpuPlatform(BasePlatform):
+    """Runs on the host CPU with torch's CPU kernels; memory is the machine's RAM (or the cgroup's limit)."""
+
+    name = "cpu"
+    device_type = "cpu"
+    priority = 0
+    dispatch_key = "CPU"
+    supported_dtypes = ("float32", "bfloat16", "float16")
+    distributed_backend = "gloo"
+    communicator = "cpu"
+    default_attention_backend = "torch_sdpa"
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        """The CPU is always there."""
+        return None
+
+    @classmethod
+    def preferred_dtype(cls) -> str:
+        """bfloat16 where the CPU has native bf16 (AVX512-BF16, AMX, Arm BF16), else float32."""
+        return "bfloat16" if has_native_bf16() else "float32"
+
+    @classmethod
+    def check_and_update_config(cls, config: EngineConfig) -> None:
+        """Base checks, plus the default `device.num_threads`: the CPUs split among the engine's workers."""
+        super().check_and_update_config(config)
+        if config.device.num_threads is None:
+            config.device.num_threads = threads_per_process(cls.num_cpu_processes(config))
+
+    @staticmethod
+    def num_cpu_processes(config: EngineConfig) -> int:
+        """Worker processes of this engine that share the machine's cores."""
+        parallel = config.parallel
+        return parallel.tensor_parallel_size * parallel.pipeline_parallel_size * parallel.data_parallel_size
+
+    @classmethod
+    def device_count(cls) -> int:
+        """One CPU device: every worker uses it."""
+        return 1
+
+    @classmethod
+    def device(cls, local_index: int) -> torch.device:
+        """torch.device("cpu"): tensors on the CPU carry no index, so neither does the device."""
+        import torch
+
+        return torch.device("cpu")
+
+    @classmethod
+    def set_device(cls, index: int) -> None:
+        """Nothing to select on the CPU."""
+
+    @classmethod
+    def empty_cache(cls) -> None:
+        """The CPU allocator returns freed memory itself; nothing is cached."""
+
+    @classmethod
+    def synchronize(cls) -> None:
+        """CPU kernels run synchronously; nothing to wait for."""
+
+    @classmethod
+    def total_memory(cls, device_id: int = 0) -> int:
+        """RAM in bytes (MemTotal), capped by the cgroup memory limit of a container."""
+        total = _meminfo().get("MemTotal") or _sysconf_bytes("SC_PHYS_PAGES")
+        cgroup = _cgroup_memory()
+        return min(total, cgroup[0]) if cgroup else total
+
+    @classmethod
+    def available_memory(cls, device_id: int = 0) -> int:
+        """RAM that can be allocated without swapping (MemAvailable), capped by the cgroup's headroom."""
+        free = _meminfo().get("MemAvailable") or _sysconf_bytes("SC_AVPHYS_PAGES")
+        cgroup = _cgroup_memory()
+        return min(free, max(0, cgroup[0] - cgroup[1])) if cgroup else free
