@@ -1,0 +1,294 @@
+"""The `gguf` loader: one llama.cpp .gguf file holds the config, the tokenizer and the weights.
+
+The file is memory-mapped with `gguf.GGUFReader`; the transformers config is built from its metadata
+(`gguf_config`), the tokenizer by transformers from its tokenizer metadata (chat template included),
+and each tensor is dequantized to the model dtype only when the model asks for it. See docs/gguf.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
+
+import gguf
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from llmplug.core.errors import ModelLoadError
+from llmplug.loaders.base import BaseModelLoader, model_dtype
+from llmplug.loaders.default_model import resolve_model_path
+from llmplug.loaders.gguf_config import ROPE_FREQS_TENSOR, architecture_of, build_hf_config, field_value
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+    from llmplug.core.config import ModelConfig
+
+__all__ = [
+    "GGUFLoader",
+    "gguf_file",
+    "hf_tensor_name",
+    "iter_gguf_weights",
+    "load_gguf_config",
+    "load_gguf_tokenizer",
+    "open_gguf",
+    "reverse_permute_qk",
+]
+
+GGUF_MAGIC = b"GGUF"
+
+# llama.cpp tensor names -> HF checkpoint names; anything else in a file is an error, never a guess.
+GLOBAL_TENSOR_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+BLOCK_TENSOR_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+CONFIG_ONLY_TENSORS = frozenset({ROPE_FREQS_TENSOR})  # read into the config, not model weights
+_BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_GLOBAL_TENSOR = re.compile(r"(\w+)\.(weight|bias)")
+
+
+# ---------------------------------------------------------------- reading and validating the file
+
+
+def open_gguf(path: str | os.PathLike[str]) -> gguf.GGUFReader:
+    """A validated, memory-mapped reader of `path` (cached per process while the file is unchanged)."""
+    path = os.path.abspath(path)
+    try:
+        stat = os.stat(path)
+    except OSError as error:
+        raise ModelLoadError(f"GGUF file {path} cannot be read: {error.strerror}.") from error
+    return _open_cached(path, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _open_cached(path: str, mtime_ns: int, size: int) -> gguf.GGUFReader:
+    """Parse once per (path, mtime, size): parsing the tokenizer arrays of a real model takes seconds."""
+    _check_magic(path)
+    try:
+        reader = gguf.GGUFReader(path, "r")
+    # GGUFReader reports a damaged header or tensor table as any of these while decoding it.
+    except (ValueError, IndexError, KeyError, OverflowError, TypeError, MemoryError) as error:
+        raise ModelLoadError(f"GGUF file {path} is truncated or corrupted: {error}") from error
+    _check_tensor_extents(reader, path, size)
+    _check_not_split(reader, path)
+    return reader
+
+
+def _check_magic(path: str) -> None:
+    """Refuse a file that does not start with the GGUF magic before handing it to the parser."""
+    try:
+        with open(path, "rb") as file:
+            magic = file.read(len(GGUF_MAGIC))
+    except OSError as error:
+        raise ModelLoadError(f"GGUF file {path} cannot be read: {error.strerror}.") from error
+    if magic != GGUF_MAGIC:
+        raise ModelLoadError(f"{path} is not a GGUF file: it starts with {magic!r}, expected {GGUF_MAGIC!r}.")
+
+
+def _check_tensor_extents(reader: gguf.GGUFReader, path: str, size: int) -> None:
+    """Every tensor's bytes must lie inside the file (a truncated download fails here, not in numpy)."""
+    for tensor in reader.tensors:
+        end = int(tensor.data_offset) + int(tensor.n_bytes)
+        if end > size or tensor.data.nbytes != tensor.n_bytes:
+            raise ModelLoadError(
+                f"GGUF file {path} is truncated: tensor {tensor.name} ends at byte {end}, "
+                f"but the file has {size} bytes."
+            )
+
+
+def _check_not_split(reader: gguf.GGUFReader, path: str) -> None:
+    """Split GGUFs (model-00001-of-0000N.gguf) are not merged by this loader."""
+    count = field_value(reader, "split.count", 1)
+    if count > 1:
+        part = field_value(reader, "split.no", 0) + 1
+        raise ModelLoadError(
+            f"GGUF file {path} is part {part} of {count} of a split model; merge the parts with "
+            "`llama-gguf-split --merge` first."
+        )
+
+
+def gguf_file(model: str) -> str:
+    """The .gguf file named by `model`: a path, a folder holding one .gguf, or an embedded model's name."""
+    path = Path(resolve_model_path(model))
+    if path.is_dir():
+        path = _single_gguf_in(path)
+    if not path.is_file():
+        raise ModelLoadError(f"GGUF model {model!r}: no such file ({path}).")
+    return str(path)
+
+
+def _single_gguf_in(folder: Path) -> Path:
+    """The only .gguf file in `folder`; ModelLoadError when there are none or several."""
+    candidates = sorted(folder.glob("*.gguf"))
+    if len(candidates) != 1:
+        names = ", ".join(candidate.name for candidate in candidates) or "none"
+        raise ModelLoadError(f"Folder {folder} must hold exactly one .gguf file (found: {names}); pass the file.")
+    return candidates[0]
+
+
+# ---------------------------------------------------------------- tokenizer
+
+
+def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    """The tokenizer stored in the GGUF file, with its chat template (cached per process).
+
+    The cached object is shared by every caller in the process; treat it as read-only.
+    """
+    path = os.path.abspath(path)
+    open_gguf(path)  # a missing or damaged file fails here with a ModelLoadError
+    stat = os.stat(path)
+    return _tokenizer_cached(path, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer_cached(path: str, mtime_ns: int, size: int) -> PreTrainedTokenizerBase:
+    """Build once per (path, mtime, size): converting a 50k-token vocabulary takes seconds."""
+    from transformers import AutoTokenizer
+
+    reader = open_gguf(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    except (ValueError, KeyError, NotImplementedError, OSError) as error:
+        raise ModelLoadError(f"GGUF file {path}: its tokenizer cannot be built: {error}") from error
+    template = field_value(reader, "tokenizer.chat_template")
+    if template is not None:
+        tokenizer.chat_template = template  # the file's template is the model's; never a default one
+    return tokenizer
+
+
+# ---------------------------------------------------------------- weights
+
+
+def hf_tensor_name(name: str) -> str:
+    """The HF checkpoint name of a llama.cpp tensor name (blk.3.attn_q.weight -> model.layers.3....)."""
+    if match := _BLOCK_TENSOR.fullmatch(name):
+        layer, part, suffix = match.groups()
+        if part in BLOCK_TENSOR_NAMES:
+            return f"model.layers.{layer}.{BLOCK_TENSOR_NAMES[part]}.{suffix}"
+    elif (match := _GLOBAL_TENSOR.fullmatch(name)) and match.group(1) in GLOBAL_TENSOR_NAMES:
+        return f"{GLOBAL_TENSOR_NAMES[match.group(1)]}.{match.group(2)}"
+    raise ModelLoadError(f"GGUF tensor {name!r} has no known Hugging Face name (unsupported tensor).")
+
+
+def reverse_permute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row interleave: per head, rows (i, pair) back to HF's (pair, i) order."""
+    head_rows = weight.shape[0] // num_heads
+    # weight: [num_heads * head_dim, ...] -> [num_heads, head_dim / 2, 2, ...] -> swap the last two
+    pairs = weight.reshape(num_heads, head_rows // 2, 2, *weight.shape[1:])
+    return pairs.transpose(1, 2).reshape(weight.shape)
+
+
+@functools.lru_cache(maxsize=None)
+def can_dequantize(qtype: gguf.GGMLQuantizationType) -> bool:
+    """True when `gguf.quants.dequantize` implements `qtype` (probed on one zero block)."""
+    _, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    try:
+        gguf.quants.dequantize(np.zeros(type_size, dtype=np.uint8), qtype)
+    except NotImplementedError:
+        return False
+    return True
+
+
+def check_tensors(reader: gguf.GGUFReader, path: str) -> None:
+    """Fail before loading anything when a tensor has an unknown name or a type that cannot be dequantized."""
+    for tensor in reader.tensors:
+        if not can_dequantize(tensor.tensor_type):
+            raise ModelLoadError(
+                f"GGUF file {path}: tensor {tensor.name} has type {tensor.tensor_type.name}, "
+                "which the gguf package cannot dequantize."
+            )
+        if tensor.name not in CONFIG_ONLY_TENSORS:
+            try:
+                hf_tensor_name(tensor.name)
+            except ModelLoadError as error:
+                raise ModelLoadError(f"GGUF file {path}: {error}") from None
+
+
+def dequantize_tensor(tensor: Any) -> torch.Tensor:
+    """One GGUF tensor as fp32 in torch's dimension order (GGUF lists dimensions reversed)."""
+    shape = tuple(int(dim) for dim in reversed(tensor.shape))
+    values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)  # float32
+    if not values.flags.writeable:  # F32 is a view of the read-only memory map: torch needs its own copy
+        values = values.copy()
+    return torch.from_numpy(values.reshape(shape))
+
+
+def iter_gguf_weights(path: str, dtype: torch.dtype, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor in `dtype`) for every weight of the file, dequantized one at a time."""
+    reader = open_gguf(path)
+    check_tensors(reader, path)
+    _, spec = architecture_of(reader, path)
+    head_counts = _qk_head_counts(reader, path) if spec.permute_qk else {}
+    tensors = [tensor for tensor in reader.tensors if tensor.name not in CONFIG_ONLY_TENSORS]
+    for tensor in tqdm(tensors, desc=f"Loading {os.path.basename(path)}", unit="tensor", disable=not progress):
+        name = hf_tensor_name(tensor.name)
+        weight = dequantize_tensor(tensor)
+        if (num_heads := _permuted_heads(name, head_counts)) is not None:
+            weight = reverse_permute_qk(weight, num_heads)
+        yield name, weight.to(dtype)
+
+
+def _permuted_heads(hf_name: str, head_counts: dict[str, int]) -> int | None:
+    """The head count to unpermute `hf_name` with (q_proj/k_proj weight or bias), else None."""
+    module = hf_name.rsplit(".", 2)[-2]  # model.layers.N.self_attn.<module>.<weight|bias>
+    return head_counts.get(module)
+
+
+def _qk_head_counts(reader: gguf.GGUFReader, path: str) -> dict[str, int]:
+    """Heads per permuted projection: Q uses n_head, K uses n_head_kv (as llama.cpp's convert does)."""
+    arch, _ = architecture_of(reader, path)
+    num_heads = field_value(reader, f"{arch}.attention.head_count")
+    num_kv_heads = field_value(reader, f"{arch}.attention.head_count_kv", num_heads)
+    return {"q_proj": num_heads, "k_proj": num_kv_heads}
+
+
+def load_gguf_config(path: str, hf_overrides: dict[str, Any] | None = None) -> PretrainedConfig:
+    """The transformers config of the GGUF file, with `hf_overrides` applied."""
+    config = build_hf_config(open_gguf(path), path)
+    config.update(dict(hf_overrides or {}))
+    return config
+
+
+# ---------------------------------------------------------------- the loader plugin
+
+
+class GGUFLoader(BaseModelLoader):
+    """`load.format: gguf`: the config, tokenizer and weights all come from one .gguf file."""
+
+    def gguf_path(self, model_config: ModelConfig) -> str:
+        """The .gguf file of `model_config.model` (a file, a folder holding one, or an embedded name)."""
+        return gguf_file(self.model_path(model_config.model))
+
+    def download_model(self, model_config: ModelConfig) -> None:
+        """Fail now, before workers start, unless the file is a readable GGUF this loader can run."""
+        path = self.gguf_path(model_config)
+        load_gguf_config(path)
+        check_tensors(open_gguf(path), path)
+
+    def load_hf_config(self, model_config: ModelConfig) -> PretrainedConfig:
+        """The transformers config built from the file's metadata, with `hf_overrides` applied."""
+        return load_gguf_config(self.gguf_path(model_config), model_config.hf_overrides)
+
+    def load_tokenizer(self, model_config: ModelConfig) -> PreTrainedTokenizerBase:
+        """The file's own tokenizer and chat template, unless `model_config.tokenizer` names another."""
+        if model_config.tokenizer is not None:
+            return super().load_tokenizer(model_config)
+        return load_gguf_tokenizer(self.gguf_path(model_config))
+
+    def iter_weights(self, model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF-named weights in the model dtype, dequantized lazily (the base class shows the progress bar)."""
+        return iter_gguf_weights(self.gguf_path(model_config), model_dtype(model_config.dtype), progress=False)

@@ -1,0 +1,218 @@
+"""GGUF metadata -> Hugging Face `PretrainedConfig`.
+
+llama.cpp stores a model's hyperparameters as `{arch}.key` metadata entries. This module reads the
+few it needs (never the large tokenizer arrays) and builds the transformers config that the model
+plugins consume, so a .gguf file needs no config.json beside it. Architectures are data: one row of
+`ARCHITECTURES` each.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import gguf
+import numpy as np
+from transformers import PretrainedConfig
+
+from llmplug.core.errors import ModelLoadError
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFArchitecture:
+    """How one `general.architecture` value maps to transformers."""
+
+    model_type: str  # transformers config class, via AutoConfig.for_model
+    hf_architecture: str  # the `llmplug.models` name
+    permute_qk: bool  # llama.cpp interleaves Q/K rows for its GPT-J-style rope; HF uses rotate-half
+    attention_bias: bool | None  # fixed by the HF class (None: present iff attn_q.bias is in the file)
+    rope_dims_are_head_dim: bool  # rope.dimension_count equals head_dim (no partial rotary)
+
+
+# Mistral GGUFs are written with general.architecture "llama" and load through that row.
+ARCHITECTURES: dict[str, GGUFArchitecture] = {
+    "llama": GGUFArchitecture("llama", "LlamaForCausalLM", True, None, True),
+    "qwen2": GGUFArchitecture("qwen2", "Qwen2ForCausalLM", False, True, False),
+    "qwen3": GGUFArchitecture("qwen3", "Qwen3ForCausalLM", False, None, False),
+}
+
+# Metadata keys (after the "{arch}." prefix) copied as they are; the rest are derived below.
+_DIRECT_FIELDS = {
+    "hidden_size": "embedding_length",
+    "intermediate_size": "feed_forward_length",
+    "num_hidden_layers": "block_count",
+    "num_attention_heads": "attention.head_count",
+    "rms_norm_eps": "attention.layer_norm_rms_epsilon",
+    "max_position_embeddings": "context_length",
+}
+_TOKEN_ID_FIELDS = {
+    "bos_token_id": "tokenizer.ggml.bos_token_id",
+    "eos_token_id": "tokenizer.ggml.eos_token_id",
+    "pad_token_id": "tokenizer.ggml.padding_token_id",
+}
+_ROPE_SCALING_PREFIX = "rope.scaling."
+# llama.cpp rope-scaling keys with an exact transformers equivalent.
+_ROPE_SCALING_KEYS = {
+    "factor": "factor",
+    "original_context_length": "original_max_position_embeddings",
+    "yarn_beta_fast": "beta_fast",
+    "yarn_beta_slow": "beta_slow",
+}
+# Keys that carry no information when they hold their neutral value.
+_ROPE_SCALING_NEUTRAL = {"finetuned": None, "attn_factor": 1.0, "yarn_log_multiplier": 0.0}
+ROPE_FREQS_TENSOR = "rope_freqs.weight"  # Llama 3.x rope factors; turned into rope_scaling, not a weight
+
+
+def field_value(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+    """The Python value of one metadata entry (str, int, float, bool or list), or `default`."""
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    if field.types[0] == gguf.GGUFValueType.ARRAY:
+        return [_scalar(field.parts[index], field.types[-1]) for index in field.data]
+    return _scalar(field.parts[field.data[0]], field.types[0])
+
+
+def _scalar(part: np.ndarray, kind: gguf.GGUFValueType) -> Any:
+    """Decode one stored value (strings are raw UTF-8 bytes in the file)."""
+    if kind == gguf.GGUFValueType.STRING:
+        return bytes(part).decode("utf-8", errors="replace")  # a damaged name then fails as unknown
+    return part[0].item()
+
+
+def architecture_of(reader: gguf.GGUFReader, path: str) -> tuple[str, GGUFArchitecture]:
+    """The file's `general.architecture` and its row, or ModelLoadError listing the supported ones."""
+    arch = field_value(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ModelLoadError(
+            f"GGUF file {path}: architecture {arch!r} is not supported by the gguf loader; "
+            f"supported: {', '.join(sorted(ARCHITECTURES))}."
+        )
+    return arch, ARCHITECTURES[arch]
+
+
+def build_hf_config(reader: gguf.GGUFReader, path: str) -> PretrainedConfig:
+    """The transformers config of the model in `reader` (architectures, sizes, rope, tokens, tying)."""
+    from transformers import AutoConfig
+
+    arch, spec = architecture_of(reader, path)
+    meta = _ArchMetadata(reader, arch, path)
+    fields = {name: meta.require(key) for name, key in _DIRECT_FIELDS.items()}
+    fields["num_key_value_heads"] = meta.get("attention.head_count_kv", fields["num_attention_heads"])
+    fields["head_dim"] = _head_dim(meta, spec, fields["hidden_size"], fields["num_attention_heads"])
+    fields["rope_theta"] = float(meta.get("rope.freq_base", 10000.0))
+    fields["rope_scaling"] = _rope_scaling(reader, meta, fields["rope_theta"], fields["head_dim"])
+    fields.update(_tensor_derived_fields(reader, spec, path))
+    fields.update({name: field_value(reader, key) for name, key in _TOKEN_ID_FIELDS.items()})
+    config = AutoConfig.for_model(spec.model_type, architectures=[spec.hf_architecture], **fields)
+    config.name_or_path = path
+    return config
+
+
+class _ArchMetadata:
+    """Reads `{arch}.`-prefixed metadata of one file, naming the file and key when one is missing."""
+
+    def __init__(self, reader: gguf.GGUFReader, arch: str, path: str) -> None:
+        self.reader, self.arch, self.path = reader, arch, path
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """The value of `{arch}.{key}`, or `default`."""
+        return field_value(self.reader, f"{self.arch}.{key}", default)
+
+    def require(self, key: str) -> Any:
+        """The value of `{arch}.{key}`; ModelLoadError when the file lacks it."""
+        value = self.get(key)
+        if value is None:
+            raise ModelLoadError(f"GGUF file {self.path}: required metadata {self.arch}.{key} is missing.")
+        return value
+
+    def keys_under(self, prefix: str) -> dict[str, Any]:
+        """Every `{arch}.{prefix}*` entry, keyed by the part after the prefix."""
+        full = f"{self.arch}.{prefix}"
+        return {key[len(full):]: field_value(self.reader, key) for key in self.reader.fields if key.startswith(full)}
+
+
+def _head_dim(meta: _ArchMetadata, spec: GGUFArchitecture, hidden_size: int, num_heads: int) -> int:
+    """attention.key_length when written (convert writes it for an explicit head_dim), else derived."""
+    key_length, value_length = meta.get("attention.key_length"), meta.get("attention.value_length")
+    if key_length is not None and value_length not in (None, key_length):
+        raise ModelLoadError(
+            f"GGUF file {meta.path}: key_length {key_length} != value_length {value_length} is not supported."
+        )
+    if key_length is None and spec.rope_dims_are_head_dim:
+        key_length = meta.get("rope.dimension_count")
+    return int(key_length) if key_length is not None else hidden_size // num_heads
+
+
+def _tensor_derived_fields(reader: gguf.GGUFReader, spec: GGUFArchitecture, path: str) -> dict[str, Any]:
+    """Fields only the tensor list tells: vocab size, tied embeddings, attention bias."""
+    shapes = {tensor.name: [int(dim) for dim in tensor.shape] for tensor in reader.tensors}
+    if "token_embd.weight" not in shapes:
+        raise ModelLoadError(f"GGUF file {path}: tensor token_embd.weight is missing.")
+    attention_bias = spec.attention_bias
+    if attention_bias is None:
+        attention_bias = "blk.0.attn_q.bias" in shapes
+    return {
+        "vocab_size": shapes["token_embd.weight"][-1],  # GGUF shape [hidden, vocab]: reversed vs torch
+        "tie_word_embeddings": "output.weight" not in shapes,
+        "attention_bias": attention_bias,
+    }
+
+
+def _rope_scaling(
+    reader: gguf.GGUFReader, meta: _ArchMetadata, theta: float, head_dim: int
+) -> dict[str, Any] | None:
+    """transformers' rope_scaling from `{arch}.rope.scaling.*`, or from a Llama 3 rope_freqs tensor."""
+    entries = meta.keys_under(_ROPE_SCALING_PREFIX)
+    kind = entries.pop("type", None)
+    freqs = next((tensor for tensor in reader.tensors if tensor.name == ROPE_FREQS_TENSOR), None)
+    if freqs is not None:
+        return _llama3_rope_scaling(np.asarray(freqs.data, dtype=np.float64), theta, head_dim, meta.path)
+    if kind in (None, "none"):
+        return None
+    if kind not in ("linear", "yarn"):
+        raise ModelLoadError(f"GGUF file {meta.path}: rope scaling type {kind!r} is not supported (linear, yarn).")
+    return {"rope_type": kind, **_rope_scaling_values(entries, meta.path)}
+
+
+def _rope_scaling_values(entries: dict[str, Any], path: str) -> dict[str, Any]:
+    """Rename the rope.scaling.* values; any value without an exact HF equivalent is an error."""
+    values = {}
+    for key, value in entries.items():
+        if key in _ROPE_SCALING_KEYS:
+            values[_ROPE_SCALING_KEYS[key]] = value
+        elif key in _ROPE_SCALING_NEUTRAL and _ROPE_SCALING_NEUTRAL[key] in (None, value):
+            continue
+        else:
+            # Silently dropping it would change the model's outputs.
+            raise ModelLoadError(f"GGUF file {path}: rope.scaling.{key} = {value!r} has no transformers equivalent.")
+    return values
+
+
+def llama3_rope_factors(theta: float, head_dim: int, scaling: dict[str, float]) -> np.ndarray:
+    """The per-frequency factors llama.cpp's converter stores as rope_freqs for Llama 3 rope scaling."""
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * math.pi / inv_freq
+    factor, old_len = scaling["factor"], scaling["original_max_position_embeddings"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    smooth = (old_len / wavelen - low) / (high - low)
+    between = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < old_len / high, 1.0, np.where(wavelen > old_len / low, factor, between))
+
+
+def _llama3_rope_scaling(factors: np.ndarray, theta: float, head_dim: int, path: str) -> dict[str, Any]:
+    """Recover Llama 3 rope_scaling from stored factors, accepting it only if it reproduces them."""
+    # The converter always uses these constants (Llama 3.1/3.2/3.3); only `factor` varies.
+    scaling = {
+        "rope_type": "llama3", "factor": float(factors.max()), "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+    }
+    if factors.shape != (head_dim // 2,) or not np.allclose(
+        llama3_rope_factors(theta, head_dim, scaling), factors, rtol=1e-4
+    ):
+        raise ModelLoadError(
+            f"GGUF file {path}: tensor {ROPE_FREQS_TENSOR} does not match Llama 3 rope scaling; "
+            "custom rope frequency factors are not supported."
+        )
+    return scaling
