@@ -1,0 +1,192 @@
+"""Incremental detokenization of one completion, with stop strings.
+
+Text grows token by token and always equals `tokenizer.decode(output_ids, skip_special_tokens=...)`
+(no prompt context: a sentencepiece tokenizer's leading space of the first output token is dropped,
+exactly as that decode drops it). A fast tokenizer decodes through tokenizers' `DecodeStream`; any
+other through the same prefix / read-offset scheme written in Python. Both hold back text while it
+ends in an incomplete UTF-8 sequence (a character split across tokens) and release it whole.
+
+A byte-fallback (sentencepiece) decoder is not monotonic on invalid UTF-8: a run of byte tokens
+that stops being valid turns into one U+FFFD per byte, rewriting text already emitted. Streams of
+valid text are unaffected; for the rest `flush` at the end makes the final text equal the decode.
+
+Stop strings: after each `update`, `check_stop` searches only the new text plus the (longest stop
+string - 1) characters before it, truncates the text at the earliest match (keeping the stop string
+when `include_stop_str_in_output`) and reports the string. Streaming never sends text it may have to
+take back: `get_next_output_text` holds back the longest tail that is a prefix of a stop string, and
+releases it when the next token shows it is not one (or when the request finishes).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmplug.core.params import SamplingParams
+
+try:  # tokenizers is a dependency of transformers; without it, only the Python scheme is used
+    from tokenizers import Tokenizer as _FastTokenizer
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # pragma: no cover
+    _FastTokenizer, DecodeStream = None, None
+
+_REPLACEMENT = "\ufffd"  # what a decoder emits for an incomplete UTF-8 sequence
+_INVALID_PREFIX = "Invalid prefix encountered"  # DecodeStream's error when earlier text changes
+
+
+def fast_backend(tokenizer: Any) -> Any | None:
+    """The `tokenizers.Tokenizer` behind `tokenizer` (itself, or a transformers fast tokenizer's), if any."""
+    if _FastTokenizer is None:
+        return None
+    if isinstance(tokenizer, _FastTokenizer):
+        return tokenizer
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return backend if isinstance(backend, _FastTokenizer) else None
+
+
+class StreamDecoder:
+    """Decodes through tokenizers' DecodeStream (Rust), recovering from its invalid-prefix error."""
+
+    def __init__(self, backend: Any, skip_special_tokens: bool) -> None:
+        self.backend = backend
+        self.skip_special_tokens = skip_special_tokens
+        self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+
+    def step(self, token_id: int) -> str | None:
+        """Text completed by one more token, or None while it is incomplete."""
+        try:
+            return self.stream.step(self.backend, token_id)
+        except Exception as e:  # the stream cannot continue: start a fresh one from this token
+            if _INVALID_PREFIX not in str(e):
+                raise
+            self.stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
+            return self.stream.step(self.backend, token_id)
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Plain decode of a token list (used to flush at the end)."""
+        return self.backend.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+
+
+class OffsetDecoder:
+    """The prefix / read-offset scheme (as vLLM's for slow tokenizers), over `tokenizer.decode`.
+
+    Decodes the window from `prefix_offset` twice (to `read_offset` and to the end) and emits the
+    difference once it no longer ends in an incomplete character; the window's first token gives the
+    context that decoders need for spaces.
+    """
+
+    def __init__(self, tokenizer: Any, params: SamplingParams) -> None:
+        self.tokenizer = tokenizer
+        self.kwargs = {"skip_special_tokens": params.skip_special_tokens}
+        if not params.spaces_between_special_tokens:  # only slow tokenizers know this argument
+            self.kwargs["spaces_between_special_tokens"] = False
+        self.token_ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def step(self, token_id: int) -> str | None:
+        """Text completed by one more token, or None while it is incomplete."""
+        self.token_ids.append(token_id)
+        prefix = self.decode(self.token_ids[self.prefix_offset : self.read_offset])
+        text = self.decode(self.token_ids[self.prefix_offset :])
+        if len(text) <= len(prefix) or text.endswith(_REPLACEMENT):
+            return None
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        return text[len(prefix) :]
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Plain decode of a token list."""
+        return self.tokenizer.decode(token_ids, **self.kwargs)
+
+
+class IncrementalDetokenizer:
+    """The text of one completion, grown token by token, with stop-string checks."""
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        backend = fast_backend(tokenizer)
+        if backend is not None:
+            self._decoder: StreamDecoder | OffsetDecoder = StreamDecoder(backend, params.skip_special_tokens)
+        else:
+            self._decoder = OffsetDecoder(tokenizer, params)
+        self.prompt_token_ids = prompt_token_ids  # kept for callers; decoding needs no prompt context
+        self.token_ids: list[int] = []
+        self.stop = list(params.stop or [])
+        self.include_stop_str_in_output = params.include_stop_str_in_output
+        self.min_tokens = params.min_tokens
+        self._max_stop_len = max((len(s) for s in self.stop), default=0)
+        self._text = ""
+        self._sent = 0  # characters already handed out by get_next_output_text
+        self.stopped = False  # a stop string matched: the text is final
+
+    @property
+    def output_text(self) -> str:
+        """The completion's text so far (truncated at a matched stop string)."""
+        return self._text
+
+    def update(self, new_token_ids: list[int]) -> str:
+        """Decode new tokens and return the text they complete (may be "" while a character is split)."""
+        new_text = []
+        for token_id in new_token_ids:
+            self.token_ids.append(token_id)
+            piece = self._decoder.step(token_id)
+            if piece:
+                new_text.append(piece)
+        added = "".join(new_text)
+        self._text += added
+        return added
+
+    def flush(self) -> str:
+        """At the end of the completion: make the text equal the full decode; return what that added.
+
+        Usually this adds bytes held back as an incomplete character (U+FFFD, as decode shows them).
+        With a byte-fallback tokenizer it can also rewrite earlier text: a run of byte tokens that
+        turns out not to be UTF-8 decodes to one U+FFFD per byte, which only the whole run reveals.
+        Text truncated at a stop string stays as it is.
+        """
+        if self.stopped:
+            return ""
+        full = self._decoder.decode(self.token_ids)
+        added = full[len(self._text) :] if full.startswith(self._text) else ""
+        self._text = full
+        self._sent = min(self._sent, len(full))
+        return added
+
+    def check_stop(self, new_text_len: int) -> str | None:
+        """After `update` added `new_text_len` characters: the stop string now in the text, or None.
+
+        Searches the new characters plus (longest stop - 1) before them, so a stop string spanning
+        two updates is found; on a match the text is truncated and `stopped` is set. Stop strings are
+        not checked until more than min_tokens tokens were generated (as vLLM).
+        """
+        if not self.stop or new_text_len <= 0 or self.stopped or len(self.token_ids) <= self.min_tokens:
+            return None
+        start = max(0, len(self._text) - new_text_len - (self._max_stop_len - 1))
+        matches = [(i, s) for s in self.stop if (i := self._text.find(s, start)) >= 0]
+        if not matches:
+            return None
+        index, stop = min(matches, key=lambda m: (m[0], -len(m[1])))
+        end = index + len(stop) if self.include_stop_str_in_output else index
+        self._text = self._text[:end]
+        self._sent = min(self._sent, end)
+        self.stopped = True
+        return stop
+
+    def get_next_output_text(self, finished: bool, delta: bool) -> str:
+        """The text to put in the next RequestOutput: all of it, or what is new since the last call.
+
+        While the request runs, a tail that could still grow into a stop string is held back.
+        """
+        end = len(self._text) if finished or self.stopped else len(self._text) - self._stop_prefix_len()
+        end = max(end, self._sent)
+        text = self._text[self._sent : end] if delta else self._text[:end]
+        self._sent = end
+        return text
+
+    def _stop_prefix_len(self) -> int:
+        """Length of the longest tail of the text that is a proper prefix of a stop string."""
+        if self.include_stop_str_in_output:
+            return 0  # the stop string itself is kept, so nothing sent would be taken back
+        for length in range(min(self._max_stop_len - 1, len(self._text)), 0, -1):
+            tail = self._text[-length:]
+            if any(s.startswith(tail) for s in self.stop):
+                return length
+        return 0
