@@ -1,1 +1,36 @@
-"""llmplug.loaders."""
+"""Weight loaders, one per `load.format` (the `llmplug.loaders` entry-point group).
+
+Exports `resolve_load_format`, which turns `load.format: auto` into a registered name. The loader
+classes live in their modules (`base.BaseModelLoader`, `default.DefaultLoader`, `dummy.DummyLoader`,
+`gguf`, ...) and are reached through the registry.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["resolve_load_format"]
+
+_CHECKPOINT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def resolve_load_format(model_path: str, requested: str) -> str:
+    """`requested` unless it is "auto": then "gguf" for a .gguf file (or a folder holding only
+    GGUF weights), else "default". Embedded short names resolve to their file first."""
+    if requested != "auto":
+        return requested
+    from llmplug.loaders.default_model import resolve_model_path
+
+    path = resolve_model_path(model_path)
+    if os.path.isfile(path):
+        return "gguf" if path.lower().endswith(".gguf") else "default"
+    if os.path.isdir(path) and _holds_only_gguf(path):
+        return "gguf"
+    return "default"
+
+
+def _holds_only_gguf(folder: str) -> bool:
+    """True when the folder has a .gguf file and no other weight files."""
+    names = [name.lower() for name in os.listdir(folder)]
+    has_gguf = any(name.endswith(".gguf") for name in names)
+    return has_gguf and not any(name.endswith(_CHECKPOINT_SUFFIXES) for name in names)

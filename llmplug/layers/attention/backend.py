@@ -1,0 +1,54 @@
+"""The interface an attention backend implements (the `llmplug.attention` entry-point group).
+
+A backend is a class used through its classmethods; the model runner and the `Attention` layers
+call it, never the model:
+
+- model runner, once at start-up: `kv_cache_shape(...)` to allocate one cache tensor per layer,
+  then `bind_kv_cache(model, caches, backend)` hands each `Attention` layer its tensor;
+- model runner, once per step: `build_metadata(common)`; the result is entered with
+  `with forward_context(metadata):` around `model(input_ids, positions)`;
+- each `Attention` layer, once per step: `forward(layer, q, k, v, metadata)`, which writes this
+  step's k/v into `layer.kv_cache` and returns the attention output.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from llmplug.layers.forward_context import CommonAttentionMetadata
+
+if TYPE_CHECKING:
+    from llmplug.layers.attention.layer import Attention
+
+__all__ = ["AttentionBackend"]
+
+
+class AttentionBackend(abc.ABC):
+    """Paged attention over a block-structured KV cache; stateless, used through classmethods."""
+
+    name: ClassVar[str] = ""
+
+    @classmethod
+    @abc.abstractmethod
+    def kv_cache_shape(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        """Shape of one layer's cache tensor holding K and V of `num_blocks` blocks."""
+
+    @classmethod
+    @abc.abstractmethod
+    def build_metadata(cls, common: CommonAttentionMetadata) -> Any:
+        """This step's backend metadata (index tensors, masks), built once and shared by every layer."""
+
+    @classmethod
+    @abc.abstractmethod
+    def forward(
+        cls, layer: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: Any
+    ) -> torch.Tensor:
+        """Store k, v [T, Hkv * D] in `layer.kv_cache`; attend q [T, H * D] over the cache -> [T, H * D]."""
+
+    @classmethod
+    def supports(cls, head_dim: int, dtype: torch.dtype) -> bool:
+        """Whether this backend can run layers of `head_dim` in `dtype` (platforms ask before choosing)."""
+        return True

@@ -1,0 +1,78 @@
+"""Token embedding and LM head, with the vocabulary split across the tensor-parallel group.
+
+Rank r holds rows [r * n, (r + 1) * n) of the [vocab, hidden] table, n = ceil(vocab / tp); the
+last rank's rows past the vocabulary are zero padding and their logits are cut off.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmplug.communicators.parallel_state import get_tp_group
+from llmplug.layers.weight_utils import check_shape, frozen_parameter
+
+__all__ = ["ParallelLMHead", "VocabParallelEmbedding"]
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding lookup over this rank's slice of the vocabulary, summed across ranks."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, prefix: str = "") -> None:
+        super().__init__()
+        tp = get_tp_group()
+        self.tp_rank, self.tp_size = tp.rank_in_group, tp.world_size
+        self.num_embeddings, self.embedding_dim, self.prefix = num_embeddings, embedding_dim, prefix
+        self.num_embeddings_per_partition = -(-num_embeddings // self.tp_size)
+        self.vocab_start = self.tp_rank * self.num_embeddings_per_partition
+        self.vocab_end = min(self.vocab_start + self.num_embeddings_per_partition, num_embeddings)
+        table = torch.empty(self.num_embeddings_per_partition, embedding_dim)
+        self.weight = frozen_parameter(table, self.weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        """Copy this rank's vocabulary rows of the full [vocab, hidden] table; zero the padding rows."""
+        full_shape = (self.num_embeddings, *param.shape[1:])  # [vocab, hidden], or [vocab] for a bias
+        check_shape(torch.empty(full_shape, device="meta"), loaded_weight)
+        rows = self.vocab_end - self.vocab_start
+        param.data[:rows].copy_(loaded_weight[self.vocab_start : self.vocab_end])
+        param.data[rows:].zero_()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] token ids -> [T, embedding_dim]."""
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        # ids owned by other ranks look up row 0 and are zeroed; the all-reduce fills them in
+        owned = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local = torch.where(owned, input_ids - self.vocab_start, 0)
+        out = F.embedding(local, self.weight) * owned.unsqueeze(-1).to(self.weight.dtype)
+        return get_tp_group().all_reduce(out)
+
+    def extra_repr(self) -> str:
+        return f"vocab={self.num_embeddings}, dim={self.embedding_dim}, per_rank={self.num_embeddings_per_partition}"
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The output projection hidden -> vocabulary logits; may share its weight with the embedding."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False, prefix: str = "") -> None:
+        super().__init__(num_embeddings, embedding_dim, prefix)
+        per_rank = self.num_embeddings_per_partition
+        self.bias = frozen_parameter(torch.empty(per_rank), self.weight_loader) if bias else None
+
+    def tie_weights(self, embedding: VocabParallelEmbedding) -> "ParallelLMHead":
+        """Use the embedding's table as the output projection (tie_word_embeddings)."""
+        self.weight = embedding.weight
+        return self
+
+    def get_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] logits in the weight's dtype."""
+        logits = F.linear(hidden_states, self.weight, self.bias)
+        if self.tp_size > 1:
+            logits = get_tp_group().all_gather(logits, dim=-1)
+        padded = logits.shape[-1]
+        return logits if padded == self.num_embeddings else logits[..., : self.num_embeddings]
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Not a layer of the forward pass: the model calls get_logits on the sampled hidden states."""
+        raise RuntimeError("ParallelLMHead is applied with get_logits(hidden_states), not called")

@@ -1,0 +1,96 @@
+"""Finding a checkpoint's weight files and iterating their tensors without loading them all at once."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+
+from llmplug.core.errors import ModelLoadError
+
+__all__ = ["find_weight_files", "pt_weights_iterator", "safetensors_weights_iterator", "weights_iterator"]
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+PT_INDEX = "pytorch_model.bin.index.json"
+PT_SUFFIXES = (".bin", ".pt", ".pth")
+
+
+def _indexed_files(folder: Path, index_name: str) -> list[Path] | None:
+    """The shard files an index json names (None without an index); every one must exist."""
+    index = folder / index_name
+    if not index.is_file():
+        return None
+    weight_map = json.loads(index.read_text())["weight_map"]
+    files = [folder / name for name in sorted(set(weight_map.values()))]
+    absent = [f.name for f in files if not f.is_file()]
+    if absent:
+        raise ModelLoadError(f"{index} names shard files that are missing: {absent}")
+    return files
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    """Shards named by the index, else every .safetensors file (Mistral's extra consolidated copy excluded)."""
+    indexed = _indexed_files(folder, SAFETENSORS_INDEX)
+    if indexed is not None:
+        return indexed
+    files = sorted(folder.glob("*.safetensors"))
+    hf_files = [f for f in files if not f.name.startswith("consolidated")]
+    return hf_files or files
+
+
+def _pt_files(folder: Path) -> list[Path]:
+    """Shards named by the index, else every .bin / .pt / .pth file."""
+    indexed = _indexed_files(folder, PT_INDEX)
+    if indexed is not None:
+        return indexed
+    return sorted(f for f in folder.iterdir() if f.suffix in PT_SUFFIXES and f.is_file())
+
+
+def find_weight_files(path: str | Path, fmt: str = "auto") -> tuple[list[Path], str]:
+    """The weight files of a checkpoint dir (or single file) and their kind, "safetensors" or "pt".
+
+    fmt "safetensors" / "pt" insists on that kind; anything else prefers safetensors when both exist.
+    """
+    path = Path(path)
+    if path.is_file():
+        kind = "safetensors" if path.suffix == ".safetensors" else "pt"
+        return [path], kind
+    kinds = ("safetensors",) if fmt == "safetensors" else ("pt",) if fmt == "pt" else ("safetensors", "pt")
+    for kind in kinds:
+        files = _safetensors_files(path) if kind == "safetensors" else _pt_files(path)
+        if files:
+            return files, kind
+    wanted = " or ".join(f"*.{k}" if k == "safetensors" else "*.bin/*.pt" for k in kinds)
+    raise ModelLoadError(f"no weight files ({wanted}) in {path}; load.format={fmt!r}")
+
+
+def safetensors_weights_iterator(files: Iterable[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor of the files, each file memory-mapped (safe_open)."""
+    from safetensors import safe_open
+
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def pt_weights_iterator(files: Iterable[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor of torch-saved state dicts (weights_only: no code is run)."""
+    for file in files:
+        try:
+            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except pickle.UnpicklingError as error:
+            raise ModelLoadError(
+                f"{file} holds more than tensors (torch.load weights_only refused it): {error}; "
+                "convert it to safetensors"
+            ) from error
+        yield from state.items()
+        del state
+
+
+def weights_iterator(files: list[Path], kind: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """The iterator for files of `kind` ("safetensors" or "pt")."""
+    return safetensors_weights_iterator(files) if kind == "safetensors" else pt_weights_iterator(files)

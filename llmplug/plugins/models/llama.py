@@ -1,0 +1,269 @@
+"""The Llama family: one generic pre-norm decoder; each architecture is a config adapter.
+
+Llama, Mistral, Qwen2 and Qwen3 differ only in flags (q/k/v and o biases, q/k RMSNorm, tied
+embeddings, rope scaling), so each is `DecoderForCausalLM` plus a function that converts its HF
+config into a `DecoderArchConfig`. Checkpoint names map onto the fused projections through
+`STACKED_PARAMS`, and one generic loop loads every tensor.
+
+Not modelled: sliding-window attention (Mistral v0.1, Qwen2 `use_sliding_window`) — every layer
+attends to the full context, which matches transformers while sequences fit in the window.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, ClassVar, Iterable
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from llmplug.core.errors import ModelLoadError
+from llmplug.layers.activation import SiluAndMul
+from llmplug.layers.attention import Attention
+from llmplug.layers.layernorm import RMSNorm
+from llmplug.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from llmplug.layers.rotary import RotaryCosSin, get_rope
+from llmplug.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from llmplug.layers.weight_utils import load_mapped_weights
+from llmplug.plugins.models.arch_config import DecoderArchConfig, head_dim_of, rope_config_of
+
+__all__ = [
+    "DecoderForCausalLM",
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "llama_arch_config",
+    "mistral_arch_config",
+    "qwen2_arch_config",
+    "qwen3_arch_config",
+]
+
+log = logging.getLogger(__name__)
+
+# checkpoint module -> (our fused module, shard)
+STACKED_PARAMS: dict[str, tuple[str, str | int]] = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+# rotary tables that old checkpoints saved as buffers; ours are recomputed from the config
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+# ---- config adapters: HF config -> DecoderArchConfig (the only place that reads the HF config) ----
+
+
+def _common_fields(hf: PretrainedConfig) -> dict[str, Any]:
+    """Fields every Llama-family config carries."""
+    act = getattr(hf, "hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ModelLoadError(f"{type(hf).__name__}: hidden_act {act!r} is not supported (only silu)")
+    window = getattr(hf, "sliding_window", None)
+    if window and window < hf.max_position_embeddings and getattr(hf, "use_sliding_window", True):
+        log.warning("sliding_window=%s is ignored: every layer attends to the full context", window)
+    return dict(
+        architecture=(getattr(hf, "architectures", None) or [type(hf).__name__])[0],
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        intermediate_size=hf.intermediate_size,
+        num_layers=hf.num_hidden_layers,
+        num_heads=hf.num_attention_heads,
+        num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+        head_dim=head_dim_of(hf),
+        rms_norm_eps=hf.rms_norm_eps,
+        rope=rope_config_of(hf),
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+    )
+
+
+def llama_arch_config(hf: PretrainedConfig) -> DecoderArchConfig:
+    """LlamaForCausalLM: `attention_bias` on q, k, v and o; optional `mlp_bias`."""
+    bias = bool(getattr(hf, "attention_bias", False))
+    return DecoderArchConfig(
+        **_common_fields(hf), qkv_bias=bias, o_proj_bias=bias, mlp_bias=bool(getattr(hf, "mlp_bias", False))
+    )
+
+
+def mistral_arch_config(hf: PretrainedConfig) -> DecoderArchConfig:
+    """MistralForCausalLM: no biases."""
+    return DecoderArchConfig(**_common_fields(hf))
+
+
+def qwen2_arch_config(hf: PretrainedConfig) -> DecoderArchConfig:
+    """Qwen2ForCausalLM: bias on q, k, v only."""
+    return DecoderArchConfig(**_common_fields(hf), qkv_bias=True)
+
+
+def qwen3_arch_config(hf: PretrainedConfig) -> DecoderArchConfig:
+    """Qwen3ForCausalLM: RMSNorm on q and k heads; `attention_bias` on q, k, v and o."""
+    bias = bool(getattr(hf, "attention_bias", False))
+    return DecoderArchConfig(**_common_fields(hf), qkv_bias=bias, o_proj_bias=bias, qk_norm=True)
+
+
+# ---- the generic decoder ----
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+class DecoderMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)), gate and up fused into one matmul."""
+
+    def __init__(self, arch: DecoderArchConfig, prefix: str = "") -> None:
+        super().__init__()
+        size, inter = arch.hidden_size, arch.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            size, [inter, inter], arch.mlp_bias, _join(prefix, "gate_up_proj")
+        )
+        self.down_proj = RowParallelLinear(inter, size, arch.mlp_bias, prefix=_join(prefix, "down_proj"))
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, hidden] -> [T, hidden]."""
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # [T, 2 * inter / tp] -> [T, inter / tp]
+
+
+class DecoderAttention(nn.Module):
+    """Fused qkv projection, optional q/k norm, in-place rotary, paged attention, output projection."""
+
+    def __init__(self, arch: DecoderArchConfig, prefix: str = "") -> None:
+        super().__init__()
+        d = arch.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            arch.hidden_size, d, arch.num_heads, arch.num_kv_heads, arch.qkv_bias, _join(prefix, "qkv_proj")
+        )
+        self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.o_proj = RowParallelLinear(
+            arch.num_heads * d, arch.hidden_size, arch.o_proj_bias, prefix=_join(prefix, "o_proj")
+        )
+        self.q_norm = RMSNorm(d, arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(d, arch.rms_norm_eps) if arch.qk_norm else None
+        self.attn = Attention(self.num_heads, d, d**-0.5, self.num_kv_heads, prefix=_join(prefix, "attn"))
+
+    def forward(self, hidden: torch.Tensor, rope: RotaryCosSin) -> torch.Tensor:
+        """[T, hidden] -> [T, hidden]."""
+        qkv = self.qkv_proj(hidden)  # [T, (H + 2 * Hkv) * D]
+        q_end, k_end = self.q_size, self.q_size + self.kv_size
+        qk = qkv[:, :k_end].view(qkv.shape[0], self.num_heads + self.num_kv_heads, self.head_dim)  # [T, H + Hkv, D]
+        if self.q_norm is not None:
+            self._norm_heads_(qk)
+        rope.apply_(qk)  # rotates q and k inside qkv
+        out = self.attn(qkv[:, :q_end], qkv[:, q_end:k_end], qkv[:, k_end:])  # [T, H * D]
+        return self.o_proj(out)
+
+    def _norm_heads_(self, qk: torch.Tensor) -> None:
+        """RMSNorm each q and k head over head_dim, in place."""
+        qk[:, : self.num_heads] = self.q_norm(qk[:, : self.num_heads])
+        qk[:, self.num_heads :] = self.k_norm(qk[:, self.num_heads :])
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)); residual adds fused into the norms."""
+
+    def __init__(self, arch: DecoderArchConfig, prefix: str = "") -> None:
+        super().__init__()
+        self.self_attn = DecoderAttention(arch, _join(prefix, "self_attn"))
+        self.mlp = DecoderMLP(arch, _join(prefix, "mlp"))
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: RotaryCosSin
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sublayer output, residual stream) of the previous layer -> the same for this one."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, rope)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DecoderModel(nn.Module):
+    """Embedding, the decoder layers and the final norm; one rotary table shared by all layers."""
+
+    def __init__(self, arch: DecoderArchConfig, prefix: str = "") -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, _join(prefix, "embed_tokens"))
+        self.layers = nn.ModuleList(DecoderLayer(arch, _join(prefix, f"layers.{i}")) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        rope = arch.rope
+        self.rotary_emb = get_rope(
+            arch.head_dim, arch.rotary_dim, rope.max_position, rope.theta, rope.scaling, rope.is_neox_style
+        )
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions [T] -> hidden states [T, hidden]."""
+        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        rope = self.rotary_emb.cos_sin(positions, hidden.dtype)  # looked up once for all layers
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, rope)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class DecoderForCausalLM(nn.Module):
+    """The generic Llama-family causal LM; subclasses only choose `arch_config_of`."""
+
+    arch_config_of: ClassVar[Callable[[PretrainedConfig], DecoderArchConfig]] = staticmethod(llama_arch_config)
+
+    def __init__(self, *, config: PretrainedConfig, prefix: str = "") -> None:
+        super().__init__()
+        self.config = config
+        self.arch = type(self).arch_config_of(config)
+        self.model = DecoderModel(self.arch, _join(prefix, "model"))
+        self.lm_head = self._lm_head(_join(prefix, "lm_head"))
+
+    def _lm_head(self, prefix: str) -> ParallelLMHead:
+        """The output projection; a tied one is built on meta and shares the embedding's table."""
+        arch = self.arch
+        if not arch.tie_word_embeddings:
+            return ParallelLMHead(arch.vocab_size, arch.hidden_size, prefix=prefix)
+        with torch.device("meta"):  # its own table would be discarded at once
+            head = ParallelLMHead(arch.vocab_size, arch.hidden_size, prefix=prefix)
+        return head.tie_weights(self.model.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions [T] -> hidden states [T, hidden]."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor, sampling_metadata: Any = None) -> torch.Tensor:
+        """[N, hidden] -> float32 logits [N, vocab], computed in the model's dtype."""
+        return self.lm_head.get_logits(hidden_states).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named tensors through STACKED_PARAMS; returns the fully loaded parameter names."""
+        skipped = ("lm_head.weight",) if self.arch.tie_word_embeddings else ()
+        return load_mapped_weights(self, weights, STACKED_PARAMS, IGNORED_SUFFIXES, skipped)
+
+
+class LlamaForCausalLM(DecoderForCausalLM):
+    """Llama 1-3, SmolLM, TinyLlama, ... (HF architecture LlamaForCausalLM)."""
+
+    arch_config_of = staticmethod(llama_arch_config)
+
+
+class MistralForCausalLM(DecoderForCausalLM):
+    """Mistral (HF architecture MistralForCausalLM); sliding window not modelled."""
+
+    arch_config_of = staticmethod(mistral_arch_config)
+
+
+class Qwen2ForCausalLM(DecoderForCausalLM):
+    """Qwen2 / Qwen2.5 (HF architecture Qwen2ForCausalLM)."""
+
+    arch_config_of = staticmethod(qwen2_arch_config)
+
+
+class Qwen3ForCausalLM(DecoderForCausalLM):
+    """Qwen3 dense (HF architecture Qwen3ForCausalLM)."""
+
+    arch_config_of = staticmethod(qwen3_arch_config)

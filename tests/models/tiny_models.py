@@ -1,0 +1,78 @@
+"""Tiny random Llama-family checkpoints written by transformers, one per architecture flag set."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+from llmplug.core.config import EngineConfig, LoadConfig, ModelConfig
+from llmplug.loaders.default import DefaultLoader
+from llmplug.plugins.models import llama
+
+SIZES = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+
+# name -> (HF config, our class): together they cover q/k/v/o and MLP biases, tied embeddings,
+# q/k norm, an explicit head_dim different from hidden / heads, and a scaled rope.
+ARCHS = {
+    "llama": (
+        lambda: LlamaConfig(**SIZES, attention_bias=True, mlp_bias=True, tie_word_embeddings=False),
+        llama.LlamaForCausalLM,
+    ),
+    "mistral": (lambda: MistralConfig(**SIZES, head_dim=16, sliding_window=None), llama.MistralForCausalLM),
+    "qwen2": (lambda: Qwen2Config(**SIZES, tie_word_embeddings=True), llama.Qwen2ForCausalLM),
+    "qwen3": (
+        lambda: Qwen3Config(
+            **SIZES, head_dim=32, tie_word_embeddings=False, rope_scaling={"rope_type": "linear", "factor": 2.0}
+        ),
+        llama.Qwen3ForCausalLM,
+    ),
+}
+
+
+@dataclass
+class TinyModel:
+    """A saved tiny checkpoint, the transformers model that wrote it, and our class for it."""
+
+    name: str
+    path: Path
+    hf_model: torch.nn.Module
+    model_class: type
+
+    def load(self, dtype: str = "float32") -> torch.nn.Module:
+        """Our model, built by DefaultLoader from the saved checkpoint."""
+        config = EngineConfig(model=ModelConfig(model=str(self.path), dtype=dtype))
+        return DefaultLoader(LoadConfig()).load_model(config, model_class=self.model_class)
+
+
+def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
+    """Give every parameter (biases and norms too) a random value large enough for distinct logits."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            mean = 1.0 if "norm" in name else 0.0
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.1 + mean)
+
+
+def make_tiny(name: str, path: Path, **save_kwargs) -> TinyModel:
+    """Build, randomize and save the tiny `name` model into `path`."""
+    config_fn, cls = ARCHS[name]
+    torch.manual_seed(0)
+    hf_model = AutoModelForCausalLM.from_config(config_fn(), dtype=torch.float32).eval()
+    randomize_(hf_model)
+    hf_model.save_pretrained(path, **save_kwargs)
+    return TinyModel(name, path, hf_model, cls)
