@@ -29,4 +29,16 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'llmplug' has no attribute {name!r}")
     import importlib
 
+    if _EXPORTS[name].startswith("llmplug.engine"):
+        _configure_threads_before_torch()
     return getattr(importlib.import_module(_EXPORTS[name]), name)
+
+
+def _configure_threads_before_torch() -> None:
+    """The engine imports torch; OpenMP reads its wait policy only then, so set it first."""
+    import sys
+
+    if "torch" not in sys.modules:
+        from llmplug.platforms.cpu_threads import configure_cpu_threads
+
+        configure_cpu_threads()

@@ -267,6 +267,7 @@ class Scheduler:
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=list(request.output_token_ids),
             sampling_params=request.sampling_params,
+            eos_token_id=request.eos_token_id,
         )
         return self._scheduled_request(request, num_new_tokens, new)
 

@@ -90,12 +90,26 @@ def _plugins_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join("  ".join(f"{str(c):<{w}}" for c, w in zip(cell, widths)) + f"  {cell[-1]}" for cell in cells)
 
 
-# Every `llmplug <name>` command; later issues add run, generate, chat and serve here.
+def _engine_commands() -> dict[str, Subcommand]:
+    from llmplug.entrypoints import generate
+
+    return {
+        "run": Subcommand("Answer a few demo prompts with the model (default: the embedded SmolLM2) and print tok/s.",
+                          generate._run_arguments, generate._run_demo),
+        "generate": Subcommand("Complete prompts and print the completions.",
+                               generate._generate_arguments, generate._run_generate),
+        "chat": Subcommand("Chat with the model in the terminal, streaming its answers.",
+                           generate._chat_arguments, generate._run_chat),
+    }
+
+
+# Every `llmplug <name>` command.
 SUBCOMMANDS: dict[str, Subcommand] = {
     "config": Subcommand("Print the resolved engine config and where each value came from.",
                          _config_arguments, _run_config),
     "plugins": Subcommand("List every plugin: group, name, distribution, version, usable here or why not.",
                           _plugins_arguments, _run_plugins),
+    **_engine_commands(),
 }
 
 

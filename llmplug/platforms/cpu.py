@@ -88,6 +88,9 @@ def _sysconf_bytes(pages_name: str) -> int:
         ) from error
 
 
+DEFAULT_KV_CACHE_BYTES = 4 * 2**30
+
+
 class CpuPlatform(BasePlatform):
     """Runs on the host CPU with torch's CPU kernels; memory is the machine's RAM (or the cgroup's limit)."""
 
@@ -112,10 +115,15 @@ class CpuPlatform(BasePlatform):
 
     @classmethod
     def check_and_update_config(cls, config: EngineConfig) -> None:
-        """Base checks, plus the default `device.num_threads`: the CPUs split among the engine's workers."""
+        """Base checks, the default `device.num_threads` (the CPUs split among the engine's workers) and
+        a default KV-cache budget: the model shares host memory with everything else, so the cache takes
+        a quarter of what is free, at most `DEFAULT_KV_CACHE_BYTES`, rather than a fraction of all RAM."""
         super().check_and_update_config(config)
         if config.device.num_threads is None:
             config.device.num_threads = threads_per_process(cls.num_cpu_processes(config))
+        cache = config.cache
+        if cache.num_blocks is None and cache.kv_cache_memory is None:
+            cache.kv_cache_memory = min(DEFAULT_KV_CACHE_BYTES, cls.available_memory() // 4)
 
     @staticmethod
     def num_cpu_processes(config: EngineConfig) -> int:

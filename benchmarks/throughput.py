@@ -1,0 +1,142 @@
+"""Offline throughput: llmplug vs HF transformers (padded `generate` and continuous-batching
+`generate_batch`) on the same model, prompts and output lengths, greedy, in one run.
+
+    python benchmarks/throughput.py                       # the embedded default model (GGUF)
+    python benchmarks/throughput.py --model DIR --num-prompts 32 --output-len 128
+
+Reports output tokens/s of each engine for a batch of prompts and for one stream, and the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from llmplug.platforms.cpu_threads import configure_cpu_threads
+
+configure_cpu_threads()  # before torch is imported: same thread settings for every engine measured
+
+import torch  # noqa: E402
+
+PROMPTS = [
+    "Write a short story about a robot who learns to paint.",
+    "Explain how photosynthesis works to a ten year old.",
+    "What are the main causes of the French Revolution?",
+    "Give me three tips for writing clean Python code.",
+    "Describe the water cycle in a few sentences.",
+    "Why is the sky blue? Answer briefly.",
+    "List some healthy breakfast ideas.",
+    "What is the difference between a virus and a bacterium?",
+]
+
+
+def make_prompts(tokenizer, num_prompts: int) -> list[list[int]]:
+    """Chat-formatted prompts of realistic, slightly different lengths."""
+    out = []
+    for i in range(num_prompts):
+        msg = [{"role": "user", "content": f"{PROMPTS[i % len(PROMPTS)]} (variant {i})"}]
+        text = tokenizer.apply_chat_template(msg, tokenize=False, add_generation_prompt=True)
+        out.append(tokenizer.encode(text, add_special_tokens=False))
+    return out
+
+
+def bench_llmplug(model: str, prompts: list[list[int]], output_len: int, dtype: str) -> float:
+    from llmplug import LLM, SamplingParams
+
+    llm = LLM(model=model, dtype=dtype, max_num_seqs=max(len(prompts), 1))
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
+
+
+def load_hf(model: str, dtype: str):
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"dtype": getattr(torch, dtype)}
+    if model.endswith(".gguf"):
+        return AutoModelForCausalLM.from_pretrained(os.path.dirname(model), gguf_file=os.path.basename(model), **kwargs)
+    return AutoModelForCausalLM.from_pretrained(model, **kwargs)
+
+
+def bench_hf_generate(hf, prompts: list[list[int]], output_len: int, pad_id: int) -> float:
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])  # left padding
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    kw = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False, pad_token_id=pad_id)
+    with torch.inference_mode():
+        hf.generate(ids[:1, -8:], attention_mask=mask[:1, -8:], **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
+        start = time.perf_counter()
+        out = hf.generate(ids, attention_mask=mask, **kw)
+    elapsed = time.perf_counter() - start
+    return (out.shape[1] - width) * len(prompts) / elapsed
+
+
+def bench_hf_generate_batch(hf, prompts: list[list[int]], output_len: int, pad_id: int) -> float:
+    from transformers import GenerationConfig
+
+    cfg = GenerationConfig(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
+                           pad_token_id=pad_id, eos_token_id=None)
+    with torch.inference_mode():
+        start = time.perf_counter()
+        results = hf.generate_batch(inputs=prompts, generation_config=cfg, progress_bar=False)
+    elapsed = time.perf_counter() - start
+    return sum(len(r.generated_tokens) for r in results.values()) / elapsed
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="model dir or .gguf; default: the embedded SmolLM2")
+    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--skip-hf-batch", action="store_true", help="skip HF generate_batch (continuous batching)")
+    ap.add_argument("--json", help="also write the results to this file")
+    args = ap.parse_args()
+
+    from llmplug.core.config import DEFAULT_MODEL
+    from llmplug.loaders.default_model import resolve_model_path
+
+    model = resolve_model_path(args.model or DEFAULT_MODEL)
+    hf = load_hf(model, args.dtype).eval()
+    from transformers import AutoTokenizer
+
+    tok = (AutoTokenizer.from_pretrained(os.path.dirname(model), gguf_file=os.path.basename(model))
+           if model.endswith(".gguf") else AutoTokenizer.from_pretrained(model))
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    batch = make_prompts(tok, args.num_prompts)
+    single = batch[:1]
+
+    rows = {}
+    rows["llmplug batch"] = bench_llmplug(model, batch, args.output_len, args.dtype)
+    rows["llmplug single"] = bench_llmplug(model, single, args.output_len, args.dtype)
+    rows["hf generate batch"] = bench_hf_generate(hf, batch, args.output_len, pad_id)
+    rows["hf generate single"] = bench_hf_generate(hf, single, args.output_len, pad_id)
+    if not args.skip_hf_batch:
+        rows["hf generate_batch batch"] = bench_hf_generate_batch(hf, batch, args.output_len, pad_id)
+
+    print(f"model={model} prompts={args.num_prompts} output_len={args.output_len} dtype={args.dtype} "
+          f"threads={torch.get_num_threads()}")
+    for name, tps in rows.items():
+        print(f"{name:28s} {tps:8.1f} output tok/s")
+    ratios = {
+        "batch: llmplug / hf generate": rows["llmplug batch"] / rows["hf generate batch"],
+        "single: llmplug / hf generate": rows["llmplug single"] / rows["hf generate single"],
+    }
+    if "hf generate_batch batch" in rows:
+        ratios["batch: llmplug / hf generate_batch"] = rows["llmplug batch"] / rows["hf generate_batch batch"]
+    for name, r in ratios.items():
+        print(f"{name:40s} {r:6.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "tok_per_s": rows, "ratios": ratios}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""EngineCore: the step loop — schedule, execute on the workers, update requests."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from llmplug.core.config import EngineConfig
+from llmplug.core.errors import ConfigError
+from llmplug.core.plugins import get_registry
+from llmplug.engine.kv_cache import KVCacheManager
+from llmplug.engine.output_processor import EngineCoreOutput
+from llmplug.engine.request import Request, RequestStatus
+from llmplug.engine.scheduler import Scheduler
+from llmplug.engine.scheduler_output import ModelRunnerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """Owns the scheduler, the KV-cache manager and the executor; one `step()` is one forward pass."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        executor_cls = get_registry().load("llmplug.executors", config.parallel.executor)
+        self.executor = executor_cls(config)
+        self.model_info = self.executor.collective_rpc("model_info")[0]
+        self.max_model_len = self._resolve_max_model_len()
+        num_blocks = self._num_blocks()
+        self.executor.initialize_cache(num_blocks)
+        cache = config.cache
+        self.kv_cache_manager = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        sched = config.scheduler
+        budget = sched.max_num_batched_tokens or (2048 if sched.enable_chunked_prefill else self.max_model_len)
+        self.scheduler = Scheduler(
+            self.kv_cache_manager,
+            max_num_seqs=sched.max_num_seqs,
+            max_num_batched_tokens=budget,
+            max_model_len=self.max_model_len,
+            enable_chunked_prefill=sched.enable_chunked_prefill,
+            policy=sched.policy,
+        )
+
+    def _resolve_max_model_len(self) -> int:
+        model_len = self.model_info["max_position_embeddings"]
+        asked = self.config.model.max_model_len
+        if asked is None:
+            if model_len is None:
+                raise ConfigError("model.max_model_len is not set and the model config has no max_position_embeddings")
+            return int(model_len)
+        if model_len is not None and asked > model_len:
+            logger.warning("model.max_model_len=%d exceeds the model's %d positions", asked, model_len)
+        return asked
+
+    def _num_blocks(self) -> int:
+        blocks_per_seq = -(-self.max_model_len // self.config.cache.block_size)
+        # more blocks than max_num_seqs full-length requests can use only feed the prefix cache;
+        # the cap keeps the block pool's bookkeeping small for tiny models with huge budgets
+        cap = self.config.scheduler.max_num_seqs * blocks_per_seq
+        num_blocks = min(self.executor.determine_num_blocks(), cap)
+        if num_blocks < 1:
+            raise ConfigError(
+                f"the KV cache has room for no block (one block needs {self.model_info['block_bytes']} bytes): "
+                "raise cache.kv_cache_memory / cache.memory_fraction or set cache.num_blocks"
+            )
+        if num_blocks < blocks_per_seq:
+            logger.warning(
+                "KV cache holds %d blocks; one request of max_model_len=%d needs %d: long prompts will be rejected",
+                num_blocks, self.max_model_len, blocks_per_seq,
+            )
+        return num_blocks
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request (rejects one that can never fit, with InvalidRequestError)."""
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, req_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        """Finish requests early (abort, or a stop string found by the output processor)."""
+        self.scheduler.finish_requests(req_ids, status)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request is waiting or running."""
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Schedule, run the model once, and report each request's new tokens."""
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.executor.execute_model(scheduler_output)
+        updated = self.scheduler.update_from_output(scheduler_output, runner_output)
+        return self._outputs(updated, runner_output)
+
+    def _outputs(self, updated: list[Request], runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        row_of = {req_id: i for i, req_id in enumerate(runner_output.req_ids)}
+        logprobs = runner_output.logprobs
+        outputs = []
+        for req in updated:
+            row = row_of.get(req.request_id)
+            new_tokens = runner_output.sampled_token_ids[row] if row is not None else []
+            outputs.append(
+                EngineCoreOutput(
+                    req_id=req.request_id,
+                    new_token_ids=new_tokens,
+                    finish_reason=req.status.finish_reason,
+                    stop_reason=req.stop_reason,
+                    new_logprobs=logprobs.row(row) if (logprobs is not None and row is not None) else None,
+                    prompt_logprobs=runner_output.prompt_logprobs.get(req.request_id),
+                    num_cached_tokens=req.num_cached_tokens,
+                )
+            )
+        return outputs
+
+    def stats(self) -> dict:
+        """Counters for logging and metrics."""
+        pc = self.kv_cache_manager.prefix_cache_stats
+        return {
+            "time": time.time(),
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "kv_cache_usage": self.kv_cache_manager.usage,
+            "prefix_cache_hit_rate": getattr(pc, "hit_rate", 0.0),
+        }
+
+    def shutdown(self) -> None:
+        """Stop the executor."""
+        self.executor.shutdown()

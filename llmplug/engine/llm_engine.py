@@ -1,0 +1,124 @@
+"""LLMEngine: requests in, RequestOutputs out, one `step()` at a time."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from llmplug.core.config import EngineConfig
+from llmplug.core.outputs import RequestOutput
+from llmplug.core.params import SamplingParams
+from llmplug.core.plugins import get_registry
+from llmplug.engine.engine_core import EngineCore
+from llmplug.engine.input_processor import InputProcessor, PromptType
+from llmplug.engine.output_processor import OutputProcessor
+from llmplug.engine.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+def prepare_config(config: EngineConfig) -> EngineConfig:
+    """Resolve what the workers must agree on: the model path, the platform's dtype and backends."""
+    from llmplug.loaders import resolve_load_format
+    from llmplug.loaders.default_model import resolve_model_path
+    from llmplug.platforms import resolve_platform
+
+    config = config.model_copy(deep=True)
+    config.model.model = resolve_model_path(config.model.model)
+    config.load.format = resolve_load_format(config.model.model, config.load.format)
+    platform = resolve_platform(config.device.platform)
+    config.device.platform = platform.name
+    platform.check_and_update_config(config)
+    return config
+
+
+def child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The params of completion `index` of an n > 1 request: one sequence each, distinct seeds."""
+    child = params.clone()
+    child.n = 1
+    if params.seed is not None:
+        child.seed = params.seed + index
+    return child
+
+
+class LLMEngine:
+    """Tokenizes prompts, drives the EngineCore and turns its token updates into RequestOutputs."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = prepare_config(config)
+        self.tokenizer = self._load_tokenizer()
+        self.engine_core = EngineCore(self.config)
+        info = self.engine_core.model_info
+        self.processor = InputProcessor(self.tokenizer, info["vocab_size"], self.engine_core.max_model_len)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.eos_token_id = self._eos_token_id()
+        self.hooks = get_registry().hook_manager().hook
+
+    def _load_tokenizer(self) -> Any | None:
+        if self.config.model.skip_tokenizer_init:
+            return None
+        loader_cls = get_registry().load("llmplug.loaders", self.config.load.format)
+        return loader_cls(self.config.load).load_tokenizer(self.config.model)
+
+    def _eos_token_id(self) -> int | None:
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            return int(self.tokenizer.eos_token_id)
+        eos = self.engine_core.model_info.get("eos_token_id")
+        return eos[0] if isinstance(eos, list) else eos
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Validate and queue a request; with n > 1 it becomes n sequences sharing the prompt."""
+        params = params or SamplingParams()
+        text, token_ids, params = self.processor.process(prompt, params)
+        arrival_time = arrival_time or time.time()
+        child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
+        self.output_processor.add_request(request_id, text, token_ids, params, arrival_time, child_ids)
+        for i, child_id in enumerate(child_ids):
+            child = params if params.n == 1 else child_params(params, i)
+            request = Request(child_id, token_ids, child, self.eos_token_id, arrival_time, priority)
+            try:
+                self.engine_core.add_request(request)
+            except Exception:
+                self.abort_request([request_id])
+                raise
+        self.hooks.llmplug_request_event(event="added", request_id=request_id, info={"num_prompt_tokens": len(token_ids)})
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        """Stop requests (by the ids the user gave) and free their KV blocks."""
+        child_ids = self.output_processor.abort_requests(request_ids)
+        self.engine_core.abort_requests(child_ids)
+        for request_id in request_ids:
+            self.hooks.llmplug_request_event(event="aborted", request_id=request_id, info={})
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; return the outputs that changed."""
+        core_outputs = self.engine_core.step()
+        processed = self.output_processor.process(core_outputs)
+        if processed.reqs_to_abort:
+            self.engine_core.abort_requests(processed.reqs_to_abort, RequestStatus.FINISHED_STOPPED)
+        for out in processed.request_outputs:
+            if out.finished:
+                self.hooks.llmplug_request_event(event="finished", request_id=out.request_id, info={})
+        self.hooks.llmplug_stats(stats=self.engine_core.stats())
+        return processed.request_outputs
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request is still generating."""
+        return self.engine_core.has_unfinished_requests()
+
+    def get_tokenizer(self) -> Any | None:
+        """The tokenizer the engine uses (None with skip_tokenizer_init)."""
+        return self.tokenizer
+
+    def shutdown(self) -> None:
+        """Stop the workers."""
+        self.engine_core.shutdown()

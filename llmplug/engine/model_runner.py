@@ -1,0 +1,198 @@
+"""ModelRunner: turns a SchedulerOutput into one flattened forward pass and a sampled token per request."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from llmplug.core.config import EngineConfig
+from llmplug.core.plugins import get_registry
+from llmplug.engine.sampler import Sampler
+from llmplug.engine.sampling_state import SamplingState
+from llmplug.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from llmplug.layers.attention import bind_kv_cache
+from llmplug.layers.forward_context import CommonAttentionMetadata, forward_context
+from llmplug.loaders import resolve_load_format
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, frozen=True)
+class KVCacheSpec:
+    """What one KV block costs and how many layers hold one."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    block_size: int
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block across all layers (K and V)."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+
+
+@dataclass(slots=True)
+class BatchInputs:
+    """The flattened inputs of one step."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    common: CommonAttentionMetadata
+    sample_indices: torch.Tensor  # [S] positions in T whose hidden states produce logits
+    sample_req_ids: list[str]
+
+
+class ModelRunner:
+    """Owns the model, its KV cache and the sampler of one worker."""
+
+    def __init__(self, config: EngineConfig, device: torch.device):
+        self.config = config
+        self.device = device
+        self.block_size = config.cache.block_size
+        self.dtype = getattr(torch, config.model.dtype)
+        self.model: torch.nn.Module | None = None
+        self.attn_backend = get_registry().load("llmplug.attention", config.device.attention_backend or "torch_sdpa")
+        self.sampling_state: SamplingState | None = None  # needs the vocabulary size: built by load_model
+        self.sampler: Sampler | None = None
+        self.prompt_token_ids: dict[str, list[int]] = {}
+
+    # ---- set-up -------------------------------------------------------------------------------
+    def load_model(self) -> None:
+        """Build the model with the configured loader and load its weights."""
+        fmt = resolve_load_format(self.config.model.model, self.config.load.format)
+        loader = get_registry().load("llmplug.loaders", fmt)(self.config.load)
+        self.model = loader.load_model(self.config, device=self.device)
+        self.hf_config = loader.load_hf_config(self.config.model)
+        self.sampling_state = SamplingState(vocab_size=self.hf_config.vocab_size, device=self.device)
+        # processors contributed by `llmplug.hooks` plugins apply to every request
+        hook = get_registry().hook_manager().hook
+        global_processors = [p for found in hook.llmplug_logits_processors(config=self.config) for p in found]
+        self.sampler = Sampler(logits_processors=global_processors)
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """The shape of this worker's share of the KV cache."""
+        attn_layers = self._attention_layers()
+        first = attn_layers[0]
+        return KVCacheSpec(len(attn_layers), first.num_kv_heads, first.head_dim, self.dtype, self.block_size)
+
+    def _attention_layers(self) -> list[torch.nn.Module]:
+        from llmplug.layers.attention import Attention
+
+        return [m for m in self.model.modules() if isinstance(m, Attention)]
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate one cache tensor per attention layer and bind them to the layers."""
+        spec = self.kv_cache_spec()
+        shape = self.attn_backend.kv_cache_shape(num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
+        caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(spec.num_layers)]
+        bind_kv_cache(self.model, caches, self.attn_backend)
+        self.num_blocks = num_blocks
+
+    # ---- one step -----------------------------------------------------------------------------
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        for req_id in scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids:
+            self.sampling_state.remove_request(req_id)
+            self.prompt_token_ids.pop(req_id, None)
+        for req in scheduler_output.requests:
+            if req.new is not None:
+                new = req.new
+                self.sampling_state.add_request(
+                    new.req_id, new.sampling_params, new.prompt_token_ids, new.output_token_ids, new.eos_token_id
+                )
+                self.prompt_token_ids[new.req_id] = new.prompt_token_ids
+
+    def prepare_inputs(self, scheduler_output: SchedulerOutput) -> BatchInputs:
+        """Flatten the scheduled tokens of all requests into one batch (numpy, then one copy to torch)."""
+        reqs = scheduler_output.requests
+        bs = self.block_size
+        query_lens = np.fromiter((len(r.token_ids) for r in reqs), dtype=np.int64, count=len(reqs))
+        computed = np.fromiter((r.num_computed_tokens for r in reqs), dtype=np.int64, count=len(reqs))
+        seq_lens = computed + query_lens
+        query_start_loc = np.zeros(len(reqs) + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
+        # positions: computed[i] + 0..query_lens[i]-1 for each request, without a per-token loop
+        req_index = np.repeat(np.arange(len(reqs)), query_lens)
+        positions = np.arange(num_tokens, dtype=np.int64) - query_start_loc[req_index] + computed[req_index]
+        max_blocks = max(len(r.block_ids) for r in reqs)
+        block_tables = np.zeros((len(reqs), max_blocks), dtype=np.int64)
+        for i, r in enumerate(reqs):
+            block_tables[i, : len(r.block_ids)] = r.block_ids
+        # slot of each token: its block (from its request's table) * block_size + offset in block
+        slot_mapping = block_tables[req_index, positions // bs] * bs + positions % bs
+        input_ids = np.fromiter((t for r in reqs for t in r.token_ids), dtype=np.int64, count=num_tokens)
+        sample_mask = np.fromiter((r.samples for r in reqs), dtype=bool, count=len(reqs))
+        sample_indices = query_start_loc[1:][sample_mask] - 1
+        to = lambda a: torch.from_numpy(a).to(self.device, non_blocking=True)  # noqa: E731
+        positions_t = to(positions)
+        common = CommonAttentionMetadata(
+            query_start_loc=to(query_start_loc),
+            seq_lens=to(seq_lens),
+            num_computed_tokens=to(computed),
+            block_tables=to(block_tables),
+            slot_mapping=to(slot_mapping),
+            positions=positions_t,
+            block_size=bs,
+            num_reqs=len(reqs),
+            num_tokens=num_tokens,
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+            query_lens_list=tuple(query_lens.tolist()),
+            seq_lens_list=tuple(seq_lens.tolist()),
+        )
+        sample_req_ids = [r.req_id for r in reqs if r.samples]
+        return BatchInputs(to(input_ids), positions_t, common, to(sample_indices), sample_req_ids)
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one forward pass and sample one token for every request whose chunk reaches its end."""
+        self._update_states(scheduler_output)
+        if not scheduler_output.requests:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        batch = self.prepare_inputs(scheduler_output)
+        attn_metadata = self.attn_backend.build_metadata(batch.common)
+        with forward_context(attn_metadata):
+            hidden_states = self.model(batch.input_ids, batch.positions)
+        prompt_logprobs = self._prompt_logprobs(scheduler_output, batch, hidden_states)
+        if not batch.sample_req_ids:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], prompt_logprobs=prompt_logprobs)
+        logits = self.model.compute_logits(hidden_states[batch.sample_indices])
+        out = self.sampler(logits, self.sampling_state.metadata(batch.sample_req_ids))
+        sampled = out.sampled_token_ids.tolist()
+        for req_id, token in zip(batch.sample_req_ids, sampled):
+            self.sampling_state.append_output(req_id, [token])
+        return ModelRunnerOutput(
+            req_ids=batch.sample_req_ids,
+            sampled_token_ids=[[t] for t in sampled],
+            logprobs=out.logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    def _prompt_logprobs(
+        self, scheduler_output: SchedulerOutput, batch: BatchInputs, hidden_states: torch.Tensor
+    ) -> dict[str, object]:
+        """Logprobs of each prompt token given the ones before it, for requests that asked."""
+        from llmplug.engine.sampler import compute_prompt_logprobs
+
+        result: dict[str, object] = {}
+        starts = batch.common.query_start_loc.tolist()
+        for i, req in enumerate(scheduler_output.requests):
+            k = self.sampling_state.params(req.req_id).prompt_logprobs
+            prompt = self.prompt_token_ids.get(req.req_id)
+            if k is None or prompt is None or req.num_computed_tokens >= len(prompt):
+                continue
+            # position p predicts token p + 1; only positions whose next token is a prompt token
+            end_pos = min(req.num_computed_tokens + len(req.token_ids), len(prompt) - 1)
+            n = end_pos - req.num_computed_tokens
+            if n <= 0:
+                continue
+            rows = hidden_states[starts[i] : starts[i] + n]
+            targets = torch.tensor(prompt[req.num_computed_tokens + 1 : end_pos + 1], device=self.device)
+            result[req.req_id] = compute_prompt_logprobs(self.model.compute_logits(rows), targets, k)
+        return result

@@ -1,0 +1,74 @@
+"""Worker: one process's device, model runner and KV cache."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from llmplug.core.config import EngineConfig
+from llmplug.engine.model_runner import ModelRunner
+from llmplug.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    """Sets up a device for one rank and runs the model runner's steps on it."""
+
+    def __init__(self, config: EngineConfig, local_rank: int = 0, rank: int = 0):
+        self.config = config
+        self.local_rank = local_rank
+        self.rank = rank
+        self.model_runner: ModelRunner | None = None
+
+    def init_device(self) -> None:
+        """Choose this rank's device from the devices it can see, and seed its RNGs."""
+        from llmplug.platforms import resolve_platform
+
+        self.platform = resolve_platform(self.config.device.platform)
+        index = self.platform.visible_device_index(self.local_rank)
+        self.platform.set_device(index)
+        self.device = self.platform.device(index)
+        if self.config.device.num_threads:
+            torch.set_num_threads(self.config.device.num_threads)
+        self.platform.seed_everything(self.config.model.seed)
+        self.model_runner = ModelRunner(self.config, self.device)
+
+    def load_model(self) -> None:
+        """Build the model and load its weights."""
+        self.model_runner.load_model()
+
+    def determine_num_blocks(self) -> int:
+        """How many KV blocks this worker can hold: explicit count, memory budget, or free memory."""
+        cache = self.config.cache
+        spec = self.model_runner.kv_cache_spec()
+        if cache.num_blocks is not None:
+            return cache.num_blocks
+        if cache.kv_cache_memory is not None:
+            budget = cache.kv_cache_memory
+        else:
+            budget = self.platform.memory_for_kv_cache(cache.memory_fraction, self.device.index or 0)
+        num_blocks = max(budget // spec.block_bytes, 0)
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, spec.block_size,
+                    num_blocks * spec.block_bytes / 2**20)
+        return int(num_blocks)
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        """Allocate the KV cache."""
+        self.model_runner.initialize_kv_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step."""
+        return self.model_runner.execute_model(scheduler_output)
+
+    def model_info(self) -> dict:
+        """Facts about the loaded model the engine needs (context length, vocabulary, layers)."""
+        hf = self.model_runner.hf_config
+        spec = self.model_runner.kv_cache_spec()
+        return {
+            "max_position_embeddings": getattr(hf, "max_position_embeddings", None),
+            "vocab_size": hf.vocab_size,
+            "eos_token_id": getattr(hf, "eos_token_id", None),
+            "block_bytes": spec.block_bytes,
+        }

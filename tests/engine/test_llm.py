@@ -1,0 +1,172 @@
+"""The whole engine (LLM class) against HF transformers on tiny random Llama-family models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmplug import LLM, SamplingParams
+from llmplug.core.errors import InvalidRequestError
+from tests.models.tiny_models import ARCHS, make_tiny
+
+MAX_TOKENS = 32
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHS))
+def tiny(request, tmp_path_factory):
+    return make_tiny(request.param, tmp_path_factory.mktemp(request.param))
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return make_tiny("llama", tmp_path_factory.mktemp("llama"))
+
+
+def prompts(seed: int = 0, lengths=(3, 11, 7, 20, 1, 14)) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
+
+
+def hf_greedy(hf_model, prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
+    with torch.inference_mode():
+        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                                do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def make_llm(tiny, **kwargs) -> LLM:
+    kwargs = {"dtype": "float32", "skip_tokenizer_init": True, "block_size": 4, **kwargs}
+    return LLM(str(tiny.path), **kwargs)
+
+
+def generate_ids(llm: LLM, token_prompts, params) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in token_prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def assert_no_leak(llm: LLM) -> None:
+    kv = llm.llm_engine.engine_core.kv_cache_manager
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+# (name, engine keywords): each variant exercises another path of the scheduler and attention
+VARIANTS = {
+    "plain": {},
+    "chunked_prefill": {"max_num_batched_tokens": 6},
+    "preemption": {"num_gpu_blocks_override": 24, "max_num_seqs": 6},
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_greedy_matches_hf_generate(tiny, variant):
+    llm = make_llm(tiny, **VARIANTS[variant])
+    batch = prompts()
+    got = generate_ids(llm, batch, GREEDY)
+    expected = [hf_greedy(tiny.hf_model, p) for p in batch]
+    assert got == expected
+    assert_no_leak(llm)
+    if variant == "preemption":
+        assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
+
+
+def test_prefix_cache_hits_keep_outputs(tiny_llama):
+    llm = make_llm(tiny_llama)
+    shared = prompts(1, (12,))[0]
+    batch = [shared + tail for tail in prompts(2, (3, 5, 1))]
+    first = generate_ids(llm, batch[:1], GREEDY)
+    rest = generate_ids(llm, batch[1:], GREEDY)  # the shared 3 blocks are cached by now
+    stats = llm.llm_engine.engine_core.kv_cache_manager.prefix_cache_stats
+    assert stats.hits >= 2 * 12
+    assert first + rest == [hf_greedy(tiny_llama.hf_model, p) for p in batch]
+    assert_no_leak(llm)
+
+
+def test_logits_match_hf_through_logprobs(tiny_llama):
+    llm = make_llm(tiny_llama)
+    batch = prompts(3, (5, 9))
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    worst = 0.0
+    for prompt, out in zip(batch, outs):
+        seq = prompt + list(out.outputs[0].token_ids)
+        with torch.inference_mode():
+            ref = torch.log_softmax(tiny_llama.hf_model(torch.tensor([seq])).logits[0].float(), -1)
+        for i, (token, position) in enumerate(zip(out.outputs[0].token_ids, out.outputs[0].logprobs)):
+            row = ref[len(prompt) - 1 + i]
+            assert token == int(row.argmax())
+            for tid, lp in position.items():
+                worst = max(worst, abs(lp.logprob - float(row[tid])))
+    assert worst < 1e-3, f"max abs logprob diff {worst}"
+
+
+def test_seeded_sampling_is_batch_independent(tiny_llama):
+    llm = make_llm(tiny_llama)
+    target = prompts(4, (6,))[0]
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = generate_ids(llm, [target], seeded)[0]
+    others = prompts(5, tuple(range(2, 17)))
+    mixed = [SamplingParams(temperature=0.7 + 0.02 * i, seed=None if i % 2 else i, max_tokens=16, ignore_eos=True)
+             for i in range(15)]
+    batch = generate_ids(llm, others[:7] + [target] + others[7:], mixed[:7] + [seeded] + mixed[7:])
+    assert batch[7] == alone
+    assert_no_leak(llm)
+
+
+def test_n_completions_share_the_prompt(tiny_llama):
+    llm = make_llm(tiny_llama)
+    prompt = prompts(6, (13,))[0]
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 8 for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # distinct seeds per completion
+    assert llm.llm_engine.engine_core.kv_cache_manager.prefix_cache_stats.hits > 0
+    assert_no_leak(llm)
+
+
+def test_max_tokens_and_stop_token_ids(tiny_llama):
+    llm = make_llm(tiny_llama)
+    prompt = prompts(7, (5,))[0]
+    free = generate_ids(llm, [prompt], GREEDY)[0]
+    stop_at = free[5]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop_token_ids=[stop_at])
+    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_at
+    assert list(out.token_ids) == free[: free.index(stop_at) + 1]
+    short = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=3),
+                         use_tqdm=False)[0].outputs[0]
+    assert short.finish_reason == "length" and len(short.token_ids) == 3
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"prompt_token_ids": []}, "empty"),
+        ({"prompt_token_ids": [1, 999999]}, "vocabulary"),
+        ({"prompt_token_ids": [1] * 300}, "context length"),
+        ("text without a tokenizer", "tokenizer"),
+    ],
+)
+def test_bad_prompt_is_a_clear_error_and_engine_keeps_working(tiny_llama, bad, message):
+    llm = make_llm(tiny_llama)
+    with pytest.raises(InvalidRequestError, match=message):
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}, bad], GREEDY, use_tqdm=False)
+    assert_no_leak(llm)
+    assert generate_ids(llm, [[1, 2, 3]], GREEDY) == [hf_greedy(tiny_llama.hf_model, [1, 2, 3])]
+
+
+def test_step_by_step_and_abort(tiny_llama):
+    llm = make_llm(tiny_llama)
+    keep = llm.add_request({"prompt_token_ids": [5, 6, 7]}, GREEDY)
+    drop = llm.add_request({"prompt_token_ids": [8, 9]}, GREEDY)
+    llm.step()
+    llm.abort(drop)
+    finished = {}
+    while llm.llm_engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in llm.step() if o.finished})
+    assert drop not in finished
+    assert list(finished[keep].outputs[0].token_ids) == hf_greedy(tiny_llama.hf_model, [5, 6, 7])
+    assert_no_leak(llm)
