@@ -193,7 +193,8 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """The cached blocks of the request's longest cached prefix and the tokens they hold."""
-        if not self.enable_prefix_caching:
+        # prompt logprobs need the logits of every prompt position, so such a request computes them all
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         # At least one token is left to compute, so the model produces the logits to sample from.
         max_blocks = (request.num_tokens - 1) // self.block_size

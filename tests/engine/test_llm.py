@@ -170,3 +170,17 @@ def test_step_by_step_and_abort(tiny_llama):
     assert drop not in finished
     assert list(finished[keep].outputs[0].token_ids) == hf_greedy(tiny_llama.hf_model, [5, 6, 7])
     assert_no_leak(llm)
+
+
+def test_prompt_logprobs_cover_every_position_even_with_a_cached_prefix(tiny_llama):
+    llm = make_llm(tiny_llama)
+    prompt = prompts(8, (14,))[0]
+    generate_ids(llm, [prompt], GREEDY)  # caches the prompt's full blocks
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    with torch.inference_mode():
+        ref = torch.log_softmax(tiny_llama.hf_model(torch.tensor([prompt])).logits[0], -1)
+    assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+    for pos in range(1, len(prompt)):
+        assert out.prompt_logprobs[pos][prompt[pos]].logprob == pytest.approx(float(ref[pos - 1, prompt[pos]]), abs=1e-4)
+    assert_no_leak(llm)
