@@ -55,16 +55,31 @@ def _run_config(args: argparse.Namespace) -> int:
 def _plugins_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--group", metavar="G", help="Only this entry-point group: llmplug.platforms or platforms.")
     parser.add_argument("--json", action="store_true", help="One JSON list of rows instead of a table.")
+    parser.add_argument("--probe", action="store_true",
+                        help="Also ask each platform whether its hardware is here (imports torch; slower).")
 
 
 def _run_plugins(args: argparse.Namespace) -> int:
     from llmplug.core.plugins import get_registry
 
     rows = list(get_registry().describe())
+    if args.probe:
+        _probe_platforms(rows)
     if args.group:
         rows = _rows_of_group(rows, args.group)
     print(json.dumps(rows, indent=2) if args.json else _plugins_table(rows))
     return 0
+
+
+def _probe_platforms(rows: list[dict[str, Any]]) -> None:
+    """Mark platforms whose hardware this machine lacks as not usable, saying what was detected."""
+    from llmplug.platforms import PLATFORMS_GROUP, detect_platforms
+
+    report = detect_platforms()
+    for row in rows:
+        reason = report.get(row["name"]) if row["group"] == PLATFORMS_GROUP and row["usable"] else None
+        if reason:
+            row["usable"], row["reason"] = False, reason
 
 
 def _rows_of_group(rows: list[dict[str, Any]], group: str) -> list[dict[str, Any]]:

@@ -190,3 +190,14 @@ def test_version_config_and_plugins_do_not_import_torch(tmp_path):
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
                             env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert result.returncode == 0, result.stderr
+
+
+def test_plugins_probe_says_why_a_platform_is_not_usable_here():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "llmplug.entrypoints.cli", "plugins", "--probe", "--json"],
+                         capture_output=True, text=True, check=True).stdout
+    rows = {r["name"]: r for r in json.loads(out) if r["group"] == "llmplug.platforms"}
+    assert rows["cpu"]["usable"] is True
+    assert rows["cuda"]["usable"] is False and "CUDA" in rows["cuda"]["reason"]
