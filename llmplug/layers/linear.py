@@ -1,9 +1,14 @@
 """Linear layers that shard their weight across the tensor-parallel group.
 
 Each layer owns its `weight_loader(param, loaded_weight[, shard_id])`, which takes the full
-checkpoint tensor and copies this rank's slice into place; models never slice weights themselves.
-Weights are [out_features, in_features] like torch.nn.Linear, created uninitialized (the loader
-fills them).
+checkpoint tensor and copies this rank's slice into place (`_place`); models never slice weights
+themselves. Weights are [out_features, in_features] like torch.nn.Linear, created uninitialized (the
+loader fills them).
+
+A layer computes through its `quant_method` (see layers/quantization.py): dense by default; after
+loading, `process_weights_after_loading` may give it a packed int4 copy of its weight for small
+batches. Exact int4 groups a loader attached to a checkpoint tensor are placed with the same `_place`
+as the dense rows, so fused and sharded weights get theirs in the same order.
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ from torch import nn
 
 from llmplug.communicators.parallel_state import get_tp_group
 from llmplug.core.errors import ModelLoadError
-from llmplug.layers.weight_utils import default_weight_loader, frozen_parameter
+from llmplug.layers.quantization import DENSE, Int4Options, LinearMethod, int4_method_for, stage_int4
+from llmplug.layers.weight_utils import ShardId, default_weight_loader, frozen_parameter
 
 __all__ = [
     "ColumnParallelLinear",
@@ -45,17 +51,37 @@ class LinearBase(nn.Module):
         self.tp_rank, self.tp_size = tp.rank_in_group, tp.world_size
         self.weight = frozen_parameter(torch.empty(output_size, input_size), self.weight_loader)
         self.bias = frozen_parameter(torch.empty(output_size), self.weight_loader) if bias else None
+        self.quant_method: LinearMethod = DENSE
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
-        """Copy the whole tensor (replicated layers)."""
-        default_weight_loader(param, loaded_weight)
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId | None = None) -> None:
+        """Copy this rank's part of checkpoint tensor `loaded_weight` (shard `shard_id` of a fused weight) into `param`.
+
+        A new weight invalidates an int4 copy made from the old one: the layer is dense again until
+        `process_weights_after_loading` runs.
+        """
+        self._place(param.data, loaded_weight, shard_id)
+        if param is self.weight:
+            self.quant_method = DENSE
+            stage_int4(param, loaded_weight, lambda dst, src: self._place(dst, src, shard_id))
+
+    def _place(self, dst: torch.Tensor, loaded: torch.Tensor, shard_id: ShardId | None) -> None:
+        """Copy the part of `loaded` that this rank holds into `dst` (shaped like the parameter); here: all of it."""
+        _no_shard_id(self, shard_id)
+        default_weight_loader(dst, loaded)
+
+    def process_weights_after_loading(self, options: Int4Options) -> None:
+        """Choose the quant method now that the weight (and any staged int4 groups) are loaded."""
+        self.quant_method = int4_method_for(self.weight, options)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[..., input_size] -> [..., output_size]."""
-        return F.linear(x, self.weight, self.bias)
+        return self.quant_method.apply(self, x, self.bias)
 
     def extra_repr(self) -> str:
-        return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}, tp={self.tp_size}"
+        return (
+            f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}, tp={self.tp_size}, "
+            f"method={self.quant_method!r}"
+        )
 
 
 class ReplicatedLinear(LinearBase):
@@ -71,14 +97,14 @@ class ColumnParallelLinear(LinearBase):
         self.total_output_size, self.gather_output = output_size, gather_output
         super().__init__(input_size, divide(output_size, get_tp_group().world_size), bias, prefix)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+    def _place(self, dst: torch.Tensor, loaded: torch.Tensor, shard_id: ShardId | None) -> None:
         """Copy this rank's rows of the full [output_size, ...] tensor."""
-        size = param.shape[0]
-        default_weight_loader(param, _shard(loaded_weight, 0, self.tp_rank, size, self.tp_size))
+        _no_shard_id(self, shard_id)
+        default_weight_loader(dst, _shard(loaded, 0, self.tp_rank, dst.shape[0], self.tp_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[..., input_size] -> [..., output_size / tp] (or whole with gather_output)."""
-        y = F.linear(x, self.weight, self.bias)
+        y = self.quant_method.apply(self, x, self.bias)
         return get_tp_group().all_gather(y, dim=-1) if self.gather_output else y
 
 
@@ -93,12 +119,16 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = list(output_sizes)
         super().__init__(input_size, sum(self.output_sizes), bias, gather_output=False, prefix=prefix)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int) -> None:
+    def _place(self, dst: torch.Tensor, loaded: torch.Tensor, shard_id: ShardId | None) -> None:
         """Copy this rank's rows of checkpoint projection `shard_id` into its place in the fused weight."""
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
+            raise ValueError(
+                f"MergedColumnParallelLinear shard id must be 0..{len(self.output_sizes) - 1}, got {shard_id!r}"
+            )
         sizes = [divide(s, self.tp_size) for s in self.output_sizes]
         offset, size = sum(sizes[:shard_id]), sizes[shard_id]
-        shard = _shard(loaded_weight, 0, self.tp_rank, size, self.tp_size)
-        default_weight_loader(param.data.narrow(0, offset, size), shard)
+        shard = _shard(loaded, 0, self.tp_rank, size, self.tp_size)
+        default_weight_loader(dst.narrow(0, offset, size), shard)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -137,7 +167,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         """Width of this rank's k (and of its v) output."""
         return self.num_kv_heads * self.head_size
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str) -> None:
+    def _place(self, dst: torch.Tensor, loaded: torch.Tensor, shard_id: ShardId | None) -> None:
         """Copy this rank's heads of checkpoint projection `shard_id` ("q", "k" or "v")."""
         offsets = {"q": 0, "k": self.q_size, "v": self.q_size + self.kv_size}
         if shard_id not in offsets:
@@ -147,8 +177,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             replicas = self.num_kv_head_replicas
             size, index, num_shards = self.kv_size, self.tp_rank // replicas, self.tp_size // replicas
-        dst = param.data.narrow(0, offsets[shard_id], size)
-        default_weight_loader(dst, _shard(loaded_weight, 0, index, size, num_shards))
+        rows = dst.narrow(0, offsets[shard_id], size)
+        default_weight_loader(rows, _shard(loaded, 0, index, size, num_shards))
 
 
 class RowParallelLinear(LinearBase):
@@ -167,13 +197,13 @@ class RowParallelLinear(LinearBase):
         self.input_is_parallel, self.reduce_results = input_is_parallel, reduce_results
         super().__init__(divide(input_size, get_tp_group().world_size), output_size, bias, prefix)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
-        """Copy this rank's columns of the weight; the bias is loaded whole."""
-        if param.dim() == 1:
-            default_weight_loader(param, loaded_weight)
+    def _place(self, dst: torch.Tensor, loaded: torch.Tensor, shard_id: ShardId | None) -> None:
+        """Copy this rank's columns of the weight (int4 groups: their columns of groups); the bias is loaded whole."""
+        _no_shard_id(self, shard_id)
+        if dst.dim() == 1:
+            default_weight_loader(dst, loaded)
             return
-        size = param.shape[1]
-        default_weight_loader(param, _shard(loaded_weight, 1, self.tp_rank, size, self.tp_size))
+        default_weight_loader(dst, _shard(loaded, 1, self.tp_rank, dst.shape[1], self.tp_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[..., input_size / tp] (or whole) -> [..., output_size], summed over ranks."""
@@ -181,8 +211,14 @@ class RowParallelLinear(LinearBase):
             x = x.narrow(-1, self.tp_rank * self.input_size, self.input_size)
         # the bias is added once, by rank 0, so the all-reduce does not count it tp times
         bias = self.bias if self.tp_rank == 0 else None
-        y = F.linear(x, self.weight, bias)
+        y = self.quant_method.apply(self, x, bias)
         return get_tp_group().all_reduce(y) if self.reduce_results and self.tp_size > 1 else y
+
+
+def _no_shard_id(layer: nn.Module, shard_id: ShardId | None) -> None:
+    """A layer loaded whole takes no shard id; one given means the model's name map is wrong."""
+    if shard_id is not None:
+        raise ValueError(f"{type(layer).__name__} is not a fused layer: it takes no shard id (got {shard_id!r})")
 
 
 def _shard(loaded: torch.Tensor, dim: int, index: int, size: int, num_shards: int) -> torch.Tensor:

@@ -2,6 +2,9 @@
 
 Rank r holds rows [r * n, (r + 1) * n) of the [vocab, hidden] table, n = ceil(vocab / tp); the
 last rank's rows past the vocabulary are zero padding and their logits are cut off.
+
+The lookup is always dense; the LM head (tied or not) computes through its `quant_method` and may get
+a packed int4 copy of its table for small batches, like the linear layers (see layers/quantization.py).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmplug.communicators.parallel_state import get_tp_group
+from llmplug.layers.quantization import DENSE, Int4Options, LinearMethod, int4_method_for, stage_int4, staged_int4
 from llmplug.layers.weight_utils import check_shape, frozen_parameter
 
 __all__ = ["ParallelLMHead", "VocabParallelEmbedding"]
@@ -29,14 +33,29 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_end = min(self.vocab_start + self.num_embeddings_per_partition, num_embeddings)
         table = torch.empty(self.num_embeddings_per_partition, embedding_dim)
         self.weight = frozen_parameter(table, self.weight_loader)
+        self.weight_users: list[ParallelLMHead] = []  # heads tied to this table (told when it is reloaded)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
-        """Copy this rank's vocabulary rows of the full [vocab, hidden] table; zero the padding rows."""
-        full_shape = (self.num_embeddings, *param.shape[1:])  # [vocab, hidden], or [vocab] for a bias
-        check_shape(torch.empty(full_shape, device="meta"), loaded_weight)
+        """Copy this rank's vocabulary rows of the full [vocab, hidden] table; zero the padding rows.
+
+        Exact int4 groups attached to the table are staged the same way, for a head that uses it.
+        """
+        self._place(param.data, loaded_weight)
+        if param is self.weight:
+            for head in (self, *self.weight_users):
+                if isinstance(head, ParallelLMHead):
+                    head.quant_method = DENSE  # an int4 copy of the old table is stale
+            stage_int4(param, loaded_weight, self._place)
+            if (staging := staged_int4(param)) is not None:
+                staging.filled[self.vocab_end - self.vocab_start :] = True  # padding rows: all-zero groups
+
+    def _place(self, dst: torch.Tensor, loaded: torch.Tensor) -> None:
+        """Copy this rank's vocabulary rows of `loaded` into `dst`; zero the rows past the vocabulary."""
+        full_shape = (self.num_embeddings, *dst.shape[1:])  # [vocab, hidden], or [vocab] for a bias
+        check_shape(torch.empty(full_shape, device="meta"), loaded)
         rows = self.vocab_end - self.vocab_start
-        param.data[:rows].copy_(loaded_weight[self.vocab_start : self.vocab_end])
-        param.data[rows:].zero_()
+        dst[:rows].copy_(loaded[self.vocab_start : self.vocab_end])
+        dst[rows:].zero_()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] token ids -> [T, embedding_dim]."""
@@ -59,15 +78,21 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(num_embeddings, embedding_dim, prefix)
         per_rank = self.num_embeddings_per_partition
         self.bias = frozen_parameter(torch.empty(per_rank), self.weight_loader) if bias else None
+        self.quant_method: LinearMethod = DENSE
 
     def tie_weights(self, embedding: VocabParallelEmbedding) -> "ParallelLMHead":
         """Use the embedding's table as the output projection (tie_word_embeddings)."""
         self.weight = embedding.weight
+        embedding.weight_users.append(self)
         return self
+
+    def process_weights_after_loading(self, options: Int4Options) -> None:
+        """Choose the quant method now that the table (and any staged int4 groups) are loaded."""
+        self.quant_method = int4_method_for(self.weight, options)
 
     def get_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] logits in the weight's dtype."""
-        logits = F.linear(hidden_states, self.weight, self.bias)
+        logits = self.quant_method.apply(self, hidden_states, self.bias)
         if self.tp_size > 1:
             logits = get_tp_group().all_gather(logits, dim=-1)
         padded = logits.shape[-1]

@@ -3,6 +3,9 @@
 The file is memory-mapped with `gguf.GGUFReader`; the transformers config is built from its metadata
 (`gguf_config`), the tokenizer by transformers from its tokenizer metadata (chat template included),
 and each tensor is dequantized to the model dtype only when the model asks for it. See docs/gguf.md.
+
+Q4_0, Q4_1 and Q8_0 tensors can also carry their exact int4 form (`int4_groups_of_tensor`, read from
+the raw blocks) to the layers, which keep a packed int4 copy for small batches (docs/quantization.md).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 from tqdm import tqdm
 
 from llmplug.core.errors import ModelLoadError
+from llmplug.layers.quantization import INT4_GROUP_SIZE, Int4Groups, attach_int4_groups
 from llmplug.loaders.base import BaseModelLoader, model_dtype
 from llmplug.loaders.default_model import resolve_model_path
 from llmplug.loaders.gguf_config import ROPE_FREQS_TENSOR, architecture_of, build_hf_config, field_value
@@ -31,7 +35,9 @@ if TYPE_CHECKING:
 __all__ = [
     "GGUFLoader",
     "gguf_file",
+    "exact_int4_types",
     "hf_tensor_name",
+    "int4_groups_of_tensor",
     "iter_gguf_weights",
     "load_gguf_config",
     "load_gguf_tokenizer",
@@ -227,8 +233,13 @@ def dequantize_tensor(tensor: Any) -> torch.Tensor:
     return torch.from_numpy(values.reshape(shape))
 
 
-def iter_gguf_weights(path: str, dtype: torch.dtype, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor in `dtype`) for every weight of the file, dequantized one at a time."""
+def iter_gguf_weights(
+    path: str, dtype: torch.dtype, progress: bool = True, int4_types: frozenset[Q] = frozenset()
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor in `dtype`) for every weight of the file, dequantized one at a time.
+
+    Matrices of a type in `int4_types` also carry their exact int4 groups (`attach_int4_groups`).
+    """
     reader = open_gguf(path)
     check_tensors(reader, path)
     _, spec = architecture_of(reader, path)
@@ -237,9 +248,76 @@ def iter_gguf_weights(path: str, dtype: torch.dtype, progress: bool = True) -> I
     for tensor in tqdm(tensors, desc=f"Loading {os.path.basename(path)}", unit="tensor", disable=not progress):
         name = hf_tensor_name(tensor.name)
         weight = dequantize_tensor(tensor)
+        groups = int4_groups_of_tensor(tensor) if tensor.tensor_type in int4_types and weight.dim() == 2 else None
         if (num_heads := _permuted_heads(name, head_counts)) is not None:
             weight = reverse_permute_qk(weight, num_heads)
-        yield name, weight.to(dtype)
+            groups = groups.map_rows(functools.partial(reverse_permute_qk, num_heads=num_heads)) if groups else None
+        weight = weight.to(dtype)
+        yield name, (attach_int4_groups(weight, groups) if groups is not None else weight)
+
+
+# ---------------------------------------------------------------- exact int4 form of Q4_0 / Q4_1 / Q8_0
+
+Q = gguf.GGMLQuantizationType
+
+
+def exact_int4_types(quantization: str) -> frozenset[Q]:
+    """The GGUF types whose exact int4 groups the loader hands to the layers under `quantization`.
+
+    auto: every type int4 planes hold exactly (Q4_0, Q4_1 in one plane, Q8_0 in two); int4: the 4-bit
+    ones only (the layers quantize the rest to one plane); none: no types.
+    """
+    return {"auto": frozenset({Q.Q4_0, Q.Q4_1, Q.Q8_0}), "int4": frozenset({Q.Q4_0, Q.Q4_1})}.get(
+        quantization, frozenset()
+    )
+
+
+def int4_groups_of_tensor(tensor: Any) -> Int4Groups:
+    """The exact int4 groups of a Q4_0, Q4_1 or Q8_0 matrix, read from its raw blocks (torch order, unpermuted)."""
+    decode = _BLOCK_DECODERS.get(tensor.tensor_type)
+    if decode is None:
+        raise ValueError(f"GGUF type {tensor.tensor_type.name} has no exact int4 form")
+    block_size, type_size = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
+    assert block_size == INT4_GROUP_SIZE
+    n, k = (int(dim) for dim in reversed(tensor.shape))
+    blocks = np.asarray(tensor.data).reshape(n, k // block_size, type_size)  # [N, G, bytes per block]
+    q, scale, zero = decode(blocks)  # [P, N, G, 32] uint8, [P, N, G] float32 twice
+    planes = q.shape[0]
+    q_tensor = torch.from_numpy(np.ascontiguousarray(q).reshape(planes, n, k))
+    return Int4Groups(q_tensor, torch.from_numpy(scale), torch.from_numpy(zero), block_size)
+
+
+def _half(blocks: np.ndarray, start: int) -> np.ndarray:
+    """The fp16 at byte `start` of every block, as float32 [N, G]."""
+    return np.ascontiguousarray(blocks[..., start : start + 2]).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(packed: np.ndarray) -> np.ndarray:
+    """ggml's 4-bit layout: byte j holds weight j (low nibble) and weight j + 16 (high nibble)."""
+    return np.concatenate([packed & 0x0F, packed >> 4], axis=-1)  # [..., 32]
+
+
+def _decode_q4_0(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_0: w = d * (q - 8): scale d, zero 0."""
+    d = _half(blocks, 0)
+    return _nibbles(blocks[..., 2:18])[None], d[None], np.zeros_like(d)[None]
+
+
+def _decode_q4_1(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_1: w = d * q + m = d * (q - 8) + (m + 8 d): scale d, zero m + 8 d."""
+    d, m = _half(blocks, 0), _half(blocks, 2)
+    return _nibbles(blocks[..., 4:20])[None], d[None], (m + 8 * d)[None]
+
+
+def _decode_q8_0(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q8_0: w = d * q8 with q8 + 128 = 16 hi + lo, so w = 16 d (hi - 8) + [d (lo - 8) + 8 d]: two planes."""
+    d = _half(blocks, 0)
+    biased = (blocks[..., 2:34].view(np.int8).astype(np.int16) + 128).astype(np.uint8)  # [N, G, 32] 0..255
+    q = np.stack([biased >> 4, biased & 0x0F])
+    return q, np.stack([16 * d, d]), np.stack([np.zeros_like(d), 8 * d])
+
+
+_BLOCK_DECODERS = {Q.Q4_0: _decode_q4_0, Q.Q4_1: _decode_q4_1, Q.Q8_0: _decode_q8_0}
 
 
 def _permuted_heads(hf_name: str, head_counts: dict[str, int]) -> int | None:
@@ -291,4 +369,5 @@ class GGUFLoader(BaseModelLoader):
 
     def iter_weights(self, model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
         """HF-named weights in the model dtype, dequantized lazily (the base class shows the progress bar)."""
-        return iter_gguf_weights(self.gguf_path(model_config), model_dtype(model_config.dtype), progress=False)
+        path, dtype = self.gguf_path(model_config), model_dtype(model_config.dtype)
+        return iter_gguf_weights(path, dtype, progress=False, int4_types=exact_int4_types(model_config.quantization))
