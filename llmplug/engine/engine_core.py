@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 
 from llmplug.core.config import EngineConfig
 from llmplug.core.errors import ConfigError
@@ -111,13 +110,12 @@ class EngineCore:
 
     def stats(self) -> dict:
         """Counters for logging and metrics."""
-        pc = self.kv_cache_manager.prefix_cache_stats
         return {
-            "time": time.time(),
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
+            "num_preemptions": self.scheduler.num_preemptions,
             "kv_cache_usage": self.kv_cache_manager.usage,
-            "prefix_cache_hit_rate": getattr(pc, "hit_rate", 0.0),
+            "prefix_cache_hit_rate": self.kv_cache_manager.prefix_cache_stats.hit_rate,
         }
 
     def shutdown(self) -> None:

@@ -184,3 +184,12 @@ def test_prompt_logprobs_cover_every_position_even_with_a_cached_prefix(tiny_lla
     for pos in range(1, len(prompt)):
         assert out.prompt_logprobs[pos][prompt[pos]].logprob == pytest.approx(float(ref[pos - 1, prompt[pos]]), abs=1e-4)
     assert_no_leak(llm)
+
+
+def test_llm_reads_a_config_file_and_keywords_override_it(tiny_llama, tmp_path):
+    path = tmp_path / "engine.yaml"
+    path.write_text(f"model:\n  model: {tiny_llama.path}\n  dtype: float32\n  skip_tokenizer_init: true\n"
+                    "cache:\n  block_size: 8\nscheduler:\n  max_num_seqs: 3\n")
+    llm = LLM(config=path, max_num_seqs=5)
+    assert llm.config.cache.block_size == 8 and llm.config.scheduler.max_num_seqs == 5
+    assert generate_ids(llm, [[4, 5, 6]], GREEDY) == [hf_greedy(tiny_llama.hf_model, [4, 5, 6])]
