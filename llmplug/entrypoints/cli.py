@@ -106,7 +106,7 @@ def _plugins_table(rows: list[dict[str, Any]]) -> str:
 
 
 def _engine_commands() -> dict[str, Subcommand]:
-    from llmplug.entrypoints import generate
+    from llmplug.entrypoints import generate, serve
 
     return {
         "run": Subcommand("Answer a few demo prompts with the model (default: the embedded SmolLM2) and print tok/s.",
@@ -115,6 +115,8 @@ def _engine_commands() -> dict[str, Subcommand]:
                                generate._generate_arguments, generate._run_generate),
         "chat": Subcommand("Chat with the model in the terminal, streaming its answers.",
                            generate._chat_arguments, generate._run_chat),
+        "serve": Subcommand("Serve the model over an OpenAI-compatible HTTP API (chat, completions, responses).",
+                            serve._serve_arguments, serve._run_serve),
     }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -40,22 +41,25 @@ class ForwardContext:
     virtual_engine: int = 0
 
 
-_current: ForwardContext | None = None
+# A context variable, not a module global: engines stepping in different threads (AsyncLLM runs its
+# engine loop in its own thread) each see their own forward pass.
+_current: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar("llmplug_forward_context", default=None)
 
 
 @contextlib.contextmanager
 def forward_context(attn_metadata: Any) -> Iterator[ForwardContext]:
     """Make `attn_metadata` visible to the Attention layers for the duration of one forward pass."""
-    global _current
-    previous, _current = _current, ForwardContext(attn_metadata)
+    context = ForwardContext(attn_metadata)
+    token = _current.set(context)
     try:
-        yield _current
+        yield context
     finally:
-        _current = previous
+        _current.reset(token)
 
 
 def get_forward_context() -> ForwardContext:
     """The context of the running forward pass; an error outside one."""
-    if _current is None:
+    context = _current.get()
+    if context is None:
         raise RuntimeError("Attention layer called outside `with forward_context(...)`: the model runner sets it")
-    return _current
+    return context

@@ -1,0 +1,337 @@
+"""AsyncLLM: the engine for asyncio servers; `async for out in engine.generate(...)` streams a request.
+
+One background thread owns the LLMEngine and runs its step loop, so a long step never blocks the event
+loop that serves HTTP. The two sides talk through two channels only:
+- commands (add, abort, shutdown) go to the engine thread through a thread-safe queue, which the thread
+  drains between steps; with nothing to run it blocks on that queue (no busy wait);
+- outputs go back through `loop.call_soon_threadsafe`, once per step and event loop, into one asyncio
+  queue per request.
+An error in adding one request (InvalidRequestError) reaches that request only. An exception from a
+step means the engine is broken: every in-flight request fails with EngineDeadError, later calls raise
+it at once, and `check_health()` reports it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from llmplug.core.config import EngineConfig, load_config
+from llmplug.core.errors import EngineDeadError, InvalidRequestError
+from llmplug.core.outputs import CompletionOutput, RequestOutput
+from llmplug.core.params import RequestOutputKind, SamplingParams
+from llmplug.engine.input_processor import PromptType
+from llmplug.engine.llm_engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AsyncLLM"]
+
+
+# --- commands from the event loop to the engine thread ------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _AddRequest:
+    request_id: str
+    prompt: PromptType
+    params: SamplingParams
+    priority: int
+    arrival_time: float
+
+
+@dataclass(frozen=True, slots=True)
+class _AbortRequests:
+    request_ids: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class _Shutdown:
+    pass
+
+
+_Command = _AddRequest | _AbortRequests | _Shutdown
+
+
+# --- one request's stream on the event loop's side -----------------------------------------------
+
+
+class _Aborted:
+    """Queue item: the request was aborted through `AsyncLLM.abort`."""
+
+
+@dataclass(eq=False)
+class _RequestStream:
+    """The asyncio queue one `generate` call reads its outputs (or its error) from."""
+
+    request_id: str
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    def put(self, item: RequestOutput | BaseException | _Aborted) -> None:
+        """Called on `loop` only."""
+        self.queue.put_nowait(item)
+
+
+class AsyncLLM:
+    """The engine driven by a background thread, with asyncio streaming of each request's outputs.
+
+    `AsyncLLM(model=..., **engine_kwargs)` and `AsyncLLM(config=...)` take what `LLM` takes.
+    """
+
+    def __init__(self, model: str | None = None, *, config: str | Path | EngineConfig | None = None, **kwargs: Any):
+        if model is not None:
+            kwargs["model"] = model
+        if not isinstance(config, EngineConfig):
+            config = load_config(kwargs=kwargs, file=config, order=("file", "kwargs", "cli")).config
+        self._start(LLMEngine(config), config.model.model)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "AsyncLLM":
+        """An AsyncLLM for a resolved EngineConfig."""
+        return cls(config=config)
+
+    @classmethod
+    def from_engine(cls, llm_engine: LLMEngine, model_name: str | None = None) -> "AsyncLLM":
+        """Drive an existing LLMEngine (e.g. `LLM(...).llm_engine`); nothing else may step it from now on."""
+        self = cls.__new__(cls)
+        self._start(llm_engine, model_name or llm_engine.config.model.model)
+        return self
+
+    def _start(self, llm_engine: LLMEngine, model_name: str) -> None:
+        self.llm_engine = llm_engine  # from now on only the engine thread touches it
+        self.model_name = model_name  # the model as the user named it (config.model.model is resolved)
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._streams: dict[str, _RequestStream] = {}
+        self._lock = threading.Lock()  # guards _streams and _dead_error across the two threads
+        self._dead_error: EngineDeadError | None = None
+        self._stats: dict[str, Any] = self.llm_engine.engine_core.stats()
+        self._thread = threading.Thread(target=self._run_engine_loop, name="llmplug-engine", daemon=True)
+        self._thread.start()
+
+    # --- what servers read -------------------------------------------------------------------
+
+    @property
+    def config(self) -> EngineConfig:
+        """The resolved engine configuration."""
+        return self.llm_engine.config
+
+    @property
+    def max_model_len(self) -> int:
+        """The context length: prompt plus generated tokens."""
+        return self.llm_engine.engine_core.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids run from 0 to vocab_size - 1."""
+        return self.llm_engine.processor.vocab_size
+
+    def get_tokenizer(self) -> Any | None:
+        """The engine's tokenizer (None with skip_tokenizer_init); thread-safe to read."""
+        return self.llm_engine.get_tokenizer()
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
+        """A conversation rendered by the tokenizer's chat template, ready for generation."""
+        return self.llm_engine.processor.apply_chat_template(messages, **kwargs)
+
+    def stats(self) -> dict[str, Any]:
+        """The engine's counters after its latest step: num_running, num_waiting, kv_cache_usage, ..."""
+        return dict(self._stats)
+
+    @property
+    def is_dead(self) -> bool:
+        """True once the engine loop failed or was shut down."""
+        return self._dead_error is not None
+
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        """Why the engine stopped, or None while it runs."""
+        return self._dead_error
+
+    def check_health(self) -> None:
+        """Raise EngineDeadError when the engine can no longer serve requests."""
+        if self._dead_error is not None:
+            raise self._dead_error
+
+    # --- requests ----------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs as its tokens arrive, the last one with `finished=True`.
+
+        Cancelling the consumer (or closing the generator early) aborts the request and frees its
+        KV blocks. Raises InvalidRequestError for a bad request and EngineDeadError when the engine died.
+        """
+        params = sampling_params or SamplingParams()
+        request_id = request_id or f"req-{uuid.uuid4().hex}"
+        stream = self._register(request_id)
+        self._commands.put(_AddRequest(request_id, prompt, params, priority, time.time()))
+        finished = False
+        try:
+            last: RequestOutput | None = None
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True  # the engine forgot it already (failed add, dead engine)
+                    raise item
+                if isinstance(item, _Aborted):
+                    finished = True
+                    yield _aborted_output(request_id, last, params)
+                    return
+                finished = item.finished
+                last = item
+                yield item
+        finally:
+            self._unregister(request_id)
+            if not finished:  # the consumer went away: stop the request
+                self._commands.put(_AbortRequests([request_id]))
+
+    async def abort(self, request_id: str | list[str]) -> None:
+        """Stop requests and free their KV blocks; their streams end with finish_reason "abort"."""
+        request_ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        self._commands.put(_AbortRequests(request_ids))
+        with self._lock:
+            streams = [self._streams.pop(rid) for rid in request_ids if rid in self._streams]
+        for stream in streams:
+            stream.loop.call_soon_threadsafe(stream.put, _Aborted())
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Stop the engine thread (in-flight requests fail with EngineDeadError) and release the workers."""
+        if self._thread.is_alive():
+            self._commands.put(_Shutdown())
+            self._thread.join(timeout)
+
+    def _register(self, request_id: str) -> _RequestStream:
+        with self._lock:
+            if self._dead_error is not None:
+                raise self._dead_error
+            if request_id in self._streams:
+                raise InvalidRequestError(f"request id {request_id!r} is already in use; ids must be unique")
+            stream = self._streams[request_id] = _RequestStream(request_id, asyncio.get_running_loop())
+        return stream
+
+    def _unregister(self, request_id: str) -> None:
+        with self._lock:
+            self._streams.pop(request_id, None)
+
+    # --- the engine thread -------------------------------------------------------------------
+
+    def _run_engine_loop(self) -> None:
+        """Between steps take every queued command; with no request to run, wait for one."""
+        engine = self.llm_engine
+        try:
+            while self._apply_commands(block=not engine.has_unfinished_requests()):
+                outputs = engine.step() if engine.has_unfinished_requests() else []
+                # stats first: whoever sees an output also sees the stats of the step that made it
+                self._stats = engine.engine_core.stats()
+                self._publish(outputs)
+        except Exception as exc:  # a broken step: no later step can be trusted
+            logger.exception("the engine loop failed; failing every in-flight request")
+            self._fail_all(EngineDeadError(f"the engine failed and cannot serve requests: {exc!r}"), exc)
+        else:
+            self._fail_all(EngineDeadError("the engine was shut down"), None)
+        finally:
+            self._shutdown_workers()
+
+    def _apply_commands(self, block: bool) -> bool:
+        """Run queued commands (waiting for the first when `block`); False once shutdown was asked."""
+        try:
+            command = self._commands.get() if block else self._commands.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if isinstance(command, _Shutdown):
+                return False
+            if isinstance(command, _AddRequest):
+                self._add_request(command)
+            else:
+                self.llm_engine.abort_request(command.request_ids)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _add_request(self, command: _AddRequest) -> None:
+        """Queue a request in the engine; a rejected one gets its error, the engine carries on."""
+        with self._lock:
+            wanted = command.request_id in self._streams
+        if not wanted:  # its consumer already left
+            return
+        try:
+            self.llm_engine.add_request(
+                command.request_id, command.prompt, command.params,
+                priority=command.priority, arrival_time=command.arrival_time,
+            )
+        except Exception as exc:  # noqa: BLE001 - delivered to the one request it concerns
+            self._deliver([(command.request_id, exc)])
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        self._deliver([(out.request_id, out) for out in outputs])
+
+    def _deliver(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        """Hand items to their streams: one call_soon_threadsafe per event loop."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_RequestStream, Any]]] = {}
+        with self._lock:
+            for request_id, item in items:
+                stream = self._streams.get(request_id)
+                if stream is not None:  # none: aborted or its consumer left meanwhile
+                    by_loop.setdefault(stream.loop, []).append((stream, item))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # that event loop is closed; nobody is listening there any more
+                logger.debug("dropped %d outputs for a closed event loop", len(batch))
+
+    def _fail_all(self, error: EngineDeadError, cause: BaseException | None) -> None:
+        error.__cause__ = cause
+        with self._lock:
+            self._dead_error = error
+            request_ids = list(self._streams)
+        self._deliver([(rid, error) for rid in request_ids])
+
+    def _shutdown_workers(self) -> None:
+        try:
+            self.llm_engine.shutdown()
+        except Exception:  # noqa: BLE001 - shutting down after a failure must not hide the failure
+            logger.exception("shutting down the workers failed")
+
+
+def _put_all(batch: list[tuple[_RequestStream, Any]]) -> None:
+    for stream, item in batch:
+        stream.put(item)
+
+
+def _aborted_output(request_id: str, last: RequestOutput | None, params: SamplingParams) -> RequestOutput:
+    """The final output of an aborted request: unfinished completions end with finish_reason "abort"."""
+    cumulative = params.output_kind != RequestOutputKind.DELTA
+    previous = {c.index: c for c in last.outputs} if last is not None else {}
+    outputs = []
+    for index in range(params.n):
+        before = previous.get(index)
+        if before is not None and before.finish_reason is not None:
+            continue
+        text = before.text if (cumulative and before is not None) else ""
+        token_ids = list(before.token_ids) if (cumulative and before is not None) else []
+        outputs.append(CompletionOutput(index=index, text=text, token_ids=token_ids, finish_reason="abort"))
+    return RequestOutput(
+        request_id=request_id,
+        prompt=last.prompt if last is not None else None,
+        prompt_token_ids=last.prompt_token_ids if last is not None else [],
+        outputs=outputs,
+        finished=True,
+        metrics=last.metrics if last is not None else None,
+    )

@@ -1,0 +1,257 @@
+"""The OpenAI-compatible server: `build_app(engine, settings)` makes the FastAPI app, `run_server` serves it.
+
+Routes: /v1/models, /v1/completions, /v1/chat/completions, /v1/responses (API key and rate limit apply
+to every /v1 route), /health, /version, /metrics. Every error answers with OpenAI's error body.
+Shutdown (SIGTERM or SIGINT): uvicorn stops accepting connections, lets in-flight requests finish for
+up to `shutdown_timeout` seconds, cancels the rest (which aborts them in the engine), then the engine
+thread stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from llmplug import __version__
+from llmplug.core.config import EngineConfig
+from llmplug.core.errors import EngineDeadError, InvalidRequestError
+from llmplug.engine.async_llm import AsyncLLM
+from llmplug.entrypoints.openai.errors import OpenAIError, error_body, error_response, status_phrase
+from llmplug.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from llmplug.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    ResponsesRequest,
+)
+from llmplug.entrypoints.openai.security import AccessMiddleware, BodySizeLimitMiddleware, RateLimit
+from llmplug.entrypoints.openai.serving_chat import OpenAIServingChat
+from llmplug.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from llmplug.entrypoints.openai.serving_engine import ClientDisconnected
+from llmplug.entrypoints.openai.serving_responses import OpenAIServingResponses
+
+logger = logging.getLogger(__name__)
+
+API_KEY_ENV = "LLMPLUG_API_KEY"
+
+# Endpoints named in the HTTP metrics; anything else counts as "other" (unbounded label values otherwise).
+_ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/health", "/version",
+              "/metrics")
+
+
+@dataclass
+class ServerSettings:
+    """How the HTTP server runs (the engine's own settings are its EngineConfig)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: list[str] = field(default_factory=list)  # empty: no authentication
+    allowed_origins: list[str] = field(default_factory=list)  # empty: no CORS headers
+    rate_limit: RateLimit | None = None  # per API key or client address
+    max_body_bytes: int = 8 * 1024 * 1024
+    served_model_names: list[str] = field(default_factory=list)  # empty: the engine's model
+    shutdown_timeout: float = 30.0  # grace period for in-flight requests on SIGTERM
+    log_level: str = "info"
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "ServerSettings":
+        """Settings from the `llmplug serve` flags (and LLMPLUG_API_KEY)."""
+        keys = list(args.api_key or [])
+        if not keys and os.environ.get(API_KEY_ENV):
+            keys = [os.environ[API_KEY_ENV]]
+        return cls(
+            host=args.host, port=args.port, api_keys=keys,
+            allowed_origins=[o.strip() for o in (args.allowed_origins or "").split(",") if o.strip()],
+            rate_limit=RateLimit.parse(args.rate_limit) if args.rate_limit else None,
+            max_body_bytes=args.max_body_bytes, served_model_names=list(args.served_model_name or []),
+            shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
+        )
+
+
+def build_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI:
+    """The FastAPI app serving `engine`; the caller owns the engine (and shuts it down)."""
+    settings = settings or ServerSettings()
+    names = settings.served_model_names or [engine.model_name]
+    metrics = ServerMetrics(engine.stats)
+    app = FastAPI(title="llmplug", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.engine, app.state.metrics, app.state.model_names = engine, metrics, names
+    chat = OpenAIServingChat(engine, names, metrics)
+    completion = OpenAIServingCompletion(engine, names, metrics)
+    responses = OpenAIServingResponses(engine, names, metrics)
+    started = int(time.time())
+
+    @app.get("/health")
+    async def health() -> Response:
+        engine.check_health()
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def list_models() -> Response:
+        cards = [ModelCard(id=name, created=started, root=engine.config.model.model,
+                           max_model_len=engine.max_model_len) for name in names]
+        return _json(ModelList(data=cards))
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> Response:
+        name = chat.check_model(model_id)
+        return _json(ModelCard(id=name, created=started, root=engine.config.model.model,
+                               max_model_len=engine.max_model_len))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw_request: Request) -> Response:
+        return await chat.create(body, raw_request)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw_request: Request) -> Response:
+        return await completion.create(body, raw_request)
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, raw_request: Request) -> Response:
+        return await responses.create(body, raw_request)
+
+    _add_exception_handlers(app)
+    # Middleware runs outermost-last-added: CORS, then HTTP metrics, body size, API key and rate limit.
+    app.add_middleware(AccessMiddleware, api_keys=settings.api_keys, rate_limit=settings.rate_limit)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(_HttpMetricsMiddleware, metrics=metrics)
+    if settings.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins, allow_methods=["*"],
+                           allow_headers=["*"], allow_credentials=False)
+    return app
+
+
+def _json(model: Any) -> Response:
+    return Response(model.model_dump_json(), media_type="application/json")
+
+
+def _add_exception_handlers(app: FastAPI) -> None:
+    """Every error as OpenAI's error body with the status OpenAI uses."""
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc.errors())
+        return JSONResponse(error_body(400, message, param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else status_phrase(exc.status_code)
+        return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(InvalidRequestError)
+    async def invalid_request(_: Request, exc: InvalidRequestError) -> JSONResponse:
+        return JSONResponse(error_body(400, str(exc)), status_code=400)
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return JSONResponse(error_body(503, str(exc), code="engine_dead"), status_code=503)
+
+    @app.exception_handler(ClientDisconnected)
+    async def client_gone(_: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=499)  # nobody reads it; the request was aborted
+
+    @app.exception_handler(Exception)
+    async def server_error(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unexpected error while handling a request", exc_info=exc)
+        return JSONResponse(error_body(500, "The server had an error while processing the request."),
+                            status_code=500)
+
+
+def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """A readable message from pydantic's errors, and the parameter of the first one."""
+    if any(e.get("type") == "json_invalid" for e in errors):
+        detail = next(e for e in errors if e.get("type") == "json_invalid").get("ctx", {}).get("error", "")
+        return f"The request body is not valid JSON ({detail}).", None
+    parts, param = [], None
+    for error in errors[:3]:
+        loc = [str(x) for x in error.get("loc", ()) if x != "body"]
+        name = ".".join(loc) or "body"
+        param = param or (name if loc else None)
+        parts.append(f"{name}: {error.get('msg', 'invalid')}")
+    more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
+    return "Invalid request: " + "; ".join(parts) + more, param
+
+
+class _HttpMetricsMiddleware:
+    """Counts responses by endpoint and status."""
+
+    def __init__(self, app: Any, metrics: ServerMetrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        endpoint = scope["path"] if scope["path"] in _ENDPOINTS else "other"
+
+        async def counting_send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.http.labels(endpoint, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+def run_server(config: EngineConfig, settings: ServerSettings) -> int:
+    """Start the engine and serve it until SIGTERM/SIGINT; returns the exit status."""
+    import uvicorn
+
+    engine = AsyncLLM.from_config(config)
+    try:
+        app = build_app(engine, settings)
+        server = uvicorn.Server(uvicorn.Config(
+            app, host=settings.host, port=settings.port, log_level=settings.log_level,
+            timeout_graceful_shutdown=settings.shutdown_timeout, timeout_keep_alive=5,
+        ))
+        logger.info("serving %s on http://%s:%d", ", ".join(app.state.model_names), settings.host, settings.port)
+        with _absorb_replayed_signals():
+            server.run()
+    finally:
+        engine.shutdown()
+    return 0
+
+
+@contextlib.contextmanager
+def _absorb_replayed_signals() -> Iterator[None]:
+    """Keep the process alive through uvicorn's replay of SIGINT/SIGTERM.
+
+    uvicorn handles the signal while serving and, after its graceful shutdown, raises it again for the
+    handler installed before it: with the default handlers that would kill the process before the engine
+    is shut down. The no-op handlers here are that previous handler, only while uvicorn runs.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,125 @@
+"""Prometheus metrics of the server (`GET /metrics`), in a registry of their own per app.
+
+Per request: outcome counts, prompt and generated tokens, time to first token, time per output token
+and end-to-end latency. Engine gauges (running / waiting requests, KV-cache usage, prefix-cache hit
+rate) are read from `AsyncLLM.stats()` when scraped. Per HTTP response: counts by endpoint and status.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from llmplug.core.outputs import RequestOutput
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# How a request ended: the finish reason of its completions, or an error.
+OUTCOMES = ("stop", "length", "abort", "error")
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0, 160.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+                 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+
+
+class _EngineCollector(Collector):
+    """Gauges read from the engine's stats at scrape time."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]]):
+        self._stats = stats
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        stats = self._stats()
+        yield GaugeMetricFamily("llmplug_num_requests_running", "Requests in the running batch.",
+                                value=stats.get("num_running", 0))
+        yield GaugeMetricFamily("llmplug_num_requests_waiting", "Requests waiting to be scheduled.",
+                                value=stats.get("num_waiting", 0))
+        yield GaugeMetricFamily("llmplug_kv_cache_usage_perc", "Fraction of KV-cache blocks held by requests (0-1).",
+                                value=stats.get("kv_cache_usage", 0.0))
+        yield GaugeMetricFamily("llmplug_prefix_cache_hit_rate", "Prompt tokens found in the prefix cache per token "
+                                "looked up (0-1), since start.", value=stats.get("prefix_cache_hit_rate", 0.0))
+        yield GaugeMetricFamily("llmplug_num_preemptions", "Preemptions since start.",
+                                value=stats.get("num_preemptions", 0))
+
+
+class ServerMetrics:
+    """The server's metrics; `track()` follows one request from arrival to its end."""
+
+    def __init__(self, engine_stats: Callable[[], dict[str, Any]]):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("llmplug_requests", "Generation requests by how they ended.", ["outcome"], registry=r)
+        self.prompt_tokens = Counter("llmplug_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.generation_tokens = Counter("llmplug_generation_tokens", "Generated tokens.", registry=r)
+        self.ttft = Histogram("llmplug_time_to_first_token_seconds", "Arrival to first generated token.",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("llmplug_time_per_output_token_seconds", "Mean time between generated tokens "
+                              "of a request.", buckets=_TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("llmplug_e2e_request_latency_seconds", "Arrival to the end of the request.",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.http = Counter("llmplug_http_responses", "HTTP responses by endpoint and status.",
+                            ["endpoint", "status"], registry=r)
+        for outcome in OUTCOMES:  # every outcome shows up from the start, at 0
+            self.requests.labels(outcome)
+        r.register(_EngineCollector(engine_stats))
+
+    def track(self, num_prompt_tokens: int) -> "RequestTracker":
+        """A tracker for a request that arrives now."""
+        return RequestTracker(self, num_prompt_tokens)
+
+    def render(self) -> bytes:
+        """The text exposition of every metric."""
+        return generate_latest(self.registry)
+
+
+class RequestTracker:
+    """Follows one request through its outputs and records it once, when it ends.
+
+    Latencies come from the engine's own timestamps (`RequestOutput.metrics`: arrival at the engine,
+    first token, finish), so streamed and non-streamed requests are measured alike.
+    """
+
+    def __init__(self, metrics: ServerMetrics, num_prompt_tokens: int):
+        self.metrics = metrics
+        self.num_prompt_tokens = num_prompt_tokens
+        self.arrival_time = time.time()
+        self.first_token_time: float | None = None
+        self.num_generated: dict[int, int] = {}  # completion index -> tokens so far
+        self.done = False
+
+    def observe(self, output: RequestOutput, delta: bool) -> None:
+        """Count an output's tokens (added when `delta`, else the totals so far); close on the final one."""
+        for completion in output.outputs:
+            seen = self.num_generated.get(completion.index, 0) if delta else 0
+            self.num_generated[completion.index] = seen + len(completion.token_ids)
+        if output.metrics is not None:
+            self.arrival_time = output.metrics.arrival_time
+            self.first_token_time = output.metrics.first_token_time or self.first_token_time
+        if output.finished:
+            reasons = {c.finish_reason for c in output.outputs}
+            outcome = "abort" if "abort" in reasons else "length" if "length" in reasons else "stop"
+            self.finish(outcome, output.metrics.finished_time if output.metrics else None)
+
+    def finish(self, outcome: str, end_time: float | None = None) -> None:
+        """Record the request (once): its outcome, tokens and latencies."""
+        if self.done:
+            return
+        self.done = True
+        end_time = end_time or time.time()
+        m = self.metrics
+        m.requests.labels(outcome).inc()
+        m.prompt_tokens.inc(self.num_prompt_tokens)
+        generated = sum(self.num_generated.values())
+        m.generation_tokens.inc(generated)
+        m.e2e.observe(max(end_time - self.arrival_time, 0.0))
+        if self.first_token_time is not None:
+            m.ttft.observe(max(self.first_token_time - self.arrival_time, 0.0))
+            per_sequence = generated / max(len(self.num_generated), 1)
+            if per_sequence > 1:
+                m.tpot.observe(max(end_time - self.first_token_time, 0.0) / (per_sequence - 1))

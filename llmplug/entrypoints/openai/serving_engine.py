@@ -1,0 +1,366 @@
+"""What every endpoint handler shares: model check, prompts to token ids, sampling params, generation with
+metrics, server-sent events and awaiting work that a client disconnect cancels."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+from fastapi import Request
+
+from llmplug.core.errors import EngineDeadError, InvalidRequestError
+from llmplug.core.outputs import PositionLogprobs, RequestOutput
+from llmplug.core.params import RequestOutputKind, SamplingParams
+from llmplug.engine.async_llm import AsyncLLM
+from llmplug.entrypoints.openai.errors import OpenAIError, error_body
+from llmplug.entrypoints.openai.metrics import ServerMetrics
+from llmplug.entrypoints.openai.protocol import (
+    ChatLogprob,
+    ChatMessage,
+    ChatTopLogprob,
+    PromptTokensDetails,
+    SamplingRequest,
+    UsageInfo,
+)
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# OpenAI's default sampling values where a request leaves a field out.
+DEFAULT_TEMPERATURE = 1.0
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before its answer was ready."""
+
+
+class OpenAIServing:
+    """The parts of serving an OpenAI endpoint that do not depend on the endpoint."""
+
+    def __init__(self, engine: AsyncLLM, model_names: list[str], metrics: ServerMetrics):
+        self.engine = engine
+        self.model_names = model_names
+        self.metrics = metrics
+        self.tokenizer = engine.get_tokenizer()
+        self.max_model_len = engine.max_model_len
+
+    # --- request checks ----------------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> str:
+        """The model name to answer with; 404 for a model this server does not serve."""
+        if model is None or model == "":
+            return self.model_names[0]
+        if model not in self.model_names:
+            raise OpenAIError(404, f"The model `{model}` does not exist; this server serves "
+                                   f"{', '.join(self.model_names)}.", param="model", code="model_not_found")
+        return model
+
+    def need_tokenizer(self) -> Any:
+        """The tokenizer; 400 when the engine runs without one."""
+        if self.tokenizer is None:
+            raise OpenAIError(400, "the server runs without a tokenizer (skip_tokenizer_init): "
+                                   "only token-id prompts on /v1/completions are accepted", param="prompt")
+        return self.tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a completion prompt, as the offline engine tokenizes it."""
+        return list(self.need_tokenizer().encode(text))
+
+    def render_chat(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> tuple[str, list[int]]:
+        """A conversation through the chat template: (prompt text, token ids), as `LLM.chat` does it."""
+        self.need_tokenizer()
+        try:
+            text = self.engine.apply_chat_template(messages, **template_kwargs)
+        except InvalidRequestError:
+            raise
+        except Exception as exc:  # a template that raises (jinja's raise_exception) is the caller's input problem
+            raise OpenAIError(400, f"the chat template failed on these messages: {exc}", param="messages") from exc
+        # the template already holds the special tokens: no second BOS
+        return text, list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def check_prompt_length(self, num_prompt_tokens: int, param: str) -> None:
+        """400 when the prompt leaves no room to generate a token."""
+        if num_prompt_tokens >= self.max_model_len:
+            raise OpenAIError(
+                400, f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt has "
+                     f"{num_prompt_tokens} tokens; shorten it to leave room for at least one generated token.",
+                param=param, code="context_length_exceeded")
+
+    def max_tokens(self, requested: int | None, num_prompt_tokens: int, param: str, prompt_param: str) -> int:
+        """The tokens to generate: as asked (400 beyond the context), or all the room left when not given."""
+        self.check_prompt_length(num_prompt_tokens, prompt_param)
+        room = self.max_model_len - num_prompt_tokens
+        if requested is None:
+            return room
+        if requested > room:
+            raise OpenAIError(
+                400, f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                     f"{num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the prompt, {requested} for "
+                     f"the completion). Reduce the prompt or `{param}`.", param=param, code="context_length_exceeded")
+        return requested
+
+    def sampling_params(self, request: SamplingRequest, max_tokens: int, logprobs: int | None,
+                        stream: bool) -> SamplingParams:
+        """SamplingParams of a chat or completions request."""
+        return make_sampling_params(
+            request, max_tokens=max_tokens, logprobs=logprobs, stream=stream,
+            vocab_size=self.engine.vocab_size,
+        )
+
+    # --- generation --------------------------------------------------------------------------
+
+    async def generate(self, prompt_text: str | None, prompt_ids: list[int], params: SamplingParams,
+                       request_id: str) -> AsyncGenerator[RequestOutput, None]:
+        """The engine's outputs of one request, recorded in the metrics however the request ends."""
+        tracker = self.metrics.track(len(prompt_ids))
+        delta = params.output_kind == RequestOutputKind.DELTA
+        prompt = {"prompt": prompt_text, "prompt_token_ids": prompt_ids}
+        outcome = "abort"  # unless it finishes or fails: the consumer went away
+        outputs = self.engine.generate(prompt, params, request_id)
+        try:
+            async for output in outputs:
+                tracker.observe(output, delta)
+                yield output
+            outcome = None
+        except Exception:
+            outcome = "error"
+            raise
+        finally:
+            await outputs.aclose()  # now, not at garbage collection: aborts an unfinished request at once
+            if outcome is not None:
+                tracker.finish(outcome)
+
+
+def make_sampling_params(request: Any, *, max_tokens: int, logprobs: int | None, stream: bool,
+                         vocab_size: int) -> SamplingParams:
+    """SamplingParams from the fields of an OpenAI request (absent fields take OpenAI's defaults)."""
+    fields = type(request).model_fields  # not the unknown extras a client may send
+
+    def value(name: str, default: Any) -> Any:
+        got = getattr(request, name) if name in fields else None
+        return default if got is None else got
+
+    try:
+        return SamplingParams(
+            n=value("n", 1),
+            temperature=value("temperature", DEFAULT_TEMPERATURE),
+            top_p=value("top_p", 1.0),
+            top_k=value("top_k", None),
+            min_p=value("min_p", 0.0),
+            presence_penalty=value("presence_penalty", 0.0),
+            frequency_penalty=value("frequency_penalty", 0.0),
+            repetition_penalty=value("repetition_penalty", 1.0),
+            logit_bias=logit_bias(value("logit_bias", None), vocab_size),
+            seed=value("seed", None),
+            stop=value("stop", None),
+            stop_token_ids=value("stop_token_ids", None),
+            include_stop_str_in_output=value("include_stop_str_in_output", False),
+            ignore_eos=value("ignore_eos", False),
+            min_tokens=min(value("min_tokens", 0), max_tokens),
+            max_tokens=max_tokens,
+            logprobs=logprobs,
+            skip_special_tokens=value("skip_special_tokens", True),
+            spaces_between_special_tokens=value("spaces_between_special_tokens", True),
+            output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+        )
+    except InvalidRequestError as exc:
+        raise OpenAIError(400, str(exc)) from exc
+
+
+def logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
+    """OpenAI's `logit_bias` (token id as text -> bias in [-100, 100]) as SamplingParams wants it."""
+    if not bias:
+        return None
+    result = {}
+    for key, value in bias.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise OpenAIError(400, f"logit_bias key {key!r} is not a token id", param="logit_bias") from None
+        if not 0 <= token_id < vocab_size:
+            raise OpenAIError(400, f"logit_bias token id {token_id} is outside the vocabulary [0, {vocab_size})",
+                              param="logit_bias")
+        if not -100.0 <= value <= 100.0:
+            raise OpenAIError(400, f"logit_bias value {value} for token {token_id} is outside [-100, 100]",
+                              param="logit_bias")
+        result[token_id] = float(value)
+    return result
+
+
+def message_text(content: Any, param: str) -> str:
+    """The text of a message's content: a string, or text parts joined by newlines."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for part in content:
+        if part.type not in ("text", "input_text", "output_text") or part.text is None:
+            raise OpenAIError(400, f"only text content is supported; got a part of type {part.type!r}", param=param)
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template takes them (text content; `developer` is the template's `system`)."""
+    rendered = []
+    for i, message in enumerate(messages):
+        item: dict[str, Any] = {
+            "role": "system" if message.role == "developer" else message.role,
+            "content": message_text(message.content, f"messages[{i}].content"),
+        }
+        if message.name is not None:
+            item["name"] = message.name
+        rendered.append(item)
+    return rendered
+
+
+async def last_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+    """The final output of a request (its only one, with FINAL_ONLY)."""
+    last = None
+    async for output in outputs:
+        last = output
+    assert last is not None, "the engine ends every request with a final output"
+    return last
+
+
+def usage_info(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> UsageInfo:
+    """The `usage` of chat and completions answers."""
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
+
+
+# --- logprobs -------------------------------------------------------------------------------------
+
+
+def token_bytes(text: str | None) -> list[int] | None:
+    return list(text.encode("utf-8")) if text is not None else None
+
+
+def chat_logprobs(token_ids: list[int], positions: list[PositionLogprobs], top_k: int) -> list[ChatLogprob]:
+    """Per generated token: its text, logprob and bytes, and the `top_k` most likely alternatives."""
+    entries = []
+    for token_id, position in zip(token_ids, positions):
+        chosen = position.get(token_id) or next(iter(position.values()))
+        top = sorted((lp for lp in position.values() if lp.rank is not None and lp.rank <= top_k),
+                     key=lambda lp: lp.rank)
+        entries.append(ChatLogprob(
+            token=chosen.decoded_token or "", logprob=finite(chosen.logprob), bytes=token_bytes(chosen.decoded_token),
+            top_logprobs=[ChatTopLogprob(token=lp.decoded_token or "", logprob=finite(lp.logprob),
+                                         bytes=token_bytes(lp.decoded_token)) for lp in top[:top_k]],
+        ))
+    return entries
+
+
+def finite(value: float) -> float:
+    """JSON has no -inf: clamp to the most negative float, as vLLM does."""
+    return max(value, -9999.0)
+
+
+# --- streaming ------------------------------------------------------------------------------------
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no buffering by proxies
+
+
+def sse(data: str, event: str | None = None) -> str:
+    """One server-sent event."""
+    return f"event: {event}\ndata: {data}\n\n" if event else f"data: {data}\n\n"
+
+
+def sse_error(exc: BaseException) -> str:
+    """An error in the middle of a stream, as an event whose data is the OpenAI error body."""
+    status, message = error_status(exc)
+    return sse(json.dumps(error_body(status, message)))
+
+
+def error_status(exc: BaseException) -> tuple[int, str]:
+    """The HTTP status and message an exception maps to."""
+    if isinstance(exc, OpenAIError):
+        return exc.status, exc.message
+    if isinstance(exc, InvalidRequestError):
+        return 400, str(exc)
+    if isinstance(exc, EngineDeadError):
+        return 503, str(exc)
+    logger.error("unexpected error while streaming", exc_info=exc)
+    return 500, "The server had an error while processing the request."
+
+
+async def until_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
+    """Await `awaitable`; if the client disconnects first, cancel it and raise ClientDisconnected.
+
+    Starlette cancels a streaming response when its client leaves, but not a handler that is still
+    working on its answer: this is how a non-streaming request's generation is stopped early.
+    """
+    work = asyncio.ensure_future(awaitable)
+    listener = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({work, listener}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        listener.cancel()
+        if not work.done():
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await work
+    if work in done:
+        return work.result()
+    raise ClientDisconnected()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def merge(streams: list[AsyncGenerator[T, None]]) -> AsyncGenerator[tuple[int, T], None]:
+    """Items of several async iterators as they come, tagged with the iterator's index.
+
+    Closing the merged iterator (or an error in one stream) cancels every stream, which aborts their
+    requests.
+    """
+    if len(streams) == 1:
+        try:
+            async for item in streams[0]:
+                yield 0, item
+        finally:
+            await streams[0].aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(index: int, stream: AsyncIterator[T]) -> None:
+        try:
+            async for item in stream:
+                await queue.put((index, item))
+            await queue.put((index, done))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, who raises it
+            await queue.put((index, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            index, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def now() -> int:
+    """Unix time in seconds, for `created` fields."""
+    return int(time.time())

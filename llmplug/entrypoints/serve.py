@@ -1,0 +1,48 @@
+"""`llmplug serve [MODEL]`: the OpenAI-compatible HTTP server.
+
+Kept light at import time (the CLI builds every parser on each call): FastAPI, uvicorn and torch load
+inside `run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from llmplug.entrypoints.engine_args import add_engine_args, config_from_args
+
+
+def _serve_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="Address to listen on. Default: 127.0.0.1 (this machine "
+                   "only); 0.0.0.0 listens on every interface.")
+    g.add_argument("--port", type=int, default=8000, help="Port to listen on. Default: 8000.")
+    g.add_argument("--api-key", action="append", metavar="KEY",
+                   help="Require 'Authorization: Bearer KEY' on every /v1 route (repeatable: several keys). "
+                        "Default: the LLMPLUG_API_KEY environment variable; unset: no authentication.")
+    g.add_argument("--allowed-origins", metavar="A,B,...",
+                   help="Origins allowed by CORS, comma-separated ('*' for any). Default: CORS off.")
+    g.add_argument("--rate-limit", metavar="N/UNIT",
+                   help="Requests allowed per API key (or per client address without keys), e.g. 10/s, 600/min; "
+                        "bursts up to N. Over it: 429 with Retry-After. Default: no limit.")
+    g.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, metavar="BYTES",
+                   help="Largest request body accepted (413 beyond). Default: 8 MiB.")
+    g.add_argument("--served-model-name", action="append", metavar="NAME",
+                   help="Name clients use as `model` (repeatable). Default: the model as given.")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="On SIGTERM, how long in-flight requests may take to finish. Default: 30.")
+    g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="Server log level. Default: info.")
+    add_engine_args(parser, model_positional=True)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from llmplug import _configure_threads_before_torch
+
+    _configure_threads_before_torch()
+    import logging
+
+    from llmplug.entrypoints.openai.api_server import ServerSettings, run_server
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    settings = ServerSettings.from_args(args)
+    return run_server(config_from_args(args).config, settings)

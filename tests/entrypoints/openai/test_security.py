@@ -1,0 +1,115 @@
+"""API keys, rate limits, CORS and the body size limit of a real server."""
+
+from __future__ import annotations
+
+import http.client
+import json
+
+import openai
+import pytest
+
+from llmplug.core.errors import ConfigError
+from llmplug.entrypoints.openai.api_server import ServerSettings
+from llmplug.entrypoints.openai.security import RateLimit, TokenBuckets
+
+from .conftest import serve
+
+
+@pytest.fixture(scope="module")
+def guarded(engine):
+    """Two API keys, CORS for one origin, 2 KiB bodies."""
+    settings = ServerSettings(api_keys=["key-a", "key-b"], allowed_origins=["https://app.example"],
+                              max_body_bytes=2048)
+    with serve(engine, settings) as running:
+        yield running
+
+
+def request(server, method: str, path: str, *, body: bytes | None = None, headers: dict | None = None,
+            source: str = "127.0.0.1") -> tuple[int, bytes, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30, source_address=(source, 0))
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        response = conn.getresponse()
+        return response.status, response.read(), {k.lower(): v for k, v in response.getheaders()}
+    finally:
+        conn.close()
+
+
+def test_missing_or_wrong_api_key_gets_401(guarded):
+    for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "Basic key-a"},
+                    {"Authorization": "Bearer key-a-but-longer"}):
+        status, body, got = request(guarded, "GET", "/v1/models", headers=headers)
+        assert status == 401
+        assert json.loads(body)["error"]["code"] == "invalid_api_key"
+        assert got["www-authenticate"] == "Bearer"
+    with pytest.raises(openai.AuthenticationError):
+        guarded.client(api_key="wrong").models.list()
+
+
+def test_either_key_works_and_open_routes_need_none(guarded):
+    assert guarded.client(api_key="key-a").models.list().data[0].id == guarded.model
+    reply = guarded.client(api_key="key-b").chat.completions.create(
+        model=guarded.model, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert reply.choices[0].message.role == "assistant"
+    for path in ("/health", "/version", "/metrics"):
+        assert request(guarded, "GET", path)[0] == 200
+
+
+def test_over_the_rate_limit_gets_429_and_others_are_unaffected(engine):
+    settings = ServerSettings(api_keys=["key-a", "key-b"], rate_limit=RateLimit.parse("3/min"))
+    with serve(engine, settings) as running:
+        greedy = running.client(api_key="key-a")
+        assert [len(greedy.models.list().data) for _ in range(3)] == [1, 1, 1]  # the burst
+        with pytest.raises(openai.RateLimitError) as info:
+            greedy.models.list()
+        assert 1 <= int(info.value.response.headers["retry-after"]) <= 20
+        assert info.value.response.json()["error"]["code"] == "rate_limit_exceeded"
+        other = running.client(api_key="key-b")  # another key has its own budget
+        reply = other.chat.completions.create(model=running.model, messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=2)
+        assert reply.choices[0].finish_reason in ("length", "stop")
+        assert request(running, "GET", "/health")[0] == 200  # only /v1 is limited
+
+
+def test_rate_limit_without_keys_is_per_client_address(engine):
+    with serve(engine, ServerSettings(rate_limit=RateLimit.parse("2/min"))) as running:
+        assert [request(running, "GET", "/v1/models")[0] for _ in range(3)] == [200, 200, 429]
+        status, _, headers = request(running, "GET", "/v1/models")
+        assert status == 429 and 1 <= int(headers["retry-after"]) <= 30
+        assert request(running, "GET", "/v1/models", source="127.0.0.2")[0] == 200  # another client
+        assert request(running, "GET", "/health")[0] == 200  # only /v1 is limited
+
+
+def test_body_over_the_limit_gets_413(guarded):
+    body = json.dumps({"prompt": "x" * 4000}).encode()
+    headers = {"Authorization": "Bearer key-b", "Content-Type": "application/json"}
+    status, raw, _ = request(guarded, "POST", "/v1/completions", body=body, headers=headers)
+    assert status == 413 and json.loads(raw)["error"]["code"] == "request_too_large"
+    assert guarded.client(api_key="key-b").models.list().data
+
+
+def test_cors_only_for_configured_origins(guarded, server):
+    preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    status, _, headers = request(guarded, "OPTIONS", "/v1/chat/completions", headers=preflight)
+    assert status == 200 and headers["access-control-allow-origin"] == "https://app.example"
+    status, _, headers = request(guarded, "OPTIONS", "/v1/chat/completions",
+                                 headers={**preflight, "Origin": "https://evil.example"})
+    assert status == 400 and "access-control-allow-origin" not in headers
+    _, _, headers = request(server, "GET", "/v1/models", headers={"Origin": "https://app.example"})
+    assert "access-control-allow-origin" not in headers  # CORS is off by default
+
+
+def test_rate_limit_parsing_and_buckets():
+    assert RateLimit.parse("10/s") == RateLimit(10, 1.0)
+    assert RateLimit.parse("600/min").per_second == 10
+    for bad in ("10", "ten/s", "10/day", "0/s"):
+        with pytest.raises(ConfigError):
+            RateLimit.parse(bad)
+    now = [0.0]
+    buckets = TokenBuckets(RateLimit(2, 1.0), clock=lambda: now[0])
+    assert [buckets.acquire("a"), buckets.acquire("a")] == [0.0, 0.0]
+    assert buckets.acquire("a") == pytest.approx(0.5)
+    assert buckets.acquire("b") == 0.0
+    now[0] = 0.5
+    assert buckets.acquire("a") == 0.0
