@@ -44,6 +44,14 @@ class ModelConfig(_Section):
     skip_tokenizer_init: bool = Field(False, description="Do not load a tokenizer; prompts must be token ids.")
     trust_remote_code: bool = Field(False, description="Allow transformers to run code from the model directory.")
     hf_overrides: dict[str, Any] = Field(default_factory=dict, description="Values that override the HF config.")
+    quantization: Literal["auto", "none", "int4"] = Field(
+        "auto",
+        description=(
+            "Weight-only int4 path for small batches (decode), next to the dense weights. auto: where the "
+            "checkpoint's own blocks are exactly int4 (GGUF Q4_0, Q4_1, Q8_0) and the platform runs the kernel; "
+            "int4: every linear layer, quantizing the rest (group 32); none: dense only. See docs/quantization.md."
+        ),
+    )
 
 
 class CacheConfig(_Section):
@@ -148,6 +156,7 @@ ALIASES: dict[str, str] = {
     "skip_tokenizer_init": "model.skip_tokenizer_init",
     "trust_remote_code": "model.trust_remote_code",
     "hf_overrides": "model.hf_overrides",
+    "quantization": "model.quantization",
     "block_size": "cache.block_size",
     "num_gpu_blocks_override": "cache.num_blocks",
     "kv_cache_memory": "cache.kv_cache_memory",

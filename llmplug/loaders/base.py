@@ -1,6 +1,7 @@
 """BaseModelLoader: what every weight format shares — finding the model, its HF config, tokenizer and
-class, building the model on the device in the target dtype, and checking that every parameter
-got a value. A format implements `iter_weights` (or overrides `load_weights`)."""
+class, building the model on the device in the target dtype, checking that every parameter got a
+value, and letting the layers process their weights after loading (int4 copies, see
+docs/quantization.md). A format implements `iter_weights` (or overrides `load_weights`)."""
 
 from __future__ import annotations
 
@@ -154,6 +155,7 @@ class BaseModelLoader(abc.ABC):
             model = cls(config=hf_config, prefix="")
         num_bytes = self.load_weights(model, model_config)
         _check_materialized(model)
+        _process_weights_after_loading(model, model_config.quantization)
         model.eval()
         log.info(
             "loaded %s (%s, %s) in %.2f s, %.1f MB read",
@@ -172,6 +174,16 @@ class _ByteCounter:
         for name, tensor in self.weights:
             self.num_bytes += tensor.numel() * tensor.element_size()
             yield name, tensor
+
+
+def _process_weights_after_loading(model: torch.nn.Module, quantization: str) -> None:
+    """Let the layers pack int4 copies of their weights (ModelConfig.quantization; see docs/quantization.md)."""
+    if quantization == "none":
+        return
+    from llmplug.layers.quantization import Int4Options, process_weights_after_loading
+
+    forced = quantization == "int4"
+    process_weights_after_loading(model, Int4Options(quantize_dense=forced, required=forced))
 
 
 def _check_materialized(model: torch.nn.Module) -> None:

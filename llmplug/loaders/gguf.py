@@ -65,6 +65,7 @@ BLOCK_TENSOR_NAMES = {
 CONFIG_ONLY_TENSORS = frozenset({ROPE_FREQS_TENSOR})  # read into the config, not model weights
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL_TENSOR = re.compile(r"(\w+)\.(weight|bias)")
+Q = gguf.GGMLQuantizationType
 
 
 # ---------------------------------------------------------------- reading and validating the file
@@ -258,8 +259,6 @@ def iter_gguf_weights(
 
 # ---------------------------------------------------------------- exact int4 form of Q4_0 / Q4_1 / Q8_0
 
-Q = gguf.GGMLQuantizationType
-
 
 def exact_int4_types(quantization: str) -> frozenset[Q]:
     """The GGUF types whose exact int4 groups the loader hands to the layers under `quantization`.
@@ -278,7 +277,8 @@ def int4_groups_of_tensor(tensor: Any) -> Int4Groups:
     if decode is None:
         raise ValueError(f"GGUF type {tensor.tensor_type.name} has no exact int4 form")
     block_size, type_size = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
-    assert block_size == INT4_GROUP_SIZE
+    if block_size != INT4_GROUP_SIZE:  # a guard for the table above, not a file property
+        raise ValueError(f"GGUF type {tensor.tensor_type.name} has blocks of {block_size}, not {INT4_GROUP_SIZE}")
     n, k = (int(dim) for dim in reversed(tensor.shape))
     blocks = np.asarray(tensor.data).reshape(n, k // block_size, type_size)  # [N, G, bytes per block]
     q, scale, zero = decode(blocks)  # [P, N, G, 32] uint8, [P, N, G] float32 twice

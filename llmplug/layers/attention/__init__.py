@@ -25,11 +25,15 @@ def attention_layers(model: torch.nn.Module) -> list[Attention]:
 def bind_kv_cache(
     model: torch.nn.Module, caches: Sequence[torch.Tensor] | None, backend: type[AttentionBackend]
 ) -> int:
-    """Give the i-th Attention layer caches[i] (None: run without a cache) and `backend`; returns the layer count."""
+    """Give the i-th Attention layer caches[i] (None: run without a cache) and `backend`; returns the layer count.
+
+    Drops whatever state a backend kept in the layers about their previous caches.
+    """
     layers = attention_layers(model)
     if caches is not None and len(caches) != len(layers):
         raise ValueError(f"{len(caches)} KV caches for {len(layers)} Attention layers: allocate one per layer")
     for i, layer in enumerate(layers):
         layer.kv_cache = None if caches is None else caches[i]
         layer.backend = backend
+        layer.backend_state = None
     return len(layers)

@@ -8,7 +8,8 @@ call it, never the model:
 - model runner, once per step: `build_metadata(common)`; the result is entered with
   `with forward_context(metadata):` around `model(input_ids, positions)`;
 - each `Attention` layer, once per step: `forward(layer, q, k, v, metadata)`, which writes this
-  step's k/v into `layer.kv_cache` and returns the attention output.
+  step's k/v into `layer.kv_cache` and returns the attention output. A backend may keep per-layer
+  state across steps in `layer.backend_state` (reset by `bind_kv_cache`).
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ class Attention(nn.Module):
         self.layer_name = prefix
         self.kv_cache: torch.Tensor | None = None  # not a buffer: owned by the model runner, not the checkpoint
         self.backend: type[AttentionBackend] | None = None
+        self.backend_state: object | None = None  # the backend's per-layer scratch kept across steps
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, H * D], k and v [T, Hkv * D] -> [T, H * D]; k, v are stored in the cache."""

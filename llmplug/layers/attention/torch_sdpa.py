@@ -10,6 +10,8 @@ A step is split into at most two parts:
   KV head become G query rows of one [G, seq] score matrix, so grouped-query attention needs no
   K/V expansion and no causal mask; scores, softmax and the weighted sum are three batched ops
   over (KV head, request) — for a handful of query rows this beats SDPA's flash kernel on CPU.
+  The contexts come from the layer's decode mirror (`decode_mirror.py`): gathered from the cache
+  when the decode batch changes, then only extended by each step's new token.
 - prefill part: every other request (prompts, chunked-prefill chunks, prefix-cache hits, 1-token
   prompts), one `scaled_dot_product_attention` call: queries padded to [B, max_query_len], keys
   gathered from the cache, and a mask that lets query i of a request with c cached tokens see
@@ -17,7 +19,9 @@ A step is split into at most two parts:
   the cache, and a single such prompt skips padding and mask: plain causal SDPA.
 
 Everything that depends only on the batch (gather indexes, masks, the gather buffer) is built once
-per step and shared by every layer; a layer only writes its k/v, gathers, and attends.
+per step and shared by every layer; a layer only writes its k/v, gathers (or appends to its
+mirror), and attends. Every layer writes all of the step's k/v into its cache before it reads any:
+a request may read a shared block that another request of the same step writes.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from llmplug.layers.attention.backend import AttentionBackend
+from llmplug.layers.attention.decode_mirror import DecodeMirror, DecodeRows, mirror_fits
 from llmplug.layers.forward_context import CommonAttentionMetadata
 
 if TYPE_CHECKING:
@@ -67,8 +72,19 @@ class DecodePart:
     block_index: torch.Tensor  # [num_reqs * blocks_per_req] cache blocks to gather, request after request
     kv_len: int  # blocks_per_req * block_size keys per request after the gather
     key_mask: torch.Tensor | None  # [B, kv_len] bool, True for real keys; None if all are real
+    rows: DecodeRows  # what a layer's decode mirror records of this step
     _masks: dict[tuple[int, int, torch.dtype], torch.Tensor] = field(default_factory=dict)
     _buffers: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = field(default_factory=dict)
+    _append_index: torch.Tensor | None = None
+
+    @property
+    def append_index(self) -> torch.Tensor:
+        """[B] row of each request's new key in a mirror viewed as [2, Hkv, B * kv_len, D] (built once)."""
+        if self._append_index is None:
+            device = self.block_index.device
+            newest = torch.tensor(self.rows.seq_lens, device=device) - 1
+            self._append_index = torch.arange(self.num_reqs, device=device) * self.kv_len + newest
+        return self._append_index
 
     def score_mask(self, num_kv_heads: int, group: int, dtype: torch.dtype) -> torch.Tensor:
         """Additive key mask [Hkv * B, G, kv_len] in `dtype`, laid out like the scores (built once per step)."""
@@ -144,7 +160,7 @@ def _select_tokens(reqs: list[int], starts: list[int], device: torch.device) -> 
 
 
 def _request_blocks(common: CommonAttentionMetadata, reqs: list[int], max_seq_len: int) -> tuple[torch.Tensor, int]:
-    """Flattened block ids covering max_seq_len keys of each request in `reqs`, and that key count."""
+    """Block tables [len(reqs), blocks_per_req] covering max_seq_len keys of each request, and that key count."""
     num_blocks = -(-max_seq_len // common.block_size)
     if common.block_tables.shape[1] < num_blocks:
         raise ValueError(
@@ -154,7 +170,7 @@ def _request_blocks(common: CommonAttentionMetadata, reqs: list[int], max_seq_le
     tables = common.block_tables
     if len(reqs) != common.num_reqs:
         tables = tables.index_select(0, torch.tensor(reqs, device=tables.device))
-    return tables[:, :num_blocks].reshape(-1), num_blocks * common.block_size
+    return tables[:, :num_blocks], num_blocks * common.block_size
 
 
 def _build_decode(
@@ -163,12 +179,14 @@ def _build_decode(
     """Gather index and key-length mask of the decode requests."""
     device = common.slot_mapping.device
     lens = [seq_lens[r] for r in reqs]
-    block_index, kv_len = _request_blocks(common, reqs, max(lens))
+    tables, kv_len = _request_blocks(common, reqs, max(lens))
     key_mask = None
     if any(n != kv_len for n in lens):
         lens_t = torch.tensor(lens, device=device)
         key_mask = torch.arange(kv_len, device=device)[None, :] < lens_t[:, None]  # [B, kv_len]
-    return DecodePart(_select_tokens(reqs, starts, device), len(reqs), block_index, kv_len, key_mask)
+    rows = DecodeRows(tables, tuple(lens), common.block_size)
+    tokens = _select_tokens(reqs, starts, device)
+    return DecodePart(tokens, len(reqs), tables.reshape(-1), kv_len, key_mask, rows)
 
 
 def _build_prefill(
@@ -183,7 +201,8 @@ def _build_prefill(
     )
     if part.causal_single:
         return part
-    part.block_index, part.kv_len = _request_blocks(common, reqs, max(part_seq))
+    tables, part.kv_len = _request_blocks(common, reqs, max(part_seq))
+    part.block_index = tables.reshape(-1)
     q_len_t, seq_t = torch.tensor(part_q, device=device), torch.tensor(part_seq, device=device)
     part.q_pad_index, part.out_index = _padding_indexes(q_len_t, part.max_query_len)
     part.causal_mask = _causal_mask(q_len_t, seq_t, part.max_query_len, part.kv_len)
@@ -215,12 +234,33 @@ def _causal_mask(q_lens: torch.Tensor, seq_lens: torch.Tensor, max_query_len: in
     return mask.unsqueeze(1)
 
 
+def _adjacent_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+    """k and v [T, W] as one [T, 2, W] view when v's columns follow k's in the same rows (a fused qkv
+    output), so that both are stored by one copy; None otherwise."""
+    num_tokens, width = k.shape
+    if v.shape != k.shape or v.stride() != k.stride() or k.stride(1) != 1:
+        return None
+    if v.data_ptr() != k.data_ptr() + width * k.element_size():
+        return None
+    if v.untyped_storage().data_ptr() != k.untyped_storage().data_ptr():
+        return None
+    return k.as_strided((num_tokens, 2, width), (k.stride(0), width, 1))
+
+
+def _scatter_kv(rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor) -> None:
+    """Store k, v [T, Hkv * D] at rows `index` [T] of rows [2 (K, V), Hkv, num_rows, D]."""
+    num_kv_heads, head_dim = rows.shape[1], rows.shape[-1]
+    kv = _adjacent_kv(k, v)
+    if kv is not None:
+        rows.index_copy_(2, index, kv.view(-1, 2, num_kv_heads, head_dim).permute(1, 2, 0, 3))
+        return
+    rows[0].index_copy_(1, index, k.view(-1, num_kv_heads, head_dim).transpose(0, 1))
+    rows[1].index_copy_(1, index, v.view(-1, num_kv_heads, head_dim).transpose(0, 1))
+
+
 def _write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store this step's k, v [T, Hkv * D] at their slots of cache [2, Hkv, num_blocks, block_size, D]."""
-    num_kv_heads, head_dim = cache.shape[1], cache.shape[-1]
-    slots = cache.view(2, num_kv_heads, -1, head_dim)  # [2, Hkv, num_slots, D]
-    slots[0].index_copy_(1, slot_mapping, k.view(-1, num_kv_heads, head_dim).transpose(0, 1))
-    slots[1].index_copy_(1, slot_mapping, v.view(-1, num_kv_heads, head_dim).transpose(0, 1))
+    _scatter_kv(cache.view(2, cache.shape[1], -1, cache.shape[-1]), k, v, slot_mapping)
 
 
 def _gather_blocks(cache: torch.Tensor, block_index: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -230,16 +270,44 @@ def _gather_blocks(cache: torch.Tensor, block_index: torch.Tensor, out: torch.Te
     return torch.index_select(cache, 2, block_index, out=out)
 
 
-def _decode(layer: "Attention", q: torch.Tensor, part: DecodePart, cache: torch.Tensor) -> torch.Tensor:
-    """q [B, H * D] of one token per request over each request's cached keys -> [B, H * D]."""
+def _decode_kv(
+    layer: "Attention", k: torch.Tensor, v: torch.Tensor, part: DecodePart, cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode requests' keys, transposed, and values, this step's included.
+
+    -> keys [Hkv * B, D, kv_len], values [Hkv * B, kv_len, D]; batch index = kv_head * B + request.
+    From the layer's mirror when it holds the previous step of the same requests (append the new
+    k, v [B, Hkv * D]); else gathered from the cache (already holding this step's k, v) into the
+    mirror, or into a scratch buffer when a mirror would take too much memory.
+    """
+    shape = (2, layer.num_kv_heads, part.num_reqs, part.kv_len, layer.head_dim)
+    if not mirror_fits(part.num_reqs, part.kv_len, cache):
+        layer.backend_state = None
+        blocks_shape = (2, shape[1], part.block_index.shape[0], *cache.shape[3:])
+        blocks = _gather_blocks(cache, part.block_index, part.gather_buffer(blocks_shape, cache.dtype, cache.device))
+        batched = blocks.view(2, shape[1] * shape[2], shape[3], shape[4])
+        return batched[0].transpose(1, 2), batched[1]
+    mirror = layer.backend_state
+    if isinstance(mirror, DecodeMirror) and part.rows.extends(mirror.rows):
+        _scatter_kv(mirror.key_rows, k, v, part.append_index)
+    else:
+        if not isinstance(mirror, DecodeMirror) or mirror.kv.shape != shape:  # else regather in place
+            mirror = DecodeMirror(torch.empty(shape, dtype=cache.dtype, device=cache.device), part.rows)
+            layer.backend_state = mirror
+        _gather_blocks(cache, part.block_index, mirror.kv.view(2, shape[1], -1, *cache.shape[3:]))
+    mirror.rows = part.rows
+    return mirror.keys_t, mirror.values
+
+
+def _decode(
+    layer: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, part: DecodePart, cache: torch.Tensor
+) -> torch.Tensor:
+    """q, k, v [B, heads * D] of one token per request over each request's cached keys -> [B, H * D]."""
     b, hkv, g, d = part.num_reqs, layer.num_kv_heads, layer.num_queries_per_kv, layer.head_dim
-    shape = (2, hkv, part.block_index.shape[0], cache.shape[3], d)
-    kv = _gather_blocks(cache, part.block_index, part.gather_buffer(shape, cache.dtype, cache.device))
-    kv = kv.view(2, hkv * b, part.kv_len, d)  # [2, Hkv * B, kv_len, D], batch index = kv_head * B + request
+    keys_t, values = _decode_kv(layer, k, v, part, cache)  # [Hkv * B, D, kv_len], [Hkv * B, kv_len, D]
     qh = q.view(b, hkv, g, d).transpose(0, 1).reshape(hkv * b, g, d)  # [Hkv * B, G, D]
-    mask = part.score_mask(hkv, g, q.dtype)
-    scores = torch.baddbmm(mask, qh, kv[0].transpose(1, 2), alpha=layer.scale)  # [Hkv * B, G, kv_len]
-    out = torch.bmm(torch.softmax(scores, dim=-1), kv[1])  # [Hkv * B, G, D]
+    scores = torch.baddbmm(part.score_mask(hkv, g, q.dtype), qh, keys_t, alpha=layer.scale)  # [Hkv * B, G, kv_len]
+    out = torch.bmm(torch.softmax(scores, dim=-1), values)  # [Hkv * B, G, D]
     return out.view(hkv, b, g, d).transpose(0, 1).reshape(b, layer.num_heads * d)  # heads in order kv * G + g
 
 
@@ -327,15 +395,17 @@ class TorchSDPABackend(AttentionBackend):
     ) -> torch.Tensor:
         """Write k, v [T, Hkv * D] into the layer's cache, attend q [T, H * D] -> [T, H * D]."""
         cache = layer.kv_cache
-        if cache is not None:
+        if cache is not None:  # all of the step's k/v first: requests may read blocks others write now
             _write_kv(cache, k, v, metadata.slot_mapping)
         decode, prefill = metadata.decode, metadata.prefill
         if prefill is None:  # pure decode: the decode part is the whole step, in order
-            return _decode(layer, q, decode, _require(cache))
+            return _decode(layer, q, k, v, decode, _require(cache))
         if decode is None:
+            layer.backend_state = None  # a mirror follows consecutive decode passes only
             return _prefill(layer, q, k, v, prefill, cache)
         out = q.new_empty(q.shape[0], layer.num_heads * layer.head_dim)
-        decode.tokens.put(out, _decode(layer, decode.tokens.take(q), decode, _require(cache)))
+        take = decode.tokens.take
+        decode.tokens.put(out, _decode(layer, take(q), take(k), take(v), decode, _require(cache)))
         take = prefill.tokens.take
         prefill.tokens.put(out, _prefill(layer, take(q), take(k), take(v), prefill, cache))
         return out

@@ -1,0 +1,378 @@
+"""Weight-only int4: a packed 4-bit copy of a layer's weight, used for small batches (decode).
+
+Decoding one token reads every weight once, so its cost is the bytes of the weights; torch's CPU
+int4 kernel (`_weight_int4pack_mm_for_cpu`) reads a quarter of bf16's bytes but does more work per
+weight, so it wins for a few tokens and loses for many. A layer therefore keeps its dense weight and
+may carry an int4 copy next to it; its `quant_method` picks one per call by the number of tokens.
+
+The seam (after vLLM's quant_method):
+
+- every linear layer and the LM head compute through `layer.quant_method.apply(layer, x, bias)`;
+  `DENSE` (F.linear) until told otherwise;
+- a checkpoint loader may attach the exact int4 form of a tensor to the tensor it yields
+  (`attach_int4_groups`); the layer's own weight_loader places those groups in the same rows as the
+  dense weight (fused projections and tensor-parallel shards included) in a staging area on the
+  parameter (`stage_int4`);
+- after loading, `process_weights_after_loading(model, options)` lets each layer pack its staged (or,
+  when asked, freshly quantized) groups and switch to `Int4LinearMethod`; staging is then dropped.
+
+The int4 form: `Int4Groups` with planes p, w[n, k] = sum_p (q_p[n, k] - 8) * scale_p[n, g] + zero_p[n, g],
+g = k // group_size, q in 0..15 — exactly the kernel's dequantization (checked in the tests). One
+plane holds GGUF Q4_0 / Q4_1 blocks exactly; two planes hold Q8_0 exactly (high and low nibble).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmplug.core.errors import ModelLoadError
+
+__all__ = [
+    "DENSE",
+    "DenseLinearMethod",
+    "INT4_GROUP_SIZE",
+    "INT4_MAX_TOKENS",
+    "Int4Groups",
+    "Int4LinearMethod",
+    "Int4Options",
+    "LinearMethod",
+    "PackedInt4",
+    "attach_int4_groups",
+    "int4_groups_of",
+    "int4_kernel_supported",
+    "process_weights_after_loading",
+    "quantize_int4",
+    "stage_int4",
+]
+
+log = logging.getLogger(__name__)
+
+INT4_GROUP_SIZE = 32  # GGUF's block size, so Q4_0/Q4_1/Q8_0 blocks map onto groups one to one
+# The most tokens per call that take the int4 kernel; more take the dense matmul. Measured on SmolLM2's
+# shapes (bf16, AVX-512, 2 threads): see docs/quantization.md.
+INT4_MAX_TOKENS = 8
+_INNER_K_TILES = 2  # an argument of the packing op that the CPU kernel does not use
+_N_MULTIPLE = 16  # the CPU packing op needs whole blocks of 16 output rows
+
+# A source of shard placement: copies the rows (or columns) of a checkpoint tensor that belong to this
+# layer's shard into a tensor shaped like the layer's weight, as the layer's weight_loader does.
+Place = Callable[[torch.Tensor, torch.Tensor], None]
+
+
+# ---------------------------------------------------------------- the int4 form of a weight
+
+
+@dataclass(frozen=True, slots=True)
+class Int4Groups:
+    """w[n, k] = sum_p (q[p, n, k] - 8) * scale[p, n, k // group_size] + zero[p, n, k // group_size]."""
+
+    q: torch.Tensor  # [P, N, K] uint8, values 0..15
+    scale: torch.Tensor  # [P, N, K // group_size] float32
+    zero: torch.Tensor  # [P, N, K // group_size] float32
+    group_size: int
+
+    @property
+    def num_planes(self) -> int:
+        """How many int4 planes add up to the weight (1: Q4_0/Q4_1/quantized, 2: Q8_0)."""
+        return self.q.shape[0]
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight these groups encode, [N, K] float32."""
+        scale = self.scale.repeat_interleave(self.group_size, dim=-1)
+        zero = self.zero.repeat_interleave(self.group_size, dim=-1)
+        return ((self.q.float() - 8) * scale + zero).sum(0)
+
+    def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "Int4Groups":
+        """Apply a row permutation `fn` ([N, ...] -> [N, ...]) to every plane; groups run along K, so they stay whole."""
+        planes = [(fn(self.q[p]), fn(self.scale[p]), fn(self.zero[p])) for p in range(self.num_planes)]
+        q, scale, zero = (torch.stack(parts) for parts in zip(*planes))
+        return Int4Groups(q, scale, zero, self.group_size)
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE) -> Int4Groups:
+    """Asymmetric groupwise 4-bit quantization of a dense [N, K] weight (round to nearest, min/max range)."""
+    n, k = weight.shape
+    if k % group_size:
+        raise ValueError(f"int4 quantization needs in_features ({k}) divisible by the group size {group_size}")
+    groups = weight.detach().float().reshape(n, k // group_size, group_size)
+    low, high = groups.amin(-1), groups.amax(-1)  # [N, G]
+    scale = (high - low) / 15
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = ((groups - low.unsqueeze(-1)) / safe.unsqueeze(-1)).round_().clamp_(0, 15).to(torch.uint8)
+    zero = low + 8 * scale  # (q - 8) * scale + zero = low + q * scale
+    return Int4Groups(q.reshape(1, n, k), scale.unsqueeze(0), zero.unsqueeze(0), group_size)
+
+
+# ---------------------------------------------------------------- carrying groups through weight loading
+
+
+def attach_int4_groups(tensor: torch.Tensor, groups: Int4Groups) -> torch.Tensor:
+    """Mark `tensor` (a dense checkpoint weight) as exactly equal to `groups`; returns the tensor.
+
+    Like `weight_loader` on parameters, the groups ride on the tensor object, so they reach the layer's
+    weight_loader through any model's `load_weights` loop unchanged; a model that transforms the tensor
+    first simply loses them, and the layer stays dense.
+    """
+    tensor.int4_groups = groups  # type: ignore[attr-defined]
+    return tensor
+
+
+def int4_groups_of(tensor: torch.Tensor) -> Int4Groups | None:
+    """The exact int4 groups a loader attached to `tensor`, or None."""
+    return getattr(tensor, "int4_groups", None)
+
+
+@dataclass(slots=True)
+class _Staging:
+    """The int4 groups of one weight parameter, assembled shard by shard during loading."""
+
+    q: torch.Tensor  # [P, N, K] uint8
+    scale: torch.Tensor  # [P, N, G] float32
+    zero: torch.Tensor  # [P, N, G] float32
+    filled: torch.Tensor  # [N, G] bool: which groups came from the checkpoint
+    group_size: int
+
+    @classmethod
+    def for_weight(cls, weight: torch.Tensor, group_size: int) -> "_Staging":
+        n, k = weight.shape
+        groups = (1, n, k // group_size)
+        q = torch.full((1, n, k), 8, dtype=torch.uint8)  # (8 - 8) * 0 + 0: an empty plane adds nothing
+        zeros = torch.zeros(groups)
+        return cls(q, zeros, zeros.clone(), torch.zeros(groups[1:], dtype=torch.bool), group_size)
+
+    def ensure_planes(self, num_planes: int) -> None:
+        """Grow to `num_planes` planes with empty ones (a fused weight may mix Q4 and Q8_0 shards)."""
+        extra = num_planes - self.q.shape[0]
+        if extra > 0:
+            self.q = torch.cat([self.q, torch.full((extra, *self.q.shape[1:]), 8, dtype=torch.uint8)])
+            self.scale = torch.cat([self.scale, self.scale.new_zeros(extra, *self.scale.shape[1:])])
+            self.zero = torch.cat([self.zero, self.zero.new_zeros(extra, *self.zero.shape[1:])])
+
+    def groups(self) -> Int4Groups:
+        return Int4Groups(self.q, self.scale, self.zero, self.group_size)
+
+
+def stage_int4(param: nn.Parameter, loaded_weight: torch.Tensor, place: Place) -> None:
+    """Place the int4 groups attached to `loaded_weight` (if any) where `place` puts the dense rows.
+
+    Called by a layer's weight_loader right after it placed the dense tensor with the same `place`.
+    """
+    source = int4_groups_of(loaded_weight)
+    if source is None:
+        return
+    staging: _Staging | None = getattr(param, "int4_staging", None)
+    if staging is None:
+        if param.shape[-1] % source.group_size:  # e.g. a tensor-parallel slice that cuts groups: stay dense
+            return
+        staging = param.int4_staging = _Staging.for_weight(param, source.group_size)  # type: ignore[attr-defined]
+    elif staging.group_size != source.group_size:
+        raise ModelLoadError(
+            f"int4 shards of one weight have group sizes {staging.group_size} and {source.group_size}"
+        )
+    staging.ensure_planes(source.num_planes)
+    for p in range(source.num_planes):
+        place(staging.q[p], source.q[p])
+        place(staging.scale[p], source.scale[p])
+        place(staging.zero[p], source.zero[p])
+    place(staging.filled, torch.ones_like(source.scale[0], dtype=torch.bool))
+
+
+def staged_int4(param: torch.Tensor) -> _Staging | None:
+    """The int4 staging area of a weight parameter, or None."""
+    return getattr(param, "int4_staging", None)
+
+
+def drop_int4_staging(param: torch.Tensor) -> None:
+    """Free a parameter's staging area (after packing, or when int4 is not used)."""
+    if hasattr(param, "int4_staging"):
+        del param.int4_staging
+
+
+# ---------------------------------------------------------------- the kernel
+
+
+@functools.lru_cache(maxsize=None)
+def int4_kernel_supported(device_type: str, dtype: torch.dtype) -> bool:
+    """True when torch's int4 weight-only kernel runs on `device_type` for `dtype` (probed on a tiny weight)."""
+    try:
+        device = torch.device(device_type)
+        q = torch.zeros(_N_MULTIPLE, INT4_GROUP_SIZE, dtype=torch.int32, device=device)
+        packed = torch._convert_weight_to_int4pack_for_cpu(q, _INNER_K_TILES)
+        scales = torch.ones(1, _N_MULTIPLE, 2, dtype=dtype, device=device)
+        x = torch.ones(1, INT4_GROUP_SIZE, dtype=dtype, device=device)
+        torch._weight_int4pack_mm_for_cpu(x, packed, INT4_GROUP_SIZE, scales)
+    except (RuntimeError, NotImplementedError, AttributeError) as error:
+        log.info("int4 weight-only kernel unavailable on %s for %s: %s", device_type, dtype, error)
+        return False
+    return True
+
+
+@dataclass(frozen=True, slots=True)
+class PackedInt4:
+    """An [N, K] weight in the kernel's layout: planes side by side along K, x repeated once per plane."""
+
+    weight: torch.Tensor  # [N, P * K / 2] uint8, packed by _convert_weight_to_int4pack_for_cpu
+    scales_and_zeros: torch.Tensor  # [P * K / group_size, N, 2] in the activation dtype
+    group_size: int
+    num_planes: int
+
+    @classmethod
+    def pack(cls, groups: Int4Groups, dtype: torch.dtype, device: torch.device) -> "PackedInt4":
+        """Pack `groups` for activations of `dtype` (the scales are rounded to it)."""
+        planes, n, _ = groups.q.shape
+        q = torch.cat(list(groups.q), dim=1).to(device=device, dtype=torch.int32)  # [N, P * K]
+        scale = torch.cat(list(groups.scale), dim=1).t()  # [P * G, N]
+        zero = torch.cat(list(groups.zero), dim=1).t()
+        packed = torch._convert_weight_to_int4pack_for_cpu(q.contiguous(), _INNER_K_TILES)
+        scales_and_zeros = torch.stack([scale, zero], dim=-1).to(device=device, dtype=dtype).contiguous()
+        return cls(packed, scales_and_zeros, groups.group_size, planes)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """[M, K] -> [M, N]; accumulates in float32 inside the kernel."""
+        if self.num_planes > 1:
+            x = x.repeat(1, self.num_planes)  # [M, P * K]: each plane sees the same activations
+        return torch._weight_int4pack_mm_for_cpu(x.contiguous(), self.weight, self.group_size, self.scales_and_zeros)
+
+
+def packable(groups: Int4Groups) -> str | None:
+    """Why the kernel cannot take these groups, or None when it can."""
+    n = groups.q.shape[1]
+    if n % _N_MULTIPLE:
+        return f"{n} output features are not a multiple of {_N_MULTIPLE}"
+    return None
+
+
+# ---------------------------------------------------------------- linear methods
+
+
+class LinearMethod(Protocol):
+    """How a layer computes x W^T + b; the layer calls `apply` in its forward."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """[..., K] -> [..., N] with `layer.weight` ([N, K]) or a copy of it in another form."""
+        ...
+
+
+class DenseLinearMethod:
+    """F.linear with the layer's dense weight."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, layer.weight, bias)
+
+    def __repr__(self) -> str:
+        return "dense"
+
+
+DENSE = DenseLinearMethod()
+
+
+class Int4LinearMethod:
+    """The int4 kernel for at most `max_tokens` rows of x, the dense weight for more."""
+
+    def __init__(self, packed: PackedInt4, max_tokens: int, exact: bool) -> None:
+        self.packed, self.max_tokens, self.exact = packed, max_tokens, exact
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        # called ~120 times per decode step: the common case (2-D x) does no reshaping
+        rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # [M, K]
+        if rows.shape[0] > self.max_tokens:
+            return F.linear(x, layer.weight, bias)
+        y = self.packed.matmul(rows)  # [M, N]
+        if bias is not None:
+            y += bias
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
+
+    def __repr__(self) -> str:
+        source = "exact" if self.exact else "quantized"
+        return f"int4(m<={self.max_tokens}, {source}, planes={self.packed.num_planes})"
+
+
+# ---------------------------------------------------------------- after loading
+
+
+@dataclass(frozen=True, slots=True)
+class Int4Options:
+    """What `process_weights_after_loading` does.
+
+    quantize_dense: quantize weights (or groups of them) that have no exact int4 form in the checkpoint;
+    False keeps such layers dense. required: fail when the kernel is missing instead of staying dense.
+    """
+
+    quantize_dense: bool = False
+    required: bool = False
+    group_size: int = INT4_GROUP_SIZE
+    max_tokens: int = INT4_MAX_TOKENS
+
+
+def int4_method_for(weight: torch.Tensor, options: Int4Options) -> LinearMethod:
+    """The method a layer with dense `weight` (and maybe staged groups) should use after loading."""
+    staging = staged_int4(weight)
+    if staging is not None and bool(staging.filled.all()):
+        groups, exact = staging.groups(), True
+    elif not options.quantize_dense:
+        return DENSE
+    else:
+        groups, exact = _fill_by_quantizing(weight, staging, options.group_size), False
+    reason = packable(groups)
+    if reason is not None:
+        if options.quantize_dense:
+            log.warning("weight of shape %s stays dense: %s", tuple(weight.shape), reason)
+        return DENSE
+    return Int4LinearMethod(PackedInt4.pack(groups, weight.dtype, weight.device), options.max_tokens, exact)
+
+
+def _fill_by_quantizing(weight: torch.Tensor, staging: _Staging | None, group_size: int) -> Int4Groups:
+    """Quantize `weight`; where some groups were staged exactly from the checkpoint, keep those."""
+    quantized = quantize_int4(weight, staging.group_size if staging is not None else group_size)
+    if staging is None:
+        return quantized
+    filled = staging.filled  # [N, G]
+    staging.ensure_planes(1)
+    q_filled = filled.repeat_interleave(staging.group_size, dim=-1)  # [N, K]
+    q = staging.q.clone()
+    q[0] = torch.where(q_filled, staging.q[0], quantized.q[0])
+    scale, zero = staging.scale.clone(), staging.zero.clone()
+    scale[0] = torch.where(filled, staging.scale[0], quantized.scale[0])
+    zero[0] = torch.where(filled, staging.zero[0], quantized.zero[0])
+    return Int4Groups(q, scale, zero, staging.group_size)
+
+
+def process_weights_after_loading(model: nn.Module, options: Int4Options) -> None:
+    """Give every layer that can take it an int4 copy of its weight; then free all staging areas.
+
+    Called by the loader once `model.load_weights` is done (and again after any later weight update).
+    """
+    param = next(model.parameters(), None)
+    supported = param is not None and int4_kernel_supported(param.device.type, param.dtype)
+    if not supported and options.required:
+        where = f"{param.device.type} / {param.dtype}" if param is not None else "this model"
+        raise ModelLoadError(
+            f"quantization=int4 needs torch's int4 weight-only kernel, which is not available for {where}; "
+            "use quantization=auto or none"
+        )
+    if supported:
+        for module in model.modules():
+            hook = getattr(module, "process_weights_after_loading", None)
+            if hook is not None:
+                hook(options)
+    for param in model.parameters():
+        drop_int4_staging(param)
+    _log_summary(model)
+
+
+def _log_summary(model: nn.Module) -> None:
+    methods = [m.quant_method for m in model.modules() if hasattr(m, "quant_method")]
+    int4 = [m for m in methods if isinstance(m, Int4LinearMethod)]
+    if int4:
+        exact = sum(m.exact for m in int4)
+        log.info(
+            "int4 weight-only path for up to %d tokens: %d of %d linear layers (%d exact from the checkpoint)",
+            int4[0].max_tokens, len(int4), len(methods), exact,
+        )

@@ -1,0 +1,160 @@
+"""GGUF Q4_0 / Q4_1 / Q8_0 blocks as exact int4 groups: decoded from the raw blocks, unpermuted like
+the dense weights, packed into the layers, and used by the engine for small batches.
+
+Truth: `gguf.quants.dequantize` of the same blocks, the dense weights the loader yields, and the
+engine's own output with `quantization=none`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from llmplug import LLM, SamplingParams
+from llmplug.core.config import EngineConfig, ModelConfig
+from llmplug.layers.quantization import DENSE, Int4Groups, Int4LinearMethod, PackedInt4, int4_kernel_supported
+from llmplug.loaders.gguf import GGUFLoader, dequantize_tensor, int4_groups_of_tensor, iter_gguf_weights
+from llmplug.plugins.models.llama import LlamaForCausalLM
+
+from .gguf_writer_utils import make_tiny_model, tiny_llama_config, write_model_gguf
+
+pytestmark = pytest.mark.skipif(
+    not int4_kernel_supported("cpu", torch.float32), reason="torch has no CPU int4 weight-only kernel here"
+)
+Q = gguf.GGMLQuantizationType
+EXACT_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
+
+
+def quantized_tensor(qtype: Q, rows: int = 64, cols: int = 256, seed: int = 0) -> SimpleNamespace:
+    """What GGUFReader gives for one matrix written with the gguf package's own quantize."""
+    values = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32) * 0.05
+    data = gguf.quants.quantize(values, qtype)  # [rows, bytes per row]
+    return SimpleNamespace(tensor_type=qtype, shape=np.array([cols, rows]), data=data)  # GGUF lists dims reversed
+
+
+@pytest.mark.parametrize("qtype", EXACT_TYPES, ids=lambda qtype: qtype.name)
+def test_groups_decoded_from_blocks_equal_gguf_dequantize_exactly(qtype: Q) -> None:
+    tensor = quantized_tensor(qtype)
+    groups = int4_groups_of_tensor(tensor)
+    assert groups.num_planes == (2 if qtype == Q.Q8_0 else 1) and groups.group_size == 32
+    assert torch.equal(groups.dequantize(), dequantize_tensor(tensor))
+
+
+@pytest.mark.parametrize("qtype", EXACT_TYPES, ids=lambda qtype: qtype.name)
+def test_int4_matmul_equals_dense_matmul_with_the_dequantized_weights(qtype: Q) -> None:
+    tensor = quantized_tensor(qtype, seed=1)
+    packed = PackedInt4.pack(int4_groups_of_tensor(tensor), torch.float32, torch.device("cpu"))
+    x = torch.randn(4, 256)
+    expected = x.double() @ dequantize_tensor(tensor).double().T
+    torch.testing.assert_close(packed.matmul(x).double(), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("qtype", EXACT_TYPES, ids=lambda qtype: qtype.name)
+def test_bf16_scales_move_weights_by_at_most_their_rounding(qtype: Q) -> None:
+    tensor = quantized_tensor(qtype, seed=2)
+    groups = int4_groups_of_tensor(tensor)
+    rounded = Int4Groups(groups.q, groups.scale.bfloat16().float(), groups.zero.bfloat16().float(), 32)
+    error = (rounded.dequantize() - dequantize_tensor(tensor)).abs()
+    # bf16 keeps 8 significant bits: rounding moves each scale and zero by at most 2^-8 of itself
+    bound = sum(
+        (8 * groups.scale[p].abs() + groups.zero[p].abs()).repeat_interleave(32, dim=-1) * 2**-8
+        for p in range(groups.num_planes)
+    )
+    assert (error <= bound + 1e-9).all()
+
+
+def test_unsupported_type_has_no_exact_int4_form() -> None:
+    with pytest.raises(ValueError, match="Q5_0"):
+        int4_groups_of_tensor(quantized_tensor(Q.Q5_0))
+
+
+# ---------------------------------------------------------------- through the loader into the layers
+
+
+@pytest.fixture(scope="module")
+def tiny_files(tmp_path_factory: pytest.TempPathFactory) -> dict[Q, Path]:
+    """A tiny Llama (vocab 256, so the untied LM head packs too) in Q4_1, Q8_0 and F32."""
+    model = make_tiny_model(tiny_llama_config(vocab_size=256))
+    folder = tmp_path_factory.mktemp("int4")
+    return {q: write_model_gguf(folder / f"{q.name}.gguf", model, q, tokenizer=False) for q in (Q.Q4_1, Q.Q8_0, Q.F32)}
+
+
+def load(path: Path, quantization: str, dtype: str = "float32") -> torch.nn.Module:
+    config = EngineConfig(model=ModelConfig(model=str(path), dtype=dtype, quantization=quantization))
+    return GGUFLoader(config.load).load_model(config, device="cpu", model_class=LlamaForCausalLM)
+
+
+def layer_methods(model: torch.nn.Module) -> dict[str, object]:
+    return {name: module.quant_method for name, module in model.named_modules() if hasattr(module, "quant_method")}
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0], ids=lambda qtype: qtype.name)
+def test_auto_packs_every_layer_exactly_in_the_rows_of_its_dense_weight(tiny_files: dict[Q, Path], qtype: Q) -> None:
+    model = load(tiny_files[qtype], "auto")
+    modules = dict(model.named_modules())
+    methods = layer_methods(model)
+    assert len(methods) == 2 * 4 + 1  # qkv, o, gate_up, down per layer; lm_head
+    for name, method in methods.items():
+        assert isinstance(method, Int4LinearMethod) and method.exact, name
+        weight = modules[name].weight
+        eye = torch.eye(weight.shape[1])
+        # the packed copy, applied to the identity, is the layer's (unpermuted, fused) dense weight
+        torch.testing.assert_close(method.packed.matmul(eye), weight.T, rtol=1e-6, atol=1e-6, msg=name)
+    assert not any(hasattr(param, "int4_staging") for param in model.parameters())
+
+
+def test_none_keeps_every_layer_dense_and_int4_quantizes_a_dense_file(tiny_files: dict[Q, Path]) -> None:
+    assert set(map(id, layer_methods(load(tiny_files[Q.Q4_1], "none")).values())) == {id(DENSE)}
+    assert set(map(id, layer_methods(load(tiny_files[Q.F32], "auto")).values())) == {id(DENSE)}
+    forced = layer_methods(load(tiny_files[Q.F32], "int4"))
+    assert all(isinstance(m, Int4LinearMethod) and not m.exact for m in forced.values())
+
+
+def test_int4_mode_keeps_q8_0_out_of_the_exact_planes(tiny_files: dict[Q, Path]) -> None:
+    weights = dict(iter_gguf_weights(str(tiny_files[Q.Q8_0]), torch.float32, False, int4_types=frozenset({Q.Q4_1})))
+    assert not any(hasattr(tensor, "int4_groups") for tensor in weights.values())
+    methods = layer_methods(load(tiny_files[Q.Q8_0], "int4"))
+    assert all(m.packed.num_planes == 1 and not m.exact for m in methods.values())
+
+
+def test_engine_greedy_output_with_int4_equals_dense_in_fp32(tiny_files: dict[Q, Path]) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5, 17, 99, 3]}, {"prompt_token_ids": [200, 1]}]
+    outputs = {}
+    for quantization in ("auto", "none"):
+        llm = LLM(str(tiny_files[Q.Q4_1]), quantization=quantization, dtype="float32", skip_tokenizer_init=True)
+        outputs[quantization] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert outputs["auto"] == outputs["none"]
+
+
+# ---------------------------------------------------------------- the embedded SmolLM2 (Q4_1, Q8_0 embedding)
+
+CHATS = ["What is the capital of France?", "Name three primary colors."]
+SAME_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def smollm2_outputs() -> dict[str, list[list[int]]]:
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    outputs = {}
+    for quantization in ("auto", "none"):
+        llm = LLM(quantization=quantization)  # the platform's dtype: bfloat16 on this CPU
+        prompts = [llm.chat_prompt([{"role": "user", "content": chat}]) for chat in CHATS]
+        results = llm.generate(prompts, params, use_tqdm=False)
+        outputs[quantization] = [list(r.outputs[0].token_ids) for r in results]
+        outputs[quantization + " text"] = [r.outputs[0].text for r in results]
+    return outputs
+
+
+def test_smollm2_greedy_output_with_int4_equals_dense(smollm2_outputs: dict[str, list]) -> None:
+    for auto, none in zip(smollm2_outputs["auto"], smollm2_outputs["none"]):
+        assert auto[:SAME_TOKENS] == none[:SAME_TOKENS]
+
+
+def test_smollm2_with_int4_knows_the_capital_of_france(smollm2_outputs: dict[str, list]) -> None:
+    assert "Paris" in smollm2_outputs["auto text"][0]
