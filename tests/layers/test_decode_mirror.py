@@ -178,3 +178,17 @@ def test_decodes_on_both_sides_of_a_chunk_keep_appending(gathers) -> None:
     for _ in range(2):  # decode, prompt chunk, decode: the decode tokens are not contiguous
         step(layer, [reqs[0], reqs[1], reqs[2]], [1, 2, 1])
     assert len(gathers) == 2
+
+
+def test_k_and_v_views_of_one_projection_are_stored_by_one_copy() -> None:
+    qkv = torch.randn(5, (HEADS + 2 * KV_HEADS) * D)
+    q, k, v = qkv.split([HEADS * D, KV_HEADS * D, KV_HEADS * D], dim=1)
+    both = torch_sdpa._adjacent_kv(k, v)
+    assert both is not None and torch.equal(both[:, 0], k) and torch.equal(both[:, 1], v)
+    assert torch_sdpa._adjacent_kv(v, k) is None  # v before k
+    assert torch_sdpa._adjacent_kv(k.clone(), v.clone()) is None  # separate tensors
+    fused, separate = make_layer(), make_layer()
+    slots = torch.tensor([7, 3, 12, 0, 30])
+    torch_sdpa._write_kv(fused.kv_cache, k, v, slots)
+    torch_sdpa._write_kv(separate.kv_cache, k.clone(), v.clone(), slots)
+    assert torch.equal(fused.kv_cache, separate.kv_cache)
