@@ -44,8 +44,10 @@ class ModelConfig(_Section):
     skip_tokenizer_init: bool = Field(False, description="Do not load a tokenizer; prompts must be token ids.")
     trust_remote_code: bool = Field(False, description="Allow transformers to run code from the model directory.")
     hf_overrides: dict[str, Any] = Field(default_factory=dict, description="Values that override the HF config.")
+    # "none" by default: the int4 path is chosen per call by token count, so with it a request's output
+    # can depend on what it is batched with (or on prefix-cache hits); opt in for small-batch speed.
     quantization: Literal["auto", "none", "int4"] = Field(
-        "auto",
+        "none",
         description=(
             "Weight-only int4 path for small batches (decode), next to the dense weights. auto: where the "
             "checkpoint's own blocks are exactly int4 (GGUF Q4_0, Q4_1, Q8_0) and the platform runs the kernel; "

@@ -90,7 +90,7 @@ class Int4Groups:
         return ((self.q.float() - 8) * scale + zero).sum(0)
 
     def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "Int4Groups":
-        """Apply a row permutation `fn` ([N, ...] -> [N, ...]) to every plane; groups run along K, so they stay whole."""
+        """Apply a row permutation `fn` ([N, ...] -> [N, ...]) to every plane (groups run along K: they stay whole)."""
         planes = [(fn(self.q[p]), fn(self.scale[p]), fn(self.zero[p])) for p in range(self.num_planes)]
         q, scale, zero = (torch.stack(parts) for parts in zip(*planes))
         return Int4Groups(q, scale, zero, self.group_size)

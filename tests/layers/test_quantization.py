@@ -102,7 +102,7 @@ def test_leading_dims_are_kept() -> None:
 
 def test_fused_qkv_stages_each_shard_in_its_rows_in_any_order() -> None:
     layer = QKVParallelLinear(64, head_size=16, total_num_heads=2, total_num_kv_heads=1, bias=False)
-    shards = {"q": random_groups(32, 64, seed=1), "k": random_groups(16, 64, seed=2), "v": random_groups(16, 64, seed=3)}
+    shards = {name: random_groups(rows, 64, seed=i) for i, (name, rows) in enumerate([("q", 32), ("k", 16), ("v", 16)])}
     for shard_id in ("v", "q", "k"):
         groups = shards[shard_id]
         layer.weight_loader(layer.weight, attach_int4_groups(groups.dequantize(), groups), shard_id)
