@@ -32,16 +32,7 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-PROMPTS = [
-    "Write a short story about a robot who learns to paint.",
-    "Explain how photosynthesis works to a ten year old.",
-    "What are the main causes of the French Revolution?",
-    "Give me three tips for writing clean Python code.",
-    "Describe the water cycle in a few sentences.",
-    "Why is the sky blue? Answer briefly.",
-    "List some healthy breakfast ideas.",
-    "What is the difference between a virus and a bacterium?",
-]
+from prompts import PROMPTS  # noqa: E402 - benchmarks/ is on sys.path when a script runs
 
 
 @dataclass
