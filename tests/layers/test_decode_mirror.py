@@ -73,7 +73,7 @@ def step(layer: Attention, reqs: list[History], num_tokens: list[int], fused_qkv
     if fused_qkv:  # k and v as views of one projection output, as the decoder passes them
         qkv = torch.cat([q, k, v], dim=1)
         q, k, v = qkv.split([HEADS * D, KV_HEADS * D, KV_HEADS * D], dim=1)
-    with forward_context(TorchSDPABackend.build_metadata(common)):
+    with torch.inference_mode(), forward_context(TorchSDPABackend.build_metadata(common)):  # as the runner
         out = layer(q, k, v)
     expected = torch.cat([r.expected(a, b) for r, (a, b) in zip(reqs, spans)])
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
@@ -180,9 +180,11 @@ def test_decodes_on_both_sides_of_a_chunk_keep_appending(gathers) -> None:
     assert len(gathers) == 2
 
 
-def test_k_and_v_views_of_one_projection_are_stored_by_one_copy() -> None:
-    qkv = torch.randn(5, (HEADS + 2 * KV_HEADS) * D)
-    q, k, v = qkv.split([HEADS * D, KV_HEADS * D, KV_HEADS * D], dim=1)
+@pytest.mark.parametrize("inference", [False, True])
+def test_k_and_v_views_of_one_projection_are_stored_by_one_copy(inference: bool) -> None:
+    with torch.inference_mode(inference):
+        qkv = torch.randn(5, (HEADS + 2 * KV_HEADS) * D)
+        q, k, v = qkv.split([HEADS * D, KV_HEADS * D, KV_HEADS * D], dim=1)
     both = torch_sdpa._adjacent_kv(k, v)
     assert both is not None and torch.equal(both[:, 0], k) and torch.equal(both[:, 1], v)
     assert torch_sdpa._adjacent_kv(v, k) is None  # v before k

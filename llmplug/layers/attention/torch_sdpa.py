@@ -238,11 +238,12 @@ def _adjacent_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
     """k and v [T, W] as one [T, 2, W] view when v's columns follow k's in the same rows (a fused qkv
     output), so that both are stored by one copy; None otherwise."""
     num_tokens, width = k.shape
-    if k._base is None or k._base is not v._base:  # views of one tensor, so the view below stays inside it
-        return None
     if v.shape != k.shape or v.stride() != k.stride() or k.stride(1) != 1:
         return None
     if v.data_ptr() != k.data_ptr() + width * k.element_size():
+        return None
+    # one storage, so the view below stays inside it (`_base` is not tracked under inference_mode)
+    if v.untyped_storage().data_ptr() != k.untyped_storage().data_ptr():
         return None
     return k.as_strided((num_tokens, 2, width), (k.stride(0), width, 1))
 
