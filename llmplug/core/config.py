@@ -95,6 +95,32 @@ class LoadConfig(_Section):
     format: str = Field("auto", description="`llmplug.loaders` name; auto: by the files the model has.")
     download_dir: str | None = Field(None, description="Where to look for / put downloaded weights.")
     extra: dict[str, Any] = Field(default_factory=dict, description="Loader-specific options.")
+    bnb_quant_type: Literal["nf4", "fp4", "int8"] = Field(
+        "nf4",
+        description=(
+            "bitsandbytes loader, full-precision checkpoint: quantize the linear layers to 4-bit nf4 / fp4 or to 8-bit "
+            "LLM.int8() while loading. A checkpoint already quantized by bitsandbytes keeps its own settings."
+        ),
+    )
+    bnb_double_quant: bool = Field(
+        False, description="bitsandbytes 4-bit: also quantize the block scales (transformers' bnb_4bit_use_double_quant)."
+    )
+    bnb_int8_threshold: float = Field(
+        6.0, ge=0, description="bitsandbytes 8-bit: activation outliers above it take a 16-bit matmul (0: none)."
+    )
+    tensorizer_uri: str | None = Field(
+        None,
+        description=(
+            "tensorizer loader: the serialized tensors (a file, or an s3:// / http(s):// URI passed to tensorizer); "
+            "default: model.tensors in the model directory (see `llmplug tensorize`)."
+        ),
+    )
+    runai_concurrency: int | None = Field(
+        None, gt=0, description="runai_streamer loader: threads reading at once (RUNAI_STREAMER_CONCURRENCY); default: the streamer's own."
+    )
+    runai_memory_limit: int | None = Field(
+        None, gt=0, description="runai_streamer loader: most bytes of CPU buffer while streaming (RUNAI_STREAMER_MEMORY_LIMIT); default: the streamer's own."
+    )
 
 
 class DeviceConfig(_Section):

@@ -106,7 +106,7 @@ def _plugins_table(rows: list[dict[str, Any]]) -> str:
 
 
 def _engine_commands() -> dict[str, Subcommand]:
-    from llmplug.entrypoints import generate, serve
+    from llmplug.entrypoints import generate, serve, tensorize
 
     return {
         "run": Subcommand("Answer a few demo prompts with the model (default: the embedded SmolLM2) and print tok/s.",
@@ -117,6 +117,8 @@ def _engine_commands() -> dict[str, Subcommand]:
                            generate._chat_arguments, generate._run_chat),
         "serve": Subcommand("Serve the model over an OpenAI-compatible HTTP API (chat, completions, responses).",
                             serve._serve_arguments, serve._run_serve),
+        "tensorize": Subcommand("Serialize a model with tensorizer into a directory for --load-format tensorizer.",
+                                tensorize.tensorize_arguments, tensorize.run_tensorize),
     }
 
 

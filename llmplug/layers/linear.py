@@ -7,8 +7,9 @@ loader fills them).
 
 A layer computes through its `quant_method` (see layers/quantization.py): dense by default; after
 loading, `process_weights_after_loading` may give it a packed int4 copy of its weight for small
-batches. Exact int4 groups a loader attached to a checkpoint tensor are placed with the same `_place`
-as the dense rows, so fused and sharded weights get theirs in the same order.
+batches. Exact int4 groups (or a bitsandbytes form, layers/bitsandbytes.py) a loader attached to a
+checkpoint tensor are placed with the same `_place` as the dense rows, so fused and sharded weights get
+theirs in the same order.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import nn
 
 from llmplug.communicators.parallel_state import get_tp_group
 from llmplug.core.errors import ModelLoadError
+from llmplug.layers.bitsandbytes import stage_bnb
 from llmplug.layers.quantization import DENSE, Int4Options, LinearMethod, int4_method_for, stage_int4
 from llmplug.layers.weight_utils import ShardId, default_weight_loader, frozen_parameter
 
@@ -62,7 +64,9 @@ class LinearBase(nn.Module):
         self._place(param.data, loaded_weight, shard_id)
         if param is self.weight:
             self.quant_method = DENSE
-            stage_int4(param, loaded_weight, lambda dst, src: self._place(dst, src, shard_id))
+            place = lambda dst, src: self._place(dst, src, shard_id)  # noqa: E731
+            stage_int4(param, loaded_weight, place)
+            stage_bnb(param, loaded_weight, place)
 
     def _place(self, dst: torch.Tensor, loaded: torch.Tensor, shard_id: ShardId | None) -> None:
         """Copy the part of `loaded` that this rank holds into `dst` (shaped like the parameter); here: all of it."""
@@ -72,6 +76,10 @@ class LinearBase(nn.Module):
     def process_weights_after_loading(self, options: Int4Options) -> None:
         """Choose the quant method now that the weight (and any staged int4 groups) are loaded."""
         self.quant_method = int4_method_for(self.weight, options)
+
+    def use_quantized(self, method: LinearMethod, weight: nn.Parameter) -> None:
+        """Compute through `method` from now on; its quantized `weight` replaces (and frees) the dense one."""
+        self.quant_method, self.weight = method, weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[..., input_size] -> [..., output_size]."""

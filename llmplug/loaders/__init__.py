@@ -7,6 +7,7 @@ classes live in their modules (`base.BaseModelLoader`, `default.DefaultLoader`, 
 
 from __future__ import annotations
 
+import json
 import os
 
 __all__ = ["resolve_load_format"]
@@ -16,7 +17,8 @@ _CHECKPOINT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 def resolve_load_format(model_path: str, requested: str) -> str:
     """`requested` unless it is "auto": then "gguf" for a .gguf file (or a folder holding only
-    GGUF weights), else "default". Embedded short names resolve to their file first."""
+    GGUF weights), "bitsandbytes" for a folder whose config.json says bitsandbytes quantized it,
+    else "default". Embedded short names resolve to their file first."""
     if requested != "auto":
         return requested
     from llmplug.loaders.default_model import resolve_model_path
@@ -26,7 +28,20 @@ def resolve_load_format(model_path: str, requested: str) -> str:
         return "gguf" if path.lower().endswith(".gguf") else "default"
     if os.path.isdir(path) and _holds_only_gguf(path):
         return "gguf"
+    if os.path.isdir(path) and _quant_method(path) == "bitsandbytes":
+        return "bitsandbytes"
     return "default"
+
+
+def _quant_method(folder: str) -> str | None:
+    """config.json's quantization_config.quant_method, if any (a missing or unreadable config: None)."""
+    try:
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as file:
+            config = json.load(file)
+    except (OSError, ValueError):
+        return None
+    quantization = config.get("quantization_config") if isinstance(config, dict) else None
+    return quantization.get("quant_method") if isinstance(quantization, dict) else None
 
 
 def _holds_only_gguf(folder: str) -> bool:

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
     from llmplug.core.config import EngineConfig, LoadConfig, ModelConfig
 
-__all__ = ["BaseModelLoader", "model_dtype"]
+__all__ = ["BaseModelLoader", "model_dtype", "record_stored_nbytes"]
 
 log = logging.getLogger("llmplug.loaders")
 
@@ -155,13 +155,30 @@ class BaseModelLoader(abc.ABC):
             model = cls(config=hf_config, prefix="")
         num_bytes = self.load_weights(model, model_config)
         _check_materialized(model)
-        _process_weights_after_loading(model, model_config.quantization)
+        self.process_weights_after_loading(model, model_config)
         model.eval()
         log.info(
             "loaded %s (%s, %s) in %.2f s, %.1f MB read",
             cls.__name__, dtype, device, time.perf_counter() - start, num_bytes / 2**20,
         )
         return model
+
+
+    def process_weights_after_loading(self, model: torch.nn.Module, model_config: "ModelConfig") -> None:
+        """Let the layers turn their loaded weights into the form they compute with (default: int4 copies)."""
+        _process_weights_after_loading(model, model_config.quantization)
+
+
+def record_stored_nbytes(tensor: torch.Tensor, num_bytes: int) -> torch.Tensor:
+    """Mark a stand-in tensor (e.g. a placeholder for quantized data) as `num_bytes` read; returns it."""
+    tensor.stored_nbytes = num_bytes  # type: ignore[attr-defined]
+    return tensor
+
+
+def _tensor_nbytes(tensor: torch.Tensor) -> int:
+    """Bytes a checkpoint tensor took to read: what a loader recorded, else its own size."""
+    recorded = getattr(tensor, "stored_nbytes", None)
+    return recorded if recorded is not None else tensor.numel() * tensor.element_size()
 
 
 class _ByteCounter:
@@ -172,7 +189,7 @@ class _ByteCounter:
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in self.weights:
-            self.num_bytes += tensor.numel() * tensor.element_size()
+            self.num_bytes += _tensor_nbytes(tensor)
             yield name, tensor
 
 

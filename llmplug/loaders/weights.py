@@ -5,13 +5,19 @@ from __future__ import annotations
 import json
 import pickle
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
 from llmplug.core.errors import ModelLoadError
 
-__all__ = ["find_weight_files", "pt_weights_iterator", "safetensors_weights_iterator", "weights_iterator"]
+__all__ = [
+    "find_weight_files",
+    "open_safetensors",
+    "pt_weights_iterator",
+    "safetensors_weights_iterator",
+    "weights_iterator",
+]
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 PT_INDEX = "pytorch_model.bin.index.json"
@@ -67,14 +73,25 @@ def find_weight_files(path: str | Path, fmt: str = "auto") -> tuple[list[Path], 
     raise ModelLoadError(f"no weight files ({wanted}) in {path}; load.format={fmt!r}")
 
 
-def safetensors_weights_iterator(files: Iterable[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of every tensor of the files, each file memory-mapped (safe_open)."""
-    from safetensors import safe_open
-
+def safetensors_weights_iterator(
+    files: Iterable[Path], keep: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor of the files (those `keep` accepts), each file memory-mapped (safe_open)."""
     for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        with open_safetensors(file) as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if keep is None or keep(name):
+                    yield name, f.get_tensor(name)
+
+
+def open_safetensors(file: Path):  # noqa: ANN201 - safetensors' safe_open handle has no public type
+    """safe_open(file); a truncated or corrupted file is a ModelLoadError naming it."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except (SafetensorError, OSError) as error:
+        raise ModelLoadError(f"safetensors file {file} is truncated or corrupted: {error}") from error
 
 
 def pt_weights_iterator(files: Iterable[Path]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,0 +1,117 @@
+"""Model loading: load time of the same model with every weight loader, in one run.
+
+    python benchmarks/load.py                      # the embedded SmolLM2-135M, bf16, 3 loads per loader
+    python benchmarks/load.py --model DIR --repeats 5 --json out.json
+
+The model (default: the embedded GGUF, converted once to a safetensors checkpoint in a temporary
+directory) is written in each loader's format first — `llmplug tensorize` for tensorizer — and then
+loaded with `load_model` (build the model, read and place every weight, post-process), timed per
+loader. `dummy` reads nothing and `bitsandbytes` also quantizes (nf4), so they time other work than the
+readers; `gguf` reads the original Q4_1 file (dequantizing it), so it runs only with the default model.
+Loaders that need another setup (sharded_state) are listed as skipped when they are not registered.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from llmplug.platforms.cpu_threads import configure_cpu_threads
+
+configure_cpu_threads()  # before torch is imported
+
+import torch  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+from llmplug.core.config import DEFAULT_MODEL, EngineConfig, LoadConfig, ModelConfig  # noqa: E402
+from llmplug.core.plugins import get_registry  # noqa: E402
+from llmplug.loaders.default_model import resolve_model_path  # noqa: E402
+from llmplug.loaders.tensorizer import tensorize_model  # noqa: E402
+
+# (load.format, extra LoadConfig fields)
+LOADERS = [
+    ("default", {}),
+    ("dummy", {}),
+    ("gguf", {}),
+    ("runai_streamer", {}),
+    ("tensorizer", {}),
+    ("bitsandbytes", {"bnb_quant_type": "nf4"}),
+    ("sharded_state", {}),
+]
+
+
+def engine_config(model: str, fmt: str, dtype: str, **load_fields) -> EngineConfig:
+    return EngineConfig(model=ModelConfig(model=model, dtype=dtype), load=LoadConfig(format=fmt, **load_fields))
+
+
+def gguf_to_safetensors(gguf_file: str, out: Path, dtype: str) -> Path:
+    """The GGUF model as an HF safetensors checkpoint (config.json + model.safetensors) in `out`."""
+    config = engine_config(gguf_file, "gguf", dtype)
+    loader = get_registry().load("llmplug.loaders", "gguf")(config.load)
+    loader.load_hf_config(config.model).save_pretrained(out)
+    tensors = {name: tensor.contiguous() for name, tensor in loader.iter_weights(config.model)}
+    save_file(tensors, str(out / "model.safetensors"))
+    return out
+
+
+def time_loads(model: str, fmt: str, dtype: str, repeats: int, **load_fields) -> list[float]:
+    """Seconds of `repeats` complete loads with loader `fmt`."""
+    config = engine_config(model, fmt, dtype, **load_fields)
+    loader_cls = get_registry().load("llmplug.loaders", fmt)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        model_obj = loader_cls(config.load).load_model(config)
+        times.append(time.perf_counter() - start)
+        del model_obj
+    return times
+
+
+def prepare(args: argparse.Namespace, work: Path) -> dict[str, str]:
+    """The model path each loader reads (absent: the loader is skipped)."""
+    source = resolve_model_path(args.model)
+    is_gguf = source.endswith(".gguf")
+    checkpoint = str(gguf_to_safetensors(source, work / "hf", args.dtype)) if is_gguf else source
+    tensorized = work / "tensorized"
+    tensorize_model(engine_config(checkpoint, "default", args.dtype), tensorized)
+    paths = {fmt: checkpoint for fmt, _ in LOADERS}
+    paths["tensorizer"] = str(tensorized)
+    if is_gguf:
+        paths["gguf"] = source
+    else:
+        del paths["gguf"]
+    return paths
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="HF safetensors directory or .gguf (default: embedded)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", metavar="FILE", help="Also write the results as JSON.")
+    args = parser.parse_args()
+    registered = set(get_registry().names("llmplug.loaders"))
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = prepare(args, Path(tmp))
+        for fmt, fields in LOADERS:
+            if fmt not in registered or fmt not in paths:
+                print(f"{fmt:>15}: skipped ({'not registered' if fmt not in registered else 'no such file'})")
+                continue
+            times = time_loads(paths[fmt], fmt, args.dtype, args.repeats, **fields)
+            results[fmt] = {"median_s": statistics.median(times), "min_s": min(times), "times_s": times}
+            print(f"{fmt:>15}: median {statistics.median(times):.2f} s, min {min(times):.2f} s over {len(times)} loads")
+    default = results.get("default", {}).get("median_s")
+    if default:
+        for fmt, row in results.items():
+            print(f"{fmt:>15}: {row['median_s'] / default:.2f}x the default loader's time")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"dtype": args.dtype, "torch": torch.__version__, "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
