@@ -110,7 +110,8 @@ def main() -> None:
         for fmt, row in results.items():
             print(f"{fmt:>15}: {row['median_s'] / default:.2f}x the default loader's time")
     if args.json:
-        Path(args.json).write_text(json.dumps({"dtype": args.dtype, "torch": torch.__version__, "results": results}, indent=2))
+        report = {"dtype": args.dtype, "torch": torch.__version__, "results": results}
+        Path(args.json).write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":

@@ -103,7 +103,8 @@ class LoadConfig(_Section):
         ),
     )
     bnb_double_quant: bool = Field(
-        False, description="bitsandbytes 4-bit: also quantize the block scales (transformers' bnb_4bit_use_double_quant)."
+        False,
+        description="bitsandbytes 4-bit: also quantize the block scales (transformers' bnb_4bit_use_double_quant).",
     )
     bnb_int8_threshold: float = Field(
         6.0, ge=0, description="bitsandbytes 8-bit: activation outliers above it take a 16-bit matmul (0: none)."
@@ -116,10 +117,19 @@ class LoadConfig(_Section):
         ),
     )
     runai_concurrency: int | None = Field(
-        None, gt=0, description="runai_streamer loader: threads reading at once (RUNAI_STREAMER_CONCURRENCY); default: the streamer's own."
+        None,
+        gt=0,
+        description=(
+            "runai_streamer loader: threads reading at once (RUNAI_STREAMER_CONCURRENCY); default: the streamer's own."
+        ),
     )
     runai_memory_limit: int | None = Field(
-        None, gt=0, description="runai_streamer loader: most bytes of CPU buffer while streaming (RUNAI_STREAMER_MEMORY_LIMIT); default: the streamer's own."
+        None,
+        gt=0,
+        description=(
+            "runai_streamer loader: most bytes of CPU buffer while streaming (RUNAI_STREAMER_MEMORY_LIMIT); "
+            "default: the streamer's own."
+        ),
     )
 
 

@@ -12,7 +12,7 @@ __all__ = ["tensorize_arguments", "run_tensorize"]
 def tensorize_arguments(parser: argparse.ArgumentParser) -> None:
     """MODEL (any format llmplug loads, or --model), OUT, and the engine flags (e.g. --load-format, --dtype)."""
     add_engine_args(parser, model_positional=True)
-    parser.add_argument("out", metavar="OUT", help="Directory to write config.json, the tokenizer and model.tensors to.")
+    parser.add_argument("out", metavar="OUT", help="Directory for config.json, the tokenizer and model.tensors.")
 
 
 def run_tensorize(args: argparse.Namespace) -> int:

@@ -225,7 +225,9 @@ def _linear_8bit(staging: _BnbStaging, out_features: int, in_features: int) -> n
 
     threshold = staging.first.settings.int8_threshold
     with torch.device("meta"):
-        module = bnb.nn.Linear8bitLt(in_features, out_features, bias=False, has_fp16_weights=False, threshold=threshold)
+        module = bnb.nn.Linear8bitLt(
+            in_features, out_features, bias=False, has_fp16_weights=False, threshold=threshold
+        )
     data = staging.data.contiguous()
     module.weight = bnb.nn.Int8Params(data, requires_grad=False, has_fp16_weights=False, CB=data, SCB=staging.scale)
     return module.eval()
