@@ -155,7 +155,7 @@ class BaseModelLoader(abc.ABC):
             model = cls(config=hf_config, prefix="")
         num_bytes = self.load_weights(model, model_config)
         _check_materialized(model)
-        _process_weights_after_loading(model, model_config.quantization)
+        _process_weights_after_loading(model, model_config)
         model.eval()
         log.info(
             "loaded %s (%s, %s) in %.2f s, %.1f MB read",
@@ -176,14 +176,17 @@ class _ByteCounter:
             yield name, tensor
 
 
-def _process_weights_after_loading(model: torch.nn.Module, quantization: str) -> None:
-    """Let the layers pack int4 copies of their weights (ModelConfig.quantization; see docs/quantization.md)."""
-    if quantization == "none":
-        return
-    from llmplug.layers.quantization import Int4Options, process_weights_after_loading
+def _process_weights_after_loading(model: torch.nn.Module, model_config: ModelConfig) -> None:
+    """Let the layers pack their weights: int4 copies (ModelConfig.quantization; see docs/quantization.md)
+    and oneDNN-packed dense weights (ModelConfig.prepack_weights)."""
+    from llmplug.layers.quantization import LinearOptions, process_weights_after_loading
 
+    quantization = model_config.quantization
     forced = quantization == "int4"
-    process_weights_after_loading(model, Int4Options(quantize_dense=forced, required=forced))
+    options = LinearOptions(
+        int4=quantization != "none", quantize_dense=forced, required=forced, prepack=model_config.prepack_weights
+    )
+    process_weights_after_loading(model, options)
 
 
 def _check_materialized(model: torch.nn.Module) -> None:
