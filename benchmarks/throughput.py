@@ -34,10 +34,11 @@ def make_prompts(tokenizer, num_prompts: int) -> list[list[int]]:
     return out
 
 
-def bench_llmplug(model: str, prompts: list[list[int]], output_len: int, dtype: str) -> float:
+def bench_llmplug(model: str, prompts: list[list[int]], output_len: int, dtype: str,
+                  quantization: str = "none") -> float:
     from llmplug import LLM, SamplingParams
 
-    llm = LLM(model=model, dtype=dtype, max_num_seqs=max(len(prompts), 1))
+    llm = LLM(model=model, dtype=dtype, max_num_seqs=max(len(prompts), 1), quantization=quantization)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     start = time.perf_counter()
@@ -103,18 +104,23 @@ def main() -> int:
     batch = make_prompts(tok, args.num_prompts)
     single = batch[:1]
 
-    rows = {}
-    rows["llmplug batch"] = bench_llmplug(model, batch, args.output_len, args.dtype)
-    rows["llmplug single"] = bench_llmplug(model, single, args.output_len, args.dtype)
-    rows["hf generate batch"] = bench_hf_generate(hf, batch, args.output_len, pad_id)
-    rows["hf generate single"] = bench_hf_generate(hf, single, args.output_len, pad_id)
-    if not args.skip_hf_batch:
-        rows["hf generate_batch batch"] = bench_hf_generate_batch(hf, batch, args.output_len, pad_id)
-
     print(f"model={model} prompts={args.num_prompts} output_len={args.output_len} dtype={args.dtype} "
-          f"threads={torch.get_num_threads()}")
-    for name, tps in rows.items():
-        print(f"{name:28s} {tps:8.1f} output tok/s")
+          f"threads={torch.get_num_threads()}", flush=True)
+    rows = {}
+
+    def record(name: str, tps: float) -> None:
+        rows[name] = tps
+        print(f"{name:28s} {tps:8.1f} output tok/s", flush=True)  # as it goes: a later hang loses nothing
+
+    record("llmplug batch", bench_llmplug(model, batch, args.output_len, args.dtype))
+    record("llmplug single", bench_llmplug(model, single, args.output_len, args.dtype))
+    if model.endswith(".gguf"):  # the GGUF's own 4-bit blocks, as llama.cpp runs them
+        record("llmplug single int4", bench_llmplug(model, single, args.output_len, args.dtype, "auto"))
+    record("hf generate batch", bench_hf_generate(hf, batch, args.output_len, pad_id))
+    record("hf generate single", bench_hf_generate(hf, single, args.output_len, pad_id))
+    if not args.skip_hf_batch:
+        record("hf generate_batch batch", bench_hf_generate_batch(hf, batch, args.output_len, pad_id))
+
     ratios = {
         "batch: llmplug / hf generate": rows["llmplug batch"] / rows["hf generate batch"],
         "single: llmplug / hf generate": rows["llmplug single"] / rows["hf generate single"],

@@ -54,6 +54,13 @@ class ModelConfig(_Section):
             "int4: every linear layer, quantizing the rest (group 32); none: dense only. See docs/quantization.md."
         ),
     )
+    prepack_weights: bool = Field(
+        True,
+        description=(
+            "CPU, bf16/fp16: keep a copy of each dense linear weight packed into oneDNN's layout, so matmuls skip "
+            "the per-call re-layout (faster decode, bitwise-equal results; costs a second copy of those weights)."
+        ),
+    )
 
 
 class CacheConfig(_Section):
@@ -195,6 +202,7 @@ ALIASES: dict[str, str] = {
     "trust_remote_code": "model.trust_remote_code",
     "hf_overrides": "model.hf_overrides",
     "quantization": "model.quantization",
+    "prepack_weights": "model.prepack_weights",
     "block_size": "cache.block_size",
     "num_gpu_blocks_override": "cache.num_blocks",
     "kv_cache_memory": "cache.kv_cache_memory",

@@ -23,7 +23,7 @@ from torch import nn
 from llmplug.communicators.parallel_state import get_tp_group
 from llmplug.core.errors import ModelLoadError
 from llmplug.layers.bitsandbytes import stage_bnb
-from llmplug.layers.quantization import DENSE, Int4Options, LinearMethod, int4_method_for, stage_int4
+from llmplug.layers.quantization import DENSE, LinearOptions, LinearMethod, linear_method_for, stage_int4
 from llmplug.layers.weight_utils import ShardId, default_weight_loader, frozen_parameter
 
 __all__ = [
@@ -73,9 +73,9 @@ class LinearBase(nn.Module):
         _no_shard_id(self, shard_id)
         default_weight_loader(dst, loaded)
 
-    def process_weights_after_loading(self, options: Int4Options) -> None:
+    def process_weights_after_loading(self, options: LinearOptions) -> None:
         """Choose the quant method now that the weight (and any staged int4 groups) are loaded."""
-        self.quant_method = int4_method_for(self.weight, options)
+        self.quant_method = linear_method_for(self.weight, options)
 
     def use_quantized(self, method: LinearMethod, weight: nn.Parameter) -> None:
         """Compute through `method` from now on; its quantized `weight` replaces (and frees) the dense one."""

@@ -15,6 +15,7 @@ The seam (after vLLM's quant_method):
   parameter (`stage_int4`);
 - after loading, `process_weights_after_loading(model, options)` lets each layer pack its staged (or,
   when asked, freshly quantized) groups and switch to `Int4LinearMethod`; staging is then dropped.
+  Layers that stay dense get their weight packed for oneDNN where that is faster (layers/packed_linear.py).
 
 The int4 form: `Int4Groups` with planes p, w[n, k] = sum_p (q_p[n, k] - 8) * scale_p[n, g] + zero_p[n, g],
 g = k // group_size, q in 0..15 — exactly the kernel's dequantization (checked in the tests). One
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmplug.core.errors import ModelLoadError
+from llmplug.layers.packed_linear import PrepackedLinearMethod, prepack_supported
 
 __all__ = [
     "DENSE",
@@ -41,12 +43,13 @@ __all__ = [
     "INT4_MAX_TOKENS",
     "Int4Groups",
     "Int4LinearMethod",
-    "Int4Options",
     "LinearMethod",
+    "LinearOptions",
     "PackedInt4",
     "attach_int4_groups",
     "int4_groups_of",
     "int4_kernel_supported",
+    "linear_method_for",
     "process_weights_after_loading",
     "quantize_int4",
     "stage_int4",
@@ -274,16 +277,16 @@ DENSE = DenseLinearMethod()
 
 
 class Int4LinearMethod:
-    """The int4 kernel for at most `max_tokens` rows of x, the dense weight for more."""
+    """The int4 kernel for at most `max_tokens` rows of x, the `dense` method for more."""
 
-    def __init__(self, packed: PackedInt4, max_tokens: int, exact: bool) -> None:
-        self.packed, self.max_tokens, self.exact = packed, max_tokens, exact
+    def __init__(self, packed: PackedInt4, max_tokens: int, exact: bool, dense: LinearMethod = DENSE) -> None:
+        self.packed, self.max_tokens, self.exact, self.dense = packed, max_tokens, exact, dense
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # called ~120 times per decode step: the common case (2-D x) does no reshaping
         rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # [M, K]
         if rows.shape[0] > self.max_tokens:
-            return F.linear(x, layer.weight, bias)
+            return self.dense.apply(layer, x, bias)
         y = self.packed.matmul(rows)  # [M, N]
         if bias is not None:
             y += bias
@@ -298,34 +301,47 @@ class Int4LinearMethod:
 
 
 @dataclass(frozen=True, slots=True)
-class Int4Options:
+class LinearOptions:
     """What `process_weights_after_loading` does.
 
-    quantize_dense: quantize weights (or groups of them) that have no exact int4 form in the checkpoint;
-    False keeps such layers dense. required: fail when the kernel is missing instead of staying dense.
+    int4: use the int4 kernel where the checkpoint holds exact int4 groups (quantization=auto).
+    quantize_dense: also quantize weights (or groups of them) that have no exact int4 form; False keeps
+    such layers dense. required: fail when the int4 kernel is missing instead of staying dense.
+    prepack: pack dense weights for oneDNN where that is supported (see layers/packed_linear.py).
     """
 
+    int4: bool = True
     quantize_dense: bool = False
     required: bool = False
     group_size: int = INT4_GROUP_SIZE
     max_tokens: int = INT4_MAX_TOKENS
+    prepack: bool = True
 
 
-def int4_method_for(weight: torch.Tensor, options: Int4Options) -> LinearMethod:
-    """The method a layer with dense `weight` (and maybe staged groups) should use after loading."""
+def linear_method_for(weight: torch.Tensor, options: LinearOptions) -> LinearMethod:
+    """The method a layer with dense `weight` (and maybe staged int4 groups) should use after loading."""
+    dense = _dense_method_for(weight, options)
+    if not (options.int4 and int4_kernel_supported(weight.device.type, weight.dtype)):
+        return dense
     staging = staged_int4(weight)
     if staging is not None and bool(staging.filled.all()):
         groups, exact = staging.groups(), True
     elif not options.quantize_dense:
-        return DENSE
+        return dense
     else:
         groups, exact = _fill_by_quantizing(weight, staging, options.group_size), False
     reason = packable(groups)
     if reason is not None:
         if options.quantize_dense:
             log.warning("weight of shape %s stays dense: %s", tuple(weight.shape), reason)
-        return DENSE
-    return Int4LinearMethod(PackedInt4.pack(groups, weight.dtype, weight.device), options.max_tokens, exact)
+        return dense
+    return Int4LinearMethod(PackedInt4.pack(groups, weight.dtype, weight.device), options.max_tokens, exact, dense)
+
+
+def _dense_method_for(weight: torch.Tensor, options: LinearOptions) -> LinearMethod:
+    if options.prepack and weight.dim() == 2 and prepack_supported(weight.device.type, weight.dtype):
+        return PrepackedLinearMethod(weight)
+    return DENSE
 
 
 def _fill_by_quantizing(weight: torch.Tensor, staging: _Staging | None, group_size: int) -> Int4Groups:
@@ -344,8 +360,8 @@ def _fill_by_quantizing(weight: torch.Tensor, staging: _Staging | None, group_si
     return Int4Groups(q, scale, zero, staging.group_size)
 
 
-def process_weights_after_loading(model: nn.Module, options: Int4Options) -> None:
-    """Give every layer that can take it an int4 copy of its weight; then free all staging areas.
+def process_weights_after_loading(model: nn.Module, options: LinearOptions) -> None:
+    """Let every linear layer choose its method (int4 copy, packed or plain dense); then free all staging.
 
     Called by the loader once `model.load_weights` is done (and again after any later weight update).
     """
@@ -357,11 +373,10 @@ def process_weights_after_loading(model: nn.Module, options: Int4Options) -> Non
             f"quantization=int4 needs torch's int4 weight-only kernel, which is not available for {where}; "
             "use quantization=auto or none"
         )
-    if supported:
-        for module in model.modules():
-            hook = getattr(module, "process_weights_after_loading", None)
-            if hook is not None:
-                hook(options)
+    for module in model.modules():
+        hook = getattr(module, "process_weights_after_loading", None)
+        if hook is not None:
+            hook(options)
     for param in model.parameters():
         drop_int4_staging(param)
     _log_summary(model)

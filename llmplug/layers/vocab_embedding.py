@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmplug.communicators.parallel_state import get_tp_group
-from llmplug.layers.quantization import DENSE, Int4Options, LinearMethod, int4_method_for, stage_int4, staged_int4
+from llmplug.layers.quantization import DENSE, LinearOptions, LinearMethod, linear_method_for, stage_int4, staged_int4
 from llmplug.layers.weight_utils import check_shape, frozen_parameter
 
 __all__ = ["ParallelLMHead", "VocabParallelEmbedding"]
@@ -86,9 +86,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         embedding.weight_users.append(self)
         return self
 
-    def process_weights_after_loading(self, options: Int4Options) -> None:
+    def process_weights_after_loading(self, options: LinearOptions) -> None:
         """Choose the quant method now that the table (and any staged int4 groups) are loaded."""
-        self.quant_method = int4_method_for(self.weight, options)
+        self.quant_method = linear_method_for(self.weight, options)
 
     def get_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] logits in the weight's dtype."""

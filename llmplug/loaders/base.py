@@ -165,8 +165,9 @@ class BaseModelLoader(abc.ABC):
 
 
     def process_weights_after_loading(self, model: torch.nn.Module, model_config: "ModelConfig") -> None:
-        """Let the layers turn their loaded weights into the form they compute with (default: int4 copies)."""
-        _process_weights_after_loading(model, model_config.quantization)
+        """Let the layers turn their loaded weights into the form they compute with (default: int4 copies,
+        oneDNN-packed dense weights)."""
+        _process_weights_after_loading(model, model_config)
 
 
 def record_stored_nbytes(tensor: torch.Tensor, num_bytes: int) -> torch.Tensor:
@@ -193,14 +194,17 @@ class _ByteCounter:
             yield name, tensor
 
 
-def _process_weights_after_loading(model: torch.nn.Module, quantization: str) -> None:
-    """Let the layers pack int4 copies of their weights (ModelConfig.quantization; see docs/quantization.md)."""
-    if quantization == "none":
-        return
-    from llmplug.layers.quantization import Int4Options, process_weights_after_loading
+def _process_weights_after_loading(model: torch.nn.Module, model_config: ModelConfig) -> None:
+    """Let the layers pack their weights: int4 copies (ModelConfig.quantization; see docs/quantization.md)
+    and oneDNN-packed dense weights (ModelConfig.prepack_weights)."""
+    from llmplug.layers.quantization import LinearOptions, process_weights_after_loading
 
+    quantization = model_config.quantization
     forced = quantization == "int4"
-    process_weights_after_loading(model, Int4Options(quantize_dense=forced, required=forced))
+    options = LinearOptions(
+        int4=quantization != "none", quantize_dense=forced, required=forced, prepack=model_config.prepack_weights
+    )
+    process_weights_after_loading(model, options)
 
 
 def _check_materialized(model: torch.nn.Module) -> None:

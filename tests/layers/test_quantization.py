@@ -14,7 +14,7 @@ from llmplug.layers.quantization import (
     INT4_MAX_TOKENS,
     Int4Groups,
     Int4LinearMethod,
-    Int4Options,
+    LinearOptions,
     PackedInt4,
     attach_int4_groups,
     int4_kernel_supported,
@@ -26,7 +26,7 @@ from llmplug.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbeddin
 pytestmark = pytest.mark.skipif(
     not int4_kernel_supported("cpu", torch.float32), reason="torch has no CPU int4 weight-only kernel here"
 )
-AUTO, FORCED = Int4Options(), Int4Options(quantize_dense=True, required=True)
+AUTO, FORCED = LinearOptions(), LinearOptions(quantize_dense=True, required=True)
 
 
 def random_groups(n: int, k: int, planes: int = 1, group_size: int = 32, seed: int = 0) -> Int4Groups:

@@ -1,0 +1,79 @@
+"""oneDNN-packed dense weights: bitwise equal to F.linear, never stale after a weight update, and the same
+generation as unpacked weights end to end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llmplug import LLM, SamplingParams
+from llmplug.layers.linear import MergedColumnParallelLinear, ReplicatedLinear
+from llmplug.layers.packed_linear import PrepackedLinearMethod, prepack_supported
+from llmplug.layers.quantization import DENSE, LinearOptions, process_weights_after_loading
+from tests.models.tiny_models import make_tiny
+
+pytestmark = pytest.mark.skipif(
+    not prepack_supported("cpu", torch.bfloat16), reason="oneDNN bf16 packed linear not available here"
+)
+PREPACK, PLAIN = LinearOptions(int4=False), LinearOptions(int4=False, prepack=False)
+
+
+def loaded_layer(layer: torch.nn.Module, options: LinearOptions = PREPACK, seed: int = 0) -> torch.nn.Module:
+    g = torch.Generator().manual_seed(seed)
+    for param in layer.parameters():
+        param.weight_loader(param, torch.randn(param.shape, generator=g).bfloat16())
+    process_weights_after_loading(layer, options)
+    return layer
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(1, 64), (7, 64), (33, 64), (2, 5, 64)])
+def test_packed_output_is_bitwise_f_linear(bias: bool, shape: tuple[int, ...]) -> None:
+    with torch.device("cpu"):
+        layer = loaded_layer(ReplicatedLinear(64, 96, bias=bias).bfloat16())
+    assert isinstance(layer.quant_method, PrepackedLinearMethod)
+    x = torch.randn(shape).bfloat16()
+    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+def test_strided_input_views_are_handled() -> None:
+    layer = loaded_layer(ReplicatedLinear(64, 96, bias=False).bfloat16())
+    both = torch.randn(9, 128).bfloat16()
+    x = both[:, 64:]  # a column slice, as split() hands out
+    assert torch.equal(layer(x), F.linear(x.contiguous(), layer.weight))
+
+
+def test_fp32_and_opt_out_stay_plain_dense() -> None:
+    assert loaded_layer(ReplicatedLinear(64, 96, bias=False)).quant_method is DENSE  # fp32: no gain, no packing
+    assert loaded_layer(ReplicatedLinear(64, 96, bias=False).bfloat16(), PLAIN).quant_method is DENSE
+
+
+def test_a_new_weight_is_never_computed_with_the_old_packed_copy() -> None:
+    layer = MergedColumnParallelLinear(64, [32, 32], bias=False).bfloat16()
+    for shard in (0, 1):
+        layer.weight_loader(layer.weight, torch.randn(32, 64).bfloat16(), shard)
+    process_weights_after_loading(layer, PREPACK)
+    x = torch.randn(3, 64).bfloat16()
+    before = layer(x)
+    layer.weight_loader(layer.weight, torch.randn(32, 64).bfloat16(), 1)  # update the second shard only
+    assert layer.quant_method is DENSE
+    updated = layer(x)
+    assert torch.equal(updated[:, :32], before[:, :32]) and not torch.equal(updated[:, 32:], before[:, 32:])
+    process_weights_after_loading(layer, PREPACK)
+    assert isinstance(layer.quant_method, PrepackedLinearMethod) and torch.equal(layer(x), updated)
+
+
+@pytest.mark.slow
+def test_generation_with_packed_weights_equals_unpacked(tmp_path) -> None:
+    tiny = make_tiny("qwen2", tmp_path)  # qkv bias: the packed path with a bias
+    prompts = [{"prompt_token_ids": list(range(3 + i, 12 + 2 * i))} for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = {}
+    for prepack in (True, False):
+        llm = LLM(str(tiny.path), dtype="bfloat16", prepack_weights=prepack, max_num_seqs=4)
+        methods = {type(m.quant_method) for m in llm.llm_engine.engine_core.executor.worker.model_runner.model.modules()
+                   if hasattr(m, "quant_method")}
+        assert (PrepackedLinearMethod in methods) == prepack
+        outs[prepack] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert outs[True] == outs[False]
