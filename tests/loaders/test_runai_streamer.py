@@ -61,7 +61,6 @@ def test_memory_limit_below_the_largest_tensor_is_refused(tiny: TinyModel) -> No
         load_model(tiny.path, "runai_streamer", runai_memory_limit=1024)
 
 
-@pytest.mark.slow
 def test_greedy_generation_end_to_end_matches_transformers(tiny: TinyModel) -> None:
     assert our_greedy(tiny.path, "runai_streamer", runai_concurrency=2) == hf_greedy(tiny.hf_model)
 

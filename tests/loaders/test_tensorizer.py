@@ -12,6 +12,7 @@ import torch
 from llmplug.core.errors import ModelLoadError
 from llmplug.entrypoints.cli import main
 from llmplug.loaders.tensorizer import TENSORS_FILE
+from tests.loaders.gguf_writer_utils import make_tiny_model, write_model_gguf
 from tests.loaders.parity import corrupt, hf_greedy, hf_logits, load_model, our_greedy, our_logits, truncate
 from tests.models.tiny_models import TinyModel, make_tiny
 
@@ -57,9 +58,19 @@ def test_remote_uri_is_passed_to_tensorizer(tiny: TinyModel) -> None:
         load_model(tiny.path, "tensorizer", tensorizer_uri=uri)
 
 
-@pytest.mark.slow
 def test_greedy_generation_end_to_end_matches_transformers(tiny: TinyModel, tensorized: Path) -> None:
     assert our_greedy(tensorized, "tensorizer") == hf_greedy(tiny.hf_model)
+
+
+def test_tensorize_takes_any_format_llmplug_loads(tmp_path: Path) -> None:
+    hf = make_tiny_model()
+    gguf_file = write_model_gguf(tmp_path / "tiny.gguf", hf)  # config, tokenizer and weights in one file
+    out = tmp_path / "out"
+    assert main(["tensorize", str(gguf_file), str(out)]) == 0
+    assert (out / "tokenizer.json").is_file()  # the GGUF's tokenizer, saved by transformers
+    prompt = [1, 20, 7, 130, 99]
+    ours = our_logits(load_model(out, "tensorizer"), prompt)
+    assert (ours - hf_logits(hf, prompt)).abs().max().item() < ATOL
 
 
 @pytest.mark.parametrize("damage", ["truncate", "corrupt_data", "missing"])
