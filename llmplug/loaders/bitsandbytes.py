@@ -116,6 +116,8 @@ def _prequantized_weights(files: list[Path], settings: BnbSettings) -> Iterator[
         states[weight][key] = tensor
     for name, tensor in safetensors_weights_iterator(files, keep=lambda n: _state_owner(n) is None):
         state = states.pop(name, None)
+        if state is None and not tensor.is_floating_point():
+            raise ModelLoadError(f"bitsandbytes weight {name!r} in {files[0].parent} has no quant state")
         yield name, tensor if state is None else _placeholder(name, tensor, state, settings, files)
     if states:
         raise ModelLoadError(f"{files[0].parent}: quant state without its weight for {sorted(states)}")
