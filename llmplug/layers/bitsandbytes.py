@@ -18,12 +18,15 @@ size; 8-bit data [N, K] int8 with one scale per row [N] (SCB).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable, Literal
+from typing import TYPE_CHECKING, Callable, Literal
 
 import torch
 from torch import nn
 
 from llmplug.core.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from bitsandbytes.functional import QuantState
 
 __all__ = [
     "BnbLinearMethod",
@@ -87,7 +90,7 @@ class BnbRows:
     dtype: torch.dtype  # the dtype the weight had when it was quantized
 
     @classmethod
-    def from_4bit(cls, packed: torch.Tensor, state, settings: BnbSettings) -> "BnbRows":
+    def from_4bit(cls, packed: torch.Tensor, state: "QuantState", settings: BnbSettings) -> "BnbRows":
         """From bnb's packed [N * K / 2, 1] data and QuantState (nested absmax is expanded to float)."""
         import bitsandbytes.functional as bnbf
 
