@@ -7,7 +7,8 @@ The model (default: the embedded GGUF, converted once to a safetensors checkpoin
 directory) is written in each loader's format first — `llmplug tensorize` for tensorizer — and then
 loaded with `load_model` (build the model, read and place every weight, post-process), timed per
 loader. `dummy` reads nothing and `bitsandbytes` also quantizes (nf4), so they time other work than the
-readers; `gguf` reads the original Q4_1 file (dequantizing it), so it runs only with the default model.
+readers; `bitsandbytes_prequantized` reads the same model saved nf4-quantized by transformers; `gguf`
+reads the original Q4_1 file (dequantizing it), so it runs only with the default model.
 Loaders that need another setup (sharded_state) are listed as skipped when they are not registered.
 """
 
@@ -32,15 +33,16 @@ from llmplug.core.plugins import get_registry  # noqa: E402
 from llmplug.loaders.default_model import resolve_model_path  # noqa: E402
 from llmplug.loaders.tensorizer import tensorize_model  # noqa: E402
 
-# (load.format, extra LoadConfig fields)
+# (row label, load.format, extra LoadConfig fields)
 LOADERS = [
-    ("default", {}),
-    ("dummy", {}),
-    ("gguf", {}),
-    ("runai_streamer", {}),
-    ("tensorizer", {}),
-    ("bitsandbytes", {"bnb_quant_type": "nf4"}),
-    ("sharded_state", {}),
+    ("default", "default", {}),
+    ("dummy", "dummy", {}),
+    ("gguf", "gguf", {}),
+    ("runai_streamer", "runai_streamer", {}),
+    ("tensorizer", "tensorizer", {}),
+    ("bitsandbytes", "bitsandbytes", {"bnb_quant_type": "nf4"}),
+    ("bitsandbytes_prequantized", "bitsandbytes", {}),
+    ("sharded_state", "sharded_state", {}),
 ]
 
 
@@ -58,6 +60,17 @@ def gguf_to_safetensors(gguf_file: str, out: Path, dtype: str) -> Path:
     return out
 
 
+def save_bnb_quantized(checkpoint: str, out: Path, dtype: str) -> Path:
+    """`checkpoint` quantized to nf4 by transformers with bitsandbytes and saved, as users get such files."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    torch_dtype = getattr(torch, dtype)
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch_dtype)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, quantization_config=config, dtype=torch_dtype)
+    model.save_pretrained(out)
+    return out
+
+
 def time_loads(model: str, fmt: str, dtype: str, repeats: int, **load_fields) -> list[float]:
     """Seconds of `repeats` complete loads with loader `fmt`."""
     config = engine_config(model, fmt, dtype, **load_fields)
@@ -72,14 +85,15 @@ def time_loads(model: str, fmt: str, dtype: str, repeats: int, **load_fields) ->
 
 
 def prepare(args: argparse.Namespace, work: Path) -> dict[str, str]:
-    """The model path each loader reads (absent: the loader is skipped)."""
+    """The model path each row reads (absent: the row is skipped)."""
     source = resolve_model_path(args.model)
     is_gguf = source.endswith(".gguf")
     checkpoint = str(gguf_to_safetensors(source, work / "hf", args.dtype)) if is_gguf else source
     tensorized = work / "tensorized"
     tensorize_model(engine_config(checkpoint, "default", args.dtype), tensorized)
-    paths = {fmt: checkpoint for fmt, _ in LOADERS}
+    paths = {label: checkpoint for label, _, _ in LOADERS}
     paths["tensorizer"] = str(tensorized)
+    paths["bitsandbytes_prequantized"] = str(save_bnb_quantized(checkpoint, work / "bnb", args.dtype))
     if is_gguf:
         paths["gguf"] = source
     else:
@@ -98,17 +112,18 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         paths = prepare(args, Path(tmp))
-        for fmt, fields in LOADERS:
-            if fmt not in registered or fmt not in paths:
-                print(f"{fmt:>15}: skipped ({'not registered' if fmt not in registered else 'no such file'})")
+        for label, fmt, fields in LOADERS:
+            if fmt not in registered or label not in paths:
+                print(f"{label:>25}: skipped ({'not registered' if fmt not in registered else 'no such file'})")
                 continue
-            times = time_loads(paths[fmt], fmt, args.dtype, args.repeats, **fields)
-            results[fmt] = {"median_s": statistics.median(times), "min_s": min(times), "times_s": times}
-            print(f"{fmt:>15}: median {statistics.median(times):.2f} s, min {min(times):.2f} s over {len(times)} loads")
+            times = time_loads(paths[label], fmt, args.dtype, args.repeats, **fields)
+            median = statistics.median(times)
+            results[label] = {"median_s": median, "min_s": min(times), "times_s": times}
+            print(f"{label:>25}: median {median:.2f} s, min {min(times):.2f} s over {len(times)} loads")
     default = results.get("default", {}).get("median_s")
     if default:
-        for fmt, row in results.items():
-            print(f"{fmt:>15}: {row['median_s'] / default:.2f}x the default loader's time")
+        for label, row in results.items():
+            print(f"{label:>25}: {row['median_s'] / default:.2f}x the default loader's time")
     if args.json:
         report = {"dtype": args.dtype, "torch": torch.__version__, "results": results}
         Path(args.json).write_text(json.dumps(report, indent=2))
