@@ -43,7 +43,9 @@ def _checked_pair(pair: object) -> tuple[str, torch.Tensor]:
     if isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str) and isinstance(pair[1], torch.Tensor):
         return pair
     shown = tuple(type(item).__name__ for item in pair) if isinstance(pair, (tuple, list)) else type(pair).__name__
-    raise TypeError(f"update_weights takes (name: str, tensor: torch.Tensor) pairs, got {shown}")
+    raise TypeError(
+        f"update_weights takes (name: str, tensor: torch.Tensor) pairs, e.g. state_dict().items(); got {shown}"
+    )
 
 
 def load_weight_batch(model: torch.nn.Module, batch: WeightBatch) -> None:

@@ -78,7 +78,9 @@ def safetensors_weights_iterator(files: Iterable[Path]) -> Iterator[tuple[str, t
                 for name in f.keys():
                     yield name, f.get_tensor(name)
         except SafetensorError as error:
-            raise ModelLoadError(f"{file} is not a readable safetensors file (truncated or corrupted?): {error}") from error
+            raise ModelLoadError(
+                f"{file} is not a readable safetensors file (truncated or corrupted?): {error}"
+            ) from error
 
 
 def pt_weights_iterator(files: Iterable[Path]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -88,8 +88,10 @@ def test_bad_names_shapes_and_pairs_are_refused_naming_what_was_wrong(model_a):
         llm.update_weights([("model.layers.0.self_attn.q_proj.weight", torch.zeros(3, 3))])
     with pytest.raises(ModelLoadError, match=r"model\.layers\.0\.mlp\.no_such_proj\.weight"):
         llm.update_weights([("model.layers.0.mlp.no_such_proj.weight", torch.zeros(3))])
-    with pytest.raises(TypeError, match=r"\(name: str, tensor: torch.Tensor\) pairs, got \('str', 'list'\)"):
+    with pytest.raises(TypeError, match=r"\(name: str, tensor: torch.Tensor\) pairs.*got \('str', 'list'\)"):
         llm.update_weights([("model.norm.weight", [1.0, 2.0])])
+    with pytest.raises(TypeError, match=r"state_dict\(\)\.items\(\); got str"):
+        llm.update_weights(model_of(llm).state_dict())  # a dict iterates over its names only
 
 
 def test_weight_batches_close_at_the_byte_budget_and_keep_every_pair_in_order():

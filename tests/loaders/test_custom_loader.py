@@ -101,7 +101,8 @@ def test_models_are_found_in_the_hf_cache_offline(site, tiny, npz_model, tmp_pat
     hub_cache = tmp_path / "hf_home" / "hub"
     put_in_hf_cache(hub_cache, REPO_ID, npz_model)
     [repo] = scan_cache_dir(hub_cache).repos  # the hub's own reader accepts the layout
-    assert repo.repo_id == REPO_ID and {f.file_name for f in next(iter(repo.revisions)).files} == {"config.json", "weights.npz"}
+    [revision] = repo.revisions
+    assert repo.repo_id == REPO_ID and {f.file_name for f in revision.files} == {"config.json", "weights.npz"}
     # A fresh interpreter: the hub reads HF_HOME and HF_HUB_OFFLINE when it is imported.
     result = run_python(
         f"""

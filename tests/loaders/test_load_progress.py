@@ -72,7 +72,9 @@ def test_default_loader_reports_every_tensor_of_the_checkpoint(kind, tmp_path, c
 
 def test_dummy_loader_reports_every_parameter_it_fills(tmp_path, caplog):
     tiny_config().save_pretrained(tmp_path)
-    engine_config = EngineConfig(model=ModelConfig(model=str(tmp_path), dtype="bfloat16"), load=LoadConfig(format="dummy"))
+    engine_config = EngineConfig(
+        model=ModelConfig(model=str(tmp_path), dtype="bfloat16"), load=LoadConfig(format="dummy")
+    )
     with caplog.at_level(logging.INFO, "llmplug.loaders"):
         model = DummyLoader(engine_config.load).load_model(engine_config, model_class=LlamaForCausalLM)
     params = list(model.parameters())
