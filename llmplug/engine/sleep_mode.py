@@ -4,8 +4,8 @@ Levels follow vLLM:
 - 1: the KV cache is freed and the weights move to host memory (on a CPU device they stay where they
   are); `wake_up` brings both back, and outputs are as before.
 - 2: the KV cache and the weights are freed (each parameter keeps its shape, its storage shrinks to
-  nothing); `wake_up` allocates them again, and the weights hold no values until `update_weights`
-  loads new ones.
+  nothing), and so are the copies layers derived from them (int4, oneDNN-packed); `wake_up` allocates
+  the weights again, and they hold no values until `update_weights` loads new ones.
 
 What sleeps is named by tags, "weights" and "kv_cache", so an RL loop can wake the weights, load new
 ones and only then allocate the KV cache. The K/V the prefix cache named are gone after a sleep, so
@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 import torch
+
+from llmplug.layers.quantization import DENSE
 
 __all__ = [
     "SLEEP_LEVELS",
@@ -69,6 +71,9 @@ def sleep_weights(model: torch.nn.Module, level: int) -> SleepingWeights:
     sizes = {name: param.untyped_storage().nbytes() for name, param in params.items()}  # before any is freed
     for param in params.values():
         param.untyped_storage().resize_(0)
+    for module in model.modules():  # int4 / packed copies of the old weights: freed, and never used again
+        if hasattr(module, "quant_method"):
+            module.quant_method = DENSE
     return SleepingWeights(level, sizes)
 
 

@@ -17,7 +17,7 @@ from llmplug import LLM, AsyncLLM, SamplingParams
 from llmplug.core.errors import EngineStateError, ModelLoadError
 from llmplug.engine.weight_update import weight_batches
 from llmplug.layers.attention import attention_layers
-from llmplug.layers.quantization import Int4LinearMethod, int4_kernel_supported
+from llmplug.layers.quantization import DENSE, Int4LinearMethod, int4_kernel_supported
 from tests.engine.test_llm import generate_ids, hf_greedy, make_llm, prompts
 from tests.models.tiny_models import make_tiny
 
@@ -146,6 +146,22 @@ def test_level_2_discards_the_weights_and_an_update_after_waking_them_restores_a
     llm.update_weights(weights_of(model_b))
     llm.wake_up(tags=["kv_cache"])
     assert generate_ids(llm, BATCH, GREEDY) == hf_outputs(model_b)
+
+
+@pytest.mark.parametrize("sleep_level", [None, 2])
+def test_bf16_packed_weights_follow_an_update(model_a, model_b, sleep_level):
+    """bf16 layers compute with oneDNN-packed copies of their weights: an update must replace those too."""
+    llm = make_llm(model_a, dtype="bfloat16")
+    if sleep_level is not None:
+        llm.sleep(level=sleep_level)
+        methods = [m.quant_method for m in model_of(llm).modules() if hasattr(m, "quant_method")]
+        assert all(method is DENSE for method in methods)  # the packed copies were freed with the weights
+        llm.wake_up(tags=["weights"])
+    llm.update_weights(weights_of(model_b))
+    if sleep_level is not None:
+        llm.wake_up(tags=["kv_cache"])
+    fresh = make_llm(model_b, dtype="bfloat16")
+    assert generate_ids(llm, BATCH, GREEDY) == generate_ids(fresh, BATCH, GREEDY)
 
 
 def test_an_update_redoes_the_int4_copies_of_the_changed_layers_only(model_a, model_b):
