@@ -260,7 +260,7 @@ def main() -> int:
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32])
     parser.add_argument("--requests-per-client", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--json", help="Write the results here.")
     parser.add_argument("--plot", help="Draw throughput and latency against concurrency into this PNG.")
     parser.add_argument("--verbose", action="store_true", help="Show the servers' own output.")

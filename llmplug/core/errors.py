@@ -37,3 +37,7 @@ class ModelLoadError(LlmplugError):
 
 class EngineDeadError(LlmplugError):
     """The engine failed and cannot serve further requests."""
+
+
+class EngineStateError(LlmplugError, RuntimeError):
+    """The engine cannot do this now (it is asleep, or requests are running); the message says what to do."""

@@ -2,8 +2,9 @@
 
 One background thread owns the LLMEngine and runs its step loop, so a long step never blocks the event
 loop that serves HTTP. The two sides talk through two channels only:
-- commands (add, abort, shutdown) go to the engine thread through a thread-safe queue, which the thread
-  drains between steps; with nothing to run it blocks on that queue (no busy wait);
+- commands (add, abort, calls such as update_weights or sleep, shutdown) go to the engine thread through a
+  thread-safe queue, which the thread drains between steps; with nothing to run it blocks on that queue
+  (no busy wait); a call's result or error comes back through a future;
 - outputs go back through `loop.call_soon_threadsafe`, once per step and event loop, into one asyncio
   queue per request.
 An error in adding one request (InvalidRequestError) reaches that request only. An exception from a
@@ -14,15 +15,16 @@ it at once, and `check_health()` reports it.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmplug.core.config import EngineConfig, load_config
 from llmplug.core.errors import EngineDeadError, InvalidRequestError
@@ -30,6 +32,9 @@ from llmplug.core.outputs import CompletionOutput, RequestOutput
 from llmplug.core.params import RequestOutputKind, SamplingParams
 from llmplug.engine.input_processor import PromptType
 from llmplug.engine.llm_engine import LLMEngine
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -54,11 +59,25 @@ class _AbortRequests:
 
 
 @dataclass(frozen=True, slots=True)
+class _Call:
+    """Run `function` on the engine thread between steps; its result or exception goes to `future`."""
+
+    function: Callable[[], Any]
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+    def run(self) -> None:
+        try:
+            self.future.set_result(self.function())
+        except Exception as exc:  # noqa: BLE001 - delivered to the caller that asked
+            self.future.set_exception(exc)
+
+
+@dataclass(frozen=True, slots=True)
 class _Shutdown:
     pass
 
 
-_Command = _AddRequest | _AbortRequests | _Shutdown
+_Command = _AddRequest | _AbortRequests | _Call | _Shutdown
 
 
 # --- one request's stream on the event loop's side -----------------------------------------------
@@ -209,6 +228,37 @@ class AsyncLLM:
         for stream in streams:
             stream.loop.call_soon_threadsafe(stream.put, _Aborted())
 
+    # --- between generations: new weights, sleep mode (RL); run on the engine thread between steps ----
+
+    async def update_weights(self, weights: Iterable[tuple[str, "torch.Tensor"]]) -> None:
+        """`LLM.update_weights`: new weights through the model's weight loaders; no request may be running."""
+        await self._call(lambda: self.llm_engine.engine_core.update_weights(weights))
+
+    async def reset_prefix_cache(self) -> None:
+        """Forget every cached prompt prefix (no request may be running)."""
+        await self._call(self.llm_engine.engine_core.reset_prefix_cache)
+
+    async def sleep(self, level: int = 1) -> None:
+        """`LLM.sleep`: free the KV cache (and offload or discard the weights); no request may be running."""
+        await self._call(lambda: self.llm_engine.engine_core.sleep(level))
+
+    async def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """`LLM.wake_up`: restore "weights", "kv_cache" or both (None)."""
+        await self._call(lambda: self.llm_engine.engine_core.wake_up(tags))
+
+    async def is_sleeping(self) -> bool:
+        """True while anything is asleep."""
+        return await self._call(lambda: bool(self.llm_engine.engine_core.asleep))
+
+    async def _call(self, function: Callable[[], Any]) -> Any:
+        """Run `function` on the engine thread; EngineDeadError when the engine is gone."""
+        call = _Call(function)
+        with self._lock:  # _fail_all fails queued calls under the same lock: none is left waiting forever
+            if self._dead_error is not None:
+                raise self._dead_error
+            self._commands.put(call)
+        return await asyncio.wrap_future(call.future)
+
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Stop the engine thread (in-flight requests fail with EngineDeadError) and release the workers."""
         if self._thread.is_alive():
@@ -258,6 +308,8 @@ class AsyncLLM:
                 return False
             if isinstance(command, _AddRequest):
                 self._add_request(command)
+            elif isinstance(command, _Call):
+                command.run()
             else:
                 self.llm_engine.abort_request(command.request_ids)
             try:
@@ -301,7 +353,21 @@ class AsyncLLM:
         with self._lock:
             self._dead_error = error
             request_ids = list(self._streams)
+            calls = self._take_queued_calls()
         self._deliver([(rid, error) for rid in request_ids])
+        for call in calls:
+            call.future.set_exception(error)
+
+    def _take_queued_calls(self) -> list[_Call]:
+        """Empty the command queue (the thread is leaving its loop) and return the calls in it."""
+        calls = []
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return calls
+            if isinstance(command, _Call):
+                calls.append(command)
 
     def _shutdown_workers(self) -> None:
         try:

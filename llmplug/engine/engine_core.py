@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING, Iterable
 
 from llmplug.core.config import EngineConfig
-from llmplug.core.errors import ConfigError
+from llmplug.core.errors import ConfigError, EngineStateError
 from llmplug.core.plugins import get_registry
 from llmplug.engine.kv_cache import KVCacheManager
 from llmplug.engine.output_processor import EngineCoreOutput
 from llmplug.engine.request import Request, RequestStatus
 from llmplug.engine.scheduler import Scheduler
 from llmplug.engine.scheduler_output import ModelRunnerOutput
+from llmplug.engine.sleep_mode import SLEEP_TAGS, check_sleep_level, check_wake_tags
+from llmplug.engine.weight_update import weight_batches
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +45,7 @@ class EngineCore:
             enable_chunked_prefill=sched.enable_chunked_prefill,
             policy=sched.policy,
         )
+        self.asleep: frozenset[str] = frozenset()  # the SLEEP_TAGS that are asleep now
 
     def _resolve_max_model_len(self) -> int:
         model_len = self.model_info["max_position_embeddings"]
@@ -71,6 +78,10 @@ class EngineCore:
 
     def add_request(self, request: Request) -> None:
         """Queue a request (rejects one that can never fit, with InvalidRequestError)."""
+        if self.asleep:
+            raise EngineStateError(
+                f"the engine is asleep ({', '.join(sorted(self.asleep))}); call wake_up() before adding requests"
+            )
         self.scheduler.add_request(request)
 
     def abort_requests(self, req_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
@@ -107,6 +118,51 @@ class EngineCore:
                 )
             )
         return outputs
+
+    # ---- between generations: new weights, prefix cache, sleep mode (RL) -------------------------
+    def update_weights(self, weights: Iterable[tuple[str, "torch.Tensor"]]) -> None:
+        """Load checkpoint-named tensors on every worker through the model's weight loaders; reset the prefix cache.
+
+        A failure (unknown name, wrong shape) leaves the tensors before it loaded; the cache is reset anyway.
+        """
+        self._require_idle("update the weights")
+        if "weights" in self.asleep:
+            raise EngineStateError("the weights are asleep; call wake_up(tags=['weights']) before update_weights")
+        try:
+            for batch in weight_batches(weights):
+                self.executor.collective_rpc("update_weights", (batch,))
+        finally:
+            self.executor.collective_rpc("finish_weight_update")
+            self.reset_prefix_cache()  # no block computed with the old weights may be hit again
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (EngineStateError while requests hold blocks)."""
+        if not self.kv_cache_manager.reset_prefix_cache():
+            raise EngineStateError("the prefix cache can only be reset while no request is running")
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache (and offload, level 1, or discard, level 2, the weights) on every worker."""
+        check_sleep_level(level)
+        self._require_idle("sleep")
+        if self.asleep:
+            raise EngineStateError(f"the engine is already asleep ({', '.join(sorted(self.asleep))})")
+        self.executor.collective_rpc("sleep", (level,))
+        self.asleep = frozenset(SLEEP_TAGS)
+        self.reset_prefix_cache()  # the cached K/V are gone
+
+    def wake_up(self, tags: Iterable[str] | None = None) -> None:
+        """Restore what `tags` name ("weights", "kv_cache"; None: both); waking what is awake does nothing."""
+        waking = check_wake_tags(tags) & self.asleep
+        if waking:
+            self.executor.collective_rpc("wake_up", (sorted(waking),))
+            self.asleep -= waking
+
+    def _require_idle(self, action: str) -> None:
+        if self.has_unfinished_requests():
+            raise EngineStateError(
+                f"cannot {action} while requests are running ({self.scheduler.num_running} running, "
+                f"{self.scheduler.num_waiting} waiting); let them finish or abort them first"
+            )
 
     def stats(self) -> dict:
         """Counters for logging and metrics."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from tqdm.auto import tqdm
 
@@ -13,6 +13,9 @@ from llmplug.core.outputs import RequestOutput
 from llmplug.core.params import SamplingParams
 from llmplug.engine.input_processor import PromptType
 from llmplug.engine.llm_engine import LLMEngine
+
+if TYPE_CHECKING:
+    import torch
 
 Conversation = list[dict[str, Any]]
 
@@ -99,6 +102,37 @@ class LLM:
     def shutdown(self) -> None:
         """Release the workers."""
         self.llm_engine.shutdown()
+
+    # ---- between generations: new weights, sleep mode (RL) ------------------------------------
+    def update_weights(self, weights: Iterable[tuple[str, "torch.Tensor"]]) -> None:
+        """Load new weights into the running engine and reset the prefix cache (no request may be running).
+
+        `weights` are (checkpoint name, tensor) pairs, e.g. a transformers model's `state_dict().items()`;
+        any subset of the model's weights, on any device, in any dtype. Each goes through the same
+        per-parameter weight loader as at start-up, so fused projections and tensor-parallel shards
+        are handled alike. An unknown name or a wrong shape raises ModelLoadError naming the tensor.
+        """
+        self.llm_engine.engine_core.update_weights(weights)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prompt prefix (no request may be running)."""
+        self.llm_engine.engine_core.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache memory; level 1 also moves the weights to host memory, level 2 discards them.
+
+        No request may be running, and none can be added until `wake_up`. After level 2, load weights
+        with `update_weights` (after `wake_up(tags=["weights"])`) before generating.
+        """
+        self.llm_engine.engine_core.sleep(level)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Restore what sleep freed: tags "weights", "kv_cache", or both (None)."""
+        self.llm_engine.engine_core.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        """True while anything is asleep."""
+        return bool(self.llm_engine.engine_core.asleep)
 
     # ---- helpers ------------------------------------------------------------------------------
     @staticmethod

@@ -47,19 +47,15 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig):
         self.config = prepare_config(config)
-        self.tokenizer = self._load_tokenizer()
+        loader = get_registry().load("llmplug.loaders", self.config.load.format)(self.config.load)
+        loader.download_model(self.config.model)  # once, here, before any worker starts (ModelLoader protocol)
+        self.tokenizer = None if self.config.model.skip_tokenizer_init else loader.load_tokenizer(self.config.model)
         self.engine_core = EngineCore(self.config)
         info = self.engine_core.model_info
         self.processor = InputProcessor(self.tokenizer, info["vocab_size"], self.engine_core.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_id = self._eos_token_id()
         self.hooks = get_registry().hook_manager().hook
-
-    def _load_tokenizer(self) -> Any | None:
-        if self.config.model.skip_tokenizer_init:
-            return None
-        loader_cls = get_registry().load("llmplug.loaders", self.config.load.format)
-        return loader_cls(self.config.load).load_tokenizer(self.config.model)
 
     def _eos_token_id(self) -> int | None:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:

@@ -9,6 +9,10 @@ import torch
 from llmplug.core.config import EngineConfig
 from llmplug.engine.model_runner import ModelRunner
 from llmplug.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from llmplug.engine.sleep_mode import SleepingWeights, sleep_weights, wake_weights
+from llmplug.engine.weight_update import WeightBatch, load_weight_batch
+from llmplug.layers.attention import attention_layers, bind_kv_cache
+from llmplug.loaders.base import finish_loading
 
 logger = logging.getLogger(__name__)
 
@@ -21,6 +25,7 @@ class Worker:
         self.local_rank = local_rank
         self.rank = rank
         self.model_runner: ModelRunner | None = None
+        self.sleeping_weights: SleepingWeights | None = None  # set by sleep() until the weights wake up
 
     def init_device(self) -> None:
         """Choose this rank's device from the devices it can see, and seed its RNGs."""
@@ -72,3 +77,32 @@ class Worker:
             "eos_token_id": getattr(hf, "eos_token_id", None),
             "block_bytes": spec.block_bytes,
         }
+
+    # ---- between generations: new weights, sleep mode (called through Executor.collective_rpc) ----
+    def update_weights(self, batch: WeightBatch) -> None:
+        """Load checkpoint-named tensors into the model through its weight loaders (this rank keeps its shard)."""
+        load_weight_batch(self.model_runner.model, batch)
+
+    def finish_weight_update(self) -> None:
+        """After the last batch: redo what derives from the weights (int4 copies of changed layers, decode mirrors)."""
+        runner = self.model_runner
+        finish_loading(runner.model, self.config.model, only_dense=True)
+        # rebinding the same caches drops the attention backend's per-layer state, computed with the old weights
+        caches = [layer.kv_cache for layer in attention_layers(runner.model)]
+        bind_kv_cache(runner.model, caches if all(c is not None for c in caches) else None, runner.attn_backend)
+
+    def sleep(self, level: int) -> None:
+        """Free the KV cache; level 1 moves the weights to host memory, level 2 frees them (see sleep_mode)."""
+        runner = self.model_runner
+        bind_kv_cache(runner.model, None, runner.attn_backend)  # the layers held the only references
+        self.sleeping_weights = sleep_weights(runner.model, level)
+        self.platform.empty_cache()
+
+    def wake_up(self, tags: list[str]) -> None:
+        """Restore what `tags` name: "weights" (to this rank's device) and/or "kv_cache" (allocated anew)."""
+        runner = self.model_runner
+        if "weights" in tags:
+            wake_weights(runner.model, self.sleeping_weights, self.device)
+            self.sleeping_weights = None
+        if "kv_cache" in tags:
+            runner.initialize_kv_cache(runner.num_blocks)

@@ -360,10 +360,11 @@ def _fill_by_quantizing(weight: torch.Tensor, staging: _Staging | None, group_si
     return Int4Groups(q, scale, zero, staging.group_size)
 
 
-def process_weights_after_loading(model: nn.Module, options: LinearOptions) -> None:
+def process_weights_after_loading(model: nn.Module, options: LinearOptions, only_dense: bool = False) -> None:
     """Let every linear layer choose its method (int4 copy, packed or plain dense); then free all staging.
 
-    Called by the loader once `model.load_weights` is done (and again after any later weight update).
+    Called by the loader once `model.load_weights` is done, and again after a weight update with
+    `only_dense`: then only layers computing densely (a new weight makes its layer dense) are redone.
     """
     param = next(model.parameters(), None)
     supported = param is not None and int4_kernel_supported(param.device.type, param.dtype)
@@ -375,7 +376,7 @@ def process_weights_after_loading(model: nn.Module, options: LinearOptions) -> N
         )
     for module in model.modules():
         hook = getattr(module, "process_weights_after_loading", None)
-        if hook is not None:
+        if hook is not None and not (only_dense and getattr(module, "quant_method", DENSE) is not DENSE):
             hook(options)
     for param in model.parameters():
         drop_int4_staging(param)

@@ -1,7 +1,9 @@
 """BaseModelLoader: what every weight format shares — finding the model, its HF config, tokenizer and
 class, building the model on the device in the target dtype, checking that every parameter got a
 value, and letting the layers process their weights after loading (int4 copies, see
-docs/quantization.md). A format implements `iter_weights` (or overrides `load_weights`)."""
+docs/quantization.md). A format implements `iter_weights` (or overrides `load_weights`).
+
+`LoadProgress` is the one progress bar and load log every loader reports through (docs/loaders.md)."""
 
 from __future__ import annotations
 
@@ -10,19 +12,27 @@ import contextlib
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any, Iterable, Iterator
+from typing import IO, TYPE_CHECKING, Any, Iterable, Iterator
 
 import torch
 from tqdm import tqdm
 
 from llmplug.core.errors import ModelLoadError
+from llmplug.layers.weight_utils import missing_parameters
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
     from llmplug.core.config import EngineConfig, LoadConfig, ModelConfig
 
-__all__ = ["BaseModelLoader", "model_dtype", "record_stored_nbytes"]
+__all__ = [
+    "BaseModelLoader",
+    "LoadProgress",
+    "finish_loading",
+    "hf_cache_snapshot",
+    "model_dtype",
+    "record_stored_nbytes",
+]
 
 log = logging.getLogger("llmplug.loaders")
 
@@ -45,15 +55,24 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def _hf_cache_snapshot(name: str, cache_dir: str | None) -> str | None:
-    """The local snapshot of hub repo `name` in the HF cache, looked up offline; None when absent."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+def hf_cache_snapshot(name: str, cache_dir: str | None) -> str:
+    """The local snapshot of hub repo `name` in the HF cache (`cache_dir`, else the default), found offline.
+
+    Never downloads: ModelLoadError says how to get the model when it is not there (or only partly).
+    """
+    from huggingface_hub import errors, snapshot_download
 
     try:
         return snapshot_download(name, cache_dir=cache_dir, local_files_only=True)
-    except (LocalEntryNotFoundError, HFValidationError):
-        return None
+    except (errors.LocalEntryNotFoundError, errors.HFValidationError) as error:
+        where = f"the Hugging Face cache {cache_dir}" if cache_dir else "the Hugging Face cache"
+        partial = isinstance(error, getattr(errors, "IncompleteSnapshotError", ()))
+        reason = f"its snapshot in {where} is incomplete: {error}" if partial else f"it is not in {where}"
+        raise ModelLoadError(
+            f"model {name!r} was not found: it is not a local file or directory and {reason}. llmplug does "
+            f"not download from model hubs at run time; download it first (e.g. `hf download {name}`) "
+            "or pass a local directory."
+        ) from error
 
 
 class BaseModelLoader(abc.ABC):
@@ -68,17 +87,7 @@ class BaseModelLoader(abc.ABC):
         from llmplug.loaders.default_model import resolve_model_path
 
         path = resolve_model_path(name)
-        if os.path.exists(path):
-            return path
-        snapshot = _hf_cache_snapshot(name, self.load_config.download_dir)
-        if snapshot is None:
-            raise ModelLoadError(
-                f"model path {name!r} was not found: it is not a local file or directory and not in the Hugging "
-                f"Face cache{f' ({self.load_config.download_dir})' if self.load_config.download_dir else ''}. "
-                "llmplug does not download from model hubs at run time; download it first "
-                f"(e.g. `huggingface-cli download {name}`) or pass a local directory."
-            )
-        return snapshot
+        return path if os.path.exists(path) else hf_cache_snapshot(name, self.load_config.download_dir)
 
     def download_model(self, model_config: "ModelConfig") -> None:
         """Check the model is available locally (a local path or the HF cache); never downloads."""
@@ -125,18 +134,15 @@ class BaseModelLoader(abc.ABC):
     def iter_weights(self, model_config: "ModelConfig") -> Iterable[tuple[str, torch.Tensor]]:
         """(checkpoint name, tensor) pairs of the model's weights, read lazily."""
 
-    def load_weights(self, model: torch.nn.Module, model_config: "ModelConfig") -> int:
-        """Feed `iter_weights` to `model.load_weights`; every parameter must be loaded. Returns bytes read."""
-        counter = _ByteCounter(self.iter_weights(model_config))
-        progress = tqdm(counter, desc=f"Loading {os.path.basename(model_config.model)}", unit=" tensors", disable=None)
-        loaded = model.load_weights(progress)
-        missing = sorted(name for name, _ in model.named_parameters() if name not in loaded)
+    def load_weights(self, model: torch.nn.Module, model_config: "ModelConfig", progress: "LoadProgress") -> None:
+        """Feed `iter_weights` through `progress` to `model.load_weights`; every parameter must be loaded."""
+        loaded = model.load_weights(progress.track(self.iter_weights(model_config)))
+        missing = missing_parameters(model, loaded)
         if missing:
             raise ModelLoadError(
                 f"{len(missing)} parameter(s) of {type(model).__name__} got no weights from {model_config.model!r}: "
                 f"{missing}; the checkpoint is incomplete or of another architecture"
             )
-        return counter.num_bytes
 
     def load_model(
         self, config: "EngineConfig", device: torch.device | str | None = None, model_class: type | None = None
@@ -145,29 +151,77 @@ class BaseModelLoader(abc.ABC):
 
         `model_class` skips the registry lookup (tests, embedding programs).
         """
-        start = time.perf_counter()
         model_config = config.model
-        hf_config = self.load_hf_config(model_config)
-        cls = model_class or self.get_model_class(hf_config)
-        device = torch.device(device) if device is not None else torch.get_default_device()
-        dtype = model_dtype(model_config.dtype)
-        with _default_dtype(dtype), device:
-            model = cls(config=hf_config, prefix="")
-        num_bytes = self.load_weights(model, model_config)
-        _check_materialized(model)
-        self.process_weights_after_loading(model, model_config)
-        model.eval()
-        log.info(
-            "loaded %s (%s, %s) in %.2f s, %.1f MB read",
-            cls.__name__, dtype, device, time.perf_counter() - start, num_bytes / 2**20,
-        )
+        with LoadProgress(os.path.basename(os.path.normpath(model_config.model))) as progress:
+            hf_config = self.load_hf_config(model_config)
+            cls = model_class or self.get_model_class(hf_config)
+            device = torch.device(device) if device is not None else torch.get_default_device()
+            with _default_dtype(model_dtype(model_config.dtype)), device:
+                model = cls(config=hf_config, prefix="")
+            self.load_weights(model, model_config, progress)
+            _check_materialized(model)
+            self.process_weights_after_loading(model, model_config)
+            model.eval()
         return model
 
-
     def process_weights_after_loading(self, model: torch.nn.Module, model_config: "ModelConfig") -> None:
-        """Let the layers turn their loaded weights into the form they compute with (default: int4 copies,
-        oneDNN-packed dense weights)."""
-        _process_weights_after_loading(model, model_config)
+        """Let the layers turn their loaded weights into what they compute with (default: `finish_loading`)."""
+        finish_loading(model, model_config)
+
+
+class LoadProgress:
+    """The progress bar, clock and byte count of one model load; one log line when it ends.
+
+    Every loader reports through it, whatever it reads:
+
+        with LoadProgress("my-model") as progress:
+            model.load_weights(progress.track(weights))   # (name, tensor) pairs, counted as they pass
+            progress.advance(num_bytes, count=1)          # or: a loader that reads whole files / modules
+
+    The tqdm bar shows on a terminal only (unless `file` or `disable` say otherwise). On a clean exit
+    it logs, on the `llmplug.loaders` logger at INFO, the tensors and bytes read and the seconds taken;
+    the record also carries them as `num_tensors`, `num_bytes` and `seconds`.
+    """
+
+    def __init__(
+        self, name: str, total: int | None = None, *, file: IO[str] | None = None, disable: bool | None = None
+    ) -> None:
+        self.name, self.total, self.num_tensors, self.num_bytes = name, total, 0, 0
+        self._bar_options: dict[str, Any] = {"file": file, "disable": disable}
+        self._start = 0.0
+        self._bar: tqdm | None = None
+
+    @property
+    def seconds(self) -> float:
+        """Seconds since the load started."""
+        return time.perf_counter() - self._start
+
+    def __enter__(self) -> "LoadProgress":
+        self._start = time.perf_counter()
+        self._bar = tqdm(desc=f"Loading {self.name}", total=self.total, unit=" tensors", **self._bar_options)
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        self._bar.close()
+        if exc_type is None:
+            seconds, mib = self.seconds, self.num_bytes / 2**20
+            log.info(
+                "loaded %s: %d tensors, %.1f MiB read in %.2f s (%.1f MiB/s)",
+                self.name, self.num_tensors, mib, seconds, mib / max(seconds, 1e-9),
+                extra={"num_tensors": self.num_tensors, "num_bytes": self.num_bytes, "seconds": seconds},
+            )
+
+    def advance(self, num_bytes: int, count: int = 1) -> None:
+        """Count `count` tensors holding `num_bytes` bytes as read."""
+        self.num_tensors += count
+        self.num_bytes += num_bytes
+        self._bar.update(count)
+
+    def track(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Pass (name, tensor) pairs through, counting each one as it is handed on."""
+        for name, tensor in weights:
+            self.advance(_tensor_nbytes(tensor))
+            yield name, tensor
 
 
 def record_stored_nbytes(tensor: torch.Tensor, num_bytes: int) -> torch.Tensor:
@@ -177,26 +231,18 @@ def record_stored_nbytes(tensor: torch.Tensor, num_bytes: int) -> torch.Tensor:
 
 
 def _tensor_nbytes(tensor: torch.Tensor) -> int:
-    """Bytes a checkpoint tensor took to read: what a loader recorded, else its own size."""
+    """Bytes a checkpoint tensor took to read: what its loader recorded, else its own size."""
     recorded = getattr(tensor, "stored_nbytes", None)
     return recorded if recorded is not None else tensor.numel() * tensor.element_size()
 
 
-class _ByteCounter:
-    """Passes (name, tensor) pairs through and counts their bytes."""
+def finish_loading(model: torch.nn.Module, model_config: ModelConfig, only_dense: bool = False) -> None:
+    """Let the layers derive what they compute with from their new weights: int4 copies
+    (ModelConfig.quantization, docs/quantization.md) and oneDNN-packed dense weights (ModelConfig.prepack_weights).
 
-    def __init__(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self.weights, self.num_bytes = weights, 0
-
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in self.weights:
-            self.num_bytes += _tensor_nbytes(tensor)
-            yield name, tensor
-
-
-def _process_weights_after_loading(model: torch.nn.Module, model_config: ModelConfig) -> None:
-    """Let the layers pack their weights: int4 copies (ModelConfig.quantization; see docs/quantization.md)
-    and oneDNN-packed dense weights (ModelConfig.prepack_weights)."""
+    `only_dense`: after a weight update, only the layers computing densely now (those whose weights
+    changed, or that were dense anyway) are redone; the others keep their packed copies.
+    """
     from llmplug.layers.quantization import LinearOptions, process_weights_after_loading
 
     quantization = model_config.quantization
@@ -204,7 +250,7 @@ def _process_weights_after_loading(model: torch.nn.Module, model_config: ModelCo
     options = LinearOptions(
         int4=quantization != "none", quantize_dense=forced, required=forced, prepack=model_config.prepack_weights
     )
-    process_weights_after_loading(model, options)
+    process_weights_after_loading(model, options, only_dense=only_dense)
 
 
 def _check_materialized(model: torch.nn.Module) -> None:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Iterable
 
 import torch
 
-from llmplug.loaders.base import BaseModelLoader
+from llmplug.loaders.base import BaseModelLoader, LoadProgress
 
 if TYPE_CHECKING:
     from llmplug.core.config import ModelConfig
@@ -24,7 +24,7 @@ class DummyLoader(BaseModelLoader):
         """Nothing to read: a dummy checkpoint has no files."""
         return ()
 
-    def load_weights(self, model: torch.nn.Module, model_config: "ModelConfig") -> int:
+    def load_weights(self, model: torch.nn.Module, model_config: "ModelConfig", progress: LoadProgress) -> None:
         """Randomize every parameter in name order (drawn on the CPU so values match across devices)."""
         generator = torch.Generator(device="cpu").manual_seed(model_config.seed)
         with torch.no_grad():
@@ -33,4 +33,4 @@ class DummyLoader(BaseModelLoader):
                     -DUMMY_RANGE, DUMMY_RANGE, generator=generator
                 )
                 param.data.copy_(values)
-        return 0
+                progress.advance(param.numel() * param.element_size())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import zipfile
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
@@ -77,35 +78,60 @@ def safetensors_weights_iterator(
     files: Iterable[Path], keep: Callable[[str], bool] | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of every tensor of the files (those `keep` accepts), each file memory-mapped (safe_open)."""
+    from safetensors import SafetensorError
+
     for file in files:
-        with open_safetensors(file) as f:
-            for name in f.keys():
-                if keep is None or keep(name):
-                    yield name, f.get_tensor(name)
+        try:
+            with open_safetensors(file) as f:
+                for name in f.keys():
+                    if keep is None or keep(name):
+                        yield name, f.get_tensor(name)
+        except SafetensorError as error:
+            raise _unreadable_safetensors(file, error) from error
 
 
 def open_safetensors(file: Path):  # noqa: ANN201 - safetensors' safe_open handle has no public type
-    """safe_open(file); a truncated or corrupted file is a ModelLoadError naming it."""
+    """safe_open(file) on the CPU; a truncated or corrupted file is a ModelLoadError naming it."""
     from safetensors import SafetensorError, safe_open
 
     try:
         return safe_open(str(file), framework="pt", device="cpu")
-    except (SafetensorError, OSError) as error:
-        raise ModelLoadError(f"safetensors file {file} is truncated or corrupted: {error}") from error
+    except SafetensorError as error:
+        raise _unreadable_safetensors(file, error) from error
+
+
+def _unreadable_safetensors(file: Path, error: Exception) -> ModelLoadError:
+    return ModelLoadError(f"{file} is not a readable safetensors file (truncated or corrupted?): {error}")
 
 
 def pt_weights_iterator(files: Iterable[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of every tensor of torch-saved state dicts (weights_only: no code is run)."""
     for file in files:
-        try:
-            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-        except pickle.UnpicklingError as error:
-            raise ModelLoadError(
-                f"{file} holds more than tensors (torch.load weights_only refused it): {error}; "
-                "convert it to safetensors"
-            ) from error
+        state = _load_pt_state(file)
         yield from state.items()
         del state
+
+
+def _load_pt_state(file: Path) -> dict[str, torch.Tensor]:
+    """A torch-saved {name: tensor} dict, memory-mapped when saved in the zip format (torch >= 1.6)."""
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(file))
+    except pickle.UnpicklingError as error:
+        raise ModelLoadError(
+            f"{file} holds more than tensors, or is no torch checkpoint: torch.load(weights_only=True) refused "
+            f"it, and llmplug never unpickles code; convert it to safetensors. torch said: {error}"
+        ) from error
+    except (RuntimeError, EOFError, OSError) as error:
+        raise ModelLoadError(f"{file} is not a readable torch checkpoint (truncated or corrupted?): {error}") from error
+    if not isinstance(state, dict):
+        raise ModelLoadError(f"{file} holds a {type(state).__name__}, not a {{name: tensor}} state dict")
+    stray = next(((k, v) for k, v in state.items() if not (isinstance(k, str) and isinstance(v, torch.Tensor))), None)
+    if stray is not None:
+        raise ModelLoadError(
+            f"{file} is not a flat {{name: tensor}} state dict: entry {stray[0]!r} holds a {type(stray[1]).__name__}; "
+            "save the model's state_dict() itself"
+        )
+    return state
 
 
 def weights_iterator(files: list[Path], kind: str) -> Iterator[tuple[str, torch.Tensor]]:

@@ -6,7 +6,9 @@ After that only the thread count can still change (torch.set_num_threads).
 
 Policy (measurements in docs/platforms.md, "CPU threading"):
 - one process owning the cores: threads = cores, OMP_WAIT_POLICY=ACTIVE, so threads spin between
-  parallel regions instead of sleeping and being woken for every matmul;
+  parallel regions instead of sleeping and being woken for every matmul; GOMP_SPINCOUNT bounds that
+  spinning to some tens of milliseconds (libgomp's ACTIVE default is 30 billion spins: an idle engine,
+  e.g. a server between requests, would keep a core busy forever and slow everything else on it);
 - several processes sharing the cores (multiproc workers), or more threads than cores: threads =
   cores // processes, OMP_WAIT_POLICY=PASSIVE, because a spinning thread holds a core that a thread
   of another team needs; a team that waits on a descheduled member stalls a whole timeslice (8-30 ms
@@ -32,6 +34,10 @@ logger = logging.getLogger(__name__)
 OWNED_ENV = "LLMPLUG_CPU_THREADS_OWNED"  # comma-separated names of the variables llmplug set
 _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 _POLICY_VAR = "OMP_WAIT_POLICY"
+_SPIN_VAR = "GOMP_SPINCOUNT"
+# ~1e6 spins is 20-40 ms here: far longer than the gaps between a step's ops, short enough that an idle
+# process sleeps almost at once (idle CPU 45% -> ~1%, docs/platforms.md)
+ACTIVE_SPIN_COUNT = 1_000_000
 # Intel's OpenMP (KMP_*) derives its blocktime from OMP_WAIT_POLICY (ACTIVE: infinite, PASSIVE: 0), and
 # torch's Linux wheels ship GNU libgomp, which ignores KMP_BLOCKTIME; so KMP_BLOCKTIME is left alone.
 
@@ -147,6 +153,8 @@ def configure_cpu_threads(num_threads: int | None = None, num_processes_sharing:
     torch_was_imported = "torch" in sys.modules
     policy_before = os.environ.get(_POLICY_VAR)
     wanted = {name: str(threads) for name in _THREAD_VARS} | {_POLICY_VAR: policy}
+    if policy == "ACTIVE":
+        wanted[_SPIN_VAR] = str(ACTIVE_SPIN_COUNT)
     env, user_set = _apply(wanted)
     if torch_was_imported:
         _apply_to_loaded_torch(threads, policy_changed=env[_POLICY_VAR] != policy_before)

@@ -7,13 +7,8 @@ files never see them.
 
 from __future__ import annotations
 
-import json
 import logging
 import pickle
-import shutil
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -36,8 +31,8 @@ from llmplug.core.plugins import (
     set_registry,
 )
 from llmplug.core.protocols import PLUGIN_API_VERSION, Platform, VllmModelForTextGeneration
+from tests.plugin_examples import EXAMPLES_DIR, pip_install_examples, run_python
 
-EXAMPLES_DIR = Path(__file__).resolve().parents[1] / "plugins"
 IN_TREE_PLATFORMS = {"cpu", "cuda", "rocm", "tpu", "xpu"}
 FANCY = ("llmplug.loaders", "fancy")
 
@@ -45,26 +40,12 @@ FANCY = ("llmplug.loaders", "fancy")
 # --- installing the examples ----------------------------------------------------------------------------
 
 
-def _pip_install(packages: list[str], target: Path, scratch: Path) -> None:
-    """pip-install example packages into `target`; builds run on copies so the tree stays clean."""
-    copies = []
-    for package in packages:
-        copy = scratch / package
-        shutil.copytree(EXAMPLES_DIR / package, copy)
-        copies.append(str(copy))
-    command = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-               "--no-index", "--no-compile", "--disable-pip-version-check", "--target", str(target), *copies]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    if done.returncode != 0:
-        pytest.fail(f"pip install of {packages} failed:\n{done.stdout}\n{done.stderr}")
-
-
 @pytest.fixture(scope="session")
 def plugin_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A directory holding every example distribution, installed by pip."""
     site = tmp_path_factory.mktemp("plugin_site")
     packages = sorted(path.name for path in EXAMPLES_DIR.iterdir() if (path / "pyproject.toml").is_file())
-    _pip_install(packages, site, tmp_path_factory.mktemp("plugin_sources"))
+    pip_install_examples(packages, site, tmp_path_factory.mktemp("plugin_sources"))
     return site
 
 
@@ -74,22 +55,6 @@ def installed(plugin_site: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.syspath_prepend(str(plugin_site))
     monkeypatch.delenv(plugins.ENABLED_ENV, raising=False)
     return plugin_site
-
-
-def _run_python(code: str, site: Path) -> dict:
-    """Run `code` in a fresh interpreter with `site` on its path; it prints one JSON line last."""
-    env = {**_clean_env(), "PYTHONPATH": str(site)}
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          env=env, timeout=120)
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def _clean_env() -> dict[str, str]:
-    """This process's environment without an allow-list or an inherited PYTHONPATH."""
-    import os
-
-    return {k: v for k, v in os.environ.items() if k not in (plugins.ENABLED_ENV, "PYTHONPATH")}
 
 
 # --- groups and discovery --------------------------------------------------------------------------------
@@ -129,7 +94,7 @@ def test_discovery_reads_name_target_distribution_version_and_extras(installed):
 
 
 def test_listing_and_describe_import_no_plugin_module_and_not_torch(plugin_site):
-    result = _run_python(
+    result = run_python(
         """
         import json, sys
         from llmplug.core.plugins import GROUPS, PluginRegistry
@@ -148,7 +113,7 @@ def test_listing_and_describe_import_no_plugin_module_and_not_torch(plugin_site)
 
 
 def test_load_imports_only_the_chosen_plugin(plugin_site):
-    result = _run_python(
+    result = run_python(
         """
         import json, sys
         from llmplug.core.plugins import PluginRegistry
@@ -172,11 +137,11 @@ def test_newly_pip_installed_plugin_is_seen_by_new_processes_and_after_refresh(t
         print(json.dumps(PluginRegistry().names("llmplug.platforms")))
         """
     assert "toy" not in registry.names("llmplug.platforms")
-    assert "toy" not in _run_python(list_platforms, site)
+    assert "toy" not in run_python(list_platforms, site)
 
-    _pip_install(["toy_platform"], site, tmp_path)
+    pip_install_examples(["toy_platform"], site, tmp_path)
 
-    assert "toy" in _run_python(list_platforms, site)
+    assert "toy" in run_python(list_platforms, site)
     registry.refresh()
     assert "toy" in registry.names("llmplug.platforms")
     assert registry.load("llmplug.platforms", "toy").name == "toy"

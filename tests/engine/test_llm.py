@@ -28,9 +28,10 @@ def prompts(seed: int = 0, lengths=(3, 11, 7, 20, 1, 14)) -> list[list[int]]:
 
 
 def hf_greedy(hf_model, prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
-    with torch.inference_mode():
-        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                                do_sample=False, pad_token_id=0)
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():  # an explicit mask: without one, HF masks prompt tokens equal to pad_token_id
+        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
 

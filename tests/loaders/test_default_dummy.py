@@ -102,10 +102,27 @@ class NotATensor:
     """Pickled into a checkpoint, it would run code on a plain torch.load."""
 
 
-def test_bin_holding_python_objects_is_refused(tmp_path: Path) -> None:
+def test_bin_holding_python_objects_is_refused_naming_the_file(tmp_path: Path) -> None:
     config = tiny_config()
     write_checkpoint(tmp_path, {"model.embed_tokens.weight": NotATensor()}, config, kind="bin")
-    with pytest.raises(ModelLoadError, match="weights_only"):
+    with pytest.raises(ModelLoadError, match=r"pytorch_model\.bin holds more than tensors.*weights_only"):
+        load(tmp_path, dtype="float32")
+
+
+def test_pt_file_that_is_not_a_flat_state_dict_is_refused_naming_the_entry(tmp_path: Path) -> None:
+    config = tiny_config()
+    write_checkpoint(tmp_path, {"state_dict": tiny_state_dict(config)}, config, kind="bin")
+    with pytest.raises(ModelLoadError, match=r"pytorch_model\.bin is not a flat .*'state_dict' holds a dict"):
+        load(tmp_path, dtype="float32")
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "bin"])
+def test_truncated_checkpoint_is_an_error_naming_the_file(kind: str, tmp_path: Path) -> None:
+    config = tiny_config()
+    write_checkpoint(tmp_path, tiny_state_dict(config), config, kind=kind)
+    [weights] = [f for f in tmp_path.iterdir() if f.suffix in (".safetensors", ".bin")]
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ModelLoadError, match=rf"{weights.name} is not a readable .*truncated or corrupted"):
         load(tmp_path, dtype="float32")
 
 

@@ -68,11 +68,11 @@ def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
             param.copy_(torch.randn(param.shape, generator=generator) * 0.1 + mean)
 
 
-def make_tiny(name: str, path: Path, **save_kwargs) -> TinyModel:
-    """Build, randomize and save the tiny `name` model into `path`."""
+def make_tiny(name: str, path: Path, seed: int = 0, **save_kwargs) -> TinyModel:
+    """Build, randomize (from `seed`) and save the tiny `name` model into `path`."""
     config_fn, cls = ARCHS[name]
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     hf_model = AutoModelForCausalLM.from_config(config_fn(), dtype=torch.float32).eval()
-    randomize_(hf_model)
+    randomize_(hf_model, seed)
     hf_model.save_pretrained(path, **save_kwargs)
     return TinyModel(name, path, hf_model, cls)

@@ -14,9 +14,9 @@ import textwrap
 
 import pytest
 
-from llmplug.platforms.cpu_threads import OWNED_ENV, available_cpu_count, threads_per_process
+from llmplug.platforms.cpu_threads import ACTIVE_SPIN_COUNT, OWNED_ENV, available_cpu_count, threads_per_process
 
-THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY", OWNED_ENV)
+THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", OWNED_ENV)
 
 
 def _run(
@@ -48,9 +48,29 @@ def test_one_process_gets_every_core_and_the_active_wait_policy():
     out = _run("")
     cpus = out["cpus"]
     assert out["env"]["OMP_NUM_THREADS"] == out["env"]["MKL_NUM_THREADS"] == str(cpus)
-    assert out["env"]["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert out["env"]["OMP_WAIT_POLICY"] == "ACTIVE" and out["env"]["GOMP_SPINCOUNT"] == str(ACTIVE_SPIN_COUNT)
     assert out["torch_threads"] == cpus
     assert out["result"]["num_threads"] == cpus and out["result"]["torch_was_imported"] is False
+
+
+def test_an_idle_active_process_stops_spinning():
+    """After its last matmul, an ACTIVE process's OpenMP threads sleep instead of holding a core."""
+    code = """
+        import time
+        from llmplug.platforms.cpu_threads import configure_cpu_threads
+        configure_cpu_threads(num_threads=2)
+        import torch
+        a = torch.randn(64, 256)
+        for _ in range(50):
+            a @ a.T
+        time.sleep(0.3)  # the bounded spin ends here
+        start = time.process_time(); time.sleep(1.0); print(time.process_time() - start)
+    """
+    clean = {key: value for key, value in os.environ.items() if key not in THREAD_ENV}
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          env=clean, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert float(done.stdout.split()[-1]) < 0.2  # an unbounded ACTIVE spin burns most of a core meanwhile
 
 
 def test_processes_sharing_the_cores_split_them_and_wait_passively():
