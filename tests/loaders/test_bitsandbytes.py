@@ -145,3 +145,14 @@ def test_bfloat16_model_matches_transformers_bitsandbytes_in_bfloat16(tiny: Tiny
     # bf16 rounds activations to ~3 digits, and attention code differs: even without bitsandbytes our bf16
     # logits differ from transformers' bf16 ones by ~0.03 here (measured 0.037 with nf4), on logits up to ~3
     assert diff < 0.08
+
+
+def test_load_log_counts_the_stored_bytes_of_a_quantized_checkpoint(saved_quantized, caplog) -> None:
+    from safetensors.torch import load_file
+
+    path, _ = saved_quantized
+    stored = sum(t.nbytes for t in load_file(path / "model.safetensors").values())
+    with caplog.at_level("INFO", logger="llmplug.loaders"):
+        load_model(path, "bitsandbytes")
+    (record,) = [r for r in caplog.records if hasattr(r, "num_bytes")]
+    assert record.num_bytes == stored  # not the dense size the placeholders have
