@@ -20,7 +20,7 @@ class CudaCommunicator(TorchDistributedCommunicator):
     def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Concatenate every rank's tensor along `dim` (one NCCL all-gather along dim 0)."""
         dim = dim % tensor.dim()
-        out = torch.empty((self.world_size * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+        out = tensor.new_empty((self.world_size * tensor.shape[0], *tensor.shape[1:]))
         _all_gather_single(out, tensor.contiguous(), group=self.device_group)
         if dim == 0:
             return out
@@ -37,6 +37,6 @@ class CudaCommunicator(TorchDistributedCommunicator):
             )
         # NCCL scatters along dim 0: bring `dim` to the front and back
         chunks = tensor.movedim(dim, 0).contiguous()
-        out = torch.empty((chunks.shape[0] // self.world_size, *chunks.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+        out = chunks.new_empty((chunks.shape[0] // self.world_size, *chunks.shape[1:]))
         _reduce_scatter_single(out, chunks, group=self.device_group)
         return out.movedim(0, dim).contiguous()

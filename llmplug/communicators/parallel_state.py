@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import os
 import pickle
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Mapping, Sequence
+from urllib.parse import urlsplit
 
 import torch
 
@@ -230,7 +232,7 @@ class GroupCoordinator:
         self.communicator = self.cpu_group = None
 
     def __repr__(self) -> str:
-        return f"GroupCoordinator({self.name!r}, ranks={self.ranks}, rank={self.rank}, rank_in_group={self.rank_in_group})"
+        return f"GroupCoordinator({self.name!r}, ranks={self.ranks}, rank={self.rank}, in group={self.rank_in_group})"
 
 
 # ---- process-wide groups ---------------------------------------------------------------------------------
@@ -299,13 +301,30 @@ def init_distributed_environment(
         raise RuntimeError("torch.distributed is already initialised in this process; destroy it first")
     if not 0 <= env.rank < env.world_size:
         raise ConfigError(f"rank {env.rank} is outside the world of {env.world_size} ranks")
-    dist.init_process_group(
-        backend=backend, init_method=env.init_method, world_size=env.world_size, rank=env.rank, timeout=timeout
-    )
+    store = _tcp_store(env, timeout)
+    rendezvous = {"store": store} if store is not None else {"init_method": env.init_method}
+    dist.init_process_group(backend=backend, world_size=env.world_size, rank=env.rank, timeout=timeout, **rendezvous)
     if communicator_cls is None:
         from llmplug.communicators.base import TorchDistributedCommunicator as communicator_cls
     _WORLD_ENV = _World(env, device or torch.device("cpu"), backend, communicator_cls)
     return init_world_group()
+
+
+def _tcp_store(env: DistributedEnv, timeout: timedelta) -> Any | None:
+    """For a tcp://HOST:PORT init method, the rendezvous store, rank 0 serving it on HOST only
+    (torch's own listens on every interface); None for other init methods."""
+    import torch.distributed as dist
+
+    url = urlsplit(env.init_method)
+    if url.scheme != "tcp" or url.hostname is None or url.port is None:
+        return None
+    listen_fd = None
+    if env.rank == 0:
+        family = socket.AF_INET6 if ":" in url.hostname else socket.AF_INET
+        listen_fd = socket.create_server((url.hostname, url.port), family=family).detach()  # the store owns it now
+    return dist.TCPStore(
+        url.hostname, url.port, env.world_size, env.rank == 0, timeout=timeout, master_listen_fd=listen_fd
+    )
 
 
 def init_world_group() -> GroupCoordinator:

@@ -93,7 +93,8 @@ class ParallelConfig(_Section):
         ),
     )
     distributed_init_method: str | None = Field(
-        None, description="torch.distributed init method of the workers, e.g. tcp://127.0.0.1:29500; default: a free local port."
+        None,
+        description="torch.distributed init method of the workers, e.g. tcp://127.0.0.1:29500; default: a free local port.",
     )
     ray_address: str | None = Field(
         None, description="Ray cluster to join (ray.init address); default: the running one, else a new local cluster."

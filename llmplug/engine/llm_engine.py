@@ -27,7 +27,8 @@ def prepare_config(config: EngineConfig) -> EngineConfig:
     config = config.model_copy(deep=True)
     parallel = config.parallel
     if parallel.executor is None:  # one worker runs in this process; more need processes of their own
-        parallel.executor = "uniproc" if parallel.tensor_parallel_size * parallel.pipeline_parallel_size == 1 else "multiproc"
+        one_worker = parallel.tensor_parallel_size * parallel.pipeline_parallel_size == 1
+        parallel.executor = "uniproc" if one_worker else "multiproc"
     config.model.model = resolve_model_path(config.model.model)
     config.load.format = resolve_load_format(config.model.model, config.load.format)
     platform = resolve_platform(config.device.platform)

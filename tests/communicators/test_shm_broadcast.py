@@ -58,7 +58,8 @@ def test_one_writer_three_readers_receive_10000_mixed_messages_in_order():
                 proc.kill()
         queue.close()
     num_bytes = got[0][3]
-    assert [(reader, ok, digest) for reader, ok, digest, _ in got] == [(r, True, expected.hexdigest()) for r in range(3)]
+    received = [(reader, ok, digest) for reader, ok, digest, _ in got]
+    assert received == [(r, True, expected.hexdigest()) for r in range(3)]
     assert sum(len(message(i)[1]) > SLOT_BYTES for i in range(NUM_MESSAGES)) > 100  # the fallback was used
     print(f"\nMessageQueue 1 writer -> 3 readers: {NUM_MESSAGES / elapsed:,.0f} messages/s, "
           f"{num_bytes / elapsed / 2**20:,.1f} MiB/s per reader ({num_bytes / 2**20:.1f} MiB in {elapsed:.2f} s)")

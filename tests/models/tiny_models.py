@@ -30,7 +30,9 @@ SIZES = dict(
 # q/k norm, an explicit head_dim different from hidden / heads, and a scaled rope.
 ARCHS = {
     "llama": (
-        lambda **o: LlamaConfig(**{**SIZES, "attention_bias": True, "mlp_bias": True, "tie_word_embeddings": False, **o}),
+        lambda **o: LlamaConfig(
+            **{**SIZES, "attention_bias": True, "mlp_bias": True, "tie_word_embeddings": False, **o}
+        ),
         llama.LlamaForCausalLM,
     ),
     "mistral": (

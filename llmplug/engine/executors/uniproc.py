@@ -13,11 +13,11 @@ class UniprocExecutor(Executor):
     """Runs a single Worker in this process (no IPC in the hot path)."""
 
     def _init_workers(self) -> None:
-        parallel = self.config.parallel
-        if parallel.tensor_parallel_size * parallel.pipeline_parallel_size != 1:
+        tp, pp = self.config.parallel.tensor_parallel_size, self.config.parallel.pipeline_parallel_size
+        if tp * pp != 1:
             raise ConfigError(
-                f"parallel.executor 'uniproc' runs one worker, but tensor_parallel_size={parallel.tensor_parallel_size} "
-                f"x pipeline_parallel_size={parallel.pipeline_parallel_size} needs more: use multiproc or ray"
+                f"parallel.executor 'uniproc' runs one worker, but tensor_parallel_size={tp} x "
+                f"pipeline_parallel_size={pp} needs more: use multiproc or ray"
             )
         self.worker = Worker(self.config)
         self.worker.init_device()

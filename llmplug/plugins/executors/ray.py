@@ -130,8 +130,7 @@ class RayExecutor(Executor):
         actor_cls = ray.remote(RayWorkerActor)
         actors = [
             actor_cls.options(
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=i),
-                **_actor_options(resources),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, i), **_actor_options(resources)
             ).remote(self.config)
             for i in range(self.world_size)
         ]

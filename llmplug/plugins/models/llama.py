@@ -206,8 +206,9 @@ class DecoderModel(nn.Module):
             if pp.is_first_rank
             else PPMissingLayer()
         )
+        on_stage = range(self.start_layer, self.end_layer)
         self.layers = nn.ModuleList(
-            DecoderLayer(arch, _join(prefix, f"layers.{i}")) if self.start_layer <= i < self.end_layer else PPMissingLayer()
+            DecoderLayer(arch, _join(prefix, f"layers.{i}")) if i in on_stage else PPMissingLayer()
             for i in range(arch.num_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps) if pp.is_last_rank else PPMissingLayer()

@@ -83,7 +83,8 @@ def test_worker_calls_then_a_killed_worker_fails_fast_and_nothing_is_left(tmp_pa
             return execute_model(scheduler_output)
 
         executor.execute_model = execute_and_kill
-        with pytest.raises(EngineDeadError, match=r"worker rank 1 \(pid \d+\) exited unexpectedly \(killed by SIGKILL\)"):
+        dead = r"worker rank 1 \(pid \d+\) exited unexpectedly \(killed by SIGKILL\)"
+        with pytest.raises(EngineDeadError, match=dead):
             generate(llm)
         assert time.monotonic() - steps[2] < 5
         with pytest.raises(EngineDeadError, match="worker rank 1"):

@@ -17,7 +17,13 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 ray = pytest.importorskip("ray")
 
 from llmplug.core.errors import ConfigError  # noqa: E402
-from tests.engine.executors.parity import assert_matches, generate, make_llm, make_parallel_tiny, reference  # noqa: E402
+from tests.engine.executors.parity import (  # noqa: E402
+    assert_matches,
+    generate,
+    make_llm,
+    make_parallel_tiny,
+    reference,
+)
 
 # llama: the default bundle of the CPU platform ({"CPU": 1}); qwen2: half a custom "slot" per worker
 RESOURCES = {"llama": None, "qwen2": {"llmplug_slot": 0.5}}
@@ -30,11 +36,14 @@ def ray_cluster():
     ray.shutdown()
 
 
-def listening_addresses(pids: set[int]) -> list[str]:
-    """Local addresses of the TCP sockets that processes `pids` listen on (from `ss -ltnp`)."""
+LOOPBACK = re.compile(r"^(127\.\d+\.\d+\.\d+|\[::1\]|\[::ffff:127\.\d+\.\d+\.\d+\]):\d+$")
+
+
+def listening_sockets(pids: set[int]) -> list[tuple[str, str]]:
+    """(local address, process) of the TCP sockets that processes `pids` listen on (from `ss -ltnp`)."""
     lines = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout.splitlines()
     return [
-        line.split()[3]
+        (line.split()[3], line.split()[-1])
         for line in lines
         if any(int(pid) in pids for pid in re.findall(r"pid=(\d+)", line))
     ]
@@ -50,9 +59,9 @@ def test_ray_tp2_greedy_equals_one_rank_and_listens_on_loopback_only(ray_cluster
     try:
         assert_matches(generate(llm), expected)
         ours = {p.pid for p in psutil.Process().children(recursive=True)} | {os.getpid()}
-        addresses = listening_addresses(ours)
-        assert len(addresses) > 3  # GCS, raylet, object manager, workers' gloo ...
-        assert all(re.match(r"^(127\.\d+\.\d+\.\d+|\[::1\]|\[::ffff:127\.\d+\.\d+\.\d+\]):\d+$", a) for a in addresses), addresses
+        sockets = listening_sockets(ours)
+        assert len(sockets) > 3  # GCS, raylet, object manager, the workers' gloo pairs ...
+        assert [(address, who) for address, who in sockets if not LOOPBACK.match(address)] == []
     finally:
         llm.shutdown()
 
@@ -64,6 +73,7 @@ def test_unsatisfiable_worker_resources_fail_with_what_the_cluster_has(ray_clust
     tiny = make_parallel_tiny("llama", tmp_path)
     started = time.monotonic()
     with pytest.raises(ConfigError, match=r"could not reserve 2 bundle\(s\) of \{'GPU': 0.5\}.*llmplug_slot"):
-        make_llm(tiny, tensor_parallel_size=2, distributed_executor_backend="ray", **{"parallel.worker_resources": {"GPU": 0.5}})
+        make_llm(tiny, tensor_parallel_size=2, distributed_executor_backend="ray",
+                 **{"parallel.worker_resources": {"GPU": 0.5}})
     assert time.monotonic() - started < 30
     assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
