@@ -50,12 +50,17 @@ def run_ranks(fn: Callable[[], Any], world_size: int, procs_per_node: int | None
     try:
         collected = dict(_collect(results, world_size, timeout))
     finally:
-        for proc in procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+        join_or_kill(procs)
     return [collected[rank] for rank in range(world_size)]
+
+
+def join_or_kill(procs: list, timeout: float = 10) -> None:
+    """Wait for each process to end; kill the ones still running after `timeout` seconds."""
+    for proc in procs:
+        proc.join(timeout=timeout)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
 
 
 def _collect(results: Any, world_size: int, timeout: float):

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from llmplug.communicators.shm_broadcast import MessageQueue, wait_any
+from tests.communicators.ranks import join_or_kill
 
 SLOT_BYTES = 64 * 1024
 NUM_MESSAGES = 10_000
@@ -52,10 +53,7 @@ def test_one_writer_three_readers_receive_10000_mixed_messages_in_order():
         got = sorted(results.get(timeout=60) for _ in readers)
         elapsed = time.perf_counter() - start
     finally:
-        for proc in readers:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
+        join_or_kill(readers)
         queue.close()
     num_bytes = got[0][3]
     received = [(reader, ok, digest) for reader, ok, digest, _ in got]

@@ -81,7 +81,10 @@ class MultiprocExecutor(Executor):
             timeout = PARTIAL_FAILURE_GRACE_S if failed else None
             try:
                 index = wait_any([self.replies[r] for r in pending], timeout, self._check_workers)
-            except TimeoutError:
+            except (TimeoutError, EngineDeadError):
+                if failed is None:
+                    raise
+                # the others are stuck or gone (a failed start-up ends the process): the first error says why
                 self.dead = f"worker ranks {pending} stopped answering after rank {failed[0]} failed in {what}"
                 break
             rank = pending[index]

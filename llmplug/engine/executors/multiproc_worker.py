@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing
 import pickle
+import signal
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,6 +62,8 @@ def worker_main(config: EngineConfig, spec: WorkerSpec) -> None:
     """Entry point of a spawned worker: set up, then answer calls until `Shutdown` or the engine dies."""
     from llmplug.platforms.cpu_threads import configure_cpu_threads
 
+    # Ctrl-C reaches the whole process group: the engine handles it and shuts the workers down
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     configure_cpu_threads(config.device.num_threads, num_processes_sharing=spec.world_size)
     calls = MessageQueue.attach(spec.calls, reader=spec.rank)
     replies = MessageQueue.attach(spec.replies)

@@ -9,6 +9,7 @@ import time
 
 import psutil
 import pytest
+import torch
 
 from llmplug.core.errors import ConfigError, EngineDeadError
 from tests.engine.executors.parity import assert_matches, generate, make_llm, make_parallel_tiny, reference
@@ -51,6 +52,11 @@ def rank_and_groups(worker) -> tuple[int, int, int]:
     return worker.rank, get_tp_group().rank_in_group, get_pp_group().rank_in_group
 
 
+def weighted_sum(worker, tensor: torch.Tensor, *, weight: float) -> float:
+    """A function with a tensor argument (3 MiB: more than a MessageQueue slot) and a keyword."""
+    return float(tensor.sum()) * weight + worker.rank
+
+
 def fail_on_rank_one(worker) -> None:
     if worker.rank == 1:
         raise KeyError("rank one refuses")
@@ -67,6 +73,9 @@ def test_worker_calls_then_a_killed_worker_fails_fast_and_nothing_is_left(tmp_pa
         # arbitrary Worker methods and picklable functions, results in rank order
         assert executor.collective_rpc(rank_and_groups) == [(0, 0, 0), (1, 1, 0)]
         assert [info["vocab_size"] for info in executor.collective_rpc("model_info")] == [255, 255]
+        ones = torch.ones(3 * 2**18)
+        total = 2.0 * ones.numel()
+        assert executor.collective_rpc(weighted_sum, (ones,), {"weight": 2.0}) == [total, total + 1]
         # an exception in a worker comes back as itself, with the worker's traceback as the cause
         with pytest.raises(KeyError, match="rank one refuses") as raised:
             executor.collective_rpc(fail_on_rank_one)
