@@ -106,7 +106,7 @@ def _plugins_table(rows: list[dict[str, Any]]) -> str:
 
 
 def _engine_commands() -> dict[str, Subcommand]:
-    from llmplug.entrypoints import generate, serve
+    from llmplug.entrypoints import generate, save_sharded, serve
 
     return {
         "run": Subcommand("Answer a few demo prompts with the model (default: the embedded SmolLM2) and print tok/s.",
@@ -117,6 +117,8 @@ def _engine_commands() -> dict[str, Subcommand]:
                            generate._chat_arguments, generate._run_chat),
         "serve": Subcommand("Serve the model over an OpenAI-compatible HTTP API (chat, completions, responses).",
                             serve._serve_arguments, serve._run_serve),
+        "save-sharded": Subcommand("Save each tensor-parallel rank's weights so a TP engine loads only its own.",
+                                   save_sharded.add_arguments, save_sharded.run),
     }
 
 
