@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from llmplug.communicators.parallel_state import DistributedEnv, get_pp_group
+from llmplug.communicators.parallel_state import DistributedEnv, get_pp_group, get_world_group
 from llmplug.engine.executors.base import Executor, WorkerMethod, run_worker_method
 from llmplug.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from llmplug.engine.worker import Worker
@@ -40,6 +40,15 @@ class ExternalLauncherExecutor(Executor):
         output = self.worker.execute_model(scheduler_output)
         pp = get_pp_group()
         return pp.broadcast_object(output, src=pp.world_size - 1)
+
+    def determine_num_blocks(self) -> int:
+        """The fewest KV blocks any rank can hold: every rank's scheduler must plan with the same cache."""
+        import torch
+        import torch.distributed as dist
+
+        blocks = torch.tensor([self.worker.determine_num_blocks()])
+        dist.all_reduce(blocks, op=dist.ReduceOp.MIN, group=get_world_group().cpu_group)
+        return int(blocks.item())
 
     def collective_rpc(self, method: WorkerMethod, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
         """Calls this process's worker only (every other rank's engine makes the same call)."""
