@@ -20,7 +20,7 @@ import multiprocessing
 import signal
 import time
 import weakref
-from typing import Any
+from typing import Any, Collection
 
 from llmplug.communicators.shm_broadcast import MessageQueue, wait_any
 from llmplug.core.errors import EngineDeadError
@@ -79,12 +79,13 @@ class MultiprocExecutor(Executor):
         while len(replies) < self.world_size:
             pending = [rank for rank in range(self.world_size) if rank not in replies]
             timeout = PARTIAL_FAILURE_GRACE_S if failed else None
+            # a worker that reported its failure may end (a failed start-up does): only the others must run
+            answered_with_error = {rank for rank, reply in replies.items() if reply.error is not None}
             try:
-                index = wait_any([self.replies[r] for r in pending], timeout, self._check_workers)
-            except (TimeoutError, EngineDeadError):
-                if failed is None:
-                    raise
-                # the others are stuck or gone (a failed start-up ends the process): the first error says why
+                index = wait_any(
+                    [self.replies[r] for r in pending], timeout, lambda: self._check_workers(answered_with_error)
+                )
+            except TimeoutError:
                 self.dead = f"worker ranks {pending} stopped answering after rank {failed[0]} failed in {what}"
                 break
             rank = pending[index]
@@ -96,10 +97,10 @@ class MultiprocExecutor(Executor):
             raise reply.error from WorkerTraceback(f"in worker rank {rank} ({what}):\n{reply.traceback}")
         return [replies[rank].value for rank in range(self.world_size)]
 
-    def _check_workers(self) -> None:
-        """EngineDeadError naming the first worker that is no longer running."""
+    def _check_workers(self, expected_to_end: Collection[int] = ()) -> None:
+        """EngineDeadError naming the first worker (not in `expected_to_end`) that is no longer running."""
         for rank, proc in enumerate(self.procs):
-            if not proc.is_alive():
+            if rank not in expected_to_end and not proc.is_alive():
                 self.dead = (
                     f"worker rank {rank} (pid {proc.pid}) exited unexpectedly ({_describe_exit(proc.exitcode)}); "
                     "the engine cannot continue: shut it down and start a new one"
