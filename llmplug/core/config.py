@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic.fields import FieldInfo
 
 from llmplug.core.errors import ConfigError, PluginError
@@ -92,8 +92,34 @@ class ParallelConfig(_Section):
     tensor_parallel_size: int = Field(1, gt=0, description="Ranks that split each layer.")
     pipeline_parallel_size: int = Field(1, gt=0, description="Ranks that split the layer stack.")
     data_parallel_size: int = Field(1, gt=0, description="Independent engine replicas.")
-    executor: str = Field("uniproc", description="`llmplug.executors` name: uniproc, multiproc, ray, ...")
-    distributed_init_method: str | None = Field(None, description="torch.distributed init method, e.g. tcp://127.0.0.1:29500.")
+    executor: str | None = Field(
+        None,
+        description=(
+            "`llmplug.executors` name: uniproc, multiproc, ray, external_launcher, ...; default: uniproc for one "
+            "worker (tensor x pipeline parallel size 1), else multiproc."
+        ),
+    )
+    distributed_init_method: str | None = Field(
+        None,
+        description="torch.distributed init method of the workers, e.g. tcp://127.0.0.1:29500; default: a free local port.",
+    )
+    ray_address: str | None = Field(
+        None, description="Ray cluster to join (ray.init address); default: the running one, else a new local cluster."
+    )
+    worker_resources: dict[str, float] | None = Field(
+        None,
+        description=(
+            "Ray resources each worker reserves (its placement-group bundle), e.g. {GPU: 0.5} for two engines "
+            "per GPU or {CPU: 1}; default: one of the platform's devices (GPU: 1), or CPU: 1 on the CPU."
+        ),
+    )
+
+    @field_validator("worker_resources")
+    @classmethod
+    def _positive_resources(cls, resources: dict[str, float] | None) -> dict[str, float] | None:
+        if resources is not None and (not resources or min(resources.values()) <= 0):
+            raise ValueError("give at least one resource, each amount > 0 (e.g. {CPU: 1} or {GPU: 0.5})")
+        return resources
 
 
 class LoadConfig(_Section):

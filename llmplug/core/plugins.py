@@ -48,6 +48,7 @@ GROUPS: dict[str, str] = {
     "llmplug.guided_decoding": "structured output: decoding.guided_backend name -> backend class",
     "llmplug.executors": "worker executor: parallel.executor name -> executor class",
     "llmplug.attention": "attention backend: device.attention_backend name -> backend class",
+    "llmplug.communicators": "device collectives: Platform.get_communicator() name -> communicator class",
     HOOKS_GROUP: "general plugins: name -> module of pluggy hookimpls, all registered together",
 }
 NAMED_GROUPS: tuple[str, ...] = tuple(group for group in GROUPS if group != HOOKS_GROUP)

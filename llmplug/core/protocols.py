@@ -37,6 +37,9 @@ class VllmModel(Protocol):
         """Called by the model runner once per step with the flattened batch.
 
         input_ids and positions: [num_tokens]; returns hidden states [num_tokens, hidden_size].
+        A model that sets `supports_pipeline_parallel = True` also takes `intermediate_tensors` (None on
+        the first pipeline stage) and returns `llmplug.layers.pipeline.IntermediateTensors` on every
+        stage but the last; see that module.
         """
         ...
 
@@ -170,7 +173,10 @@ class Platform(Protocol):
 
     @classmethod
     def get_communicator(cls) -> str:
-        """The communicator name for device groups on this platform."""
+        """The `llmplug.communicators` name of the collectives of device groups on this platform.
+
+        Called in each worker of a multi-rank engine while it joins the process groups.
+        """
         ...
 
     @classmethod

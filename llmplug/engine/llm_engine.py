@@ -25,6 +25,10 @@ def prepare_config(config: EngineConfig) -> EngineConfig:
     from llmplug.platforms import resolve_platform
 
     config = config.model_copy(deep=True)
+    parallel = config.parallel
+    if parallel.executor is None:  # one worker runs in this process; more need processes of their own
+        one_worker = parallel.tensor_parallel_size * parallel.pipeline_parallel_size == 1
+        parallel.executor = "uniproc" if one_worker else "multiproc"
     config.model.model = resolve_model_path(config.model.model)
     config.load.format = resolve_load_format(config.model.model, config.load.format)
     platform = resolve_platform(config.device.platform)

@@ -10,6 +10,7 @@ import torch
 
 from llmplug.core.config import EngineConfig
 from llmplug.core.plugins import get_registry
+from llmplug.engine.pipeline_stage import PipelineStage
 from llmplug.engine.sampler import Sampler
 from llmplug.engine.sampling_state import SamplingState
 from llmplug.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -68,6 +69,7 @@ class ModelRunner:
         fmt = resolve_load_format(self.config.model.model, self.config.load.format)
         loader = get_registry().load("llmplug.loaders", fmt)(self.config.load)
         self.model = loader.load_model(self.config, device=self.device)
+        self.stage = PipelineStage(self.model)
         self.hf_config = loader.load_hf_config(self.config.model)
         self.sampling_state = SamplingState(vocab_size=self.hf_config.vocab_size, device=self.device)
         # processors contributed by `llmplug.hooks` plugins apply to every request
@@ -158,7 +160,9 @@ class ModelRunner:
         batch = self.prepare_inputs(scheduler_output)
         attn_metadata = self.attn_backend.build_metadata(batch.common)
         with forward_context(attn_metadata):
-            hidden_states = self.model(batch.input_ids, batch.positions)
+            hidden_states = self.stage.run(self.model, batch.input_ids, batch.positions)
+        if hidden_states is None:  # an earlier pipeline stage: the last one samples
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         prompt_logprobs = self._prompt_logprobs(scheduler_output, batch, hidden_states)
         if not batch.sample_req_ids:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], prompt_logprobs=prompt_logprobs)

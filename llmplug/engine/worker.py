@@ -6,7 +6,14 @@ import logging
 
 import torch
 
+from llmplug.communicators.parallel_state import (
+    DistributedEnv,
+    destroy_distributed_environment,
+    init_distributed_environment,
+    initialize_model_parallel,
+)
 from llmplug.core.config import EngineConfig
+from llmplug.core.plugins import get_registry
 from llmplug.engine.model_runner import ModelRunner
 from llmplug.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from llmplug.engine.sleep_mode import SleepingWeights, sleep_weights, wake_weights
@@ -18,17 +25,22 @@ logger = logging.getLogger(__name__)
 
 
 class Worker:
-    """Sets up a device for one rank and runs the model runner's steps on it."""
+    """Sets up a device for one rank and runs the model runner's steps on it.
 
-    def __init__(self, config: EngineConfig, local_rank: int = 0, rank: int = 0):
+    `distributed_env` (rank, world size, how to meet the other ranks) is given when the worker is one
+    of several; the worker then joins the world and builds the TP/PP/DP groups before the model.
+    """
+
+    def __init__(self, config: EngineConfig, distributed_env: DistributedEnv | None = None):
         self.config = config
-        self.local_rank = local_rank
-        self.rank = rank
+        self.distributed_env = distributed_env
+        self.rank = distributed_env.rank if distributed_env else 0
+        self.local_rank = distributed_env.local_rank if distributed_env else 0
         self.model_runner: ModelRunner | None = None
         self.sleeping_weights: SleepingWeights | None = None  # set by sleep() until the weights wake up
 
     def init_device(self) -> None:
-        """Choose this rank's device from the devices it can see, and seed its RNGs."""
+        """Choose this rank's device from the devices it can see, join the process groups, seed its RNGs."""
         from llmplug.platforms import resolve_platform
 
         self.platform = resolve_platform(self.config.device.platform)
@@ -37,8 +49,24 @@ class Worker:
         self.device = self.platform.device(index)
         if self.config.device.num_threads:
             torch.set_num_threads(self.config.device.num_threads)
+        if self.distributed_env is not None:
+            self._init_distributed()
         self.platform.seed_everything(self.config.model.seed)
         self.model_runner = ModelRunner(self.config, self.device)
+
+    def _init_distributed(self) -> None:
+        """Join the world with the platform's backend and communicator, then build the parallel groups."""
+        communicator_cls = get_registry().load("llmplug.communicators", self.platform.get_communicator())
+        init_distributed_environment(
+            self.distributed_env,
+            backend=self.platform.distributed_backend,
+            device=self.device,
+            communicator_cls=communicator_cls,
+        )
+        parallel = self.config.parallel
+        initialize_model_parallel(
+            parallel.tensor_parallel_size, parallel.pipeline_parallel_size, parallel.data_parallel_size
+        )
 
     def load_model(self) -> None:
         """Build the model and load its weights."""
@@ -66,6 +94,11 @@ class Worker:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step."""
         return self.model_runner.execute_model(scheduler_output)
+
+    def shutdown(self) -> None:
+        """Leave the process groups."""
+        if self.distributed_env is not None:
+            destroy_distributed_environment()
 
     def model_info(self) -> dict:
         """Facts about the loaded model the engine needs (context length, vocabulary, layers)."""

@@ -106,7 +106,7 @@ def _plugins_table(rows: list[dict[str, Any]]) -> str:
 
 
 def _engine_commands() -> dict[str, Subcommand]:
-    from llmplug.entrypoints import generate, serve, tensorize
+    from llmplug.entrypoints import generate, save_sharded, serve, tensorize
 
     return {
         "run": Subcommand("Answer a few demo prompts with the model (default: the embedded SmolLM2) and print tok/s.",
@@ -119,6 +119,8 @@ def _engine_commands() -> dict[str, Subcommand]:
                             serve._serve_arguments, serve._run_serve),
         "tensorize": Subcommand("Serialize a model with tensorizer into a directory for --load-format tensorizer.",
                                 tensorize.tensorize_arguments, tensorize.run_tensorize),
+        "save-sharded": Subcommand("Save each tensor-parallel rank's weights so a TP engine loads only its own.",
+                                   save_sharded.add_arguments, save_sharded.run),
     }
 
 

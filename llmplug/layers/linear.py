@@ -36,10 +36,13 @@ __all__ = [
 ]
 
 
-def divide(numerator: int, denominator: int) -> int:
-    """Exact division; an error naming both numbers otherwise."""
+def divide(numerator: int, denominator: int, what: str = "features") -> int:
+    """Exact division of `numerator` `what` over `denominator` tensor-parallel ranks; an error naming both otherwise."""
     if numerator % denominator:
-        raise ValueError(f"{numerator} is not divisible by the tensor-parallel size {denominator}")
+        raise ValueError(
+            f"{numerator} {what} cannot be split evenly over tensor_parallel_size={denominator} ranks; "
+            "choose a tensor-parallel size that divides it"
+        )
     return numerator // denominator
 
 
@@ -157,11 +160,16 @@ class QKVParallelLinear(ColumnParallelLinear):
         tp_size = get_tp_group().world_size
         total_num_kv_heads = total_num_kv_heads or total_num_heads
         self.head_size = head_size
-        self.num_heads = divide(total_num_heads, tp_size)
+        self.num_heads = divide(total_num_heads, tp_size, "attention heads")
         if tp_size >= total_num_kv_heads:
-            self.num_kv_heads, self.num_kv_head_replicas = 1, divide(tp_size, total_num_kv_heads)
+            if tp_size % total_num_kv_heads:
+                raise ValueError(
+                    f"tensor_parallel_size={tp_size} is not a multiple of the model's {total_num_kv_heads} KV heads, "
+                    "so they cannot be replicated evenly over the ranks"
+                )
+            self.num_kv_heads, self.num_kv_head_replicas = 1, tp_size // total_num_kv_heads
         else:
-            self.num_kv_heads, self.num_kv_head_replicas = divide(total_num_kv_heads, tp_size), 1
+            self.num_kv_heads, self.num_kv_head_replicas = divide(total_num_kv_heads, tp_size, "KV heads"), 1
         output_size = (self.num_heads + 2 * self.num_kv_heads) * head_size * tp_size
         super().__init__(hidden_size, output_size, bias, gather_output=False, prefix=prefix)
 

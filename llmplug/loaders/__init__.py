@@ -18,7 +18,8 @@ _CHECKPOINT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 def resolve_load_format(model_path: str, requested: str) -> str:
     """`requested` unless it is "auto": then "gguf" for a .gguf file (or a folder holding only
     GGUF weights), "bitsandbytes" for a folder whose config.json says bitsandbytes quantized it,
-    else "default". Embedded short names resolve to their file first."""
+    "sharded_state" for a folder `llmplug save-sharded` wrote, else "default". Embedded short names
+    resolve to their file first."""
     if requested != "auto":
         return requested
     from llmplug.loaders.default_model import resolve_model_path
@@ -30,6 +31,8 @@ def resolve_load_format(model_path: str, requested: str) -> str:
         return "gguf"
     if os.path.isdir(path) and _quant_method(path) == "bitsandbytes":
         return "bitsandbytes"
+    if os.path.isfile(os.path.join(path, "sharded_state.json")):  # sharded_state.LAYOUT_FILE (a light module here)
+        return "sharded_state"
     return "default"
 
 

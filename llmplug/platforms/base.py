@@ -38,7 +38,8 @@ class BasePlatform:
     # in order of preference: the default preferred_dtype is the first one the device supports
     supported_dtypes: ClassVar[tuple[str, ...]] = ("float32",)
     distributed_backend: ClassVar[str] = "gloo"
-    communicator: ClassVar[str] = "cpu"  # communicator name for device groups
+    communicator: ClassVar[str] = "cpu"  # `llmplug.communicators` name for device groups
+    ray_device_key: ClassVar[str] = "CPU"  # the Ray resource of one device (a worker's default bundle)
     default_attention_backend: ClassVar[str] = "torch_sdpa"  # `llmplug.attention` name
 
     # --- detection (engine process; cheap, no side effects) -----------------------------------------
@@ -103,7 +104,7 @@ class BasePlatform:
 
     @classmethod
     def get_communicator(cls) -> str:
-        """The communicator name for device groups on this platform."""
+        """The `llmplug.communicators` name for device groups on this platform."""
         return cls.communicator
 
     # --- devices (worker) --------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ class CudaApiPlatform(BasePlatform):
     supported_dtypes = ("bfloat16", "float16", "float32")
     distributed_backend = "nccl"  # RCCL on ROCm answers to the same backend name
     communicator = "cuda"
+    ray_device_key = "GPU"
     default_attention_backend = "torch_sdpa"
 
     @classmethod

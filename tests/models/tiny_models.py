@@ -30,14 +30,24 @@ SIZES = dict(
 # q/k norm, an explicit head_dim different from hidden / heads, and a scaled rope.
 ARCHS = {
     "llama": (
-        lambda: LlamaConfig(**SIZES, attention_bias=True, mlp_bias=True, tie_word_embeddings=False),
+        lambda **o: LlamaConfig(
+            **{**SIZES, "attention_bias": True, "mlp_bias": True, "tie_word_embeddings": False, **o}
+        ),
         llama.LlamaForCausalLM,
     ),
-    "mistral": (lambda: MistralConfig(**SIZES, head_dim=16, sliding_window=None), llama.MistralForCausalLM),
-    "qwen2": (lambda: Qwen2Config(**SIZES, tie_word_embeddings=True), llama.Qwen2ForCausalLM),
+    "mistral": (
+        lambda **o: MistralConfig(**{**SIZES, "head_dim": 16, "sliding_window": None, **o}), llama.MistralForCausalLM
+    ),
+    "qwen2": (lambda **o: Qwen2Config(**{**SIZES, "tie_word_embeddings": True, **o}), llama.Qwen2ForCausalLM),
     "qwen3": (
-        lambda: Qwen3Config(
-            **SIZES, head_dim=32, tie_word_embeddings=False, rope_scaling={"rope_type": "linear", "factor": 2.0}
+        lambda **o: Qwen3Config(
+            **{
+                **SIZES,
+                "head_dim": 32,
+                "tie_word_embeddings": False,
+                "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+                **o,
+            }
         ),
         llama.Qwen3ForCausalLM,
     ),
@@ -68,11 +78,12 @@ def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
             param.copy_(torch.randn(param.shape, generator=generator) * 0.1 + mean)
 
 
-def make_tiny(name: str, path: Path, seed: int = 0, **save_kwargs) -> TinyModel:
-    """Build, randomize (from `seed`) and save the tiny `name` model into `path`."""
+def make_tiny(name: str, path: Path, seed: int = 0, overrides: dict | None = None, **save_kwargs) -> TinyModel:
+    """Build, randomize (from `seed`) and save the tiny `name` model (its config fields changed by `overrides`)
+    into `path`."""
     config_fn, cls = ARCHS[name]
     torch.manual_seed(seed)
-    hf_model = AutoModelForCausalLM.from_config(config_fn(), dtype=torch.float32).eval()
+    hf_model = AutoModelForCausalLM.from_config(config_fn(**(overrides or {})), dtype=torch.float32).eval()
     randomize_(hf_model, seed)
     hf_model.save_pretrained(path, **save_kwargs)
     return TinyModel(name, path, hf_model, cls)

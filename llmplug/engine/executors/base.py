@@ -3,14 +3,46 @@
 from __future__ import annotations
 
 import abc
-from typing import Any
+import socket
+from typing import Any, Callable
 
-from llmplug.core.config import EngineConfig
+from llmplug.core.config import EngineConfig, ParallelConfig
+from llmplug.core.errors import ConfigError
 from llmplug.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+# what collective_rpc runs: a Worker method's name, or a picklable function called as fn(worker, ...)
+WorkerMethod = str | Callable[..., Any]
+
+
+def run_worker_method(worker: Any, method: WorkerMethod, args: tuple = (), kwargs: dict | None = None) -> Any:
+    """Call `method` on `worker`: `worker.<method>(*args, **kwargs)`, or `method(worker, *args, **kwargs)`."""
+    if isinstance(method, str):
+        func = getattr(worker, method, None)
+        if func is None:
+            raise AttributeError(f"{type(worker).__name__} has no method {method!r} to call on every worker")
+        return func(*args, **(kwargs or {}))
+    return method(worker, *args, **(kwargs or {}))
+
+
+def check_one_replica(parallel: ParallelConfig, executor: str) -> int:
+    """The number of workers of one engine (TP x PP); data parallelism runs separate engines."""
+    if parallel.data_parallel_size != 1:
+        raise ConfigError(
+            f"parallel.data_parallel_size={parallel.data_parallel_size} with executor {executor!r}: one engine is "
+            "one replica; start one engine per data-parallel rank (or use the external launcher)"
+        )
+    return parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+
+
+def free_local_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 class Executor(abc.ABC):
-    """Runs the same method on every worker; the driver's result is the engine's."""
+    """Runs the same method on every worker; the output rank's result is the engine's."""
 
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -21,12 +53,19 @@ class Executor(abc.ABC):
         """Start the workers (processes, actors or an in-process object)."""
 
     @abc.abstractmethod
-    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
-        """Call `method` on every worker and return their results in rank order."""
+    def collective_rpc(self, method: WorkerMethod, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
+        """Call `method` (a Worker method's name, or a picklable `fn(worker, *args, **kwargs)`) on every
+        worker with picklable arguments; return their results in rank order."""
+
+    @property
+    def output_rank(self) -> int:
+        """The rank whose step output the engine uses: the first rank of the last pipeline stage."""
+        parallel = self.config.parallel
+        return (parallel.pipeline_parallel_size - 1) * parallel.tensor_parallel_size
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step on all workers; the first rank's output is the step's result."""
-        return self.collective_rpc("execute_model", (scheduler_output,))[0]
+        """Run one step on all workers; the output rank's result is the step's."""
+        return self.collective_rpc("execute_model", (scheduler_output,))[self.output_rank]
 
     def determine_num_blocks(self) -> int:
         """The KV blocks every worker can hold."""

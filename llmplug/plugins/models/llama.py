@@ -11,6 +11,7 @@ attends to the full context, which matches transformers while sequences fit in t
 
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import Any, Callable, ClassVar, Iterable
 
@@ -18,11 +19,13 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from llmplug.communicators.parallel_state import get_pp_group
 from llmplug.core.errors import ModelLoadError
 from llmplug.layers.activation import SiluAndMul
 from llmplug.layers.attention import Attention
 from llmplug.layers.layernorm import RMSNorm
 from llmplug.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from llmplug.layers.pipeline import IntermediateTensors, PPMissingLayer, pp_layer_range, skip_missing_layers
 from llmplug.layers.rotary import RotaryCosSin, get_rope
 from llmplug.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from llmplug.layers.weight_utils import load_mapped_weights
@@ -187,25 +190,46 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    """Embedding, the decoder layers and the final norm; one rotary table shared by all layers."""
+    """Embedding, the decoder layers and the final norm; one rotary table shared by all layers.
+
+    Under pipeline parallelism it holds only its stage's layers (the embedding on the first stage,
+    the final norm on the last); the others are PPMissingLayer placeholders.
+    """
 
     def __init__(self, arch: DecoderArchConfig, prefix: str = "") -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, _join(prefix, "embed_tokens"))
-        self.layers = nn.ModuleList(DecoderLayer(arch, _join(prefix, f"layers.{i}")) for i in range(arch.num_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        pp = get_pp_group()
+        self.start_layer, self.end_layer = pp_layer_range(arch.num_layers)
+        self.is_last_stage = pp.is_last_rank
+        self.embed_tokens = (
+            VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, _join(prefix, "embed_tokens"))
+            if pp.is_first_rank
+            else PPMissingLayer()
+        )
+        on_stage = range(self.start_layer, self.end_layer)
+        self.layers = nn.ModuleList(
+            DecoderLayer(arch, _join(prefix, f"layers.{i}")) if i in on_stage else PPMissingLayer()
+            for i in range(arch.num_layers)
+        )
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps) if pp.is_last_rank else PPMissingLayer()
         rope = arch.rope
         self.rotary_emb = get_rope(
             arch.head_dim, arch.rotary_dim, rope.max_position, rope.theta, rope.scaling, rope.is_neox_style
         )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions [T] -> hidden states [T, hidden]."""
-        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors: IntermediateTensors | None = None
+    ) -> torch.Tensor | IntermediateTensors:
+        """input_ids, positions [T] -> hidden states [T, hidden] (IntermediateTensors before the last stage)."""
+        if intermediate_tensors is None:
+            hidden, residual = self.embed_tokens(input_ids), None  # [T, hidden]
+        else:
+            hidden, residual = intermediate_tensors["hidden_states"], intermediate_tensors["residual"]
         rope = self.rotary_emb.cos_sin(positions, hidden.dtype)  # looked up once for all layers
-        residual = None
-        for layer in self.layers:
+        for layer in itertools.islice(self.layers, self.start_layer, self.end_layer):
             hidden, residual = layer(hidden, residual, rope)
+        if not self.is_last_stage:
+            return IntermediateTensors({"hidden_states": hidden, "residual": residual})
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -214,6 +238,7 @@ class DecoderForCausalLM(nn.Module):
     """The generic Llama-family causal LM; subclasses only choose `arch_config_of`."""
 
     arch_config_of: ClassVar[Callable[[PretrainedConfig], DecoderArchConfig]] = staticmethod(llama_arch_config)
+    supports_pipeline_parallel: ClassVar[bool] = True
 
     def __init__(self, *, config: PretrainedConfig, prefix: str = "") -> None:
         super().__init__()
@@ -222,27 +247,50 @@ class DecoderForCausalLM(nn.Module):
         self.model = DecoderModel(self.arch, _join(prefix, "model"))
         self.lm_head = self._lm_head(_join(prefix, "lm_head"))
 
-    def _lm_head(self, prefix: str) -> ParallelLMHead:
-        """The output projection; a tied one is built on meta and shares the embedding's table."""
+    def _lm_head(self, prefix: str) -> ParallelLMHead | PPMissingLayer:
+        """The output projection (last pipeline stage only); a tied one is built on meta and shares the
+        embedding's table, unless the embedding is on another stage: then it loads that table itself."""
         arch = self.arch
-        if not arch.tie_word_embeddings:
+        if not get_pp_group().is_last_rank:
+            return PPMissingLayer()
+        if not arch.tie_word_embeddings or isinstance(self.model.embed_tokens, PPMissingLayer):
             return ParallelLMHead(arch.vocab_size, arch.hidden_size, prefix=prefix)
         with torch.device("meta"):  # its own table would be discarded at once
             head = ParallelLMHead(arch.vocab_size, arch.hidden_size, prefix=prefix)
         return head.tie_weights(self.model.embed_tokens)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions [T] -> hidden states [T, hidden]."""
-        return self.model(input_ids, positions)
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors: IntermediateTensors | None = None
+    ) -> torch.Tensor | IntermediateTensors:
+        """input_ids, positions [T] -> hidden states [T, hidden] (IntermediateTensors before the last stage)."""
+        return self.model(input_ids, positions, intermediate_tensors)
 
     def compute_logits(self, hidden_states: torch.Tensor, sampling_metadata: Any = None) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab], computed in the model's dtype."""
         return self.lm_head.get_logits(hidden_states).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load HF-named tensors through STACKED_PARAMS; returns the fully loaded parameter names."""
-        skipped = ("lm_head.weight",) if self.arch.tie_word_embeddings else ()
-        return load_mapped_weights(self, weights, STACKED_PARAMS, IGNORED_SUFFIXES, skipped)
+        """Load HF-named tensors through STACKED_PARAMS (those of this pipeline stage); returns the loaded names."""
+        skipped: tuple[str, ...] = ()
+        if self.arch.tie_word_embeddings:
+            if self._head_loads_embedding():
+                weights = _embedding_as_head(weights)
+            else:
+                skipped = ("lm_head.weight",)
+        return load_mapped_weights(self, skip_missing_layers(self, weights), STACKED_PARAMS, IGNORED_SUFFIXES, skipped)
+
+    def _head_loads_embedding(self) -> bool:
+        """A tied head on a stage without the embedding holds its own copy of the embedding's table."""
+        return isinstance(self.lm_head, ParallelLMHead) and isinstance(self.model.embed_tokens, PPMissingLayer)
+
+
+def _embedding_as_head(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+    """The checkpoint's embedding table as `lm_head.weight` (a saved lm_head.weight is the same table: dropped)."""
+    for name, tensor in weights:
+        if name == "model.embed_tokens.weight":
+            yield "lm_head.weight", tensor
+        elif name != "lm_head.weight":
+            yield name, tensor
 
 
 class LlamaForCausalLM(DecoderForCausalLM):
