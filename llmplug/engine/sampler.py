@@ -197,6 +197,7 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     Bit j of word i is token 32 * i + j. Rows whose bits are all 1 are left alone; tokens past the
     bitmask's width count as disallowed.
     """
+    bitmask = bitmask.to(logits.device, non_blocking=True)  # the engine builds it on the CPU
     constrained = (bitmask != -1).any(dim=-1).nonzero().squeeze(1)  # [C]
     if constrained.numel() == 0:
         return
