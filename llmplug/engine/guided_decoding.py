@@ -74,6 +74,18 @@ class RequestGrammar:
         return self._rejected or self.matcher.is_terminated()
 
 
+def check_json_schema(schema: dict | bool) -> None:
+    """InvalidRequestError when `schema` is not a valid JSON schema (by its meta-schema; backends differ in
+    what they reject, some compile nonsense)."""
+    import jsonschema
+
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "/".join(str(p) for p in exc.absolute_path) or "the top level"
+        raise InvalidRequestError(f"guided_decoding.json is not a valid JSON schema at {where}: {exc.message}") from None
+
+
 def wait_for_any(grammars: Sequence[RequestGrammar], timeout: float) -> None:
     """Block until one of `grammars` is compiled or `timeout` seconds pass."""
     wait([g._future for g in grammars], timeout=timeout, return_when=FIRST_COMPLETED)
@@ -100,13 +112,16 @@ class GuidedDecodingManager:
         if self.tokenizer is None or self.eos_token_id is None:
             raise InvalidRequestError("guided decoding needs the model's tokenizer and end-of-sequence token")
         constraint = self.resolve(params)
-        backend = self.select(constraint)
-        key = (backend.name, constraint.cache_key)
+        key = (constraint.backend, constraint.cache_key)  # as asked ("auto" too): a hit was validated before
         with self._lock:
             future = self._cache.get(key)
             if future is not None:
                 self._cache.move_to_end(key)
                 return future
+        if constraint.kind == "json":
+            check_json_schema(constraint.schema)
+        backend = self.select(constraint)
+        with self._lock:
             future = self._pool.submit(backend.compile, constraint)
             self._cache[key] = future
             while len(self._cache) > CACHE_SIZE:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from llmplug import LLM, SamplingParams
+from llmplug.core.config import EngineConfig, ModelConfig
 from llmplug.core.errors import InvalidRequestError
 from llmplug.core.hookspecs import hookimpl
 from llmplug.core.plugins import get_registry
@@ -52,7 +53,8 @@ def generate(llm: LLM, params) -> list[list[int]]:
 
 
 def make_llm(tiny) -> LLM:
-    return LLM(str(tiny.path), dtype="float32", skip_tokenizer_init=True)
+    # a ready EngineConfig: loading one from keywords would install a fresh registry (and hook manager)
+    return LLM(config=EngineConfig(model=ModelConfig(model=str(tiny.path), dtype="float32", skip_tokenizer_init=True)))
 
 
 def test_per_request_processor_applies_to_its_request_only(tiny):

@@ -49,10 +49,11 @@ SCHEMA = {
     "properties": {
         "flat": {"type": "boolean"},
         "dress": {"enum": ["red", "blue", "tan"]},
+        "label": {"type": "string", "maxLength": 8},
         # no integer: lm-format-enforcer lets an integer take an exponent (1e999), which is no integer
-        "n": {"type": "array", "items": {"type": "boolean"}},
+        "sets": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3},
     },
-    "required": ["flat", "dress", "n"],
+    "required": ["flat", "dress", "label", "sets"],
     "additionalProperties": False,
 }
 REGEX = r"[a-f]{2,4}@[0-9]{1,3}\.(net|edu)"

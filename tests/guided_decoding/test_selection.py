@@ -53,6 +53,8 @@ def test_invalid_constraint_and_unknown_backend_are_clear_errors(manager):
         chosen(manager, regex="(ab", backend="xgrammar")
     with pytest.raises(InvalidRequestError, match="guided_decoding regex rejected by"):
         chosen(manager, regex="(ab")  # auto: every capable backend rejects it, each says why
+    with pytest.raises(InvalidRequestError, match="not a valid JSON schema at properties/a/type"):
+        manager.prepare(GuidedDecodingParams(json={"type": "object", "properties": {"a": {"type": "nonsense"}}}))
     with pytest.raises(InvalidRequestError, match="'nope' is not available"):
         chosen(manager, regex="a", backend="nope")
 

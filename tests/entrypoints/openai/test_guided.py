@@ -43,7 +43,8 @@ def test_guided_extras_on_completions_and_responses(server):
 
 
 @pytest.mark.parametrize("extra, named", [
-    ({"guided_json": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}, "guided_decoding json"),
+    ({"guided_json": {"type": "object", "properties": {"a": {"type": "nonsense"}}}},
+     "not a valid JSON schema at properties/a/type"),
     ({"guided_regex": "(unclosed"}, "guided_decoding regex"),
     ({"guided_grammar": 'start: "a"', "guided_decoding_backend": "outlines"}, "grammar (Lark) is not supported"),
     ({"guided_regex": "a", "guided_choice": ["a"]}, "at most one structured-output constraint"),
