@@ -49,8 +49,9 @@ SCHEMA = {
     "properties": {
         "flat": {"type": "boolean"},
         "dress": {"enum": ["red", "blue", "tan"]},
-        "label": {"type": "string", "maxLength": 8},
-        # no integer: lm-format-enforcer lets an integer take an exponent (1e999), which is no integer
+        # a pattern, not maxLength, bounds the string: lm-format-enforcer lets a string that starts with a
+        # space run past maxLength; and no integer: it lets one take an exponent (1e999, no integer)
+        "label": {"type": "string", "pattern": "^[a-f]{1,6}$"},
         "sets": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3},
     },
     "required": ["flat", "dress", "label", "sets"],
