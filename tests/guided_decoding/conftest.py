@@ -12,14 +12,13 @@ from typing import Callable
 import jsonschema
 import lark
 import pytest
-import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 from llmplug import LLM
 from llmplug.core.params import GuidedDecodingParams
 from llmplug.plugins.guided_decoding.common import byte_level_chars
-from tests.models.tiny_models import randomize_
+from tests.models.tiny_models import save_tiny_llama
 
 # The tiny model's vocabulary: one token per character (byte-level, as GPT-2's), enough for JSON,
 # the schema, regex and grammar below (their letters are all in it); few tokens keep random strings
@@ -128,15 +127,8 @@ def make_char_tokenizer() -> PreTrainedTokenizerFast:
 def tiny_guided_model(tmp_path_factory) -> Path:
     """A tiny random Llama whose vocabulary is the character tokenizer's, saved with it."""
     path = tmp_path_factory.mktemp("tiny_guided")
-    tokenizer = make_char_tokenizer()
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         bos_token_id=None, eos_token_id=0, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    randomize_(model)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    save_tiny_llama(path, make_char_tokenizer(), max_position_embeddings=512, bos_token_id=None, eos_token_id=0,
+                    tie_word_embeddings=False)
     return path
 
 

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import threading
 from functools import lru_cache
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from llmplug.core.errors import InvalidRequestError
 from llmplug.core.params import GuidedDecodingParams
-from llmplug.core.protocols import CompiledGrammar
+from llmplug.core.protocols import CompiledGrammar, GrammarMatcher
 
 __all__ = [
+    "Compiled",
     "GuidedBackendBase",
     "byte_level_chars",
     "choice_regex",
@@ -36,6 +37,17 @@ def constraint_feature(constraint: GuidedDecodingParams) -> str:
     if constraint.kind != "grammar":
         return constraint.kind
     return EBNF_GRAMMAR if "::=" in constraint.grammar else LARK_GRAMMAR
+
+
+class Compiled:
+    """A compiled grammar: the backend's compiled object, bound into the function that makes each matcher."""
+
+    def __init__(self, make_matcher: Callable[[], GrammarMatcher]) -> None:
+        self._make_matcher = make_matcher
+
+    def matcher(self) -> GrammarMatcher:
+        """A fresh matcher at the start of the grammar."""
+        return self._make_matcher()
 
 
 class GuidedBackendBase:

@@ -12,6 +12,7 @@ from llmplug.core.params import GuidedDecodingParams
 from llmplug.plugins.guided_decoding.common import (
     EBNF_GRAMMAR,
     LARK_GRAMMAR,
+    Compiled,
     GuidedBackendBase,
     choice_regex,
     constraint_feature,
@@ -51,18 +52,6 @@ class LLGuidanceMatcher:
         return self._ended
 
 
-class LLGuidanceCompiled:
-    """A matcher at the grammar's start, copied for each request (construction is the costly part)."""
-
-    def __init__(self, template: llguidance.LLMatcher, eos_token_id: int) -> None:
-        self._template = template
-        self._eos_token_id = eos_token_id
-
-    def matcher(self) -> LLGuidanceMatcher:
-        """A fresh matcher."""
-        return LLGuidanceMatcher(self._template.deep_copy(), self._eos_token_id)
-
-
 class LLGuidanceBackend(GuidedBackendBase):
     """Guided decoding with llguidance (grammars in Lark syntax, or GBNF-style EBNF converted to Lark)."""
 
@@ -92,8 +81,9 @@ class LLGuidanceBackend(GuidedBackendBase):
         if error:
             raise ValueError(error)
 
-    def _compile(self, constraint: GuidedDecodingParams) -> LLGuidanceCompiled:
+    def _compile(self, constraint: GuidedDecodingParams) -> Compiled:
+        # building the matcher is the costly part; each request gets a copy of this one at the start
         template = llguidance.LLMatcher(self.tokenizer_data, self._grammar(constraint), log_level=0)
         if template.is_error():
             raise ValueError(template.get_error())
-        return LLGuidanceCompiled(template, self.eos_token_id)
+        return Compiled(lambda: LLGuidanceMatcher(template.deep_copy(), self.eos_token_id))

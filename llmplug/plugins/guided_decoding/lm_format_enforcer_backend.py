@@ -18,7 +18,7 @@ from lmformatenforcer import (
 )
 
 from llmplug.core.params import GuidedDecodingParams
-from llmplug.plugins.guided_decoding.common import GuidedBackendBase, choice_regex, token_bytes
+from llmplug.plugins.guided_decoding.common import Compiled, GuidedBackendBase, choice_regex, token_bytes
 
 LLMPLUG_PLUGIN_API_VERSION = "1.1"
 
@@ -62,22 +62,6 @@ class LMFormatEnforcerMatcher:
         return bool(self._tokens) and self._tokens[-1] == self._eos_token_id
 
 
-class LMFormatEnforcerCompiled:
-    """The tokenizer data and a parser factory: lm-format-enforcer's state lives in each request's enforcer."""
-
-    def __init__(self, backend: "LMFormatEnforcerBackend", constraint: GuidedDecodingParams) -> None:
-        self._backend = backend
-        self._constraint = constraint
-        self._data = backend.tokenizer_data
-        self._allowed_cache: dict = {}  # parser state -> allowed tokens, shared by this constraint's matchers
-
-    def matcher(self) -> LMFormatEnforcerMatcher:
-        """A fresh matcher."""
-        parser = self._backend.parser(self._constraint)
-        compact = not self._constraint.whitespace_flexible
-        return LMFormatEnforcerMatcher(self._data, parser, self._backend.eos_token_id, self._allowed_cache, compact)
-
-
 class LMFormatEnforcerBackend(GuidedBackendBase):
     """Guided decoding with lm-format-enforcer (regular constraints and JSON)."""
 
@@ -109,5 +93,10 @@ class LMFormatEnforcerBackend(GuidedBackendBase):
     def _check(self, constraint: GuidedDecodingParams) -> None:
         self.parser(constraint)
 
-    def _compile(self, constraint: GuidedDecodingParams) -> LMFormatEnforcerCompiled:
-        return LMFormatEnforcerCompiled(self, constraint)
+    def _compile(self, constraint: GuidedDecodingParams) -> Compiled:
+        # nothing to compile ahead: the state lives in each request's enforcer, which walks the vocabulary
+        # on demand; what one constraint's matchers share is the tokenizer data and the allowed-token cache
+        data, compact, cache = self.tokenizer_data, not constraint.whitespace_flexible, {}
+        return Compiled(
+            lambda: LMFormatEnforcerMatcher(data, self.parser(constraint), self.eos_token_id, cache, compact)
+        )

@@ -15,7 +15,7 @@ import torch
 from outlines_core.json_schema import build_regex_from_schema
 
 from llmplug.core.params import GuidedDecodingParams
-from llmplug.plugins.guided_decoding.common import GuidedBackendBase, choice_regex, token_bytes
+from llmplug.plugins.guided_decoding.common import Compiled, GuidedBackendBase, choice_regex, token_bytes
 
 LLMPLUG_PLUGIN_API_VERSION = "1.1"
 
@@ -58,18 +58,6 @@ class OutlinesMatcher:
         return self._ended
 
 
-class OutlinesCompiled:
-    """An outlines-core Index of one regex over the model's vocabulary."""
-
-    def __init__(self, index: outlines_core.Index, eos_token_id: int) -> None:
-        self._index = index
-        self._eos_token_id = eos_token_id
-
-    def matcher(self) -> OutlinesMatcher:
-        """A fresh matcher."""
-        return OutlinesMatcher(self._index, self._eos_token_id)
-
-
 @lru_cache(maxsize=1)
 def _byte_vocabulary() -> outlines_core.Vocabulary:
     """Every single byte as a token: enough to check that a regex compiles, at a fraction of the cost."""
@@ -103,5 +91,6 @@ class OutlinesBackend(GuidedBackendBase):
         if constraint.kind in ("regex", "choice"):  # (a schema's regex is valid by construction, and can be huge)
             outlines_core.Index(regex, _byte_vocabulary())
 
-    def _compile(self, constraint: GuidedDecodingParams) -> OutlinesCompiled:
-        return OutlinesCompiled(outlines_core.Index(self._regex(constraint), self.tokenizer_data), self.eos_token_id)
+    def _compile(self, constraint: GuidedDecodingParams) -> Compiled:
+        index = outlines_core.Index(self._regex(constraint), self.tokenizer_data)
+        return Compiled(lambda: OutlinesMatcher(index, self.eos_token_id))

@@ -8,7 +8,7 @@ import torch
 import xgrammar as xgr
 
 from llmplug.core.params import GuidedDecodingParams
-from llmplug.plugins.guided_decoding.common import EBNF_GRAMMAR, GuidedBackendBase, choice_regex
+from llmplug.plugins.guided_decoding.common import EBNF_GRAMMAR, Compiled, GuidedBackendBase, choice_regex
 
 LLMPLUG_PLUGIN_API_VERSION = "1.1"
 
@@ -34,17 +34,6 @@ class XGrammarMatcher:
     def is_terminated(self) -> bool:
         """True after the end-of-sequence token."""
         return self._matcher.is_terminated()
-
-
-class XGrammarCompiled:
-    """A grammar compiled by xgrammar's GrammarCompiler."""
-
-    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
-        self._compiled = compiled
-
-    def matcher(self) -> XGrammarMatcher:
-        """A fresh matcher."""
-        return XGrammarMatcher(self._compiled)
 
 
 class XGrammarBackend(GuidedBackendBase):
@@ -77,5 +66,6 @@ class XGrammarBackend(GuidedBackendBase):
     def _check(self, constraint: GuidedDecodingParams) -> None:
         self._grammar(constraint)
 
-    def _compile(self, constraint: GuidedDecodingParams) -> XGrammarCompiled:
-        return XGrammarCompiled(self.tokenizer_data.compile_grammar(self._grammar(constraint)))
+    def _compile(self, constraint: GuidedDecodingParams) -> Compiled:
+        compiled = self.tokenizer_data.compile_grammar(self._grammar(constraint))
+        return Compiled(lambda: XGrammarMatcher(compiled))
