@@ -221,9 +221,11 @@ def grammar_bitmask(
     for row, request in rows:
         request.grammar.matcher.fill_bitmask(bitmask, row)
     guided_rows = torch.tensor([row for row, _ in rows])
-    stuck = guided_rows[~bitmask[guided_rows].any(dim=-1)]  # the grammar allows no token of this vocabulary
-    for row in stuck.tolist():
-        _allow_end(bitmask, row, dict(rows)[row])
+    stuck = guided_rows[~bitmask[guided_rows].any(dim=-1)].tolist()  # the grammar allows no token of the vocabulary
+    if stuck:
+        by_row = dict(rows)
+        for row in stuck:
+            _allow_end(bitmask, row, by_row[row])
     return bitmask
 
 

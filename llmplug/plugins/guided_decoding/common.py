@@ -26,10 +26,9 @@ __all__ = [
     "token_bytes",
 ]
 
-# The feature names of the five constraint kinds; grammars are split by syntax.
+# Feature names: the constraint kinds, with grammars split by syntax.
 EBNF_GRAMMAR = "grammar (EBNF)"
 LARK_GRAMMAR = "grammar (Lark)"
-ALL_FEATURES = frozenset({"json", "json_object", "regex", "choice", EBNF_GRAMMAR, LARK_GRAMMAR})
 
 
 def constraint_feature(constraint: GuidedDecodingParams) -> str:
