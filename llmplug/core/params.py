@@ -151,6 +151,9 @@ class SamplingParams:
             all(callable(p) for p in self.logits_processors or ()), "logits_processors",
             "must be a list of callables (output_token_ids, logits) -> logits",
         ))
+        # a grammar decides where the output may end; forbidding the end token there would leave no token
+        checks.append((self.guided_decoding is None or self.min_tokens == 0, "min_tokens",
+                       "must be 0 with guided_decoding (the grammar decides where the output ends)"))
         for ok, name, why in checks:
             if not ok:
                 raise InvalidRequestError(f"SamplingParams.{name}={getattr(self, name)!r} {why}")

@@ -6,7 +6,7 @@ import pytest
 
 from llmplug.core.config import DecodingConfig
 from llmplug.core.errors import InvalidRequestError
-from llmplug.core.params import GuidedDecodingParams
+from llmplug.core.params import GuidedDecodingParams, SamplingParams
 from llmplug.engine.guided_decoding import GuidedDecodingManager
 
 from .conftest import EBNF_GRAMMAR, LARK_GRAMMAR, make_char_tokenizer
@@ -69,6 +69,11 @@ def test_invalid_constraint_and_unknown_backend_are_clear_errors(manager):
 def test_params_reject_malformed_constraints(bad, message):
     with pytest.raises(InvalidRequestError, match=message):
         GuidedDecodingParams(**bad)
+
+
+def test_min_tokens_cannot_fight_the_grammar():
+    with pytest.raises(InvalidRequestError, match="min_tokens"):
+        SamplingParams(min_tokens=3, guided_decoding=GuidedDecodingParams(choice=["a"]))
 
 
 def test_whitespace_default_comes_from_the_config(manager):
