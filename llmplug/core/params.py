@@ -17,9 +17,17 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = 2  # one output, when the request finishes
 
 
+GUIDED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
 @dataclass
 class GuidedDecodingParams:
-    """A constraint on the generated text; exactly one of the fields is set."""
+    """A constraint on the generated text; exactly one of json, json_object, regex, choice, grammar is set.
+
+    json: a JSON schema (dict or JSON text); json_object: any JSON object; regex: the text must match it
+    in full; choice: the text is one of these strings; grammar: a context-free grammar in the syntax of
+    the backend (Lark for llguidance; GBNF-style EBNF, `root ::= ...`, for xgrammar and llguidance).
+    """
 
     json: str | dict | None = None
     json_object: bool = False
@@ -27,7 +35,7 @@ class GuidedDecodingParams:
     choice: list[str] | None = None
     grammar: str | None = None
     backend: str | None = None  # None: the engine's decoding.guided_backend
-    whitespace_flexible: bool = False  # False: compact JSON
+    whitespace_flexible: bool | None = None  # None: the engine's decoding.compact_json decides
 
     def __post_init__(self) -> None:
         kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
@@ -36,6 +44,22 @@ class GuidedDecodingParams:
             raise InvalidRequestError(
                 f"guided_decoding needs exactly one of json, json_object, regex, choice, grammar; got {kinds or 'none'}"
             )
+        if isinstance(self.json, str):
+            self.json = _parse_schema(self.json)
+        self._validate()
+
+    def _validate(self) -> None:
+        if self.json is not None and not isinstance(self.json, (dict, bool)):
+            raise InvalidRequestError(f"guided_decoding.json must be a JSON schema object, got {type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidRequestError(f"guided_decoding.{name} must be a non-empty string, got {value!r}")
+        if self.choice is not None:
+            if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
+                raise InvalidRequestError(
+                    f"guided_decoding.choice must be a non-empty list of non-empty strings, got {self.choice!r}"
+                )
 
     @property
     def kind(self) -> str:
@@ -43,6 +67,29 @@ class GuidedDecodingParams:
         if self.json_object:
             return "json_object"
         return next(k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None)
+
+    @property
+    def schema(self) -> dict | bool:
+        """The JSON schema of a json or json_object constraint."""
+        return {"type": "object"} if self.json_object else self.json
+
+    @property
+    def cache_key(self) -> tuple:
+        """What identifies the compiled grammar of this constraint (besides the backend)."""
+        import json
+
+        value = {"json": self.json, "regex": self.regex, "choice": self.choice, "grammar": self.grammar}.get(self.kind)
+        return self.kind, json.dumps(value, sort_keys=True), self.whitespace_flexible
+
+
+def _parse_schema(text: str) -> dict | bool:
+    """A JSON schema given as JSON text."""
+    import json
+
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequestError(f"guided_decoding.json is not valid JSON: {exc}") from None
 
 
 @dataclass
@@ -100,6 +147,13 @@ class SamplingParams:
             (self.logprobs is None or self.logprobs >= 0, "logprobs", "must be non-negative"),
             (self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs", "must be non-negative"),
         ]
+        checks.append((
+            all(callable(p) for p in self.logits_processors or ()), "logits_processors",
+            "must be a list of callables (output_token_ids, logits) -> logits",
+        ))
+        # a grammar decides where the output may end; forbidding the end token there would leave no token
+        checks.append((self.guided_decoding is None or self.min_tokens == 0, "min_tokens",
+                       "must be 0 with guided_decoding (the grammar decides where the output ends)"))
         for ok, name, why in checks:
             if not ok:
                 raise InvalidRequestError(f"SamplingParams.{name}={getattr(self, name)!r} {why}")

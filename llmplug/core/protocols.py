@@ -18,8 +18,9 @@ if TYPE_CHECKING:  # no heavy imports at run time
     import torch
 
     from llmplug.core.config import EngineConfig, LoadConfig, ModelConfig
+    from llmplug.core.params import GuidedDecodingParams
 
-PLUGIN_API_VERSION = "1.0"
+PLUGIN_API_VERSION = "1.1"  # 1.1: guided decoding (GuidedDecodingBackend, CompiledGrammar, GrammarMatcher)
 
 
 @runtime_checkable
@@ -134,10 +135,76 @@ class LogitsProcessor(Protocol):
 
     Called by the engine's sampler in the worker once per generated token, with the request's output
     token ids so far and its logits row [vocab_size]; returns the new row (may modify in place).
-    For speed, batch-aware processors (guided decoding) fill a shared token bitmask instead.
+    Guided decoding does not go through this per-row call: its matchers fill one token bitmask for
+    the whole batch (`GrammarMatcher.fill_bitmask`), which the sampler applies in one vectorized step.
     """
 
     def __call__(self, output_token_ids: list[int], logits: "torch.Tensor") -> "torch.Tensor": ...
+
+
+@runtime_checkable
+class GrammarMatcher(Protocol):
+    """One request's position in its compiled grammar (guided decoding).
+
+    Made by `CompiledGrammar.matcher()` in the engine process when the request's grammar is ready;
+    then called by the engine's step loop only (one thread), once per step the request samples in.
+    """
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advance by a sampled token; False (state unchanged) when the grammar forbids it."""
+        ...
+
+    def fill_bitmask(self, bitmask: "torch.Tensor", row: int) -> None:
+        """Write the tokens allowed next into row `row` of bitmask [B, ceil(V / 32)] int32 (CPU).
+
+        Bit j of word i stands for token 32 * i + j (1: allowed), the layout xgrammar, llguidance and
+        outlines-core share; the sampler applies the whole batch's bitmask in one vectorized step.
+        """
+        ...
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens (for callers that speculate)."""
+        ...
+
+    def is_terminated(self) -> bool:
+        """True once the grammar is complete and accepted the end-of-sequence token: the request is done."""
+        ...
+
+
+@runtime_checkable
+class CompiledGrammar(Protocol):
+    """A constraint compiled for one tokenizer; shared (read-only) by every request with that constraint."""
+
+    def matcher(self) -> GrammarMatcher:
+        """A fresh matcher at the start of the grammar (one per request)."""
+        ...
+
+
+@runtime_checkable
+class GuidedDecodingBackend(Protocol):
+    """A guided-decoding engine (`llmplug.guided_decoding`): constraints in, compiled grammars out.
+
+    Constructed once per engine, in the engine process, as `Backend(tokenizer, vocab_size,
+    eos_token_id)`: the model's own tokenizer, the width of the model's logits and the token that ends
+    a sequence. Building the backend's tokenizer data is costly, so it happens once, on first use, and
+    is reused by every compile. `unsupported_feature` and `validate` run in the engine's step thread
+    when a request arrives (keep them cheap); `compile` runs in a thread pool, off the step loop.
+    Constraints arrive as `GuidedDecodingParams` whose `whitespace_flexible` is resolved to a bool.
+    """
+
+    name: str
+
+    def unsupported_feature(self, constraint: "GuidedDecodingParams") -> str | None:
+        """The feature of `constraint` this backend cannot handle ("grammar (Lark)", ...), or None."""
+        ...
+
+    def validate(self, constraint: "GuidedDecodingParams") -> None:
+        """Raise InvalidRequestError naming what is wrong with `constraint` (bad schema, regex, grammar)."""
+        ...
+
+    def compile(self, constraint: "GuidedDecodingParams") -> CompiledGrammar:
+        """Compile `constraint` against the tokenizer (called from a worker thread)."""
+        ...
 
 
 @runtime_checkable

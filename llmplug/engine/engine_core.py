@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Iterable
 from llmplug.core.config import EngineConfig
 from llmplug.core.errors import ConfigError, EngineStateError
 from llmplug.core.plugins import get_registry
+from llmplug.engine.guided_decoding import grammar_bitmask, wait_for_any
 from llmplug.engine.kv_cache import KVCacheManager
 from llmplug.engine.output_processor import EngineCoreOutput
 from llmplug.engine.request import Request, RequestStatus
@@ -20,6 +21,8 @@ if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger(__name__)
+
+GRAMMAR_WAIT_S = 0.05  # longest a step with nothing else to do waits for a grammar (new requests wait too)
 
 
 class EngineCore:
@@ -95,6 +98,12 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, run the model once, and report each request's new tokens."""
         scheduler_output = self.scheduler.schedule()
+        if self.scheduler.guided:  # requests under a grammar: their rows of the token bitmask
+            scheduler_output.grammar_bitmask = grammar_bitmask(
+                scheduler_output.requests, self.scheduler.guided, self.model_info["vocab_size"]
+            )
+            if not scheduler_output.requests and self.scheduler.compiling:  # only grammars to wait for: no spin
+                wait_for_any([r.grammar for r in self.scheduler.compiling], timeout=GRAMMAR_WAIT_S)
         runner_output = self.executor.execute_model(scheduler_output)
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         return self._outputs(updated, runner_output)

@@ -11,6 +11,7 @@ from llmplug.core.outputs import RequestOutput
 from llmplug.core.params import SamplingParams
 from llmplug.core.plugins import get_registry
 from llmplug.engine.engine_core import EngineCore
+from llmplug.engine.guided_decoding import GuidedDecodingManager, RequestGrammar
 from llmplug.engine.input_processor import InputProcessor, PromptType
 from llmplug.engine.output_processor import OutputProcessor
 from llmplug.engine.request import Request, RequestStatus
@@ -59,6 +60,7 @@ class LLMEngine:
         self.processor = InputProcessor(self.tokenizer, info["vocab_size"], self.engine_core.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_id = self._eos_token_id()
+        self.guided = GuidedDecodingManager(self.tokenizer, info["vocab_size"], self.eos_token_id, self.config.decoding)
         self.hooks = get_registry().hook_manager().hook
 
     def _eos_token_id(self) -> int | None:
@@ -79,12 +81,16 @@ class LLMEngine:
         """Validate and queue a request; with n > 1 it becomes n sequences sharing the prompt."""
         params = params or SamplingParams()
         text, token_ids, params = self.processor.process(prompt, params)
+        grammar = self.guided.prepare(params.guided_decoding) if params.guided_decoding is not None else None
         arrival_time = arrival_time or time.time()
         child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
         self.output_processor.add_request(request_id, text, token_ids, params, arrival_time, child_ids)
         for i, child_id in enumerate(child_ids):
             child = params if params.n == 1 else child_params(params, i)
-            request = Request(child_id, token_ids, child, self.eos_token_id, arrival_time, priority)
+            request = Request(
+                child_id, token_ids, child, self.eos_token_id, arrival_time, priority,
+                grammar=RequestGrammar(grammar) if grammar is not None else None,  # one matcher per child
+            )
             try:
                 self.engine_core.add_request(request)
             except Exception:
@@ -120,5 +126,6 @@ class LLMEngine:
         return self.tokenizer
 
     def shutdown(self) -> None:
-        """Stop the workers."""
+        """Stop the workers and the grammar compiler threads."""
         self.engine_core.shutdown()
+        self.guided.shutdown()

@@ -167,7 +167,7 @@ class ModelRunner:
         if not batch.sample_req_ids:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden_states[batch.sample_indices])
-        out = self.sampler(logits, self.sampling_state.metadata(batch.sample_req_ids))
+        out = self.sampler(logits, self.sampling_state.metadata(batch.sample_req_ids), scheduler_output.grammar_bitmask)
         sampled = out.sampled_token_ids.tolist()
         for req_id, token in zip(batch.sample_req_ids, sampled):
             self.sampling_state.append_output(req_id, [token])

@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from llmplug.core.params import SamplingParams
+
+if TYPE_CHECKING:
+    from llmplug.engine.guided_decoding import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -49,6 +53,7 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     block_hashes: list[int] = field(default_factory=list)  # one per full block of all_token_ids
+    grammar: RequestGrammar | None = None  # guided decoding: its compiled grammar and matcher
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

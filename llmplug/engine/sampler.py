@@ -25,6 +25,7 @@ The sampler modifies `logits` in place, as the model runner no longer needs them
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -195,20 +196,33 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Set to -inf every token whose bit is 0 in `bitmask` [B, ceil(V/32)] int32 (xgrammar layout).
 
     Bit j of word i is token 32 * i + j. Rows whose bits are all 1 are left alone; tokens past the
-    bitmask's width count as disallowed.
+    bitmask's width count as disallowed. The words are read as little-endian bytes, each expanded to its
+    8 bits by one table lookup: a quarter of the memory traffic of shifting every int32 word 32 times.
     """
+    bitmask = bitmask.to(logits.device, non_blocking=True)  # the engine builds it on the CPU
     constrained = (bitmask != -1).any(dim=-1).nonzero().squeeze(1)  # [C]
-    if constrained.numel() == 0:
+    num_constrained, vocab = constrained.numel(), logits.shape[1]
+    if num_constrained == 0:
         return
-    vocab = logits.shape[1]
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    bits = (bitmask[constrained].unsqueeze(-1) >> shifts) & 1  # [C, W, 32]
-    allowed = bits.view(constrained.numel(), -1)[:, :vocab].bool()  # [C, min(32 W, V)]
+    every_row = num_constrained == len(logits)
+    words = bitmask if every_row else bitmask[constrained]  # [C, W], contiguous
+    allowed = _byte_bits(logits.device)[words.view(torch.uint8).long()].view(num_constrained, -1)  # [C, 32 W]
+    allowed = allowed[:, :vocab]
     if allowed.shape[1] < vocab:
         allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    if every_row:  # in place, no gather and scatter of the rows
+        logits.masked_fill_(~allowed, _NEG_INF)
+        return
     rows = logits[constrained]
     rows.masked_fill_(~allowed, _NEG_INF)
     logits[constrained] = rows
+
+
+@functools.lru_cache(maxsize=8)
+def _byte_bits(device: torch.device) -> torch.Tensor:
+    """[256, 8] bool: bit k of each byte value (little-endian words: byte k of word i holds tokens 32 i + 8 k...)."""
+    values = torch.arange(256, dtype=torch.int32)
+    return ((values.unsqueeze(1) >> torch.arange(8, dtype=torch.int32)) & 1).bool().to(device)
 
 
 def apply_logit_bias(logits: torch.Tensor, bias: LogitBias) -> None:

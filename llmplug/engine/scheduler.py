@@ -4,12 +4,17 @@ Each step running requests go first (one decode token, or their next prefill chu
 requests are admitted in policy order while the budget, `max_num_seqs` and the KV cache allow. When a
 running request cannot get a block, the lowest-priority (latest-arrived) running request is preempted:
 its blocks are freed and it is recomputed from its tokens when it is admitted again.
+
+A request under a grammar (guided decoding) waits outside the queue until its grammar is compiled,
+while others run; its matcher sees every token appended and ends the request when it terminates.
+Preemption keeps the output tokens, so the matcher's state stays valid across the recompute.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 from bisect import insort
 from collections import deque
 from dataclasses import dataclass
@@ -19,6 +24,8 @@ from llmplug.core.errors import ConfigError, InvalidRequestError
 from llmplug.engine.kv_cache import KVCacheManager
 from llmplug.engine.request import Request, RequestStatus
 from llmplug.engine.scheduler_output import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 SortKey = tuple
 
@@ -123,6 +130,9 @@ class Scheduler:
         self.waiting: FcfsQueue | PriorityQueue = FcfsQueue() if policy == "fcfs" else PriorityQueue(self._sort_key)
         self.running: list[Request] = []  # sorted by _sort_key: the preemption victim is last
         self.finished_req_ids: set[str] = set()  # since the last schedule()
+        self.compiling: list[Request] = []  # waiting for their grammar, outside `waiting` so others go ahead
+        self.guided: dict[str, Request] = {}  # unfinished requests under a grammar (the step's bitmask rows)
+        self._failed: list[Request] = []  # grammar failed to compile: finished, reported by the next update
         self.num_preemptions = 0
         self._sort_keys: dict[str, SortKey] = {}
         self._arrivals = itertools.count()
@@ -140,7 +150,11 @@ class Scheduler:
             (seq,) if self.policy == "fcfs" else (request.priority, request.arrival_time, seq)
         )
         request.status = RequestStatus.WAITING
-        self.waiting.push(request)
+        if request.grammar is None:
+            self.waiting.push(request)
+        else:
+            self.guided[request.request_id] = request
+            self.compiling.append(request)
 
     def _check_fits(self, request: Request) -> None:
         num_prompt = request.num_prompt_tokens
@@ -175,6 +189,8 @@ class Scheduler:
                 continue
             if request.status is RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request in self.compiling:
+                self.compiling.remove(request)
             else:
                 self.waiting.remove(request)
             self._free(request, status)
@@ -185,6 +201,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         del self._sort_keys[request.request_id]
+        self.guided.pop(request.request_id, None)
         self.finished_req_ids.add(request.request_id)
 
     def _sort_key(self, request: Request) -> SortKey:
@@ -194,6 +211,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Choose this step's requests and token counts, allocating their KV blocks."""
+        if self.compiling:
+            self._admit_compiled()
         scheduled: list[ScheduledRequest] = []
         preempted: set[str] = set()
         budget = self._schedule_running(scheduled, preempted, self.max_num_batched_tokens)
@@ -208,6 +227,19 @@ class Scheduler:
         )
         self.finished_req_ids = set()
         return output
+
+    def _admit_compiled(self) -> None:
+        """Queue the requests whose grammar is compiled; finish those whose compile failed."""
+        compiling, self.compiling = self.compiling, []
+        for request in compiling:
+            if not request.grammar.ready:
+                self.compiling.append(request)
+            elif request.grammar.error is not None:
+                logger.error("request %s: its grammar failed to compile: %s", request.request_id, request.grammar.error)
+                self._free(request, RequestStatus.FINISHED_ABORTED)
+                self._failed.append(request)
+            else:
+                self.waiting.push(request)
 
     def _schedule_running(self, scheduled: list[ScheduledRequest], preempted: set[str], budget: int) -> int:
         """Schedule running requests in order; returns the budget left."""
@@ -297,7 +329,7 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
         """Advance computed tokens, append sampled ones, apply stop checks; returns the requests with new tokens."""
         sampled = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids))
-        updated: list[Request] = []
+        updated, self._failed = self._failed, []  # finished without a token: they still need an output
         for scheduled in scheduler_output.requests:
             request = self.requests.get(scheduled.req_id)
             if request is None or request.status is not RequestStatus.RUNNING:
@@ -315,6 +347,8 @@ class Scheduler:
         """Append sampled tokens up to the first stop; a stopped request is freed."""
         for token_id in token_ids:
             request.append_output_token(token_id)
+            if request.grammar is not None:
+                request.grammar.accept(token_id)
             status = self._check_stop(request)
             if status is not None:
                 self._free(request, status)
@@ -331,6 +365,8 @@ class Scheduler:
             if last in params.stop_token_ids:
                 request.stop_reason = last
                 return RequestStatus.FINISHED_STOPPED
+        if request.grammar is not None and request.grammar.is_terminated():
+            return RequestStatus.FINISHED_STOPPED
         if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         if request.num_tokens >= self.max_num_tokens:
@@ -340,7 +376,7 @@ class Scheduler:
     # -- queries -------------------------------------------------------------------------------
 
     def has_unfinished_requests(self) -> bool:
-        """True while any request waits or runs."""
+        """True while any request waits (for its grammar too) or runs."""
         return bool(self.requests)
 
     @property
@@ -350,8 +386,8 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        """Requests waiting to be admitted (new or preempted)."""
-        return len(self.waiting)
+        """Requests waiting to be admitted (new, preempted, or for their grammar)."""
+        return len(self.waiting) + len(self.compiling)
 
     def get_request(self, req_id: str) -> Request | None:
         """The unfinished request with this id, if any."""

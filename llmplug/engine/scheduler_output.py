@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from llmplug.core.params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(slots=True, frozen=True)
@@ -38,6 +42,8 @@ class SchedulerOutput:
     num_scheduled_tokens: int
     finished_req_ids: set[str]  # finished or aborted since the previous step
     preempted_req_ids: set[str]
+    # guided decoding: [num_sampling_requests, ceil(V / 32)] int32, rows in logits order; None: no grammar
+    grammar_bitmask: torch.Tensor | None = None
 
 
 @dataclass(slots=True)

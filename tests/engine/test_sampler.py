@@ -340,6 +340,15 @@ def test_apply_token_bitmask_matches_masked_fill():
     assert torch.equal(got, expected)
 
 
+def test_apply_token_bitmask_forbids_tokens_past_its_width():
+    logits = torch.zeros(2, 100)
+    allowed = torch.ones(2, 64, dtype=torch.bool)
+    allowed[0, 5] = False  # row 0 is constrained; row 1 allows every token the bitmask covers
+    apply_token_bitmask(logits, pack_bitmask(allowed))
+    assert torch.isneginf(logits[0]).nonzero().squeeze(1).tolist() == [5, *range(64, 100)]
+    assert not torch.isneginf(logits[1]).any()  # all ones: unconstrained, left alone
+
+
 def test_bitmask_constrains_sampling():
     torch.manual_seed(9)
     logits = torch.randn(64, V)

@@ -78,6 +78,17 @@ def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
             param.copy_(torch.randn(param.shape, generator=generator) * 0.1 + mean)
 
 
+def save_tiny_llama(path: Path, tokenizer, **config) -> None:
+    """A tiny random Llama (hidden 64, 2 layers) over `tokenizer`'s vocabulary, saved with the tokenizer."""
+    hf_config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, **config)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
+    randomize_(model)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
 def make_tiny(name: str, path: Path, seed: int = 0, overrides: dict | None = None, **save_kwargs) -> TinyModel:
     """Build, randomize (from `seed`) and save the tiny `name` model (its config fields changed by `overrides`)
     into `path`."""

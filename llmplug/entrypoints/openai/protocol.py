@@ -41,6 +41,24 @@ class UsageInfo(OpenAIModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
+class JsonSchemaFormat(OpenAIModel):
+    """`response_format.json_schema`: the schema the answer must follow."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # `schema` would shadow a BaseModel method
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    """`response_format`: plain text, any JSON object, or JSON following `json_schema`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class SamplingRequest(OpenAIModel):
     """The sampling fields chat and completions requests share (OpenAI's and vLLM's extras)."""
 
@@ -66,6 +84,13 @@ class SamplingRequest(OpenAIModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # structured output: OpenAI's response_format (also accepted on completions, as vLLM does) or vLLM's extras
+    response_format: ResponseFormat | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
 
 
 # --- /v1/chat/completions -----------------------------------------------------------------------
@@ -86,10 +111,6 @@ class ChatMessage(OpenAIModel):
     name: str | None = None
 
 
-class ResponseFormat(OpenAIModel):
-    type: Literal["text", "json_object", "json_schema"]
-
-
 class ChatCompletionRequest(SamplingRequest):
     """POST /v1/chat/completions."""
 
@@ -98,7 +119,6 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     # vLLM's chat extras
@@ -228,7 +248,14 @@ class ResponsesInputMessage(OpenAIModel):
 
 
 class ResponsesTextFormat(OpenAIModel):
+    """`text.format`: as chat's response_format, with the json_schema fields inline."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
     type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
 
 
 class ResponsesTextConfig(OpenAIModel):

@@ -105,9 +105,6 @@ class OpenAIServingChat(OpenAIServing):
 def _check_supported(body: ChatCompletionRequest) -> None:
     if body.tools and body.tool_choice != "none":
         raise OpenAIError(400, "tool calling is not supported by this server", param="tools")
-    if body.response_format is not None and body.response_format.type != "text":
-        raise OpenAIError(400, f"response_format {body.response_format.type!r} is not supported; only 'text'",
-                          param="response_format")
     if body.top_logprobs is not None and not body.logprobs:
         raise OpenAIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
 

@@ -18,6 +18,7 @@ from llmplug.core.outputs import PositionLogprobs, RequestOutput
 from llmplug.core.params import RequestOutputKind, SamplingParams
 from llmplug.engine.async_llm import AsyncLLM
 from llmplug.entrypoints.openai.errors import OpenAIError, error_body
+from llmplug.entrypoints.openai.guided import guided_decoding_params
 from llmplug.entrypoints.openai.metrics import ServerMetrics
 from llmplug.entrypoints.openai.protocol import (
     ChatLogprob,
@@ -168,6 +169,7 @@ def make_sampling_params(request: Any, *, max_tokens: int, logprobs: int | None,
             skip_special_tokens=value("skip_special_tokens", True),
             spaces_between_special_tokens=value("spaces_between_special_tokens", True),
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+            guided_decoding=guided_decoding_params(request),
         )
     except InvalidRequestError as exc:
         raise OpenAIError(400, str(exc)) from exc

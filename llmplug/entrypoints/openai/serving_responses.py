@@ -68,9 +68,6 @@ def _check_supported(body: ResponsesRequest) -> None:
                                "send the whole conversation as input", param="previous_response_id")
     if body.tools:
         raise OpenAIError(400, "tools are not supported by this server", param="tools")
-    if body.text is not None and body.text.format is not None and body.text.format.type != "text":
-        raise OpenAIError(400, f"text.format {body.text.format.type!r} is not supported; only 'text'",
-                          param="text.format")
 
 
 def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:

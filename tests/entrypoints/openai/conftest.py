@@ -17,15 +17,13 @@ from pathlib import Path
 
 import openai
 import pytest
-import torch
 import uvicorn
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 from llmplug import LLM, AsyncLLM
 from llmplug.entrypoints.openai.api_server import ServerSettings, build_app
 from llmplug.loaders.default_model import resolve_model_path
 from llmplug.loaders.gguf import load_gguf_tokenizer
-from tests.models.tiny_models import randomize_
+from tests.models.tiny_models import save_tiny_llama
 
 ENGINE_KWARGS = {"dtype": "float32", "max_model_len": 256, "block_size": 16}
 
@@ -47,14 +45,8 @@ def tiny_chat_model(tmp_path_factory, smollm_tokenizer) -> Path:
     """A tiny random Llama (hidden 64, 2 layers) with SmolLM2's vocabulary, saved with its tokenizer."""
     path = tmp_path_factory.mktemp("tiny_chat")
     tok = smollm_tokenizer
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    randomize_(model)
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
+    save_tiny_llama(path, tok, max_position_embeddings=256, bos_token_id=tok.bos_token_id,
+                    eos_token_id=tok.eos_token_id, tie_word_embeddings=True)
     return path
 
 

@@ -1,0 +1,237 @@
+"""Guided decoding in the engine: choose a backend per request, compile off the step loop, build the bitmask.
+
+`GuidedDecodingManager` (one per engine, engine process) resolves each request's constraint to a
+backend (`decoding.guided_backend` or the request's own `backend`; `auto` picks, per request, the first
+installed backend in `AUTO_ORDER` that supports the constraint), validates it while the request is
+added (bad input is an InvalidRequestError, a 400 through the server) and compiles it in a thread
+pool, caching compiled grammars by (backend, constraint). Each request holds a `RequestGrammar`: the
+scheduler keeps the request out of the waiting queue until its grammar is ready, feeds the matcher
+every sampled token and finishes the request when the matcher terminates; `grammar_bitmask` fills
+the step's bitmask rows of the requests under a grammar (only those: no work for the others).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections import OrderedDict
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+import torch
+
+from llmplug.core.config import DecodingConfig
+from llmplug.core.errors import InvalidRequestError, PluginError
+from llmplug.core.params import GuidedDecodingParams
+from llmplug.core.plugins import get_registry
+from llmplug.core.protocols import CompiledGrammar, GrammarMatcher, GuidedDecodingBackend
+
+if TYPE_CHECKING:
+    from llmplug.engine.request import Request
+    from llmplug.engine.scheduler_output import ScheduledRequest
+
+logger = logging.getLogger(__name__)
+
+GROUP = "llmplug.guided_decoding"
+AUTO_ORDER = ("xgrammar", "llguidance", "outlines", "lm_format_enforcer")  # fastest first; then third-party
+CACHE_SIZE = 256  # compiled grammars kept
+
+
+class RequestGrammar:
+    """One request's grammar: the (shared) compile future, then the request's own matcher."""
+
+    def __init__(self, future: Future[CompiledGrammar]) -> None:
+        self._future = future
+        self._matcher: GrammarMatcher | None = None
+        self._rejected = False
+
+    @property
+    def ready(self) -> bool:
+        """True once compiling finished (successfully or not)."""
+        return self._future.done()
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why compiling failed, once it finished; None on success."""
+        return self._future.exception()
+
+    @property
+    def matcher(self) -> GrammarMatcher:
+        """The request's matcher (made on first use, once the grammar is ready)."""
+        if self._matcher is None:
+            self._matcher = self._future.result().matcher()
+        return self._matcher
+
+    def accept(self, token_id: int) -> None:
+        """Advance by a sampled token; a token the grammar forbids (all tokens masked) ends the request."""
+        if not self.matcher.accept_token(token_id):
+            logger.warning("guided decoding: sampled token %d is not allowed by the grammar; stopping", token_id)
+            self._rejected = True
+
+    def is_terminated(self) -> bool:
+        """True when the request must stop: the grammar is complete, or it rejected a token."""
+        return self._rejected or self.matcher.is_terminated()
+
+
+def check_json_schema(schema: dict | bool) -> None:
+    """InvalidRequestError when `schema` is not a valid JSON schema (by its meta-schema; backends differ in
+    what they reject, some compile nonsense)."""
+    import jsonschema
+
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "/".join(str(p) for p in exc.absolute_path) or "the top level"
+        raise InvalidRequestError(f"guided_decoding.json is not a valid JSON schema at {where}: {exc.message}") from None
+
+
+def wait_for_any(grammars: Sequence[RequestGrammar], timeout: float) -> None:
+    """Block until one of `grammars` is compiled or `timeout` seconds pass."""
+    wait([g._future for g in grammars], timeout=timeout, return_when=FIRST_COMPLETED)
+
+
+class GuidedDecodingManager:
+    """Backends, validation, the compile thread pool and the compiled-grammar cache of one engine."""
+
+    def __init__(
+        self, tokenizer: Any | None, vocab_size: int, eos_token_id: int | None, config: DecodingConfig,
+        max_workers: int = 2,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self.config = config
+        self._backends: dict[str, GuidedDecodingBackend] = {}
+        self._cache: OrderedDict[tuple, Future[CompiledGrammar]] = OrderedDict()
+        self._lock = threading.Lock()  # the cache is also touched by the pool's done-callbacks
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="llmplug-grammar")
+
+    def prepare(self, params: GuidedDecodingParams) -> Future[CompiledGrammar]:
+        """Choose the backend, validate and start compiling (or reuse the cached compile); the future is shared."""
+        if self.tokenizer is None or self.eos_token_id is None:
+            raise InvalidRequestError("guided decoding needs the model's tokenizer and end-of-sequence token")
+        constraint = self.resolve(params)
+        key = (constraint.backend, constraint.cache_key)  # as asked ("auto" too): a hit was validated before
+        with self._lock:
+            future = self._cache.get(key)
+            if future is not None:
+                self._cache.move_to_end(key)
+                return future
+        if constraint.kind == "json":
+            check_json_schema(constraint.schema)
+        backend = self.select(constraint)
+        with self._lock:
+            future = self._pool.submit(backend.compile, constraint)
+            self._cache[key] = future
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        future.add_done_callback(lambda done: self._forget_failed(key, done))
+        return future
+
+    def resolve(self, params: GuidedDecodingParams) -> GuidedDecodingParams:
+        """The constraint with the engine's defaults filled in (backend name, whitespace)."""
+        return dataclasses.replace(
+            params,
+            backend=params.backend or self.config.guided_backend,
+            whitespace_flexible=(
+                not self.config.compact_json if params.whitespace_flexible is None else params.whitespace_flexible
+            ),
+        )
+
+    def select(self, constraint: GuidedDecodingParams) -> GuidedDecodingBackend:
+        """The backend for a resolved constraint, validated; InvalidRequestError says what is wrong."""
+        if constraint.backend == "auto":
+            return self._select_auto(constraint)
+        backend = self.backend(constraint.backend)
+        feature = backend.unsupported_feature(constraint)
+        if feature is not None:
+            raise self._unsupported(constraint, feature, f"the {backend.name} backend")
+        backend.validate(constraint)
+        return backend
+
+    def _select_auto(self, constraint: GuidedDecodingParams) -> GuidedDecodingBackend:
+        installed = self._installed()
+        if not installed:
+            raise InvalidRequestError("guided decoding: no backend is installed; pip install 'llmplug[guided]'")
+        capable = [b for b in installed if b.unsupported_feature(constraint) is None]
+        if not capable:
+            raise self._unsupported(constraint, installed[0].unsupported_feature(constraint), "any installed backend")
+        errors = []
+        for backend in capable:
+            try:
+                backend.validate(constraint)
+                return backend
+            except InvalidRequestError as exc:
+                errors.append(str(exc))
+        raise InvalidRequestError("; ".join(errors))
+
+    def backend(self, name: str) -> GuidedDecodingBackend:
+        """The backend registered as `name`, built on first use (InvalidRequestError when unknown or broken)."""
+        if name not in self._backends:
+            try:
+                cls = get_registry().load(GROUP, name)
+            except PluginError as exc:
+                raise InvalidRequestError(f"guided decoding backend {name!r} is not available: {exc}") from exc
+            self._backends[name] = cls(self.tokenizer, self.vocab_size, self.eos_token_id)
+        return self._backends[name]
+
+    def _installed(self) -> list[GuidedDecodingBackend]:
+        """Every backend that loads here, in `auto` order."""
+        names = get_registry().names(GROUP)
+        ordered = [n for n in AUTO_ORDER if n in names] + sorted(n for n in names if n not in AUTO_ORDER)
+        installed = []
+        for name in ordered:
+            try:
+                installed.append(self.backend(name))
+            except InvalidRequestError as exc:
+                logger.debug("guided decoding backend %s skipped by auto: %s", name, exc)
+        return installed
+
+    def _unsupported(self, constraint: GuidedDecodingParams, feature: str, who: str) -> InvalidRequestError:
+        able = [b.name for b in self._installed() if b.unsupported_feature(constraint) is None]
+        hint = f"backends that can: {', '.join(able)}" if able else "no installed backend can"
+        return InvalidRequestError(f"guided decoding: {feature} is not supported by {who}; {hint}")
+
+    def _forget_failed(self, key: tuple, future: Future[CompiledGrammar]) -> None:
+        """A failed compile is not cached: the next request with that constraint tries again."""
+        if future.exception() is not None:
+            with self._lock:
+                if self._cache.get(key) is future:
+                    del self._cache[key]
+
+    def shutdown(self) -> None:
+        """Stop the compile threads (running compiles finish first)."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def grammar_bitmask(
+    scheduled: Sequence["ScheduledRequest"], guided: Mapping[str, "Request"], vocab_size: int
+) -> torch.Tensor | None:
+    """The step's bitmask [num_sampling_requests, ceil(V / 32)] int32: -1 (all allowed) except guided rows.
+
+    Rows follow the order of the scheduled requests that sample, which is the order of the logits.
+    None when no request of this step samples under a grammar.
+    """
+    sampling = [s.req_id for s in scheduled if s.samples]
+    rows = [(row, guided[req_id]) for row, req_id in enumerate(sampling) if req_id in guided]
+    if not rows:
+        return None
+    bitmask = torch.full((len(sampling), (vocab_size + 31) // 32), -1, dtype=torch.int32)
+    for row, request in rows:
+        request.grammar.matcher.fill_bitmask(bitmask, row)
+    guided_rows = torch.tensor([row for row, _ in rows])
+    stuck = guided_rows[~bitmask[guided_rows].any(dim=-1)].tolist()  # the grammar allows no token of the vocabulary
+    if stuck:
+        by_row = dict(rows)
+        for row in stuck:
+            _allow_end(bitmask, row, by_row[row])
+    return bitmask
+
+
+def _allow_end(bitmask: torch.Tensor, row: int, request: "Request") -> None:
+    """Let a request whose grammar allows no token of the vocabulary sample the end token (and so stop),
+    rather than a row with every logit at -inf."""
+    logger.warning("request %s: its grammar allows no token of the vocabulary here; ending it", request.request_id)
+    eos = request.eos_token_id
+    bitmask[row, eos // 32] = torch.tensor(1 << (eos % 32), dtype=torch.int64).to(torch.int32)  # bit 31 wraps

@@ -1,0 +1,81 @@
+"""Plain logits processors end to end: per request (SamplingParams) and for every request (a hooks plugin)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmplug import LLM, SamplingParams
+from llmplug.core.config import EngineConfig, ModelConfig
+from llmplug.core.errors import InvalidRequestError
+from llmplug.core.hookspecs import hookimpl
+from llmplug.core.plugins import get_registry
+from llmplug.core.protocols import LogitsProcessor
+from tests.models.tiny_models import make_tiny
+
+PROMPTS = [{"prompt_token_ids": [5, 17, 42]}, {"prompt_token_ids": [200, 3]}]
+
+
+def only_token(token_id: int) -> LogitsProcessor:
+    """A processor that leaves one token possible."""
+
+    def processor(output_token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        keep = logits[token_id].clone()
+        logits.fill_(float("-inf"))
+        logits[token_id] = keep
+        return logits
+
+    return processor
+
+
+class BanTokens:
+    """A hooks plugin contributing one processor for every request: the banned tokens are never sampled."""
+
+    def __init__(self, banned: set[int]) -> None:
+        self.banned = sorted(banned)
+
+    @hookimpl
+    def llmplug_logits_processors(self, config):
+        def ban(output_token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+            logits[self.banned] = float("-inf")
+            return logits
+
+        return [ban]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny("llama", tmp_path_factory.mktemp("llama"))
+
+
+def generate(llm: LLM, params) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+def make_llm(tiny) -> LLM:
+    # a ready EngineConfig: loading one from keywords would install a fresh registry (and hook manager)
+    return LLM(config=EngineConfig(model=ModelConfig(model=str(tiny.path), dtype="float32", skip_tokenizer_init=True)))
+
+
+def test_per_request_processor_applies_to_its_request_only(tiny):
+    free = SamplingParams(temperature=1.0, seed=1, max_tokens=6, ignore_eos=True)
+    forced = SamplingParams(temperature=1.0, seed=1, max_tokens=6, ignore_eos=True, logits_processors=[only_token(9)])
+    ids = generate(make_llm(tiny), [forced, free])
+    assert ids[0] == [9] * 6 and ids[1] != [9] * 6
+
+
+def test_hook_processors_apply_to_every_request(tiny):
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    before = generate(make_llm(tiny), greedy)
+    plugin = BanTokens({ids[0] for ids in before})
+    get_registry().hook_manager().register(plugin)
+    try:
+        after = generate(make_llm(tiny), greedy)  # the hook is asked when the worker loads the model
+    finally:
+        get_registry().hook_manager().unregister(plugin)
+    assert all(not set(plugin.banned) & set(ids) for ids in after)  # every request, not only the first
+
+
+def test_a_processor_must_be_callable():
+    with pytest.raises(InvalidRequestError, match="logits_processors"):
+        SamplingParams(logits_processors=["not callable"])
