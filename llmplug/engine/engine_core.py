@@ -113,7 +113,7 @@ class EngineCore:
         logprobs = runner_output.logprobs
         outputs = []
         for req in updated:
-            row = row_of.get(req.request_id)
+            row = None if req.request_id in runner_output.failed else row_of.get(req.request_id)  # failed: no token
             new_tokens = runner_output.sampled_token_ids[row] if row is not None else []
             outputs.append(
                 EngineCoreOutput(

@@ -176,6 +176,7 @@ class ModelRunner:
             sampled_token_ids=[[t] for t in sampled],
             logprobs=out.logprobs,
             prompt_logprobs=prompt_logprobs,
+            failed={batch.sample_req_ids[row]: why for row, why in out.failed_rows.items()},
         )
 
     def _prompt_logprobs(

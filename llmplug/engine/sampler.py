@@ -26,7 +26,7 @@ The sampler modifies `logits` in place, as the model runner no longer needs them
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -76,6 +76,8 @@ class SamplerOutput:
 
     sampled_token_ids: torch.Tensor  # [B] int64
     logprobs: LogprobsTensors | None  # None when no request asked for logprobs
+    # rows that cannot be sampled (a logits processor raised, or left no token): why; their token is junk
+    failed_rows: dict[int, str] = field(default_factory=dict)
 
 
 class Sampler:
@@ -89,23 +91,30 @@ class Sampler:
     def __call__(
         self, logits: torch.Tensor, metadata: SamplingMetadata, bitmask: torch.Tensor | None = None
     ) -> SamplerOutput:
-        """Sample one token per row of `logits` [B, V] float32 (modified in place)."""
-        logits = self._shape_logits(logits, metadata, bitmask)
+        """Sample one token per row of `logits` [B, V] float32 (modified in place).
+
+        A row that a request's own shaping leaves unsampleable (its logits processor raised, or every token
+        is masked) fails alone: it is reported in `failed_rows` and the batch's other rows sample as usual.
+        """
+        failed: dict[int, str] = {}
+        logits = self._shape_logits(logits, metadata, bitmask, failed)
+        if metadata.logits_processors or self.logits_processors or bitmask is not None:
+            fail_unsampleable_rows(logits, failed)
         logprobs = None
         if metadata.max_num_logprobs is not None:  # [B, V], before temperature
             logprobs = torch.ops.aten._log_softmax.out(logits, -1, False, out=self._buffer("lp", len(logits), logits))
         sampled = self._sample(logits, metadata)
         if logprobs is None:
-            return SamplerOutput(sampled, None)
-        return SamplerOutput(sampled, gather_logprobs(logprobs, sampled, metadata.max_num_logprobs))
+            return SamplerOutput(sampled, None, failed)
+        return SamplerOutput(sampled, gather_logprobs(logprobs, sampled, metadata.max_num_logprobs), failed)
 
     def _shape_logits(
-        self, logits: torch.Tensor, metadata: SamplingMetadata, bitmask: torch.Tensor | None
+        self, logits: torch.Tensor, metadata: SamplingMetadata, bitmask: torch.Tensor | None, failed: dict[int, str]
     ) -> torch.Tensor:
         """Apply what the request asks of the distribution itself (not of how it is sampled)."""
         if logits.dtype != torch.float32:
             logits = logits.float()
-        apply_logits_processors(logits, metadata.logits_processors)
+        apply_logits_processors(logits, metadata.logits_processors, failed)
         if bitmask is not None:
             apply_token_bitmask(logits, bitmask)
         if metadata.logit_bias is not None:
@@ -116,7 +125,7 @@ class Sampler:
             apply_penalties(logits, metadata.penalties)
         if self.logits_processors:
             every_row = [(row, self.logits_processors, ids) for row, ids in enumerate(metadata.output_token_ids)]
-            apply_logits_processors(logits, every_row)
+            apply_logits_processors(logits, every_row, failed)
         return logits
 
     def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -181,15 +190,29 @@ class Sampler:
 
 
 def apply_logits_processors(
-    logits: torch.Tensor, processors: list[tuple[int, list[LogitsProcessor], list[int]]]
+    logits: torch.Tensor, processors: list[tuple[int, list[LogitsProcessor], list[int]]], failed: dict[int, str]
 ) -> None:
-    """Run each request's LogitsProcessors on its row, in order."""
+    """Run each request's LogitsProcessors on its row, in order; a processor that raises fails its row only."""
     for row, procs, output_token_ids in processors:
+        if row in failed:
+            continue
         values = logits[row]  # [V], a view
-        for proc in procs:
-            values = proc(output_token_ids, values)
-        if values.data_ptr() != logits[row].data_ptr():
-            logits[row] = values
+        try:
+            for proc in procs:
+                values = proc(output_token_ids, values)
+            if values.data_ptr() != logits[row].data_ptr():
+                logits[row] = values
+        except Exception as error:  # user code: whatever it raises must not take the batch down
+            failed[row] = f"logits processor {getattr(proc, '__name__', type(proc).__name__)} raised {error!r}"
+            logits[row] = 0.0
+
+
+def fail_unsampleable_rows(logits: torch.Tensor, failed: dict[int, str]) -> None:
+    """Record rows whose every logit is -inf or NaN in `failed`, and neutralize them so the batch can sample."""
+    dead = ~(logits.amax(dim=-1) > _NEG_INF)  # NaN compares False too
+    for row in dead.nonzero().flatten().tolist():
+        failed.setdefault(row, "no token can be sampled: every logit is -inf or NaN after the logits processors")
+        logits[row] = 0.0
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:

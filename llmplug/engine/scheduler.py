@@ -335,6 +335,11 @@ class Scheduler:
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # finished (aborted) after it was scheduled
             request.num_computed_tokens += len(scheduled.token_ids)
+            if scheduled.req_id in runner_output.failed:  # this request alone ends; the batch goes on
+                logger.error("request %s aborted: %s", scheduled.req_id, runner_output.failed[scheduled.req_id])
+                self._free(request, RequestStatus.FINISHED_ABORTED)
+                updated.append(request)
+                continue
             token_ids = sampled.get(scheduled.req_id)
             if scheduled.samples and token_ids:
                 self._append_tokens(request, token_ids)

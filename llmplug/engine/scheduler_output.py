@@ -54,3 +54,4 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]  # one list per request; usually one token
     logprobs: list | None = None
     prompt_logprobs: dict[str, object] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)  # request id -> why it could not be sampled

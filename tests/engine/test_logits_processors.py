@@ -79,3 +79,26 @@ def test_hook_processors_apply_to_every_request(tiny):
 def test_a_processor_must_be_callable():
     with pytest.raises(InvalidRequestError, match="logits_processors"):
         SamplingParams(logits_processors=["not callable"])
+
+
+def mask_everything(output_token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(logits, float("-inf"))
+
+
+def raise_error(output_token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+    raise ValueError("user bug")
+
+
+@pytest.mark.parametrize("processor", [mask_everything, raise_error])
+@pytest.mark.parametrize("temperature, top_p", [(0.0, 1.0), (1.0, 0.9)])
+def test_a_request_whose_processor_leaves_nothing_to_sample_fails_alone(tiny, processor, temperature, top_p):
+    llm = make_llm(tiny)
+    good = SamplingParams(temperature=1.0, seed=3, max_tokens=5, ignore_eos=True)
+    alone = generate(llm, [good, good])[1]
+    bad = SamplingParams(temperature=temperature, top_p=top_p, seed=0, max_tokens=5, logits_processors=[processor])
+    outs = llm.generate(PROMPTS, [bad, good], use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "abort" and list(outs[0].outputs[0].token_ids) == []
+    assert list(outs[1].outputs[0].token_ids) == alone  # the batch's other request is untouched
+    assert generate(llm, [good, good])[1] == alone  # and the engine keeps serving
+    assert llm.llm_engine.engine_core.scheduler.kv_cache_manager.num_free_blocks == \
+        llm.llm_engine.engine_core.scheduler.kv_cache_manager.num_blocks
