@@ -19,7 +19,7 @@ import torch
 from llmplug.communicators.parallel_state import get_pp_group, get_tp_group, get_world_group
 from llmplug.core.errors import ConfigError, ModelLoadError
 from llmplug.layers.weight_utils import check_shape
-from llmplug.loaders.base import BaseModelLoader
+from llmplug.loaders.base import BaseModelLoader, LoadProgress
 from llmplug.loaders.weights import safetensors_weights_iterator
 
 if TYPE_CHECKING:
@@ -81,23 +81,21 @@ class ShardedStateLoader(BaseModelLoader):
             raise ModelLoadError(f"{folder} has no weight files of rank {get_world_group().rank} (model-rank-*-part-*)")
         return safetensors_weights_iterator(files)
 
-    def load_weights(self, model: torch.nn.Module, model_config: "ModelConfig") -> int:
+    def load_weights(self, model: torch.nn.Module, model_config: "ModelConfig", progress: LoadProgress) -> None:
         """Copy each saved tensor into the parameter of that name; every parameter must get one."""
         _check_layout(Path(self.model_path(model_config.model)))
         params = dict(model.named_parameters())
-        loaded, num_bytes = set(), 0
+        loaded = set()
         with torch.no_grad():
-            for name, tensor in self.iter_weights(model_config):
+            for name, tensor in progress.track(self.iter_weights(model_config)):
                 if name not in params:
                     raise ModelLoadError(f"saved tensor {name!r} is no parameter of {type(model).__name__}")
                 check_shape(params[name], tensor, name)
                 params[name].copy_(tensor)
                 loaded.add(name)
-                num_bytes += tensor.numel() * tensor.element_size()
         missing = sorted(set(params) - loaded)
         if missing:
             raise ModelLoadError(f"the saved sharded state has no tensors for {missing}; save it again")
-        return num_bytes
 
 
 def _check_layout(folder: Path) -> None:
