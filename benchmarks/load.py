@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -94,11 +96,19 @@ def prepare(args: argparse.Namespace, work: Path) -> dict[str, str]:
     paths = {label: checkpoint for label, _, _ in LOADERS}
     paths["tensorizer"] = str(tensorized)
     paths["bitsandbytes_prequantized"] = str(save_bnb_quantized(checkpoint, work / "bnb", args.dtype))
+    paths["sharded_state"] = save_sharded(checkpoint, work / "sharded", args.dtype)
     if is_gguf:
         paths["gguf"] = source
     else:
         del paths["gguf"]
     return paths
+
+
+def save_sharded(checkpoint: str, out: Path, dtype: str) -> str:
+    """The checkpoint saved by `llmplug save-sharded` (one rank: TP=1), for the sharded_state row."""
+    command = [sys.executable, "-m", "llmplug.entrypoints.cli", "save-sharded", checkpoint, str(out), "--dtype", dtype]
+    subprocess.run(command, check=True, capture_output=True)
+    return str(out)
 
 
 def main() -> None:

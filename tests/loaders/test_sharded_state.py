@@ -81,3 +81,21 @@ def test_a_tensor_parallel_size_other_than_the_saved_one_is_a_clear_error(tmp_pa
     (out / "sharded_state.json").write_text(json.dumps({"tensor_parallel_size": 2, "pipeline_parallel_size": 1}))
     with pytest.raises(ConfigError, match=r"sharded for \{'tensor_parallel_size': 2.*this engine runs"):
         LLM(str(out), **ENGINE_KWARGS)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "corrupt"])
+def test_a_damaged_rank_file_is_a_clear_error_naming_it(tmp_path, damage):
+    from llmplug.core.errors import ModelLoadError
+
+    tiny = make_parallel_tiny("llama", tmp_path / "model")
+    out = tmp_path / "sharded"
+    llm = make_llm(tiny)
+    try:
+        llm.llm_engine.engine_core.executor.collective_rpc(save_sharded_state, (str(out),))
+    finally:
+        llm.shutdown()
+    (rank_file,) = out.glob("model-rank-*.safetensors")
+    data = rank_file.read_bytes()
+    rank_file.write_bytes(data[: len(data) // 2] if damage == "truncate" else b"\xff" * 64 + data[64:])
+    with pytest.raises(ModelLoadError, match=re.escape(rank_file.name)):
+        LLM(str(out), **ENGINE_KWARGS)
