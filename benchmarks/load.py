@@ -106,7 +106,8 @@ def prepare(args: argparse.Namespace, work: Path) -> dict[str, str]:
 
 def save_sharded(checkpoint: str, out: Path, dtype: str) -> str:
     """The checkpoint saved by `llmplug save-sharded` (one rank: TP=1), for the sharded_state row."""
-    command = [sys.executable, "-m", "llmplug.entrypoints.cli", "save-sharded", checkpoint, str(out), "--dtype", dtype]
+    command = [sys.executable, "-m", "llmplug.entrypoints.cli", "save-sharded", checkpoint, str(out), "--dtype", dtype,
+               "--skip-tokenizer-init"]
     subprocess.run(command, check=True, capture_output=True)
     return str(out)
 
