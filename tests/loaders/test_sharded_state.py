@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from llmplug import LLM
-from llmplug.core.errors import ConfigError
+from llmplug.core.errors import ConfigError, ModelLoadError
 from llmplug.entrypoints.cli import main
 from llmplug.loaders.sharded_state import save_sharded_state
 from tests.engine.executors.parity import ENGINE_KWARGS, assert_matches, make_llm, make_parallel_tiny, reference
@@ -67,7 +67,8 @@ def test_save_sharded_then_each_tp_rank_opens_only_its_own_files(tmp_path):
     ]  # two processes (the workers), one file each, none the other's
 
 
-def test_a_tensor_parallel_size_other_than_the_saved_one_is_a_clear_error(tmp_path):
+def save_one_rank(tmp_path: Path) -> Path:
+    """The tiny Llama saved as sharded state by a one-rank engine."""
     tiny = make_parallel_tiny("llama", tmp_path / "model")
     out = tmp_path / "sharded"
     llm = make_llm(tiny)
@@ -75,6 +76,11 @@ def test_a_tensor_parallel_size_other_than_the_saved_one_is_a_clear_error(tmp_pa
         llm.llm_engine.engine_core.executor.collective_rpc(save_sharded_state, (str(out),))
     finally:
         llm.shutdown()
+    return out
+
+
+def test_a_tensor_parallel_size_other_than_the_saved_one_is_a_clear_error(tmp_path):
+    out = save_one_rank(tmp_path)
     reloaded = LLM(str(out), **ENGINE_KWARGS)  # load.format auto finds the layout file
     reloaded.shutdown()
     assert reloaded.config.load.format == "sharded_state"
@@ -85,15 +91,7 @@ def test_a_tensor_parallel_size_other_than_the_saved_one_is_a_clear_error(tmp_pa
 
 @pytest.mark.parametrize("damage", ["truncate", "corrupt"])
 def test_a_damaged_rank_file_is_a_clear_error_naming_it(tmp_path, damage):
-    from llmplug.core.errors import ModelLoadError
-
-    tiny = make_parallel_tiny("llama", tmp_path / "model")
-    out = tmp_path / "sharded"
-    llm = make_llm(tiny)
-    try:
-        llm.llm_engine.engine_core.executor.collective_rpc(save_sharded_state, (str(out),))
-    finally:
-        llm.shutdown()
+    out = save_one_rank(tmp_path)
     (rank_file,) = out.glob("model-rank-*.safetensors")
     data = rank_file.read_bytes()
     rank_file.write_bytes(data[: len(data) // 2] if damage == "truncate" else b"\xff" * 64 + data[64:])
