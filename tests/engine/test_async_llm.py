@@ -11,6 +11,7 @@ import pytest
 from llmplug import LLM, AsyncLLM, SamplingParams
 from llmplug.core.errors import EngineDeadError, InvalidRequestError
 from llmplug.core.params import RequestOutputKind
+from tests.engine.faults import break_forward
 from tests.models.tiny_models import make_tiny
 
 KWARGS = {"dtype": "float32", "skip_tokenizer_init": True, "block_size": 4}
@@ -184,15 +185,12 @@ def test_a_step_does_not_block_the_event_loop(engine):
 
 def test_engine_failure_fails_every_request_and_health(tiny_llama):
     engine = AsyncLLM(str(tiny_llama.path), **KWARGS)
-
-    def broken(_token_ids, _logits):
-        raise RuntimeError("boom")
+    break_forward(engine, "boom")
 
     async def run():
-        healthy = SamplingParams(max_tokens=100, ignore_eos=True)
-        bad = SamplingParams(max_tokens=5, logits_processors=[broken])
-        return await asyncio.gather(collect(engine, {"prompt_token_ids": [1, 2]}, healthy, "healthy"),
-                                    collect(engine, {"prompt_token_ids": [3]}, bad, "bad"), return_exceptions=True)
+        params = SamplingParams(max_tokens=100, ignore_eos=True)
+        return await asyncio.gather(collect(engine, {"prompt_token_ids": [1, 2]}, params, "first"),
+                                    collect(engine, {"prompt_token_ids": [3]}, params, "second"), return_exceptions=True)
 
     try:
         results = asyncio.run(run())

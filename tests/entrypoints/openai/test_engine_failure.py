@@ -13,16 +13,17 @@ import pytest
 from llmplug import AsyncLLM, SamplingParams
 from llmplug.core.errors import EngineDeadError
 
+from tests.engine.faults import break_forward
+
 from .conftest import ENGINE_KWARGS, serve
 
 
 def crash(engine: AsyncLLM) -> None:
-    """Break the engine for real: a logits processor that raises inside a step."""
-    def broken(_token_ids, _logits):
-        raise RuntimeError("logits processor exploded")
+    """Break the engine: the model's forward pass raises inside a step (a failing kernel, out of memory)."""
+    break_forward(engine, "forward pass exploded")
 
     async def run() -> None:
-        params = SamplingParams(max_tokens=4, logits_processors=[broken])
+        params = SamplingParams(max_tokens=4)
         async for _ in engine.generate({"prompt_token_ids": [1, 2, 3]}, params, "crasher"):
             pass
 
