@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Protocol, runtime_checkable
 if TYPE_CHECKING:  # no heavy imports at run time
     import torch
 
-    from llmplug.core.config import EngineConfig, LoadConfig, ModelConfig
+    from llmplug.core.config import EngineConfig, ModelConfig
     from llmplug.core.params import GuidedDecodingParams
 
 PLUGIN_API_VERSION = "1.1"  # 1.1: guided decoding (GuidedDecodingBackend, CompiledGrammar, GrammarMatcher)

@@ -8,6 +8,7 @@ backend and the constraint kind, so bad input always reaches the user as a clear
 
 from __future__ import annotations
 
+import abc
 import threading
 from functools import lru_cache
 from typing import Any, Callable, Sequence
@@ -49,7 +50,7 @@ class Compiled:
         return self._make_matcher()
 
 
-class GuidedBackendBase:
+class GuidedBackendBase(abc.ABC):
     """A guided-decoding backend with lazily built, cached tokenizer data and uniform error reporting."""
 
     name: str = ""
@@ -96,14 +97,17 @@ class GuidedBackendBase:
 
     # --- what each backend implements ---
 
+    @abc.abstractmethod
     def _check(self, constraint: GuidedDecodingParams) -> None:
-        raise NotImplementedError
+        """Raise when the library rejects `constraint` (no tokenizer data needed)."""
 
+    @abc.abstractmethod
     def _build_tokenizer_data(self) -> Any:
-        raise NotImplementedError
+        """The library's view of the tokenizer."""
 
+    @abc.abstractmethod
     def _compile(self, constraint: GuidedDecodingParams) -> CompiledGrammar:
-        raise NotImplementedError
+        """Compile `constraint` against the tokenizer data."""
 
 
 # --- regexes ------------------------------------------------------------------------------------
