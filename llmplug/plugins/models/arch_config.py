@@ -14,7 +14,7 @@ from transformers import PretrainedConfig
 
 from llmplug.core.errors import ModelLoadError
 
-__all__ = ["DecoderArchConfig", "RopeConfig", "head_dim_of", "rope_config_of"]
+__all__ = ["DecoderArchConfig", "RopeConfig", "head_dim_of", "rope_config_of", "sliding_windows_of"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +47,11 @@ class DecoderArchConfig:
     o_proj_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # RMSNorm over head_dim on q and k before rotary (Qwen3)
+    sliding_windows: tuple[int | None, ...] = ()  # each layer's sliding window (None: full); (): none
+
+    def sliding_window_of(self, layer_index: int) -> int | None:
+        """The sliding window of layer `layer_index`, None for full attention."""
+        return self.sliding_windows[layer_index] if self.sliding_windows else None
 
     @property
     def rotary_dim(self) -> int:
@@ -57,6 +62,17 @@ class DecoderArchConfig:
 def head_dim_of(hf: PretrainedConfig) -> int:
     """The config's head_dim when set, else hidden_size / num_attention_heads."""
     return getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+
+
+def sliding_windows_of(hf: PretrainedConfig) -> tuple[int | None, ...]:
+    """Each layer's sliding window: `sliding_window` on the layers `layer_types` marks "sliding_attention"
+    (Qwen2/3 derive them from use_sliding_window and max_window_layers), or on every layer when the
+    config has no layer_types (Mistral); () when the config sets no window."""
+    window = getattr(hf, "sliding_window", None)
+    if not window:
+        return ()
+    layer_types = getattr(hf, "layer_types", None) or ["sliding_attention"] * hf.num_hidden_layers
+    return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
 
 
 def _rope_dict(hf: PretrainedConfig) -> dict[str, Any]:

@@ -4,15 +4,11 @@ Llama, Mistral, Qwen2 and Qwen3 differ only in flags (q/k/v and o biases, q/k RM
 embeddings, rope scaling), so each is `DecoderForCausalLM` plus a function that converts its HF
 config into a `DecoderArchConfig`. Checkpoint names map onto the fused projections through
 `STACKED_PARAMS`, and one generic loop loads every tensor.
-
-Not modelled: sliding-window attention (Mistral v0.1, Qwen2 `use_sliding_window`) — every layer
-attends to the full context, which matches transformers while sequences fit in the window.
 """
 
 from __future__ import annotations
 
 import itertools
-import logging
 from typing import Any, Callable, ClassVar, Iterable
 
 import torch
@@ -29,7 +25,7 @@ from llmplug.layers.pipeline import IntermediateTensors, PPMissingLayer, pp_laye
 from llmplug.layers.rotary import RotaryCosSin, get_rope
 from llmplug.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from llmplug.layers.weight_utils import load_mapped_weights
-from llmplug.plugins.models.arch_config import DecoderArchConfig, head_dim_of, rope_config_of
+from llmplug.plugins.models.arch_config import DecoderArchConfig, head_dim_of, rope_config_of, sliding_windows_of
 
 __all__ = [
     "DecoderForCausalLM",
@@ -42,8 +38,6 @@ __all__ = [
     "qwen2_arch_config",
     "qwen3_arch_config",
 ]
-
-log = logging.getLogger(__name__)
 
 # checkpoint module -> (our fused module, shard)
 STACKED_PARAMS: dict[str, tuple[str, str | int]] = {
@@ -65,9 +59,6 @@ def _common_fields(hf: PretrainedConfig) -> dict[str, Any]:
     act = getattr(hf, "hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise ModelLoadError(f"{type(hf).__name__}: hidden_act {act!r} is not supported (only silu)")
-    window = getattr(hf, "sliding_window", None)
-    if window and window < hf.max_position_embeddings and getattr(hf, "use_sliding_window", True):
-        log.warning("sliding_window=%s is ignored: every layer attends to the full context", window)
     return dict(
         architecture=(getattr(hf, "architectures", None) or [type(hf).__name__])[0],
         vocab_size=hf.vocab_size,
@@ -80,6 +71,7 @@ def _common_fields(hf: PretrainedConfig) -> dict[str, Any]:
         rms_norm_eps=hf.rms_norm_eps,
         rope=rope_config_of(hf),
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        sliding_windows=sliding_windows_of(hf),
     )
 
 
@@ -134,7 +126,7 @@ class DecoderMLP(nn.Module):
 class DecoderAttention(nn.Module):
     """Fused qkv projection, optional q/k norm, in-place rotary, paged attention, output projection."""
 
-    def __init__(self, arch: DecoderArchConfig, prefix: str = "") -> None:
+    def __init__(self, arch: DecoderArchConfig, prefix: str = "", layer_index: int = 0) -> None:
         super().__init__()
         d = arch.head_dim
         self.qkv_proj = QKVParallelLinear(
@@ -147,7 +139,10 @@ class DecoderAttention(nn.Module):
         )
         self.q_norm = RMSNorm(d, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(d, arch.rms_norm_eps) if arch.qk_norm else None
-        self.attn = Attention(self.num_heads, d, d**-0.5, self.num_kv_heads, prefix=_join(prefix, "attn"))
+        self.attn = Attention(
+            self.num_heads, d, d**-0.5, self.num_kv_heads, prefix=_join(prefix, "attn"),
+            sliding_window=arch.sliding_window_of(layer_index),
+        )
 
     def forward(self, hidden: torch.Tensor, rope: RotaryCosSin) -> torch.Tensor:
         """[T, hidden] -> [T, hidden]."""
@@ -169,9 +164,9 @@ class DecoderAttention(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)); residual adds fused into the norms."""
 
-    def __init__(self, arch: DecoderArchConfig, prefix: str = "") -> None:
+    def __init__(self, arch: DecoderArchConfig, prefix: str = "", layer_index: int = 0) -> None:
         super().__init__()
-        self.self_attn = DecoderAttention(arch, _join(prefix, "self_attn"))
+        self.self_attn = DecoderAttention(arch, _join(prefix, "self_attn"), layer_index)
         self.mlp = DecoderMLP(arch, _join(prefix, "mlp"))
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
@@ -208,7 +203,7 @@ class DecoderModel(nn.Module):
         )
         on_stage = range(self.start_layer, self.end_layer)
         self.layers = nn.ModuleList(
-            DecoderLayer(arch, _join(prefix, f"layers.{i}")) if i in on_stage else PPMissingLayer()
+            DecoderLayer(arch, _join(prefix, f"layers.{i}"), i) if i in on_stage else PPMissingLayer()
             for i in range(arch.num_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps) if pp.is_last_rank else PPMissingLayer()
@@ -300,13 +295,13 @@ class LlamaForCausalLM(DecoderForCausalLM):
 
 
 class MistralForCausalLM(DecoderForCausalLM):
-    """Mistral (HF architecture MistralForCausalLM); sliding window not modelled."""
+    """Mistral (HF architecture MistralForCausalLM); `sliding_window` on every layer."""
 
     arch_config_of = staticmethod(mistral_arch_config)
 
 
 class Qwen2ForCausalLM(DecoderForCausalLM):
-    """Qwen2 / Qwen2.5 (HF architecture Qwen2ForCausalLM)."""
+    """Qwen2 / Qwen2.5 (HF architecture Qwen2ForCausalLM); windowed layers with `use_sliding_window`."""
 
     arch_config_of = staticmethod(qwen2_arch_config)
 
