@@ -7,10 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from llmplug.communicators.parallel_state import (
+    DistributedEnv,
+    destroy_distributed_environment,
+    init_distributed_environment,
+    initialize_model_parallel,
+)
 from llmplug.core.errors import ModelLoadError
 from llmplug.layers.attention import Attention, AttentionBackend, alibi_slopes, bind_kv_cache
 from llmplug.layers.attention.torch_sdpa import TorchSDPABackend
 from llmplug.layers.weight_utils import load_mapped_weights
+from tests.communicators.ranks import run_ranks
 
 D = 8
 
@@ -57,6 +64,21 @@ def test_sinks_load_through_their_weight_loader() -> None:
         load_mapped_weights(model, [("attn.sinks", torch.zeros(8))])
     load_mapped_weights(model, [("attn.sinks", -sinks)])  # a good checkpoint still loads after the bad one
     assert torch.equal(model.attn.sinks, -sinks.float())
+
+
+def _sinks_loaded_by_this_rank() -> list[float]:
+    """In each of 2 tensor-parallel ranks: a layer of 2 of the model's 4 heads loads the checkpoint's 4 sinks."""
+    init_distributed_environment(DistributedEnv.from_environ())
+    initialize_model_parallel(tp=2, pp=1, dp=1)
+    model = torch.nn.Module()
+    model.attn = Attention(2, D, 0.5, use_sinks=True)
+    load_mapped_weights(model, [("attn.sinks", torch.tensor([0.5, 1.5, 2.5, 3.5]))])
+    destroy_distributed_environment()
+    return model.attn.sinks.tolist()
+
+
+def test_each_tensor_parallel_rank_loads_the_sinks_of_its_heads() -> None:
+    assert run_ranks(_sinks_loaded_by_this_rank, world_size=2) == [[0.5, 1.5], [2.5, 3.5]]
 
 
 @pytest.mark.parametrize("heads", [1, 2, 3, 5, 8, 12, 16, 20, 32, 40, 48, 64, 71, 112])
