@@ -1,7 +1,8 @@
 """Sliding-window attention end to end: a tiny Mistral (window 16 on every layer) and a tiny Qwen2
 (`use_sliding_window`: a full layer, then a windowed one) match transformers on prompts longer than the
 window — greedy tokens of batched decode identical to `generate`, and logits through batched prefill,
-chunked prefill and a prefix-cache hit whose cached context is longer than the window."""
+chunked prefill and a prefix-cache hit whose cached context is longer than the window; and the whole
+engine (LLM) generates the same tokens as `generate` with chunked prefill, preemption and prefix hits."""
 
 from __future__ import annotations
 
@@ -75,3 +76,41 @@ def test_chunked_prefill_and_a_prefix_hit_beyond_the_window_match_hf(windowed: T
     harness.add("hit", hit, shared_blocks=harness.seqs["long"].blocks[:10], num_computed=40)
     out = harness.step([("hit", len(suffix))])
     assert (out["hit"] - hf_logits(windowed, hit)[40:]).abs().max() < ATOL
+
+
+# through the engine's own scheduler: batched prompts, chunks of 6 tokens, preemption by recompute; each
+# variant also has a prefix-cache hit of a 24-token shared prefix (longer than the window)
+ENGINE_VARIANTS = {
+    "plain": {},
+    "chunked_prefill": {"max_num_batched_tokens": 6},
+    "preemption": {"num_gpu_blocks_override": 40, "max_num_seqs": 6},
+}
+
+
+@pytest.fixture(scope="module")
+def engine_case(windowed: TinyModel) -> tuple[list[list[int]], list[list[int]]]:
+    """Prompts (the last two share a 24-token prefix) and transformers' 24 greedy tokens for each."""
+    from tests.engine.test_llm import hf_greedy
+
+    vocab = windowed.hf_model.config.vocab_size
+    shared = prompts(vocab, (24,), seed=7)[0]
+    batch = prompts(vocab, (20, 33, 9, 41), seed=8) + [shared + tail for tail in prompts(vocab, (3, 11), seed=9)]
+    return batch, [hf_greedy(windowed.hf_model, p, 24) for p in batch]
+
+
+@pytest.mark.parametrize("variant", sorted(ENGINE_VARIANTS))
+def test_the_engine_generates_beyond_the_window_like_hf_generate(
+    windowed: TinyModel, engine_case: tuple[list[list[int]], list[list[int]]], variant: str
+) -> None:
+    from llmplug import SamplingParams
+    from tests.engine.test_llm import assert_no_leak, generate_ids, make_llm
+
+    batch, expected = engine_case
+    llm = make_llm(windowed, **ENGINE_VARIANTS[variant])
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    got = generate_ids(llm, batch[:5], params) + generate_ids(llm, batch[5:], params)  # the second: a prefix hit
+    assert llm.llm_engine.engine_core.kv_cache_manager.prefix_cache_stats.hits >= 24
+    assert got == expected
+    assert_no_leak(llm)
+    if variant == "preemption":
+        assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0

@@ -1,8 +1,8 @@
 """Attention: the `Attention` layer, the backend interface and `bind_kv_cache`.
 
-Exports `Attention`, `AttentionBackend`, `alibi_slopes`, `attention_layers`, `bind_kv_cache`. Concrete backends (e.g.
-`llmplug.layers.attention.torch_sdpa:TorchSDPABackend`) are reached through the `llmplug.attention`
-entry-point group, not imported from here.
+Exports `Attention`, `AttentionBackend`, `alibi_slopes`, `attention_layers`, `bind_kv_cache`.
+Concrete backends (e.g. `llmplug.layers.attention.torch_sdpa:TorchSDPABackend`) are reached through
+the `llmplug.attention` entry-point group, not imported from here.
 """
 
 from __future__ import annotations
