@@ -1,12 +1,12 @@
 """Decode-step time of a SmolLM2-135M-shaped model (random bf16 weights) through the paged cache.
 
     python benchmarks/attention.py                          # batch 1 and 32, 256 tokens of context
-    python benchmarks/attention.py --context 2048 --window 256 --batch 1 32
+    python benchmarks/attention.py --context 2048 --window 256 --batch 1 8
 
 Prefills `batch` random prompts of `context` tokens, then times `steps` decode steps of the whole
 batch (metadata build + model forward, as the model runner does) and, separately, the attention calls
 alone (every layer's `Attention` in further decode steps). `--window W` gives every layer a sliding window
-of W tokens. Prints the median milliseconds per step, wall clock and CPU time of the process: on a
+of W tokens (the model is SmolLM2's shape as a Mistral config, the same generic decoder as Llama). Prints the median milliseconds per step, wall clock and CPU time of the process: on a
 shared machine, CPU time with one thread (OMP_NUM_THREADS=1) is the steadier measure, since it does not
 count the time the process waits for a core. To compare two checkouts, run the script from each in
 turn (`PYTHONPATH=<other checkout> python benchmarks/attention.py`) and compare ratios.
@@ -23,14 +23,14 @@ from llmplug.platforms.cpu_threads import configure_cpu_threads
 configure_cpu_threads()  # before torch is imported
 
 import torch  # noqa: E402
-from transformers import LlamaConfig  # noqa: E402
+from transformers import MistralConfig  # noqa: E402
 
 import llmplug  # noqa: E402
 from llmplug.layers.attention import attention_layers, bind_kv_cache  # noqa: E402
 from llmplug.layers.attention.torch_sdpa import TorchSDPABackend  # noqa: E402
 from llmplug.layers.forward_context import CommonAttentionMetadata, forward_context  # noqa: E402
 from llmplug.layers.quantization import LinearOptions, process_weights_after_loading  # noqa: E402
-from llmplug.plugins.models.llama import LlamaForCausalLM  # noqa: E402
+from llmplug.plugins.models.llama import MistralForCausalLM  # noqa: E402
 
 BLOCK = 16
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -38,16 +38,14 @@ SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hi
 
 
 def build_model(window: int | None) -> torch.nn.Module:
-    """The model with random weights; `window` set on every Attention layer."""
+    """The model with random weights: SmolLM2's shape as a Mistral config, so that it may have a window."""
     torch.set_default_dtype(torch.bfloat16)
-    model = LlamaForCausalLM(config=LlamaConfig(**SMOLLM2)).eval()
+    model = MistralForCausalLM(config=MistralConfig(**SMOLLM2, sliding_window=window)).eval()
     torch.set_default_dtype(torch.float32)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02)
     process_weights_after_loading(model, LinearOptions(int4=False))  # oneDNN-packed bf16, as the loader does
-    for layer in attention_layers(model):
-        layer.sliding_window = window
     return model
 
 
