@@ -89,7 +89,9 @@ class LLMEngine:
             child = params if params.n == 1 else child_params(params, i)
             request = Request(
                 child_id, token_ids, child, self.eos_token_id, arrival_time, priority,
-                grammar=RequestGrammar(grammar) if grammar is not None else None,  # one matcher per child
+                grammar=(  # one matcher per child
+                    RequestGrammar(grammar, params.guided_decoding.start_after_token_ids) if grammar is not None else None
+                ),
             )
             try:
                 self.engine_core.add_request(request)
