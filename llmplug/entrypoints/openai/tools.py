@@ -68,10 +68,8 @@ def tool_choice(tools: Sequence[Any] | None, choice: Any, named: str | None, par
 
 
 def _definition(tool: Any) -> dict[str, Any]:
-    definition = {"name": tool.name, "parameters": tool.parameters or EMPTY_PARAMETERS}
-    if tool.description:
-        definition["description"] = tool.description
-    return definition
+    description = {"description": tool.description} if tool.description else {}
+    return {"name": tool.name, **description, "parameters": tool.parameters or EMPTY_PARAMETERS}
 
 
 def forced_call_constraint(choice: ToolChoice) -> Constraint | None:

@@ -118,9 +118,17 @@ class ToolParser(abc.ABC):
     def snapshot(self, text: str, final: bool) -> Snapshot:
         """The content and calls of `text`; with `final` False, hold back what may still become a call."""
 
+    def read(self, text: str, final: bool) -> Snapshot | None:
+        """`snapshot`, guarded: a parser that finds no call where its format says one starts (NotACall) makes
+        the whole text content when `final`, and waits (None) before."""
+        try:
+            return self.snapshot(text, final)
+        except NotACall:
+            return Snapshot(text, malformed=True) if final else None
+
     def extract(self, text: str) -> ExtractedToolCalls:
         """The content and calls of a whole output; a call that cannot be read leaves the whole text as content."""
-        snapshot = self.snapshot(text, final=True)
+        snapshot = self.read(text, final=True)
         calls = []
         for call in snapshot.calls:
             if not call.complete or not _is_object(call.arguments):
@@ -165,13 +173,15 @@ class ToolCallStream:
     def feed(self, delta: str) -> StreamDelta:
         """What `delta`, the output's next text, adds."""
         self.text += delta
-        return self._diff(self.parser.snapshot(self.text, final=False))
+        return self._diff(self.parser.read(self.text, final=False))
 
     def finish(self) -> StreamDelta:
         """What the end of the output releases (text held back because it might have become a call)."""
-        return self._diff(self.parser.snapshot(self.text, final=True))
+        return self._diff(self.parser.read(self.text, final=True))
 
-    def _diff(self, snapshot: Snapshot) -> StreamDelta:
+    def _diff(self, snapshot: Snapshot | None) -> StreamDelta:
+        if snapshot is None:
+            return StreamDelta()
         delta = StreamDelta(content=extension(self._content, snapshot.content, "tool-call content"))
         self._content += delta.content
         for index, call in enumerate(snapshot.calls):
