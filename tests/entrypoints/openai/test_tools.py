@@ -256,3 +256,41 @@ def test_unknown_fields_are_logged_and_change_nothing(server, offline, caplog):
     assert reply.choices[0].message.content == expected.text
     logged = " ".join(r.getMessage() for r in caplog.records)
     assert "guided_jsonn" in logged and "frobnicate" in logged and "messages[0].mood" in logged
+
+
+# --- /v1/responses ----------------------------------------------------------------------------------------------
+
+RESPONSES_TOOLS = [{"type": "function", **WEATHER}, {"type": "function", **CLOCK}]
+
+
+def test_responses_required_tool_choice_gives_function_call_items(server):
+    client = server.client()
+    kwargs = dict(model=server.model, input=MESSAGES[0]["content"], tools=RESPONSES_TOOLS, tool_choice="required",
+                  parallel_tool_calls=False, temperature=1.0, extra_body={"seed": 8})
+    response = client.responses.create(**kwargs)
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert len(calls) == 1 and response.status == "completed"
+    jsonschema.validate(json.loads(calls[0].arguments), SCHEMAS[calls[0].name])
+    events = list(client.responses.create(stream=True, **kwargs))
+    kinds = [e.type for e in events]
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert kinds[-3:] == ["response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    assert set(kinds[3:-3]) == {"response.function_call_arguments.delta"}
+    arguments = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    done = events[-1].response.output[0]
+    assert (done.name, done.arguments) == (calls[0].name, calls[0].arguments) == (events[2].item.name, arguments)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_responses_function_call_output_round_trips(server, smollm_tokenizer):
+    """A call and its result as input items render as the chat messages they stand for."""
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+            "arguments": '{"city": "Paris", "days": 3}'}
+    items = [MESSAGES[0], call, {"type": "function_call_output", "call_id": "call_1", "output": "Sunny, 24 C."}]
+    named = {"type": "function", "name": "now"}
+    response = server.client().responses.create(model=server.model, input=items, tools=RESPONSES_TOOLS,
+                                                tool_choice=named, temperature=0)
+    chat = server.client().chat.completions.create(model=server.model, messages=HISTORY, tools=TOOLS, temperature=0,
+                                                   tool_choice={"type": "function", "function": {"name": "now"}})
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    assert response.output[0].arguments == chat.choices[0].message.tool_calls[0].function.arguments
