@@ -20,8 +20,10 @@ import pytest
 from transformers import AutoTokenizer
 
 from llmplug import LLM, AsyncLLM, SamplingParams
+from llmplug.core.plugins import get_registry
 from llmplug.entrypoints.openai.api_server import ServerSettings
 from tests.models.tiny_models import save_tiny_llama
+from tests.plugin_examples import pip_install_examples
 
 from .conftest import ENGINE_KWARGS, serve
 
@@ -294,3 +296,32 @@ def test_responses_function_call_output_round_trips(server, smollm_tokenizer):
                                                    tool_choice={"type": "function", "function": {"name": "now"}})
     assert response.usage.input_tokens == chat.usage.prompt_tokens
     assert response.output[0].arguments == chat.choices[0].message.tool_calls[0].function.arguments
+
+
+# --- a third-party tool parser, by entry point alone ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def toy_parser_site(tmp_path_factory):
+    """tests/plugins/toy_tool_parser, pip-installed as users install plugins."""
+    site = tmp_path_factory.mktemp("tool_parser_site")
+    pip_install_examples(["toy_tool_parser"], site, tmp_path_factory.mktemp("tool_parser_sources"))
+    return site
+
+
+def test_a_pip_installed_tool_parser_is_used_by_its_entry_point_name(toy_parser_site, engine, monkeypatch):
+    monkeypatch.syspath_prepend(str(toy_parser_site))
+    get_registry().refresh()
+    [info] = [i for i in get_registry().infos("llmplug.tool_parsers") if i.name == "toy_arrows"]
+    assert (info.distribution, info.builtin) == ("llmplug-example-toy-tool-parser", False)
+    settings = ServerSettings(tool_call_parser="toy_arrows", enable_auto_tool_choice=True)
+    with serve(engine, settings) as running:
+        kwargs = dict(model=running.model, messages=MESSAGES, tools=TOOLS[:1], temperature=1.0, seed=1,
+                      extra_body={"structured_outputs": {"regex": r'Ok\.\n>>>get_weather\n\{"city": "Rome", "days": [1-7]\}'}})
+        reply = running.client().chat.completions.create(**kwargs).choices[0]
+        calls, finish, content = streamed_calls(running.client().chat.completions.create(stream=True, **kwargs))
+    assert reply.message.content == "Ok.\n" == content
+    check_calls(reply.message.tool_calls)
+    assert [(c["name"], c["arguments"]) for c in calls] == [
+        (c.function.name, c.function.arguments) for c in reply.message.tool_calls]
+    assert finish == reply.finish_reason == "tool_calls"
