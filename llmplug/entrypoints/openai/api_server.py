@@ -39,7 +39,7 @@ from llmplug.entrypoints.openai.protocol import (
     ModelList,
     ResponsesRequest,
 )
-from llmplug.entrypoints.openai.reply import ReplyParsers
+from llmplug.entrypoints.openai.reply import ReplyParsers, check_parser_names
 from llmplug.entrypoints.openai.security import AccessMiddleware, BodySizeLimitMiddleware, RateLimit
 from llmplug.entrypoints.openai.serving_chat import OpenAIServingChat
 from llmplug.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -231,6 +231,7 @@ def run_server(config: EngineConfig, settings: ServerSettings) -> int:
     """Start the engine and serve it until SIGTERM/SIGINT; returns the exit status."""
     import uvicorn
 
+    check_parser_names(settings.tool_call_parser, settings.enable_auto_tool_choice, settings.reasoning_parser)
     engine = AsyncLLM.from_config(config)
     try:
         app = build_app(engine, settings)

@@ -7,6 +7,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmplug.core.errors import ConfigError
+from llmplug.core.plugins import get_registry
 from llmplug.plugins.reasoning_parsers.base import ReasoningParser, ReasoningStart
 from llmplug.plugins.tool_parsers.base import StreamDelta, ToolCall, ToolCallDelta, ToolParser
 
@@ -110,6 +112,22 @@ class ReplyStream:
             delta.tool_calls.append((new_id, call))
 
 
+TOOL_PARSERS = "llmplug.tool_parsers"
+REASONING_PARSERS = "llmplug.reasoning_parsers"
+
+
+def check_parser_names(tool_call_parser: str | None, enable_auto_tool_choice: bool,
+                       reasoning_parser: str | None) -> None:
+    """Refuse parser flags that cannot work, before the engine loads (PluginNotFoundError lists the names)."""
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser (the format of the model's calls)")
+    registry = get_registry()
+    if tool_call_parser:
+        registry.resolve(TOOL_PARSERS, tool_call_parser)
+    if reasoning_parser:
+        registry.resolve(REASONING_PARSERS, reasoning_parser)
+
+
 @dataclass(frozen=True, slots=True)
 class ReplyParsers:
     """The server's parsers: `--tool-call-parser` (with `--enable-auto-tool-choice`) and `--reasoning-parser`."""
@@ -122,17 +140,14 @@ class ReplyParsers:
     def load(cls, tool_call_parser: str | None, enable_auto_tool_choice: bool, reasoning_parser: str | None,
              tokenizer: Any) -> ReplyParsers:
         """The parsers registered under these names (`llmplug.tool_parsers`, `llmplug.reasoning_parsers`)."""
-        from llmplug.core.plugins import get_registry
-
-        if enable_auto_tool_choice and tool_call_parser is None:
-            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (the format of the model's calls)")
+        check_parser_names(tool_call_parser, enable_auto_tool_choice, reasoning_parser)
         registry = get_registry()
-        tool_parser = registry.load("llmplug.tool_parsers", tool_call_parser) if tool_call_parser else None
+        tool_parser = registry.load(TOOL_PARSERS, tool_call_parser) if tool_call_parser else None
         reasoning = None
         if reasoning_parser:
             if tokenizer is None:
-                raise ValueError("--reasoning-parser needs the model's tokenizer (not skip_tokenizer_init)")
-            reasoning = registry.load("llmplug.reasoning_parsers", reasoning_parser)(tokenizer)
+                raise ConfigError("--reasoning-parser needs the model's tokenizer (not skip_tokenizer_init)")
+            reasoning = registry.load(REASONING_PARSERS, reasoning_parser)(tokenizer)
         return cls(tool_parser, enable_auto_tool_choice, reasoning)
 
     def reader(self, tool_parser: ToolParser | None, prompt_text: str) -> ReplyReader:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pytest
 
+from llmplug.core.errors import ConfigError
+from llmplug.core.plugins import PluginNotFoundError
 from llmplug.entrypoints.openai.api_server import ServerSettings
 
 from .conftest import serve
@@ -67,10 +69,10 @@ def test_without_the_end_of_reasoning_everything_is_reasoning(r1_server, server)
 
 
 def test_unknown_parser_names_fail_at_startup_with_the_known_names(engine):
-    with pytest.raises(Exception, match="deepseek_r1") as error:
+    with pytest.raises(PluginNotFoundError, match="deepseek_r1") as error:
         with serve(engine, ServerSettings(reasoning_parser="deepseek")):
             pass
     assert "llmplug.reasoning_parsers" in str(error.value)
-    with pytest.raises(ValueError, match="--enable-auto-tool-choice needs --tool-call-parser"):
+    with pytest.raises(ConfigError, match="--enable-auto-tool-choice needs --tool-call-parser"):
         with serve(engine, ServerSettings(enable_auto_tool_choice=True)):
             pass
