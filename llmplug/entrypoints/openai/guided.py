@@ -50,7 +50,8 @@ def guided_decoding_params(request: Any, forced: Constraint | None = None,
         raise OpenAIError(400, f"set at most one structured-output constraint; got {names}", param=found[1].param)
     constraint = found[0]
     try:
-        return GuidedDecodingParams(**{constraint.kind: constraint.value}, backend=getattr(request, "guided_decoding_backend", None),
+        return GuidedDecodingParams(**{constraint.kind: constraint.value},
+                                    backend=getattr(request, "guided_decoding_backend", None),
                                     whitespace_flexible=_whitespace_flexible(request),
                                     start_after_token_ids=start_after_token_ids)
     except InvalidRequestError as exc:

@@ -202,8 +202,9 @@ def _calls_as_text(message: dict[str, Any], index: int) -> dict[str, Any]:
     """For a template without tools: an assistant's calls as text (the array tool_choice="required" makes)."""
     if not message.get("tool_calls"):
         return {key: value for key, value in message.items() if key != "tool_call_id"}
+    where = f"messages[{index}].tool_calls"
     calls = [{"name": c["function"]["name"],
-              "parameters": _arguments(c["function"]["arguments"], f"messages[{index}].tool_calls[{j}].function.arguments")}
+              "parameters": _arguments(c["function"]["arguments"], f"{where}[{j}].function.arguments")}
              for j, c in enumerate(message["tool_calls"])]
     text = "\n".join(part for part in (message.get("content") or "", json.dumps(calls)) if part)
     return {key: value for key, value in message.items() if key != "tool_calls"} | {"content": text}
