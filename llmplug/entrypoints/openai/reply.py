@@ -46,10 +46,11 @@ class ReplyReader:
     calls in the rest (when the request may make some)."""
 
     def __init__(self, reasoning: ReasoningParser | None, reasoning_start: ReasoningStart,
-                 tool_parser: ToolParser | None) -> None:
+                 tool_parser: ToolParser | None, max_calls: int | None = None) -> None:
         self.reasoning = reasoning
         self.reasoning_start = reasoning_start
         self.tool_parser = tool_parser
+        self.max_calls = max_calls  # 1 with parallel_tool_calls false: later calls are dropped, as vLLM does
 
     def whole(self, text: str) -> Reply:
         """The parts of a whole answer."""
@@ -59,7 +60,7 @@ class ReplyReader:
         if self.tool_parser is None:
             return Reply(reasoning, content)
         extracted = self.tool_parser.extract(content or "")
-        return Reply(reasoning, extracted.content, extracted.tool_calls)
+        return Reply(reasoning, extracted.content, extracted.tool_calls[:self.max_calls])
 
     def stream(self) -> ReplyStream:
         """A reader of one choice's deltas."""
@@ -72,6 +73,7 @@ class ReplyStream:
     def __init__(self, reader: ReplyReader) -> None:
         self._reasoning = reader.reasoning.stream(reader.reasoning_start) if reader.reasoning else None
         self._tools = reader.tool_parser.stream() if reader.tool_parser else None
+        self._max_calls = reader.max_calls
         self._ids: list[str] = []
 
     @property
@@ -105,6 +107,8 @@ class ReplyStream:
     def _add(self, delta: ReplyDelta, tools: StreamDelta) -> None:
         delta.content += tools.content
         for call in tools.tool_calls:
+            if self._max_calls is not None and call.index >= self._max_calls:
+                continue
             new_id = None
             if call.index == len(self._ids):
                 new_id = call_id()
@@ -150,10 +154,10 @@ class ReplyParsers:
             reasoning = registry.load(REASONING_PARSERS, reasoning_parser)(tokenizer)
         return cls(tool_parser, enable_auto_tool_choice, reasoning)
 
-    def reader(self, tool_parser: ToolParser | None, prompt_text: str) -> ReplyReader:
+    def reader(self, tool_parser: ToolParser | None, prompt_text: str, max_calls: int | None) -> ReplyReader:
         """The reader of the answers to a prompt, with the request's tool parser (None: no calls)."""
         start = self.reasoning.start(prompt_text) if self.reasoning else ReasoningStart.ANSWER
-        return ReplyReader(self.reasoning, start, tool_parser)
+        return ReplyReader(self.reasoning, start, tool_parser, max_calls)
 
     def grammar_start(self, reader: ReplyReader) -> tuple[int, ...]:
         """The tokens after which a grammar applies: the end of the reasoning when the answer starts with it."""

@@ -109,7 +109,7 @@ class OpenAIServingChat(OpenAIServing):
         """How the answers are read, and what that changes in the sampling: the grammar of a forced call (after
         the reasoning, when the answer starts with reasoning) and keeping the special tokens a format needs."""
         tool_parser = reply_tool_parser(choice, self.parsers.tool_parser)
-        reader = self.parsers.reader(tool_parser, prompt_text)
+        reader = self.parsers.reader(tool_parser, prompt_text, None if choice is None or choice.parallel else 1)
         forced = forced_call_constraint(choice) if choice else None
         overrides: dict[str, Any] = {
             "guided_decoding": guided_decoding_params(body, forced, self.parsers.grammar_start(reader)),

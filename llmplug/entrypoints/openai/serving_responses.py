@@ -159,7 +159,7 @@ class _ResponseBuilder:
         reply = self.reader.whole(text)
         if reply.reasoning:
             self.items.append(_Item("reasoning", f"rs_{uuid.uuid4().hex}", reply.reasoning))
-        if reply.content or not reply.tool_calls:
+        if reply.content or not (reply.tool_calls or reply.reasoning):  # as streamed: a message when there is text
             self.items.append(_Item("message", f"msg_{uuid.uuid4().hex}", reply.content or ""))
         for call in reply.tool_calls:
             self.items.append(_Item("function_call", f"fc_{uuid.uuid4().hex}", call.arguments, call.name, call_id()))

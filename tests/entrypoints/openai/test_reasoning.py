@@ -76,3 +76,18 @@ def test_unknown_parser_names_fail_at_startup_with_the_known_names(engine):
     with pytest.raises(ConfigError, match="--enable-auto-tool-choice needs --tool-call-parser"):
         with serve(engine, ServerSettings(enable_auto_tool_choice=True)):
             pass
+
+
+def test_responses_api_gives_the_reasoning_as_an_item(r1_server):
+    client = r1_server.client()
+    kwargs = dict(temperature=1.0, max_tokens=12, seed=3)
+    chat = client.chat.completions.create(model=r1_server.model, messages=MESSAGES, **kwargs).choices[0].message
+    request = dict(model=r1_server.model, input=MESSAGES[0]["content"], temperature=1.0, max_output_tokens=12,
+                   extra_body={"seed": 3})
+    response = client.responses.create(**request)
+    assert [item.type for item in response.output] == ["reasoning"]
+    assert response.output[0].content[0].text == chat.reasoning_content
+    events = list(client.responses.create(stream=True, **request))
+    deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert deltas == chat.reasoning_content == events[-1].response.output[0].content[0].text
+    assert events[-1].type == "response.incomplete"

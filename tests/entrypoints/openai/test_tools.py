@@ -325,3 +325,17 @@ def test_a_pip_installed_tool_parser_is_used_by_its_entry_point_name(toy_parser_
     assert [(c["name"], c["arguments"]) for c in calls] == [
         (c.function.name, c.function.arguments) for c in reply.message.tool_calls]
     assert finish == reply.finish_reason == "tool_calls"
+
+
+def test_auto_calls_beyond_the_first_are_dropped_without_parallel_tool_calls(hermes_server):
+    two = (r'<tool_call>\{"name": "now", "arguments": \{"zone": "UTC"\}\}</tool_call>'
+           r'<tool_call>\{"name": "now", "arguments": \{"zone": "CET"\}\}</tool_call>')
+    kwargs = dict(model=hermes_server.model, messages=MESSAGES, tools=TOOLS[1:],
+                  extra_body={"structured_outputs": {"regex": two}})
+    both = hermes_server.client().chat.completions.create(**kwargs).choices[0].message.tool_calls
+    assert [json.loads(c.function.arguments)["zone"] for c in both] == ["UTC", "CET"]
+    first = hermes_server.client().chat.completions.create(parallel_tool_calls=False, **kwargs)
+    assert [json.loads(c.function.arguments)["zone"] for c in first.choices[0].message.tool_calls] == ["UTC"]
+    calls, finish, _ = streamed_calls(hermes_server.client().chat.completions.create(
+        parallel_tool_calls=False, stream=True, **kwargs))
+    assert [json.loads(c["arguments"])["zone"] for c in calls] == ["UTC"] and finish == "tool_calls"
