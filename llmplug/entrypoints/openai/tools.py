@@ -23,8 +23,8 @@ from typing import Any, Sequence
 
 from llmplug.entrypoints.openai.errors import OpenAIError
 from llmplug.entrypoints.openai.guided import Constraint
-from llmplug.plugins.tool_parsers.base import PartialCall, Snapshot, ToolParser, json_value_end, read_json_calls
 from llmplug.plugins.partial_text import skip_space
+from llmplug.plugins.tool_parsers.base import PartialCall, Snapshot, ToolParser, json_value_end, read_json_calls
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
