@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -13,7 +15,7 @@ from llmplug.core.plugins import get_registry
 from llmplug.engine.pipeline_stage import PipelineStage
 from llmplug.engine.sampler import Sampler
 from llmplug.engine.sampling_state import SamplingState
-from llmplug.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from llmplug.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from llmplug.layers.attention import bind_kv_cache
 from llmplug.layers.forward_context import CommonAttentionMetadata, forward_context
 from llmplug.loaders import resolve_load_format
@@ -95,6 +97,38 @@ class ModelRunner:
         caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(spec.num_layers)]
         bind_kv_cache(self.model, caches, self.attn_backend)
         self.num_blocks = num_blocks
+
+    @contextlib.contextmanager
+    def profile_step(self, num_tokens: int, num_seqs: int, max_model_len: int) -> Iterator[Callable[[], None]]:
+        """A dummy step of `num_tokens` prompt tokens over up to `num_seqs` requests (none longer than
+        max_model_len), to measure its peak memory.
+
+        On entering, a KV cache just large enough is allocated and bound (so that it is not counted in
+        the peak); the yielded function runs the forward pass, the logits of every request and a float32
+        softmax over them (the sampler's working set); on leaving, the cache is released.
+        """
+        num_tokens = min(num_tokens, num_seqs * max_model_len)  # what the scheduler could ever put in a step
+        num_seqs = max(1, min(num_seqs, num_tokens))
+        lens = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
+        requests, next_block = [], 0
+        for i, n in enumerate(lens):
+            blocks = list(range(next_block, next_block + -(-n // self.block_size)))
+            next_block += len(blocks)
+            requests.append(ScheduledRequest(f"profile-{i}", [0] * n, 0, blocks, samples=True, new=None))
+        self.initialize_kv_cache(next_block)
+        batch = self.prepare_inputs(SchedulerOutput(requests, num_tokens, set(), set()))
+
+        @torch.inference_mode()
+        def run() -> None:
+            with forward_context(self.attn_backend.build_metadata(batch.common)):
+                hidden_states = self.stage.run(self.model, batch.input_ids, batch.positions)
+            if hidden_states is not None:  # the last pipeline stage
+                torch.softmax(self.model.compute_logits(hidden_states[batch.sample_indices]), dim=-1)
+
+        try:
+            yield run
+        finally:
+            bind_kv_cache(self.model, None, self.attn_backend)  # the layers held the only references
 
     # ---- one step -----------------------------------------------------------------------------
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:

@@ -25,6 +25,7 @@ class CudaApiPlatform(BasePlatform):
     communicator = "cuda"
     ray_device_key = "GPU"
     default_attention_backend = "triton"
+    profiles_memory = True
 
     @classmethod
     def get_attention_backend(cls, requested: str | None, head_dim: int | None, dtype: Any) -> str:
