@@ -57,6 +57,7 @@ class Worker:
 
     def _init_distributed(self) -> None:
         """Join the world with the platform's backend and communicator, then build the parallel groups."""
+        self.platform.prepare_distributed()
         communicator_cls = get_registry().load("llmplug.communicators", self.platform.get_communicator())
         init_distributed_environment(
             self.distributed_env,

@@ -29,7 +29,7 @@ class BasePlatform:
       `check_and_update_config` (which uses `preferred_dtype`, `supports_dtype`, `get_attention_backend`);
     - each worker, at start-up: `visible_device_index`, `device`, `set_device`, `seed_everything`,
       memory queries (and, where `profiles_memory`, the peak-memory queries around a dummy step),
-      `get_communicator`; during steps: `synchronize`, `empty_cache`.
+      `prepare_distributed` and `get_communicator` (several workers); during steps: `synchronize`, `empty_cache`.
     """
 
     name: ClassVar[str] = ""
@@ -104,6 +104,14 @@ class BasePlatform:
     def get_attention_backend(cls, requested: str | None, head_dim: int | None, dtype: Any) -> str:
         """The `llmplug.attention` name to use: the requested one, else this platform's default."""
         return requested or cls.default_attention_backend
+
+    @classmethod
+    def prepare_distributed(cls) -> None:
+        """Make `distributed_backend` known to torch.distributed (worker, before it joins the world).
+
+        The built-in backends (gloo, nccl, xccl) need nothing; a platform whose backend comes from a
+        library (torch_xla's "xla") imports the module that registers it here.
+        """
 
     @classmethod
     def get_communicator(cls) -> str:
