@@ -46,6 +46,7 @@ class TritonAttentionBackend(AttentionBackend):
     """Paged attention in two Triton launches per layer; on a CPU only under TRITON_INTERPRET=1 (tests)."""
 
     name = "triton"
+    supported_features = frozenset({"sliding_window", "logit_softcap", "alibi", "sinks"})
 
     @classmethod
     def kv_cache_shape(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
