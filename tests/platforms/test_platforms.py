@@ -160,7 +160,8 @@ def test_gpu_platforms_choose_the_triton_backend_and_the_cpu_keeps_torch_sdpa(mo
     assert CudaPlatform.get_attention_backend(None, None, "bfloat16") == "triton"
     assert RocmPlatform.get_attention_backend(None, 128, "float16") == "triton"
     assert CudaPlatform.get_attention_backend("torch_sdpa", 64, "bfloat16") == "torch_sdpa"
-    assert CpuPlatform.get_attention_backend(None, 64, "float32") == "torch_sdpa"
+    for platform in (CpuPlatform, TpuPlatform, XpuPlatform):
+        assert platform.get_attention_backend(None, 64, "float32") == "torch_sdpa"
     import importlib.util
 
     real_find_spec = importlib.util.find_spec
