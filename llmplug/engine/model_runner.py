@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -165,15 +166,16 @@ class ModelRunner:
         input_ids = np.fromiter((t for r in reqs for t in r.token_ids), dtype=np.int64, count=num_tokens)
         sample_mask = np.fromiter((r.samples for r in reqs), dtype=bool, count=len(reqs))
         sample_indices = query_start_loc[1:][sample_mask] - 1
-        to = lambda a: torch.from_numpy(a).to(self.device, non_blocking=True)  # noqa: E731
-        positions_t = to(positions)
+        on_device = _one_copy(self.device, input_ids=input_ids, positions=positions, query_start_loc=query_start_loc,
+                              seq_lens=seq_lens, computed=computed, block_tables=block_tables,
+                              slot_mapping=slot_mapping, sample_indices=sample_indices)
         common = CommonAttentionMetadata(
-            query_start_loc=to(query_start_loc),
-            seq_lens=to(seq_lens),
-            num_computed_tokens=to(computed),
-            block_tables=to(block_tables),
-            slot_mapping=to(slot_mapping),
-            positions=positions_t,
+            query_start_loc=on_device["query_start_loc"],
+            seq_lens=on_device["seq_lens"],
+            num_computed_tokens=on_device["computed"],
+            block_tables=on_device["block_tables"],
+            slot_mapping=on_device["slot_mapping"],
+            positions=on_device["positions"],
             block_size=bs,
             num_reqs=len(reqs),
             num_tokens=num_tokens,
@@ -183,7 +185,9 @@ class ModelRunner:
             seq_lens_list=tuple(seq_lens.tolist()),
         )
         sample_req_ids = [r.req_id for r in reqs if r.samples]
-        return BatchInputs(to(input_ids), positions_t, common, to(sample_indices), sample_req_ids)
+        return BatchInputs(
+            on_device["input_ids"], on_device["positions"], common, on_device["sample_indices"], sample_req_ids
+        )
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -220,7 +224,7 @@ class ModelRunner:
         from llmplug.engine.sampler import compute_prompt_logprobs
 
         result: dict[str, object] = {}
-        starts = batch.common.query_start_loc.tolist()
+        starts = [0, *itertools.accumulate(batch.common.query_lens_list)]  # host copies: no device read
         for i, req in enumerate(scheduler_output.requests):
             k = self.sampling_state.params(req.req_id).prompt_logprobs
             prompt = self.prompt_token_ids.get(req.req_id)
@@ -235,3 +239,10 @@ class ModelRunner:
             targets = torch.tensor(prompt[req.num_computed_tokens + 1 : end_pos + 1], device=self.device)
             result[req.req_id] = compute_prompt_logprobs(self.model.compute_logits(rows), targets, k)
         return result
+
+
+def _one_copy(device: torch.device, **arrays: np.ndarray) -> dict[str, torch.Tensor]:
+    """The int64 arrays on `device` through a single host-to-device copy: packed, copied, viewed apart."""
+    packed = torch.from_numpy(np.concatenate([a.ravel() for a in arrays.values()])).to(device, non_blocking=True)
+    views = torch.split(packed, [a.size for a in arrays.values()])
+    return {name: view.view(a.shape) for (name, a), view in zip(arrays.items(), views)}
