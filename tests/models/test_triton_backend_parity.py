@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, BloomConfig, Gemma2Config
 
 from llmplug import LLM, SamplingParams
+from llmplug.core.plugins import get_registry
 from llmplug.layers.kernels import KERNELS_ENV
 
-from .tiny_models import ARCHS, make_tiny
+from .tiny_models import make_tiny, randomize_
 
 MAX_TOKENS = 12
 PROMPT_LENS = (3, 15, 16, 17, 33, 1, 24, 9)  # 8 prompts, around and across block boundaries
@@ -50,12 +52,25 @@ def test_llama_greedy_tokens_equal_torch_sdpa(tiny_llama, monkeypatch, engine: d
 
 
 # Gemma2 (sliding window + logit soft-cap) and Bloom (ALiBi) exercise the kernel's features through a real
-# model; they run as soon as their tiny builders are in tests/models/tiny_models.py ARCHS.
-@pytest.mark.parametrize("arch", ["gemma2", "bloom"])
-def test_feature_families_greedy_tokens_equal_torch_sdpa(arch: str, tmp_path_factory, monkeypatch) -> None:
-    if arch not in ARCHS:
-        pytest.skip(f"no tiny {arch} builder in tests/models/tiny_models.py yet (model breadth I)")
-    tiny = make_tiny(arch, tmp_path_factory.mktemp(f"{arch}_triton"))
-    token_prompts = prompts(tiny.hf_model.config.vocab_size)
+# model. They run as soon as those architectures are registered (model breadth I); until then they skip.
+FEATURE_FAMILIES = {
+    "Gemma2ForCausalLM": lambda: Gemma2Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+        attn_logit_softcapping=2.0, max_position_embeddings=256,
+    ),
+    "BloomForCausalLM": lambda: BloomConfig(vocab_size=256, hidden_size=64, n_layer=2, n_head=4),
+}
+
+
+@pytest.mark.parametrize("architecture", sorted(FEATURE_FAMILIES))
+def test_feature_families_greedy_tokens_equal_torch_sdpa(architecture: str, tmp_path, monkeypatch) -> None:
+    if architecture not in get_registry().names("llmplug.models"):
+        pytest.skip(f"{architecture} is not registered yet (model breadth I)")
+    torch.manual_seed(0)
+    hf_model = AutoModelForCausalLM.from_config(FEATURE_FAMILIES[architecture](), dtype=torch.float32)
+    randomize_(hf_model)
+    hf_model.save_pretrained(tmp_path)
+    token_prompts = prompts(256)  # 8 prompts, several longer than Gemma2's window of 8
     monkeypatch.setenv(KERNELS_ENV, "0")
-    assert greedy(tiny.path, "triton", token_prompts) == greedy(tiny.path, "torch_sdpa", token_prompts)
+    assert greedy(tmp_path, "triton", token_prompts) == greedy(tmp_path, "torch_sdpa", token_prompts)
