@@ -51,10 +51,10 @@ import torch  # noqa: E402
 SIZES = {
     "gpu": dict(tokens=4096, heads=32, kv_heads=8, head_dim=128, block_size=16, decode_batch=64, context=2048,
                 vocab=128_256, hidden=4096, dtypes=("float32", "bfloat16"), timing_iters=20,
-                parity_prompts=8, parity_tokens=32, bench_prompts=64, bench_tokens=128),
+                parity_prompts=8, parity_tokens=32, prompt_tail=None, bench_prompts=64, bench_tokens=128),
     "smoke": dict(tokens=40, heads=8, kv_heads=2, head_dim=32, block_size=16, decode_batch=3, context=40,
                   vocab=300, hidden=64, dtypes=("float32",), timing_iters=1,
-                  parity_prompts=1, parity_tokens=2, bench_prompts=2, bench_tokens=3),
+                  parity_prompts=1, parity_tokens=2, prompt_tail=6, bench_prompts=2, bench_tokens=3),
 }
 
 
@@ -348,7 +348,8 @@ def free_device_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def default_model_prompts(n: int) -> list[list[int]]:
+def default_model_prompts(n: int, tail: int | None = None) -> list[list[int]]:
+    """n chat prompts for the default model; only their last `tail` tokens when given (the interpreter is slow)."""
     from transformers import AutoTokenizer
 
     from llmplug.core.config import DEFAULT_MODEL
@@ -356,7 +357,7 @@ def default_model_prompts(n: int) -> list[list[int]]:
 
     gguf = resolve_model_path(DEFAULT_MODEL)
     tok = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
-    return throughput.make_prompts(tok, n)
+    return [p[-tail:] if tail else p for p in throughput.make_prompts(tok, n)]
 
 
 def check_models(s: dict, device: torch.device, tiny_path: str) -> None:
@@ -366,7 +367,7 @@ def check_models(s: dict, device: torch.device, tiny_path: str) -> None:
     from llmplug.loaders.default_model import resolve_model_path
 
     gguf = resolve_model_path(DEFAULT_MODEL)
-    prompts = default_model_prompts(s["parity_prompts"])
+    prompts = default_model_prompts(s["parity_prompts"], s["prompt_tail"])
     guarded("end to end", lambda: check_parity(
         "default model (SmolLM2)", gguf, prompts, s, device, lambda: throughput.load_hf(gguf, "float32")))
     guarded("end to end", lambda: check_parity(
