@@ -20,6 +20,9 @@ Features, each a compile-time switch (HF semantics, scores in float32):
 - sinks: a learned logit per head that joins the softmax denominator and contributes no value.
 
 Cache layout: key_cache and value_cache [num_blocks, block_size, num_kv_heads, head_dim].
+
+Under triton's interpreter (tests on a CPU) both products run on float32 copies of their operands
+(DOT_F32): the interpreter's tl.dot on bf16 operands returns garbage. Compiled kernels never set it.
 """
 
 from __future__ import annotations
