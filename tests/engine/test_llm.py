@@ -187,6 +187,19 @@ def test_prompt_logprobs_cover_every_position_even_with_a_cached_prefix(tiny_lla
     assert_no_leak(llm)
 
 
+def test_prompt_logprobs_of_every_chunk_of_a_chunked_prefill_reach_the_output(tiny_llama):
+    llm = make_llm(tiny_llama, max_num_batched_tokens=6)  # the 14-token prompt takes three steps
+    prompt = prompts(9, (14,))[0]
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    with torch.inference_mode():
+        ref = torch.log_softmax(tiny_llama.hf_model(torch.tensor([prompt])).logits[0], -1)
+    assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+    for pos in range(1, len(prompt)):
+        assert out.prompt_logprobs[pos][prompt[pos]].logprob == pytest.approx(float(ref[pos - 1, prompt[pos]]), abs=1e-4)
+    assert_no_leak(llm)
+
+
 def test_llm_reads_a_config_file_and_keywords_override_it(tiny_llama, tmp_path):
     path = tmp_path / "engine.yaml"
     path.write_text(f"model:\n  model: {tiny_llama.path}\n  dtype: float32\n  skip_tokenizer_init: true\n"
