@@ -200,6 +200,22 @@ def test_prompt_logprobs_of_every_chunk_of_a_chunked_prefill_reach_the_output(ti
     assert_no_leak(llm)
 
 
+def test_prompt_logprobs_are_sent_once_when_a_request_is_preempted_and_recomputed(tiny_llama):
+    llm = make_llm(tiny_llama, **VARIANTS["preemption"])
+    batch = prompts()
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, prompt_logprobs=1)
+    outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
+    for prompt, out in zip(batch, outs):
+        with torch.inference_mode():
+            ref = torch.log_softmax(tiny_llama.hf_model(torch.tensor([prompt])).logits[0], -1)
+        assert len(out.prompt_logprobs or [None]) == len(prompt)
+        for pos in range(1, len(prompt)):
+            got = out.prompt_logprobs[pos][prompt[pos]].logprob
+            assert got == pytest.approx(float(ref[pos - 1, prompt[pos]]), abs=1e-4)
+    assert_no_leak(llm)
+
+
 def test_llm_reads_a_config_file_and_keywords_override_it(tiny_llama, tmp_path):
     path = tmp_path / "engine.yaml"
     path.write_text(f"model:\n  model: {tiny_llama.path}\n  dtype: float32\n  skip_tokenizer_init: true\n"
