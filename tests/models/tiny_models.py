@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 from llmplug.core.config import EngineConfig, LoadConfig, ModelConfig
 from llmplug.loaders.default import DefaultLoader
 from llmplug.plugins.models import llama
+from llmplug.testing import randomize_
 
 SIZES = dict(
     vocab_size=256,
@@ -67,15 +68,6 @@ class TinyModel:
         """Our model, built by DefaultLoader from the saved checkpoint."""
         config = EngineConfig(model=ModelConfig(model=str(self.path), dtype=dtype))
         return DefaultLoader(LoadConfig()).load_model(config, model_class=self.model_class)
-
-
-def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
-    """Give every parameter (biases and norms too) a random value large enough for distinct logits."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            mean = 1.0 if "norm" in name else 0.0
-            param.copy_(torch.randn(param.shape, generator=generator) * 0.1 + mean)
 
 
 def save_tiny_llama(path: Path, tokenizer, **config) -> None:
