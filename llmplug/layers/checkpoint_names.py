@@ -4,8 +4,13 @@ Families name the same tensors differently (`transformer.h.0.attn.c_attn` in GPT
 `gpt_neox.layers.0.attention.query_key_value` in GPT-NeoX, `model.layers.0.self_attn.q_proj` in
 Llama) and some store several projections as one tensor. A `CheckpointNames` says, per family:
 
-- `renames`: dotted paths of the checkpoint -> paths of the model, matched on whole components
-  (`"attn.c_attn": "self_attn.qkv_proj"` renames `h.0.attn.c_attn.weight`, never `xattn.c_attn`);
+- `prefixes`: leading paths of the checkpoint -> the model's, matched from the first component
+  (`"transformer.h": "model.layers"`; the longest match wins, applied once); the place for names that
+  mean different modules at different depths (OPT's top-level and per-layer `final_layer_norm`) and
+  for checkpoints saved with and without a base-model prefix (list both);
+- `renames`: dotted paths -> paths of the model, matched on whole components anywhere after the
+  prefix step (`"attn.c_attn": "self_attn.qkv_proj"` renames `h.0.attn.c_attn.weight`, never
+  `xattn.c_attn`);
 - `transposed`: modules (model names) whose checkpoint weights are stored [in, out] (GPT-2's Conv1D);
 - `fused`: modules (model names) whose checkpoint tensor holds several projections, with its layout
   (`QKV_*`, `GATE_UP`); the tensor is split into the parts' own names (`q_proj`, `k_proj`, `v_proj`,
@@ -89,6 +94,7 @@ _LAYOUTS: dict[str, tuple[tuple[str, ...], Callable[[torch.Tensor, HeadLayout], 
 class CheckpointNames:
     """How a family's checkpoint names and layouts map onto the model's parameters (see the module doc)."""
 
+    prefixes: Mapping[str, str] = field(default_factory=dict)
     renames: Mapping[str, str] = field(default_factory=dict)
     transposed: frozenset[str] = frozenset()
     fused: Mapping[str, str] = field(default_factory=dict)
@@ -100,13 +106,21 @@ class CheckpointNames:
             raise ValueError(f"unknown fused layouts {unknown}; known: {sorted(_LAYOUTS)}")
 
     @functools.cached_property
+    def _prefix_rules(self) -> tuple[tuple[list[str], str], ...]:
+        return _longest_first(self.prefixes)
+
+    @functools.cached_property
     def _rules(self) -> tuple[tuple[list[str], str], ...]:
-        """The renames as (source components, target), longest first: "attn.c_proj" wins over "c_proj"."""
-        return tuple(sorted(((k.split("."), v) for k, v in self.renames.items()), key=lambda r: -len(r[0])))
+        return _longest_first(self.renames)
 
     def rename(self, name: str) -> str:
-        """The model's name for checkpoint tensor `name` (each component renamed at most once)."""
-        parts, out, i = name.split("."), [], 0
+        """The model's name for checkpoint tensor `name`: its prefix, then each component renamed at most once."""
+        parts = name.split(".")
+        for source, target in self._prefix_rules:
+            if parts[: len(source)] == source:
+                parts = [*target.split("."), *parts[len(source) :]]
+                break
+        out, i = [], 0
         while i < len(parts):
             for source, target in self._rules:
                 if parts[i : i + len(source)] == source:
@@ -137,6 +151,11 @@ class CheckpointNames:
             owner = module.rpartition(".")[0]
             for part, piece in zip(part_names, split(tensor, heads)):
                 yield _join(owner, part, leaf), piece
+
+
+def _longest_first(rules: Mapping[str, str]) -> tuple[tuple[list[str], str], ...]:
+    """Rules as (source components, target), longest source first: "attn.c_proj" wins over "c_proj"."""
+    return tuple(sorted(((k.split("."), v) for k, v in rules.items()), key=lambda r: -len(r[0])))
 
 
 def _has_suffix(name: str, suffixes: Iterable[str]) -> bool:

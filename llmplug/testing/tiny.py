@@ -32,7 +32,9 @@ NO_SPECIAL_TOKENS = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None
 
 def _known_fields(config_class: type[PretrainedConfig]) -> set[str]:
     """Field names a config class takes, its own or through its attribute_map."""
-    return set(config_class().to_dict()) | set(getattr(config_class, "attribute_map", {}))
+    own = getattr(config_class, "__dataclass_fields__", None)  # transformers 5 configs are dataclasses
+    names = set(own) if own else set(config_class().to_dict())
+    return names | set(getattr(config_class, "attribute_map", {}))
 
 
 def tiny_config(config_class: type[PretrainedConfig], **fields: Any) -> PretrainedConfig:

@@ -24,12 +24,13 @@ __all__ = [
 ]
 
 
-def llama_fields(hf: PretrainedConfig) -> dict[str, Any]:
-    """The DecoderArchConfig fields every Llama-like config carries (sizes, RMSNorm, rope, MLP, tying)."""
+def llama_fields(hf: PretrainedConfig, norm: NormConfig | None = None) -> dict[str, Any]:
+    """The DecoderArchConfig fields every Llama-like config carries (sizes, rope, MLP, tying), with
+    RMSNorm of `rms_norm_eps` unless `norm` is given."""
     return dict(
         **sizes_of(hf),
         layers=layers_of(hf),
-        norm=NormConfig("rms", hf.rms_norm_eps),
+        norm=norm or NormConfig("rms", hf.rms_norm_eps),
         mlp=MLPConfig(getattr(hf, "hidden_act", "silu"), bias=bool(getattr(hf, "mlp_bias", False))),
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
     )
