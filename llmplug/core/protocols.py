@@ -20,7 +20,10 @@ if TYPE_CHECKING:  # no heavy imports at run time
     from llmplug.core.config import EngineConfig, ModelConfig
     from llmplug.core.params import GuidedDecodingParams
 
-PLUGIN_API_VERSION = "1.1"  # 1.1: guided decoding (GuidedDecodingBackend, CompiledGrammar, GrammarMatcher)
+# 1.1: guided decoding (GuidedDecodingBackend, CompiledGrammar, GrammarMatcher)
+# 1.2: Attention features (sliding_window, logit_softcap, alibi_slopes, use_sinks; alibi_slopes()) and
+#      AttentionBackend.supported_features
+PLUGIN_API_VERSION = "1.2"
 
 
 @runtime_checkable

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from llmplug.communicators.parallel_state import get_tp_group
-from llmplug.layers.attention import Attention
+from llmplug.layers.attention import Attention, alibi_slopes
 from llmplug.layers.decoder.arch import DecoderArchConfig, LayerConfig
 from llmplug.layers.linear import QKVParallelLinear, RowParallelLinear
 from llmplug.layers.qk_norm import make_qk_norm
@@ -48,7 +48,10 @@ class DecoderAttention(nn.Module):
             arch.scale,
             self.num_kv_heads,
             prefix=_join(prefix, "attn"),
-            **self._features(arch, layer),
+            sliding_window=layer.sliding_window,
+            logit_softcap=arch.attn_logit_softcap,
+            alibi_slopes=self._alibi_slopes(arch) if arch.alibi else None,
+            use_sinks=arch.attention_sinks,
         )
 
     def _qk_norms(self, arch: DecoderArchConfig) -> tuple[nn.Module | None, nn.Module | None]:
@@ -62,23 +65,8 @@ class DecoderAttention(nn.Module):
             make_qk_norm(arch.qk_norm, self.num_kv_heads, self.head_dim, first_kv_head),
         )
 
-    def _features(self, arch: DecoderArchConfig, layer: LayerConfig) -> dict[str, object]:
-        """The attention features this layer uses (see llmplug.layers.attention.Attention)."""
-        features: dict[str, object] = {}
-        if layer.sliding_window is not None:
-            features["sliding_window"] = layer.sliding_window
-        if arch.attn_logit_softcap is not None:
-            features["logit_softcap"] = arch.attn_logit_softcap
-        if arch.alibi:
-            features["alibi_slopes"] = self._alibi_slopes(arch)
-        if arch.attention_sinks:
-            features["use_sinks"] = True
-        return features
-
     def _alibi_slopes(self, arch: DecoderArchConfig) -> torch.Tensor:
         """[num_heads of this rank] float32 ALiBi slopes (times the attention scale where the family scales them)."""
-        from llmplug.layers.attention import alibi_slopes
-
         slopes = alibi_slopes(arch.num_heads, arch.alibi_max_bias)
         first = get_tp_group().rank_in_group * self.num_heads
         slopes = slopes[first : first + self.num_heads]
