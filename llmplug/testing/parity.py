@@ -45,6 +45,8 @@ class ParityCase:
     atol: float = 1e-4  # on log-probabilities
     seed: int = 0
     engine_kwargs: Mapping[str, Any] = field(default_factory=dict)  # e.g. max_model_len for ALiBi models
+    # transformers' attention for the reference: eager, unless its eager path of the family is wrong
+    hf_attn_implementation: str = "eager"
 
     def prompts(self, vocab_size: int) -> list[list[int]]:
         """Random prompts of `prompt_lengths` tokens, the same for every run of the case."""
@@ -118,7 +120,9 @@ class ParityRunner:
     def checkpoint(self, case: ParityCase) -> TinyCheckpoint:
         """The case's saved tiny checkpoint (built on first use)."""
         if case.name not in self._checkpoints:
-            self._checkpoints[case.name] = save_tiny_checkpoint(case.make_config(), self.workdir / case.name, case.seed)
+            self._checkpoints[case.name] = save_tiny_checkpoint(
+                case.make_config(), self.workdir / case.name, case.seed, case.hf_attn_implementation
+            )
         return self._checkpoints[case.name]
 
     def reference(self, case: ParityCase) -> Reference:

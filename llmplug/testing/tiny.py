@@ -66,10 +66,13 @@ class TinyCheckpoint:
         return self.hf_model.config.architectures[0]
 
 
-def save_tiny_checkpoint(config: PretrainedConfig, path: Path, seed: int = 0) -> TinyCheckpoint:
-    """Build `config`'s causal LM in float32 with eager attention, randomize it from `seed`, save it to `path`."""
+def save_tiny_checkpoint(
+    config: PretrainedConfig, path: Path, seed: int = 0, attn_implementation: str = "eager"
+) -> TinyCheckpoint:
+    """Build `config`'s causal LM in float32 (eager attention unless told), randomize it from `seed`, save it."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager").eval()
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation)
+    model.eval()
     randomize_(model, seed)
     model.save_pretrained(path)
     return TinyCheckpoint(Path(path), model)

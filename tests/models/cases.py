@@ -8,7 +8,12 @@ with tensor parallelism (slow).
 from __future__ import annotations
 
 from transformers import (
+    BloomConfig,
     CohereConfig,
+    FalconConfig,
+    Gemma2Config,
+    Gemma3TextConfig,
+    GPTNeoConfig,
     GemmaConfig,
     GPT2Config,
     GPTJConfig,
@@ -16,15 +21,18 @@ from transformers import (
     GraniteConfig,
     LlamaConfig,
     MistralConfig,
+    MptConfig,
     NemotronConfig,
     OlmoConfig,
     Olmo2Config,
+    Olmo3Config,
     OPTConfig,
     PersimmonConfig,
     PhiConfig,
     Phi3Config,
     Qwen2Config,
     Qwen3Config,
+    SmolLM3Config,
     StableLmConfig,
     Starcoder2Config,
     XGLMConfig,
@@ -33,9 +41,16 @@ from transformers import (
 from llmplug.testing import ParityCase, tiny_config
 
 
-def case(name: str, config_class: type, **fields) -> ParityCase:
+WINDOW = 8  # sliding windows far shorter than prompt + generation (up to 29 + 24 tokens)
+NO_POSITION_LIMIT = {"max_model_len": 256}  # ALiBi models: the config has no max_position_embeddings
+
+
+def case(
+    name: str, config_class: type, engine_kwargs: dict | None = None, hf_attn: str = "eager", **fields
+) -> ParityCase:
     """A ParityCase over `tiny_config(config_class, **fields)`."""
-    return ParityCase(name, lambda: tiny_config(config_class, **fields))
+    make = lambda: tiny_config(config_class, **fields)  # noqa: E731
+    return ParityCase(name, make, engine_kwargs=engine_kwargs or {}, hf_attn_implementation=hf_attn)
 
 
 CASES: list[ParityCase] = [
@@ -49,7 +64,7 @@ CASES: list[ParityCase] = [
     # parallel residual with one LayerNorm, partial rotary, q/k LayerNorm, lm_head bias
     case("PhiForCausalLM", PhiConfig, partial_rotary_factor=0.5, qk_layernorm=True),
     # fused qkv_proj / gate_up_proj checkpoint tensors, partial rotary (Phi-4-mini)
-    case("Phi3ForCausalLM", Phi3Config, partial_rotary_factor=0.75, tie_word_embeddings=False),
+    case("Phi3ForCausalLM", Phi3Config, partial_rotary_factor=0.75, tie_word_embeddings=False, sliding_window=WINDOW),
     # parallel residual with two norms, per-head interleaved fused qkv, partial rotary; and sequential
     case("GPTNeoXForCausalLM", GPTNeoXConfig, partial_rotary_factor=0.25),
     case("GPTNeoXForCausalLM-sequential", GPTNeoXConfig, use_parallel_residual=False, attention_bias=False),
@@ -77,14 +92,78 @@ CASES: list[ParityCase] = [
     # LayerNorm with bias, partial rotary, q/k/v bias; and the parallel-residual variant
     case("StableLmForCausalLM", StableLmConfig, partial_rotary_factor=0.25, use_qkv_bias=True),
     case("StableLmForCausalLM-parallel", StableLmConfig, use_parallel_residual=True),
-    # plain GELU MLP with biases, LayerNorm
-    case("Starcoder2ForCausalLM", Starcoder2Config, sliding_window=None),
+    # plain GELU MLP with biases, LayerNorm, a window on every layer
+    case("Starcoder2ForCausalLM", Starcoder2Config, sliding_window=WINDOW),
     # sinusoidal positions at offset 2, scaled embeddings
     case("XGLMForCausalLM", XGLMConfig, ffn_dim=128),
     # LayerNorm 1 + w, squared ReLU, partial rotary
     case("NemotronForCausalLM", NemotronConfig),
     # per-head interleaved fused qkv, q/k LayerNorm with bias, squared ReLU
     case("PersimmonForCausalLM", PersimmonConfig),
+    # sandwich norms, attention and final logit soft-caps, query_pre_attn_scalar, alternating windows
+    case(
+        "Gemma2ForCausalLM",
+        Gemma2Config,
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        sliding_window=WINDOW,
+        attn_logit_softcapping=1.0,
+        final_logit_softcapping=2.0,
+    ),
+    # Gemma 2 without soft-caps, q/k norms with 1 + w, a rope per layer type (local and global, scaled)
+    case(
+        "Gemma3ForCausalLM",
+        Gemma3TextConfig,
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+        },
+    ),
+    # ALiBi, a LayerNorm after the embeddings, per-head fused qkv
+    case("BloomForCausalLM", BloomConfig, NO_POSITION_LIMIT),
+    # parallel attention + MLP from one norm, multi-query (Falcon-7B)
+    case("FalconForCausalLM", FalconConfig),
+    # the new decoder architecture: two norms, grouped KV heads in the fused qkv (Falcon-40B)
+    case("FalconForCausalLM-new", FalconConfig, new_decoder_architecture=True, num_kv_heads=2, bias=False),
+    # ALiBi scaled with the scores, sequential layers, biases (Falcon-RW); transformers' eager Falcon adds
+    # the ALiBi bias twice (once in its mask, once again in the scores), its SDPA path once
+    case(
+        "FalconForCausalLM-alibi",
+        FalconConfig,
+        NO_POSITION_LIMIT,
+        hf_attn="sdpa",
+        alibi=True,
+        multi_query=False,
+        parallel_attn=False,
+        bias=True,
+    ),
+    # ALiBi, bias-free LayerNorm, clip_qkv (transformers' MPT ignores alibi_bias_max: keep its default 8)
+    case("MptForCausalLM", MptConfig, NO_POSITION_LIMIT, attn_config={"alibi": True, "clip_qkv": 0.3}),
+    # unscaled attention, learned positions, alternating global and local (windowed) layers
+    case(
+        "GPTNeoForCausalLM",
+        GPTNeoConfig,
+        attention_types=[[["global", "local"], 1]],
+        window_size=WINDOW,
+        intermediate_size=128,
+    ),
+    # NoPE: the second layer has no rotary
+    case("SmolLM3ForCausalLM", SmolLM3Config, no_rope_layer_interval=2),
+    # OLMo 2 with a window on the first layer and a rope per layer type
+    case(
+        "Olmo3ForCausalLM",
+        Olmo3Config,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0},
+        },
+    ),
 ]
 
 TP_CASES: list[str] = ["LlamaForCausalLM"]

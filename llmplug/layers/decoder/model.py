@@ -138,6 +138,8 @@ class DecoderForCausalLM(nn.Module):
 
     arch_config_of: ClassVar[Callable[[PretrainedConfig], DecoderArchConfig]]
     checkpoint_names: ClassVar[CheckpointNames] = CheckpointNames()  # default: transformers' Llama names
+    # when the checkpoint layout depends on the config (Falcon's q/k/v), this replaces checkpoint_names
+    checkpoint_names_of: ClassVar[Callable[[PretrainedConfig], CheckpointNames] | None] = None
     supports_pipeline_parallel: ClassVar[bool] = True
 
     def __init__(self, *, config: PretrainedConfig, prefix: str = "") -> None:
@@ -179,10 +181,9 @@ class DecoderForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load checkpoint tensors (those of this pipeline stage) through `checkpoint_names` and the stacked
         q/k/v and gate/up map; returns the loaded parameter names."""
-        arch = self.arch
-        weights = type(self).checkpoint_names.translate(
-            weights, HeadLayout(arch.num_heads, arch.num_kv_heads, arch.head_dim)
-        )
+        arch, cls = self.arch, type(self)
+        names = cls.checkpoint_names if cls.checkpoint_names_of is None else cls.checkpoint_names_of(self.config)
+        weights = names.translate(weights, HeadLayout(arch.num_heads, arch.num_kv_heads, arch.head_dim))
         skipped: tuple[str, ...] = ()
         if arch.tie_word_embeddings:
             if self._head_loads_embedding():

@@ -1,7 +1,7 @@
-"""The Llama family: Llama, Mistral, Qwen2, Qwen3 — the generic decoder with RMSNorm, RoPE, gated SiLU.
+"""The Llama family: Llama, Mistral, Qwen2, Qwen3, SmolLM3 — the generic decoder with RMSNorm, RoPE, gated SiLU.
 
-They differ only in biases, q/k norms and tying; their checkpoints use the decoder's own
-(transformers' Llama) names, so no `CheckpointNames` is needed.
+They differ only in biases, q/k norms, tying, sliding windows and NoPE layers; their checkpoints use
+the decoder's own (transformers' Llama) names, so no `CheckpointNames` is needed.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ __all__ = [
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "SmolLM3ForCausalLM",
     "llama_fields",
 ]
 
@@ -59,6 +60,14 @@ def qwen3_arch_config(hf: PretrainedConfig) -> DecoderArchConfig:
     return DecoderArchConfig(**llama_fields(hf), qkv_bias=bias, o_proj_bias=bias, qk_norm=qk_norm)
 
 
+def smollm3_arch_config(hf: PretrainedConfig) -> DecoderArchConfig:
+    """SmolLM3ForCausalLM: no rotary on the layers `no_rope_layers` marks 0 (NoPE)."""
+    bias = bool(hf.attention_bias)
+    nope = {i for i, use_rope in enumerate(hf.no_rope_layers) if not use_rope}
+    fields = llama_fields(hf) | {"layers": layers_of(hf, nope_layers=nope)}
+    return DecoderArchConfig(**fields, qkv_bias=bias, o_proj_bias=bias)
+
+
 class LlamaForCausalLM(DecoderForCausalLM):
     """Llama 1-3, SmolLM, TinyLlama, ... (HF architecture LlamaForCausalLM)."""
 
@@ -81,3 +90,9 @@ class Qwen3ForCausalLM(DecoderForCausalLM):
     """Qwen3 dense (HF architecture Qwen3ForCausalLM)."""
 
     arch_config_of = staticmethod(qwen3_arch_config)
+
+
+class SmolLM3ForCausalLM(DecoderForCausalLM):
+    """SmolLM3 (HF architecture SmolLM3ForCausalLM)."""
+
+    arch_config_of = staticmethod(smollm3_arch_config)
