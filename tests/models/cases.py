@@ -166,7 +166,28 @@ CASES: list[ParityCase] = [
     ),
 ]
 
-TP_CASES: list[str] = ["LlamaForCausalLM"]
+# one case per family module, the one whose blocks shard the most ways (q/k norms, ALiBi slopes, 1 KV head)
+TP_CASES: list[str] = [
+    "LlamaForCausalLM",
+    "Gemma3ForCausalLM",
+    "PhiForCausalLM",
+    "GPTNeoXForCausalLM",
+    "GPTJForCausalLM",
+    "GPT2LMHeadModel",
+    "OPTForCausalLM",
+    "Olmo2ForCausalLM",
+    "GraniteForCausalLM",
+    "CohereForCausalLM",
+    "StableLmForCausalLM-parallel",
+    "Starcoder2ForCausalLM",
+    "XGLMForCausalLM",
+    "NemotronForCausalLM",
+    "PersimmonForCausalLM",
+    "BloomForCausalLM",
+    "FalconForCausalLM",
+    "MptForCausalLM",
+    "GPTNeoForCausalLM",
+]
 
 
 def architecture(case: ParityCase) -> str:
