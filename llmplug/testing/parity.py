@@ -10,8 +10,8 @@ runner) and llmplug's engine under the variant, then asserts:
 - the variant did what it exists for (the preemption variant preempted at least once).
 
 Variants (`VARIANTS`): `plain`; `chunked_prefill` (a step budget smaller than the longer prompts);
-`preemption` (too few KV blocks for the batch, so requests are preempted and recomputed); `tp2`
-(tensor parallelism over two worker processes).
+`preemption` (too few KV blocks for the batch, so requests are preempted and recomputed); `tp2` and
+`pp2` (tensor or pipeline parallelism over two worker processes).
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ VARIANTS: dict[str, Variant] = {
         Variant("chunked_prefill", {"max_num_batched_tokens": 8}),
         Variant("preemption", {"num_gpu_blocks_override": 24, "max_num_seqs": 8}, expects_preemption=True),
         Variant("tp2", {"tensor_parallel_size": 2}),
+        Variant("pp2", {"pipeline_parallel_size": 2}),
     )
 }
 # one CPU thread: a tiny model gains nothing from more, and on a shared machine threads only contend

@@ -188,6 +188,9 @@ TP_CASES: list[str] = [
     "MptForCausalLM",
     "GPTNeoForCausalLM",
 ]
+# pipeline parallelism (PP=2, one layer per stage) where a stage boundary meets a family's structure:
+# positions and a tied head on different stages, sandwich norms, post-sublayer norms
+PP_CASES: list[str] = ["GPT2LMHeadModel", "Gemma2ForCausalLM", "Olmo2ForCausalLM"]
 
 
 def architecture(case: ParityCase) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from importlib.metadata import distribution
 
-from .cases import CASES, TP_CASES, architecture
+from .cases import CASES, PP_CASES, TP_CASES, architecture
 
 
 def registered_architectures() -> set[str]:
@@ -24,7 +24,7 @@ def test_every_parity_case_proves_a_registered_architecture() -> None:
     assert not unknown, f"parity cases of unregistered architectures: {sorted(unknown)}"
 
 
-def test_case_names_are_unique_and_tensor_parallel_cases_exist() -> None:
+def test_case_names_are_unique_and_parallel_cases_exist() -> None:
     names = [c.name for c in CASES]
     assert len(names) == len(set(names))
-    assert set(TP_CASES) <= set(names)
+    assert set(TP_CASES) <= set(names) and set(PP_CASES) <= set(names)

@@ -8,7 +8,7 @@ import pytest
 
 from llmplug.testing import ParityCase, ParityRunner
 
-from .cases import CASES, TP_CASES
+from .cases import CASES, PP_CASES, TP_CASES
 
 BY_NAME = {c.name: c for c in CASES}
 
@@ -33,3 +33,9 @@ def test_greedy_tokens_and_logprobs_match_transformers(parity: ParityRunner, cas
 @pytest.mark.parametrize("name", TP_CASES)
 def test_tensor_parallel_greedy_tokens_and_logprobs_match_transformers(parity: ParityRunner, name: str) -> None:
     parity.check(BY_NAME[name], "tp2")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", PP_CASES)
+def test_pipeline_parallel_greedy_tokens_and_logprobs_match_transformers(parity: ParityRunner, name: str) -> None:
+    parity.check(BY_NAME[name], "pp2")

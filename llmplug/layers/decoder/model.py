@@ -141,6 +141,8 @@ class DecoderForCausalLM(nn.Module):
     # when the checkpoint layout depends on the config (Falcon's q/k/v), this replaces checkpoint_names
     checkpoint_names_of: ClassVar[Callable[[PretrainedConfig], CheckpointNames] | None] = None
     supports_pipeline_parallel: ClassVar[bool] = True
+    supports_tensor_parallel: ClassVar[bool] = True  # every weight is a parallel layer with its own loader
+    supports_int4: ClassVar[bool] = True  # its linear layers and head compute through quant_method
 
     def __init__(self, *, config: PretrainedConfig, prefix: str = "") -> None:
         super().__init__()
