@@ -68,6 +68,7 @@ def test_per_layer_type_rope_is_not_read_as_one_rope() -> None:
         rope_config_of(hf)
 
 
+@pytest.mark.filterwarnings("ignore:`rope_scaling` is deprecated:FutureWarning")  # the old spelling, on purpose
 def test_partial_rotary_and_rope_scaling_are_read_from_either_transformers_generation() -> None:
     hf = tiny_config(StableLmConfig, partial_rotary_factor=0.25)
     assert rope_config_of(hf).partial_rotary_factor == 0.25

@@ -87,7 +87,6 @@ class DecoderArchConfig:
     max_position: int = 0  # rows of the position table (without the offset)
 
     # output
-    final_norm: bool = True
     tie_word_embeddings: bool = False
     lm_head_bias: bool = False
     logits_multiplier: float = 1.0  # logits scaled (Cohere's logit_scale, 1 / Granite's logits_scaling)

@@ -76,8 +76,7 @@ class DecoderModel(nn.Module):
             DecoderLayer(arch, layer, _join(prefix, f"layers.{i}")) if i in on_stage else PPMissingLayer()
             for i, layer in enumerate(arch.layers)
         )
-        if arch.final_norm:
-            self.norm = _optional(self.is_last_stage, lambda: make_norm(arch.norm, arch.hidden_size))
+        self.norm = _optional(self.is_last_stage, lambda: make_norm(arch.norm, arch.hidden_size))
         self.ropes: list[RopeConfig] = []  # distinct ropes, in the order of rotary_embs
         self.rotary_embs = nn.ModuleList()
         self.rope_of_layer = [self._rope_index(layer.rope) for layer in arch.layers]  # index into ropes, or None
@@ -124,9 +123,7 @@ class DecoderModel(nn.Module):
             hidden, residual = self.layers[i](hidden, residual, self._rope(ropes, i))
         if not self.is_last_stage:
             return IntermediateTensors({"hidden_states": hidden, "residual": residual})
-        if self.arch.final_norm:
-            return self.norm(hidden, residual)[0]
-        return hidden + residual
+        return self.norm(hidden, residual)[0]
 
     def _rope(self, ropes: list[RotaryCosSin], layer: int) -> RotaryCosSin | None:
         index = self.rope_of_layer[layer]

@@ -44,27 +44,24 @@ def gemma_arch_config(hf: PretrainedConfig) -> DecoderArchConfig:
     return DecoderArchConfig(**gemma_fields(hf))
 
 
-def gemma2_arch_config(hf: PretrainedConfig) -> DecoderArchConfig:
-    """Gemma2ForCausalLM: sandwich norms, soft-caps, query_pre_attn_scalar, sliding layers from layer_types."""
-    return DecoderArchConfig(
-        **gemma_fields(hf),
+def gemma2_fields(hf: PretrainedConfig) -> dict[str, Any]:
+    """Gemma 2 and 3: sandwich norms, soft-caps (None in Gemma 3), query_pre_attn_scalar, windows from layer_types."""
+    return gemma_fields(hf) | dict(
         post_norm=True,
         attention_scale=hf.query_pre_attn_scalar**-0.5,
         attn_logit_softcap=hf.attn_logit_softcapping,
         final_logit_softcap=hf.final_logit_softcapping,
     )
+
+
+def gemma2_arch_config(hf: PretrainedConfig) -> DecoderArchConfig:
+    """Gemma2ForCausalLM."""
+    return DecoderArchConfig(**gemma2_fields(hf))
 
 
 def gemma3_arch_config(hf: PretrainedConfig) -> DecoderArchConfig:
     """Gemma3ForCausalLM (text only): Gemma 2 plus q/k norms; local and global layers have their own rope."""
-    return DecoderArchConfig(
-        **gemma_fields(hf),
-        post_norm=True,
-        attention_scale=hf.query_pre_attn_scalar**-0.5,
-        attn_logit_softcap=hf.attn_logit_softcapping,
-        final_logit_softcap=hf.final_logit_softcapping,
-        qk_norm=QKNormConfig(_gemma_norm(hf)),
-    )
+    return DecoderArchConfig(**gemma2_fields(hf), qk_norm=QKNormConfig(_gemma_norm(hf)))
 
 
 class GemmaForCausalLM(DecoderForCausalLM):

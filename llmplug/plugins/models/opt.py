@@ -22,15 +22,17 @@ _TOP = {
     "final_layer_norm": "model.norm",
     "layers": "model.layers",
 }
+# the layer of fairseq's decoders (OPT, XGLM)
+FAIRSEQ_LAYER_RENAMES = {
+    "self_attn_layer_norm": "input_layernorm",
+    "final_layer_norm": "post_attention_layernorm",  # per layer: the norm before the MLP
+    "out_proj": "o_proj",
+    "fc1": "mlp.up_proj",
+    "fc2": "mlp.down_proj",
+}
 OPT_NAMES = CheckpointNames(
     prefixes={**{f"model.decoder.{k}": v for k, v in _TOP.items()}, **{f"decoder.{k}": v for k, v in _TOP.items()}},
-    renames={
-        "self_attn_layer_norm": "input_layernorm",
-        "final_layer_norm": "post_attention_layernorm",  # per layer: the norm before the MLP
-        "out_proj": "o_proj",
-        "fc1": "mlp.up_proj",
-        "fc2": "mlp.down_proj",
-    },
+    renames=FAIRSEQ_LAYER_RENAMES,
 )
 POSITION_OFFSET = 2  # OPT's position table keeps two rows for padding
 

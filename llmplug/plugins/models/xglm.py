@@ -9,19 +9,11 @@ from llmplug.layers.checkpoint_names import CheckpointNames
 from llmplug.layers.decoder import DecoderArchConfig, DecoderForCausalLM, MLPConfig
 from llmplug.layers.layernorm import NormConfig
 from llmplug.plugins.models.arch_config import layers_of, sizes_of
+from llmplug.plugins.models.opt import FAIRSEQ_LAYER_RENAMES
 
 __all__ = ["XGLMForCausalLM"]
 
-XGLM_NAMES = CheckpointNames(
-    prefixes={"model.layer_norm": "model.norm"},
-    renames={
-        "self_attn_layer_norm": "input_layernorm",
-        "final_layer_norm": "post_attention_layernorm",  # per layer: the norm before the MLP
-        "out_proj": "o_proj",
-        "fc1": "mlp.up_proj",
-        "fc2": "mlp.down_proj",
-    },
-)
+XGLM_NAMES = CheckpointNames(prefixes={"model.layer_norm": "model.norm"}, renames=FAIRSEQ_LAYER_RENAMES)
 POSITION_OFFSET = 2  # XGLM's table reserves rows for padding
 
 
