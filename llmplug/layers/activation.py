@@ -14,9 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmplug.layers.kernels import use_triton
 from llmplug.layers.weight_utils import default_weight_loader, frozen_parameter
 
-__all__ = ["ACTIVATIONS", "Activation", "ActivationAndMul", "SiluAndMul", "XIELU", "activation_fn"]
+__all__ = ["ACTIVATIONS", "Activation", "ActivationAndMul", "SiluAndMul", "XIELU", "activation_fn", "gated_activation"]
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -83,6 +84,20 @@ class SiluAndMul(ActivationAndMul):
 
     def __init__(self) -> None:
         super().__init__("silu")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., 2 * d] -> [..., d]; one Triton kernel on a GPU (`use_triton`)."""
+        if use_triton(x):
+            from llmplug.layers.kernels.activation import silu_and_mul
+
+            d = x.shape[-1] // 2
+            return silu_and_mul(x.reshape(-1, 2 * d)).view(*x.shape[:-1], d)
+        return super().forward(x)
+
+
+def gated_activation(name: str) -> ActivationAndMul:
+    """act(gate) * up for transformers' `name`: SiluAndMul (with its GPU kernel) for silu, else ActivationAndMul."""
+    return SiluAndMul() if ACTIVATIONS.get(name) is F.silu else ActivationAndMul(name)
 
 
 def _scalar_parameter(value: float) -> nn.Parameter:

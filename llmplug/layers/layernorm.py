@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmplug.layers.kernels import use_triton
 from llmplug.layers.weight_utils import default_weight_loader, frozen_parameter
 
 __all__ = ["LayerNorm", "NormConfig", "RMSNorm", "make_norm"]
@@ -83,6 +84,26 @@ class RMSNorm(_Norm):
         self, hidden_size: int, eps: float = 1e-6, *, has_weight: bool = True, weight_offset: float = 0.0
     ) -> None:
         super().__init__(hidden_size, eps, has_weight, False, weight_offset)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """As `_Norm.forward`; on a GPU a plain RMSNorm (a weight, no offset) is one Triton kernel, residual add
+        included (`use_triton`)."""
+        if self.weight is not None and not self.weight_offset and use_triton(x):
+            return self._forward_triton(x, residual)
+        return super().forward(x, residual)
+
+    def _forward_triton(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        from llmplug.layers.kernels.rms_norm import rms_norm
+
+        if residual is None:
+            return rms_norm(x.reshape(-1, self.hidden_size), self.weight, self.variance_epsilon).view(x.shape)
+        rows = x.view(-1, self.hidden_size)  # a view: the kernel writes the sum into x
+        out = rms_norm(rows, self.weight, self.variance_epsilon, residual.reshape(-1, self.hidden_size))
+        return out.view(x.shape), x
 
     def _functional(self, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
         return F.rms_norm(x, (self.hidden_size,), weight, self.variance_epsilon)

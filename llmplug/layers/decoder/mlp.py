@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from llmplug.layers.activation import XIELU, Activation, ActivationAndMul
+from llmplug.layers.activation import XIELU, Activation, gated_activation
 from llmplug.layers.decoder.arch import MLPConfig
 from llmplug.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 
@@ -32,7 +32,7 @@ class DecoderMLP(nn.Module):
             self.gate_up_proj = MergedColumnParallelLinear(
                 hidden_size, [inter, inter], bias, _join(prefix, "gate_up_proj")
             )
-            self.act_fn = ActivationAndMul(config.activation)
+            self.act_fn = gated_activation(config.activation)
         else:
             self.up_proj = ColumnParallelLinear(hidden_size, inter, bias, prefix=_join(prefix, "up_proj"))
             self.act_fn = XIELU() if config.activation == "xielu" else Activation(config.activation)
