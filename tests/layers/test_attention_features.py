@@ -8,7 +8,7 @@ and larger than a block."""
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -158,7 +158,7 @@ UNWINDOWED = {"softcap": Features(softcap=SOFTCAP), "alibi": Features(alibi=True
 
 
 def windowed(name: str, window: int) -> Features:
-    return Features(**{**WINDOWED[name].__dict__, "window": window})
+    return replace(WINDOWED[name], window=window)
 
 
 @pytest.mark.parametrize("block,window", WINDOWS, ids=WINDOW_IDS)
