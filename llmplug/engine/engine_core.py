@@ -112,7 +112,10 @@ class EngineCore:
         row_of = {req_id: i for i, req_id in enumerate(runner_output.req_ids)}
         logprobs = runner_output.logprobs
         outputs = []
-        for req in updated:
+        # a prompt chunk that ends before the prompt does samples nothing, but its prompt logprobs go out too
+        names = {req.request_id for req in updated}
+        chunks = [self.scheduler.requests.get(r) for r in runner_output.prompt_logprobs if r not in names]
+        for req in updated + [r for r in chunks if r is not None]:
             row = None if req.request_id in runner_output.failed else row_of.get(req.request_id)  # failed: no token
             new_tokens = runner_output.sampled_token_ids[row] if row is not None else []
             outputs.append(

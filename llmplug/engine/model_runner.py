@@ -65,6 +65,8 @@ class ModelRunner:
         self.sampling_state: SamplingState | None = None  # needs the vocabulary size: built by load_model
         self.sampler: Sampler | None = None
         self.prompt_token_ids: dict[str, list[int]] = {}
+        # prompt positions whose logprobs were sent, kept across preemption: a recomputed prefill sends none twice
+        self.prompt_logprobs_sent: dict[str, int] = {}
 
     # ---- set-up -------------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -136,6 +138,8 @@ class ModelRunner:
         for req_id in scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids:
             self.sampling_state.remove_request(req_id)
             self.prompt_token_ids.pop(req_id, None)
+        for req_id in scheduler_output.finished_req_ids:
+            self.prompt_logprobs_sent.pop(req_id, None)
         for req in scheduler_output.requests:
             if req.new is not None:
                 new = req.new
@@ -230,14 +234,16 @@ class ModelRunner:
             prompt = self.prompt_token_ids.get(req.req_id)
             if k is None or prompt is None or req.num_computed_tokens >= len(prompt):
                 continue
-            # position p predicts token p + 1; only positions whose next token is a prompt token
+            # position p predicts token p + 1; only positions whose next token is a prompt token, not sent before
+            start_pos = max(req.num_computed_tokens, self.prompt_logprobs_sent.get(req.req_id, 0))
             end_pos = min(req.num_computed_tokens + len(req.token_ids), len(prompt) - 1)
-            n = end_pos - req.num_computed_tokens
-            if n <= 0:
+            if end_pos <= start_pos:
                 continue
-            rows = hidden_states[starts[i] : starts[i] + n]
-            targets = torch.tensor(prompt[req.num_computed_tokens + 1 : end_pos + 1], device=self.device)
+            first_row = starts[i] + start_pos - req.num_computed_tokens
+            rows = hidden_states[first_row : first_row + end_pos - start_pos]
+            targets = torch.tensor(prompt[start_pos + 1 : end_pos + 1], device=self.device)
             result[req.req_id] = compute_prompt_logprobs(self.model.compute_logits(rows), targets, k)
+            self.prompt_logprobs_sent[req.req_id] = end_pos
         return result
 
 

@@ -173,17 +173,42 @@ def test_step_by_step_and_abort(tiny_llama):
     assert_no_leak(llm)
 
 
+def assert_prompt_logprobs_match_hf(hf_model, prompt: list[int], out) -> None:
+    """One prompt logprob per position after the first, each transformers' within 1e-4."""
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0], -1)
+    assert len(out.prompt_logprobs or [None]) == len(prompt) and (out.prompt_logprobs or [None])[0] is None
+    for pos in range(1, len(prompt)):
+        assert out.prompt_logprobs[pos][prompt[pos]].logprob == pytest.approx(float(ref[pos - 1, prompt[pos]]), abs=1e-4)
+
+
 def test_prompt_logprobs_cover_every_position_even_with_a_cached_prefix(tiny_llama):
     llm = make_llm(tiny_llama)
     prompt = prompts(8, (14,))[0]
     generate_ids(llm, [prompt], GREEDY)  # caches the prompt's full blocks
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
     out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
-    with torch.inference_mode():
-        ref = torch.log_softmax(tiny_llama.hf_model(torch.tensor([prompt])).logits[0], -1)
-    assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
-    for pos in range(1, len(prompt)):
-        assert out.prompt_logprobs[pos][prompt[pos]].logprob == pytest.approx(float(ref[pos - 1, prompt[pos]]), abs=1e-4)
+    assert_prompt_logprobs_match_hf(tiny_llama.hf_model, prompt, out)
+    assert_no_leak(llm)
+
+
+def test_prompt_logprobs_of_every_chunk_of_a_chunked_prefill_reach_the_output(tiny_llama):
+    llm = make_llm(tiny_llama, max_num_batched_tokens=6)  # the 14-token prompt takes three steps
+    prompt = prompts(9, (14,))[0]
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    assert_prompt_logprobs_match_hf(tiny_llama.hf_model, prompt, out)
+    assert_no_leak(llm)
+
+
+def test_prompt_logprobs_are_sent_once_when_a_request_is_preempted_and_recomputed(tiny_llama):
+    llm = make_llm(tiny_llama, **VARIANTS["preemption"])
+    batch = prompts()
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, prompt_logprobs=1)
+    outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
+    for prompt, out in zip(batch, outs):
+        assert_prompt_logprobs_match_hf(tiny_llama.hf_model, prompt, out)
     assert_no_leak(llm)
 
 

@@ -11,7 +11,7 @@ import torch
 
 from llmplug.layers.attention import attention_layers
 
-from .harness import PagedHarness
+from llmplug.testing.paged import PagedHarness
 from .test_llama_parity import ATOL, hf_logits, prompts
 from .tiny_models import TinyModel, make_tiny
 

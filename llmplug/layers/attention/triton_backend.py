@@ -91,10 +91,10 @@ class TritonAttentionBackend(AttentionBackend):
 
 def _features(layer: "Attention", device: torch.device) -> dict:
     """The layer's attention features as the kernel's keyword arguments (absent ones are None)."""
-    slopes, sinks = getattr(layer, "alibi_slopes", None), getattr(layer, "sinks", None)
+    slopes, sinks = layer.alibi_slopes, layer.sinks
     return dict(
-        sliding_window=getattr(layer, "sliding_window", None),
-        logit_softcap=getattr(layer, "logit_softcap", None),
+        sliding_window=layer.sliding_window,
+        logit_softcap=layer.logit_softcap,
         alibi_slopes=None if slopes is None else slopes.to(device, torch.float32),
         sinks=None if sinks is None else sinks.to(device, torch.float32),
     )
