@@ -14,6 +14,7 @@ from llmplug.engine.engine_core import EngineCore
 from llmplug.engine.guided_decoding import GuidedDecodingManager, RequestGrammar
 from llmplug.engine.input_processor import InputProcessor, PromptType
 from llmplug.engine.output_processor import OutputProcessor
+from llmplug.engine.request_limits import RequestLimits
 from llmplug.engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -57,7 +58,8 @@ class LLMEngine:
         self.tokenizer = None if self.config.model.skip_tokenizer_init else loader.load_tokenizer(self.config.model)
         self.engine_core = EngineCore(self.config)
         info = self.engine_core.model_info
-        self.processor = InputProcessor(self.tokenizer, info["vocab_size"], self.engine_core.max_model_len)
+        limits = RequestLimits.of(info["vocab_size"], self.engine_core.max_model_len, self.config.decoding)
+        self.processor = InputProcessor(self.tokenizer, limits)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_id = self._eos_token_id()
         self.guided = GuidedDecodingManager(self.tokenizer, info["vocab_size"], self.eos_token_id, self.config.decoding)

@@ -1,9 +1,10 @@
 """The vectorized sampler: logits of a batch -> one token per request (and logprobs when asked).
 
 Order of one step (as vLLM): per-request logits processors, the batched token bitmask of guided
-decoding, logit_bias, min_tokens, repetition / frequency / presence penalties, the engine-wide
-processors of the `llmplug_logits_processors` hook, logprobs, then greedy rows take the argmax and
-random rows go through temperature, top-k, top-p, min-p and sampling.
+decoding, allowed_token_ids, logit_bias, banned tokens (min_tokens, bad_words), repetition /
+frequency / presence penalties, the engine-wide processors of the `llmplug_logits_processors` hook,
+logprobs, then greedy rows take the argmax and random rows go through temperature, top-k, top-p,
+min-p and sampling.
 
 Logprobs (a choice): the log-softmax of the logits after everything above (processors, bitmask,
 bias, min_tokens, penalties) and before temperature and the top-k/top-p/min-p filters, i.e. the
@@ -34,6 +35,7 @@ import torch
 from llmplug.core.protocols import LogitsProcessor
 from llmplug.engine.core_outputs import LogprobsLists
 from llmplug.engine.sampling_state import (
+    AllowedTokens,
     LogitBias,
     PenaltyTensors,
     RandomSampling,
@@ -117,10 +119,12 @@ class Sampler:
         apply_logits_processors(logits, metadata.logits_processors, failed)
         if bitmask is not None:
             apply_token_bitmask(logits, bitmask)
+        if metadata.allowed_tokens is not None:
+            apply_allowed_tokens(logits, metadata.allowed_tokens)
         if metadata.logit_bias is not None:
             apply_logit_bias(logits, metadata.logit_bias)
-        if metadata.min_tokens_mask is not None:
-            apply_token_mask(logits, metadata.min_tokens_mask)
+        if metadata.banned_tokens is not None:
+            apply_token_mask(logits, metadata.banned_tokens)
         if metadata.penalties is not None:
             apply_penalties(logits, metadata.penalties)
         if self.logits_processors:
@@ -246,6 +250,15 @@ def _byte_bits(device: torch.device) -> torch.Tensor:
     """[256, 8] bool: bit k of each byte value (little-endian words: byte k of word i holds tokens 32 i + 8 k...)."""
     values = torch.arange(256, dtype=torch.int32)
     return ((values.unsqueeze(1) >> torch.arange(8, dtype=torch.int32)) & 1).bool().to(device)
+
+
+def apply_allowed_tokens(logits: torch.Tensor, allowed: AllowedTokens) -> None:
+    """Set to -inf every token outside each restricted row's allowed_token_ids."""
+    forbidden, vocab = allowed.forbidden, logits.shape[1]
+    if forbidden.shape[1] < vocab:  # the vocabulary size was unknown: ids past the widest are not allowed either
+        forbidden = torch.nn.functional.pad(forbidden, (0, vocab - forbidden.shape[1]), value=True)
+    rows = logits[allowed.rows]  # [A, V]
+    logits[allowed.rows] = rows.masked_fill_(forbidden, _NEG_INF)
 
 
 def apply_logit_bias(logits: torch.Tensor, bias: LogitBias) -> None:

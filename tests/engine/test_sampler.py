@@ -439,16 +439,9 @@ def test_metadata_is_cached_until_the_batch_changes():
 def test_features_nobody_uses_are_absent_from_the_metadata():
     md = make_state([SamplingParams(temperature=0.0)] * 3)[0].metadata(["r0", "r1", "r2"])
     assert md.random is None and md.penalties is None and md.logit_bias is None
-    assert md.min_tokens_mask is None and md.max_num_logprobs is None and not md.logits_processors
+    assert md.banned_tokens is None and md.allowed_tokens is None and md.max_num_logprobs is None and not md.logits_processors
     md = make_state([SamplingParams(temperature=0.9)] * 2)[0].metadata(["r0", "r1"])
     assert md.all_random and md.random.top_k is None and md.random.top_p is None and md.random.min_p is None
-
-
-def test_out_of_vocabulary_bias_is_rejected():
-    from llmplug.core.errors import InvalidRequestError
-
-    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
-        SamplingState(V).add_request("r", SamplingParams(logit_bias={V: 1.0}), [1], [])
 
 
 def test_top_k_larger_than_the_allowed_set_keeps_the_allowed_set():

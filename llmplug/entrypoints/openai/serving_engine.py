@@ -161,9 +161,11 @@ def make_sampling_params(request: Any, *, max_tokens: int, logprobs: int | None,
             seed=value("seed", None),
             stop=value("stop", None),
             stop_token_ids=value("stop_token_ids", None),
+            bad_words=value("bad_words", None),
+            allowed_token_ids=value("allowed_token_ids", None),
             include_stop_str_in_output=value("include_stop_str_in_output", False),
             ignore_eos=value("ignore_eos", False),
-            min_tokens=min(value("min_tokens", 0), max_tokens),
+            min_tokens=value("min_tokens", 0),
             max_tokens=max_tokens,
             logprobs=logprobs,
             skip_special_tokens=value("skip_special_tokens", True),
@@ -172,7 +174,7 @@ def make_sampling_params(request: Any, *, max_tokens: int, logprobs: int | None,
             guided_decoding=guided_decoding_params(request),
         )
     except InvalidRequestError as exc:
-        raise OpenAIError(400, str(exc)) from exc
+        raise OpenAIError(400, str(exc), param=exc.param) from exc
 
 
 def logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
