@@ -14,11 +14,16 @@ Stop strings: after each `update`, `check_stop` searches only the new text plus 
 string - 1) characters before it, truncates the text at the earliest match (keeping the stop string
 when `include_stop_str_in_output`) and reports the string. Streaming never sends text it may have to
 take back: `get_next_output_text` holds back the longest tail that is a prefix of a stop string, and
-releases it when the next token shows it is not one (or when the request finishes).
+releases it when the next token shows it is not one (or when the request finishes). Neither grows
+with the number of stop strings in Python: the search is one compiled regular expression (the
+strings longest first, so the longest of those starting at the earliest match wins), the hold-back a
+binary search in the sorted strings per candidate tail length.
 """
 
 from __future__ import annotations
 
+import bisect
+import re
 from typing import Any
 
 from llmplug.core.params import SamplingParams
@@ -113,6 +118,10 @@ class IncrementalDetokenizer:
         self.include_stop_str_in_output = params.include_stop_str_in_output
         self.min_tokens = params.min_tokens
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
+        self._sorted_stops = sorted(set(self.stop))
+        self._stop_starts = frozenset(s[0] for s in self.stop)
+        by_length = sorted(self._sorted_stops, key=len, reverse=True)
+        self._stop_pattern = re.compile("|".join(map(re.escape, by_length))) if self.stop else None
         self._text = ""
         self._sent = 0  # characters already handed out by get_next_output_text
         self.stopped = False  # a stop string matched: the text is final
@@ -160,10 +169,10 @@ class IncrementalDetokenizer:
         if not self.stop or new_text_len <= 0 or self.stopped or len(self.token_ids) <= self.min_tokens:
             return None
         start = max(0, len(self._text) - new_text_len - (self._max_stop_len - 1))
-        matches = [(i, s) for s in self.stop if (i := self._text.find(s, start)) >= 0]
-        if not matches:
+        match = self._stop_pattern.search(self._text, start)
+        if match is None:
             return None
-        index, stop = min(matches, key=lambda m: (m[0], -len(m[1])))
+        index, stop = match.start(), match.group()
         end = index + len(stop) if self.include_stop_str_in_output else index
         self._text = self._text[:end]
         self._sent = min(self._sent, end)
@@ -185,8 +194,12 @@ class IncrementalDetokenizer:
         """Length of the longest tail of the text that is a proper prefix of a stop string."""
         if self.include_stop_str_in_output:
             return 0  # the stop string itself is kept, so nothing sent would be taken back
+        stops = self._sorted_stops
         for length in range(min(self._max_stop_len - 1, len(self._text)), 0, -1):
+            if self._text[-length] not in self._stop_starts:
+                continue
             tail = self._text[-length:]
-            if any(s.startswith(tail) for s in self.stop):
+            i = bisect.bisect_left(stops, tail)  # the first stop string >= tail starts with it, if any does
+            if i < len(stops) and stops[i].startswith(tail):
                 return length
         return 0

@@ -226,3 +226,44 @@ def test_held_back_text_is_released_when_it_is_not_a_stop(smollm2):
     new = detok.update(smollm2.encode("AY", add_special_tokens=False))
     assert detok.check_stop(len(new)) is None
     assert detok.get_next_output_text(finished=False, delta=True) == "STAY"
+
+
+def naive_stream_with_stops(text: str, chunks: list[str], stops: list[str]) -> tuple[list[str], str | None, str]:
+    """The obvious reference: after each chunk look for every stop string anywhere, and hold back every
+    tail that some stop string starts with."""
+    deltas, sent, grown = [], 0, ""
+    for chunk in chunks:
+        grown += chunk
+        hits = [(grown.find(s), -len(s), s) for s in stops if s in grown]
+        if hits:
+            index, _, stop = min(hits)
+            deltas.append(grown[sent:index])
+            return deltas, stop, grown[:index]
+        held = max((n for n in range(1, len(grown) + 1) if any(s.startswith(grown[-n:]) for s in stops)), default=0)
+        end = max(sent, len(grown) - held)
+        deltas.append(grown[sent:end])
+        sent = end
+    deltas.append(grown[sent:])
+    return deltas, None, grown
+
+
+def test_many_stop_strings_behave_like_the_naive_search(smollm2):
+    rng = random.Random(5)
+    words = ["the", " end", " ending", " en", "d", " END", "!", " 世界", "🤖", " e", "nd", "!!", " ab", "ba"]
+    for _ in range(60):
+        text = "".join(rng.choice(words) for _ in range(16))
+        stops = list({text[i : i + rng.randint(2, 8)] for i in rng.sample(range(len(text) - 2), 3)})
+        stops += ["".join(rng.choice("abdn!e ") for _ in range(rng.randint(2, 6))) for _ in range(61)]
+        detok = IncrementalDetokenizer(smollm2, [], SamplingParams(stop=stops))
+        chunks, deltas, stop = [], [], None
+        for token_id in smollm2.encode(text, add_special_tokens=False):
+            new = detok.update([token_id])
+            chunks.append(new)
+            stop = detok.check_stop(len(new))
+            deltas.append(detok.get_next_output_text(finished=False, delta=True))
+            if stop is not None:
+                break
+        else:
+            deltas.append(detok.get_next_output_text(finished=True, delta=True))
+        expected = naive_stream_with_stops(text, chunks, stops)
+        assert (deltas, stop, detok.output_text) == expected
