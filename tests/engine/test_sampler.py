@@ -158,7 +158,7 @@ def test_inverse_cdf_never_picks_a_zero_weight_token():
     weights[3] = torch.rand(1000) * (torch.rand(1000) > 0.9)
     weights[4, 640] = 2.0
     for uniforms in (torch.zeros(5), torch.full((5,), 1.0 - 2**-24), torch.rand(5)):
-        tokens = inverse_cdf_sample(weights, uniforms)
+        tokens, _ = inverse_cdf_sample(weights, uniforms)
         assert bool((weights.gather(1, tokens[:, None]) > 0).all())
 
 

@@ -118,16 +118,25 @@ class OpenAIServing:
 
     async def generate(self, prompt_text: str | None, prompt_ids: list[int], params: SamplingParams,
                        request_id: str) -> AsyncGenerator[RequestOutput, None]:
-        """The engine's outputs of one request, recorded in the metrics however the request ends."""
+        """The engine's outputs of one request, recorded in the metrics however the request ends.
+
+        When a failure inside the engine aborted a completion (its `error` is set), the outputs still all
+        come (the last with finish_reason "abort"), then a 500 OpenAIError carrying the engine's reason:
+        a stream reports it as an error event, a whole answer as its error body.
+        """
         tracker = self.metrics.track(len(prompt_ids))
         delta = params.output_kind == RequestOutputKind.DELTA
         prompt = {"prompt": prompt_text, "prompt_token_ids": prompt_ids}
         outcome = "abort"  # unless it finishes or fails: the consumer went away
         outputs = self.engine.generate(prompt, params, request_id)
+        failure = None
         try:
             async for output in outputs:
                 tracker.observe(output, delta)
+                failure = failure or next((c.error for c in output.outputs if c.error is not None), None)
                 yield output
+            if failure is not None:
+                raise OpenAIError(500, f"The request failed inside the engine: {failure}", code="request_failed")
             outcome = None
         except Exception:
             outcome = "error"
@@ -280,6 +289,8 @@ def sse(data: str, event: str | None = None) -> str:
 
 def sse_error(exc: BaseException) -> str:
     """An error in the middle of a stream, as an event whose data is the OpenAI error body."""
+    if isinstance(exc, OpenAIError):
+        return sse(json.dumps(error_body(exc.status, exc.message, exc.param, exc.code)))
     status, message = error_status(exc)
     return sse(json.dumps(error_body(status, message)))
 
