@@ -478,3 +478,45 @@ def test_engine_wide_processors_run_on_every_row_after_penalties():
     state, ids = make_state(params, outputs=[[4], []])
     out = Sampler(logits_processors=[forbid_zero])(logits, state.metadata(ids)).sampled_token_ids
     assert calls == [([4], 6.0), ([], 5.0)] and 0 not in out.tolist()
+
+
+# --- rows that cannot be sampled ---
+
+
+BATCH_OF_EVERY_KIND = [
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.8, seed=1),
+    SamplingParams(temperature=1.0, seed=2, top_p=0.7),
+    SamplingParams(temperature=1.1, seed=3, top_k=20),
+    SamplingParams(temperature=0.9, seed=4, min_p=0.05),
+    SamplingParams(temperature=0.0, logprobs=3),
+    SamplingParams(temperature=1.0, seed=5, top_k=30, top_p=0.8, min_p=0.01),
+    SamplingParams(temperature=0.0, repetition_penalty=1.3),
+]
+
+
+@pytest.mark.parametrize("poison", ["nan", "+inf", "all -inf"])
+@pytest.mark.parametrize("row_index", [0, 2, 6])
+def test_a_non_finite_row_is_flagged_and_the_others_sample_as_in_a_clean_batch(poison, row_index):
+    torch.manual_seed(0)
+    logits = torch.randn(8, V) * 2.0
+    clean_state, ids = make_state(BATCH_OF_EVERY_KIND)
+    clean = Sampler()(logits.clone(), clean_state.metadata(ids))
+    bad = logits.clone()
+    if poison == "all -inf":
+        bad[row_index] = float("-inf")
+    else:
+        bad[row_index, 17] = float(poison.lstrip("+"))
+    state, ids = make_state(BATCH_OF_EVERY_KIND)
+    out = Sampler()(bad, state.metadata(ids))
+    assert out.unsampleable.tolist() == [i == row_index for i in range(8)]
+    others = [i for i in range(8) if i != row_index]
+    assert torch.equal(out.sampled_token_ids[others], clean.sampled_token_ids[others])
+    assert 0 <= int(out.sampled_token_ids[row_index]) < V  # junk, but never out of range
+    assert torch.equal(out.logprobs.logprobs[others], clean.logprobs.logprobs[others])
+
+
+def test_a_clean_batch_has_no_unsampleable_row():
+    torch.manual_seed(1)
+    state, ids = make_state(BATCH_OF_EVERY_KIND)
+    assert not Sampler()(torch.randn(8, V), state.metadata(ids)).unsampleable.any()
