@@ -1,10 +1,14 @@
 """Incremental detokenization of one completion, with stop strings.
 
-Text grows token by token and always equals `tokenizer.decode(output_ids, skip_special_tokens=...)`
-(no prompt context: a sentencepiece tokenizer's leading space of the first output token is dropped,
-exactly as that decode drops it). A fast tokenizer decodes through tokenizers' `DecodeStream`; any
-other through the same prefix / read-offset scheme written in Python. Both hold back text while it
-ends in an incomplete UTF-8 sequence (a character split across tokens) and release it whole.
+Text is decoded in context, as vLLM does: after the tail of the prompt (its last 4 or more tokens, as
+few as decode to whole characters). It grows token by token and always equals the part of
+`tokenizer.decode(tail + output_ids, skip_special_tokens=...)` after `tokenizer.decode(tail)`, which is
+how the output reads after the whole prompt. Decoded alone, the output would lose what depends on the
+token before it: a sentencepiece tokenizer (Llama 2, Mistral) drops the leading space of the first
+output token, so an answer would be glued to its prompt. A fast tokenizer decodes through tokenizers'
+`DecodeStream` (primed with the tail); any other through the same prefix / read-offset scheme written
+in Python. Both hold back text while it ends in an incomplete UTF-8 sequence (a character split across
+tokens) and release it whole.
 
 A byte-fallback (sentencepiece) decoder is not monotonic on invalid UTF-8: a run of byte tokens
 that stops being valid turns into one U+FFFD per byte, rewriting text already emitted. Streams of
@@ -24,7 +28,7 @@ from __future__ import annotations
 
 import bisect
 import re
-from typing import Any
+from typing import Any, Callable, Sequence
 
 from llmplug.core.params import SamplingParams
 
@@ -48,13 +52,30 @@ def fast_backend(tokenizer: Any) -> Any | None:
     return backend if isinstance(backend, _FastTokenizer) else None
 
 
+MIN_CONTEXT_TOKENS, MAX_CONTEXT_TOKENS = 4, 24  # how much of the prompt's tail output is decoded after
+
+
+def prompt_tail(prompt_token_ids: list[int], decode: Callable[[list[int]], str]) -> list[int]:
+    """The shortest tail of the prompt, of at least MIN_CONTEXT_TOKENS tokens, that decodes to whole
+    characters (its first token does not continue a character split across tokens); the longest one
+    tried when none does."""
+    if len(prompt_token_ids) <= MIN_CONTEXT_TOKENS:
+        return list(prompt_token_ids)
+    longest = min(len(prompt_token_ids), MAX_CONTEXT_TOKENS)
+    for n in range(MIN_CONTEXT_TOKENS, longest + 1):
+        tail = list(prompt_token_ids[-n:])
+        if _REPLACEMENT not in decode(tail):
+            return tail
+    return list(prompt_token_ids[-longest:])
+
+
 class StreamDecoder:
     """Decodes through tokenizers' DecodeStream (Rust), recovering from its invalid-prefix error."""
 
-    def __init__(self, backend: Any, skip_special_tokens: bool) -> None:
+    def __init__(self, backend: Any, skip_special_tokens: bool, context: Sequence[int] = ()) -> None:
         self.backend = backend
         self.skip_special_tokens = skip_special_tokens
-        self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self.stream = DecodeStream(ids=list(context), skip_special_tokens=skip_special_tokens)
 
     def step(self, token_id: int) -> str | None:
         """Text completed by one more token, or None while it is incomplete."""
@@ -79,14 +100,14 @@ class OffsetDecoder:
     context that decoders need for spaces.
     """
 
-    def __init__(self, tokenizer: Any, params: SamplingParams) -> None:
+    def __init__(self, tokenizer: Any, params: SamplingParams, context: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
         self.kwargs = {"skip_special_tokens": params.skip_special_tokens}
         if not params.spaces_between_special_tokens:  # only slow tokenizers know this argument
             self.kwargs["spaces_between_special_tokens"] = False
-        self.token_ids: list[int] = []
+        self.token_ids: list[int] = list(context)
         self.prefix_offset = 0
-        self.read_offset = 0
+        self.read_offset = len(context)
 
     def step(self, token_id: int) -> str | None:
         """Text completed by one more token, or None while it is incomplete."""
@@ -108,11 +129,16 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
         backend = fast_backend(tokenizer)
+        decode = (backend or tokenizer).decode
+        self._context = prompt_tail(prompt_token_ids, lambda ids: decode(ids, skip_special_tokens=params.skip_special_tokens))
         if backend is not None:
-            self._decoder: StreamDecoder | OffsetDecoder = StreamDecoder(backend, params.skip_special_tokens)
+            self._decoder: StreamDecoder | OffsetDecoder = StreamDecoder(
+                backend, params.skip_special_tokens, self._context
+            )
         else:
-            self._decoder = OffsetDecoder(tokenizer, params)
-        self.prompt_token_ids = prompt_token_ids  # kept for callers; decoding needs no prompt context
+            self._decoder = OffsetDecoder(tokenizer, params, self._context)
+        self._context_text = self._decoder.decode(self._context)
+        self.prompt_token_ids = prompt_token_ids
         self.token_ids: list[int] = []
         self.stop = list(params.stop or [])
         self.include_stop_str_in_output = params.include_stop_str_in_output
@@ -153,11 +179,18 @@ class IncrementalDetokenizer:
         """
         if self.stopped:
             return ""
-        full = self._decoder.decode(self.token_ids)
+        full = self._decode_in_context(self.token_ids)
         added = full[len(self._text) :] if full.startswith(self._text) else ""
         self._text = full
         self._sent = min(self._sent, len(full))
         return added
+
+    def _decode_in_context(self, token_ids: list[int]) -> str:
+        """The text of `token_ids` as it reads after the prompt's tail."""
+        text = self._decoder.decode(self._context + token_ids)
+        if text.startswith(self._context_text):
+            return text[len(self._context_text) :]
+        return self._decoder.decode(token_ids)  # the tail reads differently once followed: no context to strip
 
     def check_stop(self, new_text_len: int) -> str | None:
         """After `update` added `new_text_len` characters: the stop string now in the text, or None.
