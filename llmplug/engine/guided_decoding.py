@@ -242,5 +242,5 @@ def _allow_end(bitmask: torch.Tensor, row: int, request: "Request") -> None:
     """Let a request whose grammar allows no token of the vocabulary sample the end token (and so stop),
     rather than a row with every logit at -inf."""
     logger.warning("request %s: its grammar allows no token of the vocabulary here; ending it", request.request_id)
-    eos = request.eos_token_id
+    eos = request.eos_token_ids[0]  # the tokenizer's: the one the grammar backends know
     bitmask[row, eos // 32] = torch.tensor(1 << (eos % 32), dtype=torch.int64).to(torch.int32)  # bit 31 wraps

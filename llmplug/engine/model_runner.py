@@ -107,7 +107,7 @@ class ModelRunner:
             if req.new is not None:
                 new = req.new
                 self.sampling_state.add_request(
-                    new.req_id, new.sampling_params, new.prompt_token_ids, new.output_token_ids, new.eos_token_id
+                    new.req_id, new.sampling_params, new.prompt_token_ids, new.output_token_ids, new.eos_token_ids
                 )
                 self.prompt_token_ids[new.req_id] = new.prompt_token_ids
 

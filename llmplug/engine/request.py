@@ -42,7 +42,7 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    eos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()  # every token that ends the sequence (the tokenizer's first), unless ignore_eos
     arrival_time: float = field(default_factory=time.time)
     priority: int = 0
     status: RequestStatus = RequestStatus.WAITING

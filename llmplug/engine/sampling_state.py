@@ -241,15 +241,15 @@ class SamplingState:
         params: SamplingParams,
         prompt_token_ids: list[int],
         output_token_ids: list[int],
-        eos_token_id: int | None = None,
+        eos_token_ids: tuple[int, ...] = (),
     ) -> None:
         """Start tracking a request that is new or resumed after preemption (replaces any old state).
 
         Its token ids (stop_token_ids, logit_bias, ...) were checked against the vocabulary when it was added.
         """
         stop_ids = list(params.stop_token_ids or [])
-        if eos_token_id is not None and not params.ignore_eos:
-            stop_ids.append(eos_token_id)
+        if not params.ignore_eos:
+            stop_ids += eos_token_ids
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device)

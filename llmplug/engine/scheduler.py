@@ -298,7 +298,7 @@ class Scheduler:
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=list(request.output_token_ids),
             sampling_params=request.sampling_params,
-            eos_token_id=request.eos_token_id,
+            eos_token_ids=request.eos_token_ids,
         )
         return self._scheduled_request(request, num_new_tokens, new)
 
@@ -391,7 +391,7 @@ class Scheduler:
         last = request.output_token_ids[-1]
         # Stop tokens count as a stop even on the last allowed token: "stop" says more than "length".
         if request.num_output_tokens >= params.min_tokens:
-            if last == request.eos_token_id and not params.ignore_eos:
+            if last in request.eos_token_ids and not params.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED
             if last in params.stop_token_ids:
                 request.stop_reason = last

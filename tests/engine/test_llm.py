@@ -194,3 +194,24 @@ def test_llm_reads_a_config_file_and_keywords_override_it(tiny_llama, tmp_path):
     llm = LLM(config=path, max_num_seqs=5)
     assert llm.config.cache.block_size == 8 and llm.config.scheduler.max_num_seqs == 5
     assert generate_ids(llm, [[4, 5, 6]], GREEDY) == [hf_greedy(tiny_llama.hf_model, [4, 5, 6])]
+
+
+def test_every_eos_id_of_the_generation_config_stops_the_request(tiny_llama, tmp_path):
+    import json
+    import shutil
+
+    prompt = [3, 1, 4, 1, 5]
+    reference = hf_greedy(tiny_llama.hf_model, prompt)
+    eos = reference[4]  # a token the model will generate, declared as the second of several eos ids
+    path = shutil.copytree(tiny_llama.path, tmp_path / "model")
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [255, eos]}))
+    llm = LLM(str(path), dtype="float32", skip_tokenizer_init=True, block_size=4)
+    assert llm.llm_engine.eos_token_ids == (255, eos)
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
+                       use_tqdm=False)[0].outputs[0]
+    stop_at = reference.index(eos) + 1
+    assert out.token_ids == reference[:stop_at] and out.finish_reason == "stop"
+    ignore = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    assert generate_ids(llm, [prompt], ignore) == [reference]
+    held = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, min_tokens=stop_at + 1)  # eos masked till then
+    assert eos not in generate_ids(llm, [prompt], held)[0][: stop_at + 1]

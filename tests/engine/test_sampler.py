@@ -27,7 +27,7 @@ def make_state(params: list[SamplingParams], vocab: int = V, prompts=None, outpu
     for i, p in enumerate(params):
         prompt = prompts[i] if prompts else [1, 2, 3]
         output = outputs[i] if outputs else []
-        state.add_request(f"r{i}", p, prompt, output, eos_token_id=eos)
+        state.add_request(f"r{i}", p, prompt, output, eos_token_ids=() if eos is None else (eos,))
     return state, [f"r{i}" for i in range(len(params))]
 
 
