@@ -177,6 +177,7 @@ class EngineCore:
             raise self.dead_error
 
     def _outputs(self, updated: list[Request], runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """One output per request with news: tokens, an end, or (a prefill chunk that sampled nothing) prompt logprobs."""
         row_of = {req_id: i for i, req_id in enumerate(runner_output.req_ids)}
         logprobs = runner_output.logprobs
         outputs = []
@@ -195,6 +196,12 @@ class EngineCore:
                     error=req.error,
                 )
             )
+        reported = {req.request_id for req in updated}
+        for req_id, chunk in runner_output.prompt_logprobs.items():
+            if req_id not in reported and (req := self.scheduler.get_request(req_id)) is not None:
+                outputs.append(
+                    EngineCoreOutput(req_id, [], prompt_logprobs=chunk, num_cached_tokens=req.num_cached_tokens)
+                )
         return outputs
 
     # ---- between generations: new weights, prefix cache, sleep mode (RL) -------------------------

@@ -40,11 +40,14 @@ def prepare_config(config: EngineConfig) -> EngineConfig:
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """The params of completion `index` of an n > 1 request: one sequence each, distinct seeds."""
+    """The params of completion `index` of an n > 1 request: one sequence each, distinct seeds; only the first
+    computes the prompt's logprobs (the prompt is shared), so the others may take its blocks from the cache."""
     child = params.clone()
     child.n = 1
     if params.seed is not None:
         child.seed = params.seed + index
+    if index > 0:
+        child.prompt_logprobs = None
     return child
 
 

@@ -10,6 +10,7 @@ import torch
 
 from llmplug.core.config import EngineConfig
 from llmplug.core.plugins import get_registry
+from llmplug.engine.core_outputs import PromptLogprobsChunk
 from llmplug.engine.pipeline_stage import PipelineStage
 from llmplug.engine.sampler import Sampler
 from llmplug.engine.sampling_state import SamplingState
@@ -187,11 +188,12 @@ class ModelRunner:
 
     def _prompt_logprobs(
         self, scheduler_output: SchedulerOutput, batch: BatchInputs, hidden_states: torch.Tensor
-    ) -> dict[str, object]:
-        """Logprobs of each prompt token given the ones before it, for requests that asked."""
+    ) -> dict[str, PromptLogprobsChunk]:
+        """Logprobs of the prompt tokens this step's chunk predicts (each given the ones before it), for requests
+        that asked. A chunk recomputed after preemption comes again; the output processor keeps the first."""
         from llmplug.engine.sampler import compute_prompt_logprobs
 
-        result: dict[str, object] = {}
+        result: dict[str, PromptLogprobsChunk] = {}
         starts = batch.common.query_start_loc.tolist()
         for i, req in enumerate(scheduler_output.requests):
             k = self.sampling_state.params(req.req_id).prompt_logprobs
@@ -205,5 +207,6 @@ class ModelRunner:
                 continue
             rows = hidden_states[starts[i] : starts[i] + n]
             targets = torch.tensor(prompt[req.num_computed_tokens + 1 : end_pos + 1], device=self.device)
-            result[req.req_id] = compute_prompt_logprobs(self.model.compute_logits(rows), targets, k)
+            logprobs = compute_prompt_logprobs(self.model.compute_logits(rows), targets, k)
+            result[req.req_id] = PromptLogprobsChunk(req.num_computed_tokens + 1, logprobs)
         return result
