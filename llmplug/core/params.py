@@ -125,7 +125,7 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     guided_decoding: GuidedDecodingParams | None = None
     extra_args: dict[str, Any] = field(default_factory=dict)
-    # the token sequences of bad_words, as the engine's tokenizer spells them (set by the engine when a request is added)
+    # the token sequences of bad_words as the engine's tokenizer spells them: set by the engine when a request is added
     bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
