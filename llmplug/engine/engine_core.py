@@ -196,7 +196,7 @@ class EngineCore:
                     error=req.error,
                 )
             )
-        reported = {req.request_id for req in updated}
+        reported = {req.request_id for req in updated} if runner_output.prompt_logprobs else set()
         for req_id, chunk in runner_output.prompt_logprobs.items():
             if req_id not in reported and (req := self.scheduler.get_request(req_id)) is not None:
                 outputs.append(
