@@ -39,6 +39,7 @@ from llmplug.entrypoints.openai.protocol import (
     ModelList,
     ResponsesRequest,
 )
+from llmplug.entrypoints.openai.reply import ReplyParsers, check_parser_names
 from llmplug.entrypoints.openai.security import AccessMiddleware, BodySizeLimitMiddleware, RateLimit
 from llmplug.entrypoints.openai.serving_chat import OpenAIServingChat
 from llmplug.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -67,6 +68,9 @@ class ServerSettings:
     served_model_names: list[str] = field(default_factory=list)  # empty: the engine's model
     shutdown_timeout: float = 30.0  # grace period for in-flight requests on SIGTERM
     log_level: str = "info"
+    tool_call_parser: str | None = None  # `llmplug.tool_parsers` name: the format of the model's tool calls
+    enable_auto_tool_choice: bool = False  # tool_choice "auto": the model decides, the tool parser reads
+    reasoning_parser: str | None = None  # `llmplug.reasoning_parsers` name
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServerSettings":
@@ -80,6 +84,8 @@ class ServerSettings:
             rate_limit=RateLimit.parse(args.rate_limit) if args.rate_limit else None,
             max_body_bytes=args.max_body_bytes, served_model_names=list(args.served_model_name or []),
             shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
+            tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
+            reasoning_parser=args.reasoning_parser,
         )
 
 
@@ -90,9 +96,11 @@ def build_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> FastA
     metrics = ServerMetrics(engine.stats)
     app = FastAPI(title="llmplug", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine, app.state.metrics, app.state.model_names = engine, metrics, names
-    chat = OpenAIServingChat(engine, names, metrics)
+    parsers = ReplyParsers.load(settings.tool_call_parser, settings.enable_auto_tool_choice,
+                                settings.reasoning_parser, engine.get_tokenizer())
+    chat = OpenAIServingChat(engine, names, metrics, parsers)
     completion = OpenAIServingCompletion(engine, names, metrics)
-    responses = OpenAIServingResponses(engine, names, metrics)
+    responses = OpenAIServingResponses(engine, names, metrics, parsers)
     started = int(time.time())
 
     @app.get("/health")
@@ -223,6 +231,7 @@ def run_server(config: EngineConfig, settings: ServerSettings) -> int:
     """Start the engine and serve it until SIGTERM/SIGINT; returns the exit status."""
     import uvicorn
 
+    check_parser_names(settings.tool_call_parser, settings.enable_auto_tool_choice, settings.reasoning_parser)
     engine = AsyncLLM.from_config(config)
     try:
         app = build_app(engine, settings)
