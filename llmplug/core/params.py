@@ -158,7 +158,7 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        """Checks that need no model; the engine checks the rest (vocabulary, context, limits) when a request is added."""
+        """Checks that need no model; the engine checks the rest (vocabulary, context, limits) when it adds the request."""
         self._check_types()
         checks = [
             (self.n >= 1, "n", "must be at least 1"),
@@ -208,7 +208,9 @@ class SamplingParams:
                 continue
             raise InvalidRequestError(f"SamplingParams.{name}={value!r} must be a number", param=name)
         if not math.isfinite(self.temperature):
-            raise InvalidRequestError(f"SamplingParams.temperature={self.temperature!r} must be finite", param="temperature")
+            raise InvalidRequestError(
+                f"SamplingParams.temperature={self.temperature!r} must be finite", param="temperature"
+            )
         for name, kind in lists.items():
             value = getattr(self, name)
             if value is not None and not (isinstance(value, list) and all(_is_kind(v, kind) for v in value)):

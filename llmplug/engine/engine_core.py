@@ -177,7 +177,7 @@ class EngineCore:
             raise self.dead_error
 
     def _outputs(self, updated: list[Request], runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        """One output per request with news: tokens, an end, or (a prefill chunk that sampled nothing) prompt logprobs."""
+        """One output per request with news: tokens, an end, or prompt logprobs (of a chunk that sampled nothing)."""
         row_of = {req_id: i for i, req_id in enumerate(runner_output.req_ids)}
         logprobs = runner_output.logprobs
         outputs = []

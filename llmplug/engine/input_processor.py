@@ -103,9 +103,13 @@ class InputProcessor:
 
 def _token_ids(values: Any) -> list[int]:
     """Prompt token ids as Python ints (numpy's too); InvalidRequestError for anything else."""
-    items = values.tolist() if hasattr(values, "tolist") else list(values) if isinstance(values, (list, tuple)) else None
-    if not isinstance(items, list) or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in items):
+    items = values.tolist() if hasattr(values, "tolist") else list(values) if isinstance(values, (list, tuple)) else 0
+    if not isinstance(items, list) or not all(map(_is_token_id, items)):
         raise InvalidRequestError(
             f"prompt_token_ids must be a list of integers, got {str(values)[:80]}", param="prompt"
         )
     return [int(t) for t in items]
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
