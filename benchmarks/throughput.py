@@ -35,15 +35,16 @@ def make_prompts(tokenizer, num_prompts: int) -> list[list[int]]:
 
 
 def bench_llmplug(model: str, prompts: list[list[int]], output_len: int, dtype: str,
-                  quantization: str = "none") -> float:
+                  quantization: str = "none", **engine) -> float:
     from llmplug import LLM, SamplingParams
 
-    llm = LLM(model=model, dtype=dtype, max_num_seqs=max(len(prompts), 1), quantization=quantization)
+    llm = LLM(model=model, dtype=dtype, max_num_seqs=max(len(prompts), 1), quantization=quantization, **engine)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     elapsed = time.perf_counter() - start
+    llm.shutdown()
     return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
 
 
@@ -60,6 +61,7 @@ def bench_hf_generate(hf, prompts: list[list[int]], output_len: int, pad_id: int
     width = max(map(len, prompts))
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])  # left padding
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids, mask = ids.to(hf.device), mask.to(hf.device)
     kw = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False, pad_token_id=pad_id)
     with torch.inference_mode():
         hf.generate(ids[:1, -8:], attention_mask=mask[:1, -8:], **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})

@@ -85,6 +85,10 @@ class SchedulerConfig(_Section):
     enable_chunked_prefill: bool = Field(True, description="Split long prompts across steps.")
     policy: Literal["fcfs", "priority"] = Field("fcfs", description="Order of waiting requests.")
 
+    def token_budget(self, max_model_len: int) -> int:
+        """Tokens one step may hold: max_num_batched_tokens, else 2048 with chunked prefill, else max_model_len."""
+        return self.max_num_batched_tokens or (2048 if self.enable_chunked_prefill else max_model_len)
+
 
 class ParallelConfig(_Section):
     """Tensor, pipeline and data parallelism and the executor that runs the workers."""

@@ -20,8 +20,13 @@ if TYPE_CHECKING:  # no heavy imports at run time
     from llmplug.core.config import EngineConfig, ModelConfig
     from llmplug.core.params import GuidedDecodingParams
 
-# 1.1: guided decoding (GuidedDecodingBackend, CompiledGrammar, GrammarMatcher); 1.2: tool and reasoning parsers
-PLUGIN_API_VERSION = "1.2"
+# 1.1: guided decoding (GuidedDecodingBackend, CompiledGrammar, GrammarMatcher)
+# 1.2: tool and reasoning parsers
+# 1.3: Attention features (sliding_window, logit_softcap, alibi_slopes, use_sinks; alibi_slopes()) and
+#      AttentionBackend.supported_features; the generic decoder (llmplug.layers.decoder) and its blocks:
+#      LayerNorm / RMSNorm variants (NormConfig), activations by transformers name, position embeddings,
+#      q/k norms, CheckpointNames; llmplug.testing
+PLUGIN_API_VERSION = "1.3"
 
 
 @runtime_checkable

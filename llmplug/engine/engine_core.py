@@ -39,7 +39,7 @@ class EngineCore:
         cache = config.cache
         self.kv_cache_manager = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         sched = config.scheduler
-        budget = sched.max_num_batched_tokens or (2048 if sched.enable_chunked_prefill else self.max_model_len)
+        budget = sched.token_budget(self.max_model_len)
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             max_num_seqs=sched.max_num_seqs,
@@ -196,6 +196,7 @@ class EngineCore:
                     error=req.error,
                 )
             )
+        # a prompt chunk that ends before the prompt does samples nothing, but its prompt logprobs go out too
         reported = {req.request_id for req in updated} if runner_output.prompt_logprobs else set()
         for req_id, chunk in runner_output.prompt_logprobs.items():
             if req_id not in reported and (req := self.scheduler.get_request(req_id)) is not None:

@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import logging
 from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
 
 from llmplug.core.config import EngineConfig
 from llmplug.core.plugins import get_registry
-from llmplug.engine.core_outputs import PromptLogprobsChunk
 from llmplug.engine.pipeline_stage import PipelineStage
 from llmplug.engine.sampler import Sampler
 from llmplug.engine.sampling_state import SamplingState
-from llmplug.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from llmplug.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from llmplug.layers.attention import bind_kv_cache
 from llmplug.layers.forward_context import CommonAttentionMetadata, forward_context
 from llmplug.loaders import resolve_load_format
@@ -65,6 +67,8 @@ class ModelRunner:
         self.sampling_state: SamplingState | None = None  # needs the vocabulary size: built by load_model
         self.sampler: Sampler | None = None
         self.prompt_token_ids: dict[str, list[int]] = {}
+        # prompt positions whose logprobs were sent, kept across preemption: a recomputed prefill sends none twice
+        self.prompt_logprobs_sent: dict[str, int] = {}
 
     # ---- set-up -------------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -99,11 +103,45 @@ class ModelRunner:
         bind_kv_cache(self.model, caches, self.attn_backend)
         self.num_blocks = num_blocks
 
+    @contextlib.contextmanager
+    def profile_step(self, num_tokens: int, num_seqs: int, max_model_len: int) -> Iterator[Callable[[], None]]:
+        """A dummy step of `num_tokens` prompt tokens over up to `num_seqs` requests (none longer than
+        max_model_len), to measure its peak memory.
+
+        On entering, a KV cache just large enough is allocated and bound (so that it is not counted in
+        the peak); the yielded function runs the forward pass, the logits of every request and a float32
+        softmax over them (the sampler's working set); on leaving, the cache is released.
+        """
+        num_tokens = min(num_tokens, num_seqs * max_model_len)  # what the scheduler could ever put in a step
+        num_seqs = max(1, min(num_seqs, num_tokens))
+        lens = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
+        requests, next_block = [], 0
+        for i, n in enumerate(lens):
+            blocks = list(range(next_block, next_block + -(-n // self.block_size)))
+            next_block += len(blocks)
+            requests.append(ScheduledRequest(f"profile-{i}", [0] * n, 0, blocks, samples=True, new=None))
+        self.initialize_kv_cache(next_block)
+        batch = self.prepare_inputs(SchedulerOutput(requests, num_tokens, set(), set()))
+
+        @torch.inference_mode()
+        def run() -> None:
+            with forward_context(self.attn_backend.build_metadata(batch.common)):
+                hidden_states = self.stage.run(self.model, batch.input_ids, batch.positions)
+            if hidden_states is not None:  # the last pipeline stage
+                torch.softmax(self.model.compute_logits(hidden_states[batch.sample_indices]), dim=-1)
+
+        try:
+            yield run
+        finally:
+            bind_kv_cache(self.model, None, self.attn_backend)  # the layers held the only references
+
     # ---- one step -----------------------------------------------------------------------------
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for req_id in scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids:
             self.sampling_state.remove_request(req_id)
             self.prompt_token_ids.pop(req_id, None)
+        for req_id in scheduler_output.finished_req_ids:
+            self.prompt_logprobs_sent.pop(req_id, None)
         for req in scheduler_output.requests:
             if req.new is not None:
                 new = req.new
@@ -134,15 +172,16 @@ class ModelRunner:
         input_ids = np.fromiter((t for r in reqs for t in r.token_ids), dtype=np.int64, count=num_tokens)
         sample_mask = np.fromiter((r.samples for r in reqs), dtype=bool, count=len(reqs))
         sample_indices = query_start_loc[1:][sample_mask] - 1
-        to = lambda a: torch.from_numpy(a).to(self.device, non_blocking=True)  # noqa: E731
-        positions_t = to(positions)
+        on_device = _one_copy(self.device, input_ids=input_ids, positions=positions, query_start_loc=query_start_loc,
+                              seq_lens=seq_lens, computed=computed, block_tables=block_tables,
+                              slot_mapping=slot_mapping, sample_indices=sample_indices)
         common = CommonAttentionMetadata(
-            query_start_loc=to(query_start_loc),
-            seq_lens=to(seq_lens),
-            num_computed_tokens=to(computed),
-            block_tables=to(block_tables),
-            slot_mapping=to(slot_mapping),
-            positions=positions_t,
+            query_start_loc=on_device["query_start_loc"],
+            seq_lens=on_device["seq_lens"],
+            num_computed_tokens=on_device["computed"],
+            block_tables=on_device["block_tables"],
+            slot_mapping=on_device["slot_mapping"],
+            positions=on_device["positions"],
             block_size=bs,
             num_reqs=len(reqs),
             num_tokens=num_tokens,
@@ -152,7 +191,9 @@ class ModelRunner:
             seq_lens_list=tuple(seq_lens.tolist()),
         )
         sample_req_ids = [r.req_id for r in reqs if r.samples]
-        return BatchInputs(to(input_ids), positions_t, common, to(sample_indices), sample_req_ids)
+        return BatchInputs(
+            on_device["input_ids"], on_device["positions"], common, on_device["sample_indices"], sample_req_ids
+        )
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -190,25 +231,32 @@ class ModelRunner:
 
     def _prompt_logprobs(
         self, scheduler_output: SchedulerOutput, batch: BatchInputs, hidden_states: torch.Tensor
-    ) -> dict[str, PromptLogprobsChunk]:
-        """Logprobs of the prompt tokens this step's chunk predicts (each given the ones before it), for requests
-        that asked. A chunk recomputed after preemption comes again; the output processor keeps the first."""
+    ) -> dict[str, object]:
+        """Logprobs of each prompt token given the ones before it, for requests that asked."""
         from llmplug.engine.sampler import compute_prompt_logprobs
 
-        result: dict[str, PromptLogprobsChunk] = {}
-        starts = batch.common.query_start_loc.tolist()
+        result: dict[str, object] = {}
+        starts = [0, *itertools.accumulate(batch.common.query_lens_list)]  # host copies: no device read
         for i, req in enumerate(scheduler_output.requests):
             k = self.sampling_state.params(req.req_id).prompt_logprobs
             prompt = self.prompt_token_ids.get(req.req_id)
             if k is None or prompt is None or req.num_computed_tokens >= len(prompt):
                 continue
-            # position p predicts token p + 1; only positions whose next token is a prompt token
+            # position p predicts token p + 1; only positions whose next token is a prompt token, not sent before
+            start_pos = max(req.num_computed_tokens, self.prompt_logprobs_sent.get(req.req_id, 0))
             end_pos = min(req.num_computed_tokens + len(req.token_ids), len(prompt) - 1)
-            n = end_pos - req.num_computed_tokens
-            if n <= 0:
+            if end_pos <= start_pos:
                 continue
-            rows = hidden_states[starts[i] : starts[i] + n]
-            targets = torch.tensor(prompt[req.num_computed_tokens + 1 : end_pos + 1], device=self.device)
-            logprobs = compute_prompt_logprobs(self.model.compute_logits(rows), targets, k)
-            result[req.req_id] = PromptLogprobsChunk(req.num_computed_tokens + 1, logprobs)
+            first_row = starts[i] + start_pos - req.num_computed_tokens
+            rows = hidden_states[first_row : first_row + end_pos - start_pos]
+            targets = torch.tensor(prompt[start_pos + 1 : end_pos + 1], device=self.device)
+            result[req.req_id] = compute_prompt_logprobs(self.model.compute_logits(rows), targets, k)
+            self.prompt_logprobs_sent[req.req_id] = end_pos
         return result
+
+
+def _one_copy(device: torch.device, **arrays: np.ndarray) -> dict[str, torch.Tensor]:
+    """The int64 arrays on `device` through a single host-to-device copy: packed, copied, viewed apart."""
+    packed = torch.from_numpy(np.concatenate([a.ravel() for a in arrays.values()])).to(device, non_blocking=True)
+    views = torch.split(packed, [a.size for a in arrays.values()])
+    return {name: view.view(a.shape) for (name, a), view in zip(arrays.items(), views)}

@@ -42,6 +42,7 @@ from llmplug.engine.sampling_state import (
     SamplingMetadata,
     TokenMask,
 )
+from llmplug.layers.kernels import use_triton
 
 BLOCK = 128  # tokens per block of the two-level argmax and CDF inversion
 _NEG_INF = float("-inf")
@@ -226,8 +227,14 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     Bit j of word i is token 32 * i + j. Rows whose bits are all 1 are left alone; tokens past the
     bitmask's width count as disallowed. The words are read as little-endian bytes, each expanded to its
     8 bits by one table lookup: a quarter of the memory traffic of shifting every int32 word 32 times.
+    On a GPU one Triton kernel reads the bits in place (`use_triton`).
     """
     bitmask = bitmask.to(logits.device, non_blocking=True)  # the engine builds it on the CPU
+    if use_triton(logits):
+        from llmplug.layers.kernels.bitmask import apply_token_bitmask_
+
+        apply_token_bitmask_(logits, bitmask)
+        return
     constrained = (bitmask != -1).any(dim=-1).nonzero().squeeze(1)  # [C]
     num_constrained, vocab = constrained.numel(), logits.shape[1]
     if num_constrained == 0:

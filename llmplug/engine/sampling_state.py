@@ -391,9 +391,9 @@ class SamplingState:
 
     def _reseed(self, states: list[RequestSamplingState], random: RandomSampling) -> None:
         """Position every seeded generator at its request's current output position."""
-        rows = random.rows.tolist()
+        random_states = [s for s in states if not s.params.greedy]  # sub-batch row j is the j-th of them
         for j, generator in random.generators:
-            state = states[rows[j]]
+            state = random_states[j]
             generator.manual_seed(step_seed(state.params.seed, len(state.output_token_ids)))
 
     # --- helpers ---

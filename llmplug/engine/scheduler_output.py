@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from llmplug.core.params import SamplingParams
-from llmplug.engine.core_outputs import PromptLogprobsChunk
 
 if TYPE_CHECKING:
     import torch
@@ -54,5 +53,5 @@ class ModelRunnerOutput:
     req_ids: list[str]
     sampled_token_ids: list[list[int]]  # one list per request; usually one token
     logprobs: list | None = None
-    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)  # request id -> this step's chunk
+    prompt_logprobs: dict[str, object] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why it could not be sampled

@@ -14,6 +14,7 @@ from llmplug.communicators.parallel_state import (
 )
 from llmplug.core.config import EngineConfig
 from llmplug.core.plugins import get_registry
+from llmplug.engine.memory_profiling import MemoryProfile, kv_cache_bytes
 from llmplug.engine.model_runner import ModelRunner
 from llmplug.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from llmplug.engine.sleep_mode import SleepingWeights, sleep_weights, wake_weights
@@ -56,6 +57,7 @@ class Worker:
 
     def _init_distributed(self) -> None:
         """Join the world with the platform's backend and communicator, then build the parallel groups."""
+        self.platform.prepare_distributed()
         communicator_cls = get_registry().load("llmplug.communicators", self.platform.get_communicator())
         init_distributed_environment(
             self.distributed_env,
@@ -80,12 +82,37 @@ class Worker:
             return cache.num_blocks
         if cache.kv_cache_memory is not None:
             budget = cache.kv_cache_memory
+        elif self.platform.profiles_memory:
+            budget = kv_cache_bytes(self.profile_memory(), cache.memory_fraction)
         else:
             budget = self.platform.memory_for_kv_cache(cache.memory_fraction, self.device.index or 0)
         num_blocks = max(budget // spec.block_bytes, 0)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, spec.block_size,
                     num_blocks * spec.block_bytes / 2**20)
         return int(num_blocks)
+
+    def profile_memory(self) -> MemoryProfile:
+        """Run a dummy step at the engine's limits and measure the device memory around it.
+
+        Every worker profiles at the same time (the engine asks them all), so the collectives of tensor
+        and pipeline parallelism inside the dummy step meet.
+        """
+        platform, device_id = self.platform, self.device.index or 0
+        max_model_len = self.config.model.max_model_len or self.model_runner.hf_config.max_position_embeddings
+        num_tokens = self.config.scheduler.token_budget(max_model_len)
+        max_num_seqs = self.config.scheduler.max_num_seqs
+        with self.model_runner.profile_step(num_tokens, max_num_seqs, max_model_len) as run_step:
+            platform.synchronize()
+            platform.reset_peak_memory_stats(device_id)
+            before = platform.memory_allocated(device_id)
+            run_step()
+            platform.synchronize()
+            peak = platform.peak_memory_allocated(device_id) - before
+        platform.empty_cache()
+        total = platform.total_memory(device_id)
+        profile = MemoryProfile(total, total - platform.available_memory(device_id), max(0, peak))
+        logger.info("memory profile of a %d-token step: %s", num_tokens, profile)
+        return profile
 
     def initialize_cache(self, num_blocks: int) -> None:
         """Allocate the KV cache."""

@@ -106,9 +106,11 @@ def _plugins_table(rows: list[dict[str, Any]]) -> str:
 
 
 def _engine_commands() -> dict[str, Subcommand]:
-    from llmplug.entrypoints import generate, save_sharded, serve, tensorize
+    from llmplug.entrypoints import generate, models_list, save_sharded, serve, tensorize
 
     return {
+        "models": Subcommand("List the model architectures: family and whether TP, PP, GGUF and int4 work.",
+                             models_list.add_arguments, models_list.run),
         "run": Subcommand("Answer a few demo prompts with the model (default: the embedded SmolLM2) and print tok/s.",
                           generate._run_arguments, generate._run_demo),
         "generate": Subcommand("Complete prompts and print the completions.",

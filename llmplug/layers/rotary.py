@@ -21,7 +21,9 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-__all__ = ["RotaryCosSin", "RotaryEmbedding", "get_rope", "rope_inv_freq"]
+from llmplug.layers.kernels import use_triton
+
+__all__ = ["RotaryCosSin", "RotaryEmbedding", "RotaryPositions", "get_rope", "rope_inv_freq"]
 
 
 @dataclass(slots=True, frozen=True)
@@ -45,6 +47,21 @@ class RotaryCosSin:
         if self.is_neox_style:
             return rot.roll(rot.shape[-1] // 2, dims=-1)
         return rot.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+
+
+@dataclass(slots=True, frozen=True)
+class RotaryPositions:
+    """One step's rotation for the Triton kernel, which reads the table itself: nothing is precomputed."""
+
+    positions: torch.Tensor  # [T]
+    cos_sin_cache: torch.Tensor  # [max_position, rotary_dim] float32: cos | sin
+    is_neox_style: bool = True
+
+    def apply_(self, x: torch.Tensor) -> torch.Tensor:
+        """Rotate x [T, num_heads, head_size] in place (any head count: q and k together); returns x."""
+        from llmplug.layers.kernels.rotary import rotary_embedding_
+
+        return rotary_embedding_(x, self.positions, self.cos_sin_cache, self.is_neox_style)
 
 
 def default_inv_freq(base: float, dim: int) -> torch.Tensor:
@@ -180,8 +197,11 @@ class RotaryEmbedding(nn.Module):
         # a real buffer (not persistent: recomputed from the config, never read from checkpoints)
         self.register_buffer("cos_sin_cache", cos_sin_cache, persistent=False)  # [max_position, rotary_dim]
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryCosSin:
-        """Look up one step's rotation for `positions` [T], in the activations' dtype."""
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryCosSin | RotaryPositions:
+        """Look up one step's rotation for `positions` [T], in the activations' dtype (a GPU's Triton
+        kernel looks the angles up itself: `use_triton`)."""
+        if use_triton(positions):
+            return RotaryPositions(positions, self.cos_sin_cache, self.is_neox_style)
         half = self.rotary_dim // 2
         rows = self.cos_sin_cache.index_select(0, positions)  # [T, rotary_dim]
         cos, sin = rows[:, :half], rows[:, half:]

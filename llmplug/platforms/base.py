@@ -28,7 +28,8 @@ class BasePlatform:
     - engine process, while resolving the config: `is_available`, `unavailable_reason`, `priority`,
       `check_and_update_config` (which uses `preferred_dtype`, `supports_dtype`, `get_attention_backend`);
     - each worker, at start-up: `visible_device_index`, `device`, `set_device`, `seed_everything`,
-      memory queries, `get_communicator`; during steps: `synchronize`, `empty_cache`.
+      memory queries (and, where `profiles_memory`, the peak-memory queries around a dummy step),
+      `prepare_distributed` and `get_communicator` (several workers); during steps: `synchronize`, `empty_cache`.
     """
 
     name: ClassVar[str] = ""
@@ -41,6 +42,8 @@ class BasePlatform:
     communicator: ClassVar[str] = "cpu"  # `llmplug.communicators` name for device groups
     ray_device_key: ClassVar[str] = "CPU"  # the Ray resource of one device (a worker's default bundle)
     default_attention_backend: ClassVar[str] = "torch_sdpa"  # `llmplug.attention` name
+    # size the KV cache from a profiled dummy step (needs the peak-memory queries below), not from a budget rule
+    profiles_memory: ClassVar[bool] = False
 
     # --- detection (engine process; cheap, no side effects) -----------------------------------------
 
@@ -101,6 +104,14 @@ class BasePlatform:
     def get_attention_backend(cls, requested: str | None, head_dim: int | None, dtype: Any) -> str:
         """The `llmplug.attention` name to use: the requested one, else this platform's default."""
         return requested or cls.default_attention_backend
+
+    @classmethod
+    def prepare_distributed(cls) -> None:
+        """Make `distributed_backend` known to torch.distributed (worker, before it joins the world).
+
+        The built-in backends (gloo, nccl, xccl) need nothing; a platform whose backend comes from a
+        library (torch_xla's "xla") imports the module that registers it here.
+        """
 
     @classmethod
     def get_communicator(cls) -> str:
@@ -177,6 +188,21 @@ class BasePlatform:
         free = cls.available_memory(device_id)
         # the fraction bounds everything this device holds; what is already used (weights) comes out of it
         return max(0, min(free, int(total * memory_fraction) - (total - free)))
+
+    @classmethod
+    def memory_allocated(cls, device_id: int = 0) -> int:
+        """Bytes torch's allocator holds in tensors on the device now (memory profiling)."""
+        return int(cls._device_module().memory_allocated(device_id))
+
+    @classmethod
+    def reset_peak_memory_stats(cls, device_id: int = 0) -> None:
+        """Start a new peak measurement (memory profiling)."""
+        cls._device_module().reset_peak_memory_stats(device_id)
+
+    @classmethod
+    def peak_memory_allocated(cls, device_id: int = 0) -> int:
+        """The most bytes held in tensors since the last `reset_peak_memory_stats` (memory profiling)."""
+        return int(cls._device_module().max_memory_allocated(device_id))
 
     # --- randomness (worker) -------------------------------------------------------------------------------
 

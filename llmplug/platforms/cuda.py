@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 import os
+from typing import Any
 
 from llmplug.platforms.base import BasePlatform
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["CudaApiPlatform", "CudaPlatform"]
 
@@ -19,7 +24,18 @@ class CudaApiPlatform(BasePlatform):
     distributed_backend = "nccl"  # RCCL on ROCm answers to the same backend name
     communicator = "cuda"
     ray_device_key = "GPU"
-    default_attention_backend = "torch_sdpa"
+    default_attention_backend = "triton"
+    profiles_memory = True
+
+    @classmethod
+    def get_attention_backend(cls, requested: str | None, head_dim: int | None, dtype: Any) -> str:
+        """The requested backend, else `triton`; `torch_sdpa` when triton is not installed (said in the log)."""
+        if requested:
+            return requested
+        if importlib.util.find_spec("triton") is None:
+            logger.warning("triton is not installed: attention runs on the torch_sdpa backend (pip install triton)")
+            return "torch_sdpa"
+        return cls.default_attention_backend
 
     @classmethod
     def supports_dtype(cls, dtype: str) -> bool:

@@ -6,6 +6,7 @@ import importlib.util
 import os
 from typing import Any
 
+from llmplug.core.errors import ConfigError
 from llmplug.platforms.base import BasePlatform
 
 __all__ = ["TpuPlatform"]
@@ -45,6 +46,17 @@ class TpuPlatform(BasePlatform):
             pjrt = os.environ.get("PJRT_DEVICE", "<unset>")
             return f"torch_xla's runtime device is {kind!r}, not 'TPU' (PJRT_DEVICE={pjrt})"
         return None
+
+    @classmethod
+    def prepare_distributed(cls) -> None:
+        """Register torch_xla's "xla" process-group backend with torch.distributed (importing it does)."""
+        try:
+            import torch_xla.distributed.xla_backend  # noqa: F401
+        except ImportError as error:
+            raise ConfigError(
+                f"device.platform 'tpu' with several workers needs torch_xla's 'xla' distributed backend, which "
+                f"failed to import ({error}); install torch_xla[tpu] on the TPU host"
+            ) from error
 
     @classmethod
     def device_count(cls) -> int:

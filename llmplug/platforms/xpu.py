@@ -20,6 +20,7 @@ class XpuPlatform(BasePlatform):
     distributed_backend = "xccl"
     communicator = "xpu"
     default_attention_backend = "torch_sdpa"
+    profiles_memory = True  # torch.xpu has the same peak-memory queries as torch.cuda
 
     @classmethod
     def unavailable_reason(cls) -> str | None:

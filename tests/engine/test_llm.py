@@ -173,17 +173,42 @@ def test_step_by_step_and_abort(tiny_llama):
     assert_no_leak(llm)
 
 
+def assert_prompt_logprobs_match_hf(hf_model, prompt: list[int], out) -> None:
+    """One prompt logprob per position after the first, each transformers' within 1e-4."""
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0], -1)
+    assert len(out.prompt_logprobs or [None]) == len(prompt) and (out.prompt_logprobs or [None])[0] is None
+    for pos in range(1, len(prompt)):
+        assert out.prompt_logprobs[pos][prompt[pos]].logprob == pytest.approx(float(ref[pos - 1, prompt[pos]]), abs=1e-4)
+
+
 def test_prompt_logprobs_cover_every_position_even_with_a_cached_prefix(tiny_llama):
     llm = make_llm(tiny_llama)
     prompt = prompts(8, (14,))[0]
     generate_ids(llm, [prompt], GREEDY)  # caches the prompt's full blocks
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
     out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
-    with torch.inference_mode():
-        ref = torch.log_softmax(tiny_llama.hf_model(torch.tensor([prompt])).logits[0], -1)
-    assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
-    for pos in range(1, len(prompt)):
-        assert out.prompt_logprobs[pos][prompt[pos]].logprob == pytest.approx(float(ref[pos - 1, prompt[pos]]), abs=1e-4)
+    assert_prompt_logprobs_match_hf(tiny_llama.hf_model, prompt, out)
+    assert_no_leak(llm)
+
+
+def test_prompt_logprobs_of_every_chunk_of_a_chunked_prefill_reach_the_output(tiny_llama):
+    llm = make_llm(tiny_llama, max_num_batched_tokens=6)  # the 14-token prompt takes three steps
+    prompt = prompts(9, (14,))[0]
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    assert_prompt_logprobs_match_hf(tiny_llama.hf_model, prompt, out)
+    assert_no_leak(llm)
+
+
+def test_prompt_logprobs_are_sent_once_when_a_request_is_preempted_and_recomputed(tiny_llama):
+    llm = make_llm(tiny_llama, **VARIANTS["preemption"])
+    batch = prompts()
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, prompt_logprobs=1)
+    outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
+    for prompt, out in zip(batch, outs):
+        assert_prompt_logprobs_match_hf(tiny_llama.hf_model, prompt, out)
     assert_no_leak(llm)
 
 
@@ -218,26 +243,21 @@ def test_every_eos_id_of_the_generation_config_stops_the_request(tiny_llama, tmp
 
 
 @pytest.mark.parametrize("engine_kwargs", [
-    {},
     {"max_num_batched_tokens": 8},  # the prompt is computed in chunks of 8
     {"max_num_batched_tokens": 8, "num_gpu_blocks_override": 12, "max_num_seqs": 4},  # and preempted, recomputed
-], ids=["one_chunk", "chunked_prefill", "chunked_and_preempted"])
-def test_prompt_logprobs_match_hf_for_every_chunk_once_per_request(tiny_llama, engine_kwargs):
+], ids=["chunked_prefill", "chunked_and_preempted"])
+def test_prompt_logprobs_come_once_per_request_with_n_completions(tiny_llama, engine_kwargs):
     llm = make_llm(tiny_llama, **engine_kwargs)
     prompt = prompts(3, (30,))[0]
     with torch.inference_mode():
-        ref = torch.log_softmax(tiny_llama.hf_model(torch.tensor([prompt])).logits[0].float(), -1)  # [P, V]
-    top = ref.topk(3, dim=-1)
+        top = torch.log_softmax(tiny_llama.hf_model(torch.tensor([prompt])).logits[0], -1).topk(3, dim=-1)
     params = SamplingParams(temperature=0.8, seed=1, n=2, max_tokens=20, ignore_eos=True, prompt_logprobs=3)
-    outs = llm.generate([{"prompt_token_ids": prompt}] * 3, params, use_tqdm=False)
-    for out in outs:
-        assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
-        for pos in range(1, len(prompt)):
-            position, before = out.prompt_logprobs[pos], pos - 1
-            assert position[prompt[pos]].logprob == pytest.approx(float(ref[before, prompt[pos]]), abs=1e-4)
-            for rank, (token, value) in enumerate(zip(top.indices[before].tolist(), top.values[before].tolist()), 1):
-                assert position[token].logprob == pytest.approx(value, abs=1e-4)
-                assert token == prompt[pos] or position[token].rank == rank
+    for out in llm.generate([{"prompt_token_ids": prompt}] * 3, params, use_tqdm=False):
+        assert_prompt_logprobs_match_hf(tiny_llama.hf_model, prompt, out)  # every position once, not n times
+        for pos in range(1, len(prompt)):  # and the top 3 of each, with their ranks
+            for rank, (token, value) in enumerate(zip(top.indices[pos - 1].tolist(), top.values[pos - 1].tolist()), 1):
+                assert out.prompt_logprobs[pos][token].logprob == pytest.approx(value, abs=1e-4)
+                assert token == prompt[pos] or out.prompt_logprobs[pos][token].rank == rank
     if "num_gpu_blocks_override" in engine_kwargs:
         assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
     assert_no_leak(llm)

@@ -201,3 +201,25 @@ def test_plugins_probe_says_why_a_platform_is_not_usable_here():
     rows = {r["name"]: r for r in json.loads(out) if r["group"] == "llmplug.platforms"}
     assert rows["cpu"]["usable"] is True
     assert rows["cuda"]["usable"] is False and "CUDA" in rows["cuda"]["reason"]
+
+
+# --- llmplug models ----------------------------------------------------------------------------------------
+
+
+def test_models_lists_every_registered_architecture_with_family_and_features(capsys):
+    from importlib.metadata import distribution
+
+    assert main(["models", "--json"]) == 0
+    rows = {row["architecture"]: row for row in json.loads(capsys.readouterr().out)}
+    registered = {ep.name for ep in distribution("llmplug").entry_points if ep.group == "llmplug.models"}
+    assert registered <= set(rows)
+    assert rows["GemmaForCausalLM"]["family"] == "gemma" and rows["Gemma2ForCausalLM"]["family"] == "gemma"
+    assert {k: rows["LlamaForCausalLM"][k] for k in ("tp", "pp", "gguf", "int4", "error")} == {
+        "tp": True, "pp": True, "gguf": True, "int4": True, "error": ""}
+    from llmplug.loaders.gguf_config import ARCHITECTURES
+
+    gguf = {arch.hf_architecture for arch in ARCHITECTURES.values()}
+    assert {name for name, row in rows.items() if row["gguf"]} == gguf & set(rows)
+    assert main(["models"]) == 0
+    header = capsys.readouterr().out.splitlines()[0].split()
+    assert header == ["ARCHITECTURE", "FAMILY", "TP", "PP", "GGUF", "INT4", "DISTRIBUTION"]

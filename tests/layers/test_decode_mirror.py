@@ -10,6 +10,7 @@ import torch
 from llmplug.layers.attention import Attention, bind_kv_cache
 from llmplug.layers.attention import decode_mirror, torch_sdpa
 from llmplug.layers.attention.decode_mirror import DecodeMirror
+from llmplug.layers.attention.key_layout import DecodeKeys
 from llmplug.layers.attention.torch_sdpa import TorchSDPABackend
 from llmplug.layers.forward_context import CommonAttentionMetadata, forward_context
 
@@ -85,14 +86,13 @@ def step(layer: Attention, reqs: list[History], num_tokens: list[int], fused_qkv
 def gathers(monkeypatch) -> list[int]:
     """Counts the cache gathers of decode parts (one per layer pass that does not append)."""
     calls = []
-    real = torch_sdpa._gather_blocks
+    real = DecodeKeys.gather
 
-    def counting(cache, block_index, out=None):
-        if out is not None:
-            calls.append(1)
-        return real(cache, block_index, out)
+    def counting(keys, cache, out):
+        calls.append(1)
+        return real(keys, cache, out)
 
-    monkeypatch.setattr(torch_sdpa, "_gather_blocks", counting)
+    monkeypatch.setattr(DecodeKeys, "gather", counting)
     monkeypatch.setattr(decode_mirror, "MIRROR_CACHE_SHARE", 1.0)
     return calls
 

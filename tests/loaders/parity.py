@@ -11,7 +11,7 @@ import torch
 from llmplug import LLM, SamplingParams
 from llmplug.core.config import EngineConfig, LoadConfig, ModelConfig
 from llmplug.core.plugins import get_registry
-from tests.models.harness import PagedHarness
+from llmplug.testing.paged import PagedHarness
 
 PROMPT = [3, 17, 42, 99, 7, 250, 128, 64, 5, 11, 200, 31]
 GREEDY_PROMPTS = [[3, 17, 42, 99, 7], [250, 128, 64, 5, 11, 200, 31, 9, 1]]

@@ -140,7 +140,7 @@ def test_model_is_built_in_the_configured_dtype(tmp_path: Path) -> None:
     config = tiny_config()
     model = load(write_checkpoint(tmp_path, tiny_state_dict(config), config), dtype="bfloat16")
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
-    assert model.model.rotary_emb.cos_sin_cache.dtype == torch.float32  # tables keep full precision
+    assert model.model.rotary_embs[0].cos_sin_cache.dtype == torch.float32  # tables keep full precision
 
 
 def test_missing_weight_names_the_parameter(tmp_path: Path) -> None:
@@ -241,7 +241,7 @@ def test_dummy_weights_are_reproducible_finite_and_rotary_tables_real(tmp_path: 
     other = load(tmp_path, DummyLoader, fmt="dummy", dtype="float32", seed=4)
     for (name, a), b, c in zip(first.named_parameters(), again.parameters(), other.parameters()):
         assert torch.equal(a, b) and not torch.equal(a, c), name
-    rotary = first.model.rotary_emb.cos_sin_cache
+    rotary = first.model.rotary_embs[0].cos_sin_cache
     assert rotary.device.type == "cpu" and torch.equal(rotary, get_rope(16, 16, 128, 10000.0).cos_sin_cache)
     logits = prefill_logits(first, [1, 5, 9, 3])
     assert logits.shape == (4, 256) and logits.dtype == torch.float32 and torch.isfinite(logits).all()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .harness import PagedHarness
+from llmplug.testing.paged import PagedHarness
 from .tiny_models import TinyModel
 
 ATOL = 1e-4

@@ -11,20 +11,10 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 from llmplug.core.config import EngineConfig, LoadConfig, ModelConfig
 from llmplug.loaders.default import DefaultLoader
 from llmplug.plugins.models import llama
+from llmplug.testing import TINY_SIZES, randomize_
+from llmplug.testing.tiny import NO_SPECIAL_TOKENS
 
-SIZES = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-5,
-    bos_token_id=None,
-    eos_token_id=None,
-    pad_token_id=None,
-)
+SIZES = {**TINY_SIZES, **NO_SPECIAL_TOKENS, "rms_norm_eps": 1e-5}
 
 # name -> (HF config, our class): together they cover q/k/v/o and MLP biases, tied embeddings,
 # q/k norm, an explicit head_dim different from hidden / heads, and a scaled rope.
@@ -67,15 +57,6 @@ class TinyModel:
         """Our model, built by DefaultLoader from the saved checkpoint."""
         config = EngineConfig(model=ModelConfig(model=str(self.path), dtype=dtype))
         return DefaultLoader(LoadConfig()).load_model(config, model_class=self.model_class)
-
-
-def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
-    """Give every parameter (biases and norms too) a random value large enough for distinct logits."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            mean = 1.0 if "norm" in name else 0.0
-            param.copy_(torch.randn(param.shape, generator=generator) * 0.1 + mean)
 
 
 def save_tiny_llama(path: Path, tokenizer, **config) -> None:

@@ -155,6 +155,20 @@ def test_config_gets_the_default_attention_backend_unless_one_was_requested():
     assert config.device.attention_backend == "my_paged"
 
 
+def test_gpu_platforms_choose_the_triton_backend_and_the_cpu_keeps_torch_sdpa(monkeypatch):
+    # config-time answers: they need no GPU, only the platform classes and whether triton is installed
+    assert CudaPlatform.get_attention_backend(None, None, "bfloat16") == "triton"
+    assert RocmPlatform.get_attention_backend(None, 128, "float16") == "triton"
+    assert CudaPlatform.get_attention_backend("torch_sdpa", 64, "bfloat16") == "torch_sdpa"
+    for platform in (CpuPlatform, TpuPlatform, XpuPlatform):
+        assert platform.get_attention_backend(None, 64, "float32") == "torch_sdpa"
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real_find_spec(name, *a))
+    assert CudaPlatform.get_attention_backend(None, None, "bfloat16") == "torch_sdpa"  # without triton
+
+
 def test_cpu_threads_default_to_the_cores_split_among_the_workers():
     config = EngineConfig(parallel={"tensor_parallel_size": 2})
     CpuPlatform.check_and_update_config(config)

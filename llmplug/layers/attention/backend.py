@@ -10,6 +10,10 @@ call it, never the model:
 - each `Attention` layer, once per step: `forward(layer, q, k, v, metadata)`, which writes this
   step's k/v into `layer.kv_cache` and returns the attention output. A backend may keep per-layer
   state across steps in `layer.backend_state` (reset by `bind_kv_cache`).
+
+Optional attention features (sliding window, logit soft-capping, ALiBi, sinks; see `Attention`) are
+read from the layer. A backend lists those it implements in `supported_features`; `bind_kv_cache`
+refuses a layer that uses any other, so no backend silently ignores one.
 """
 
 from __future__ import annotations
@@ -24,13 +28,18 @@ from llmplug.layers.forward_context import CommonAttentionMetadata
 if TYPE_CHECKING:
     from llmplug.layers.attention.layer import Attention
 
-__all__ = ["AttentionBackend"]
+__all__ = ["ATTENTION_FEATURES", "AttentionBackend"]
+
+# names of the optional features an Attention layer may use (`Attention.features`)
+ATTENTION_FEATURES = frozenset({"sliding_window", "logit_softcap", "alibi", "sinks"})
 
 
 class AttentionBackend(abc.ABC):
     """Paged attention over a block-structured KV cache; stateless, used through classmethods."""
 
     name: ClassVar[str] = ""
+    # the `Attention.features` names this backend implements; none unless a backend says so
+    supported_features: ClassVar[frozenset[str]] = frozenset()
 
     @classmethod
     @abc.abstractmethod

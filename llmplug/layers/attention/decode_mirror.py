@@ -10,6 +10,11 @@ block, the previous forward pass had no decodes) the layer gathers the mirror ag
 cache, which stays the source of truth: the mirror is a copy of cache contents, never written ahead
 of the cache.
 
+A sliding-window layer whose decode batch holds a request longer than its window W mirrors only the
+window, as a ring of W keys per request: the key at position p sits in slot p % W, so the slots
+always hold exactly the last W keys, and each step's new key overwrites the one that left the window.
+A ring never outgrows itself, so it is gathered again only when the batch changes.
+
 Why appending is safe: a request's keys before its newest token never change while it runs, and a
 block holding them is owned by that request or is a full block shared through prefix caching (same
 tokens, same keys). Two consecutive passes that see the same request at seq_len s and s + 1 over the
@@ -36,19 +41,14 @@ MIRROR_CACHE_SHARE = 1 / 8  # most of a layer's KV-cache memory its decode mirro
 class DecodeRows:
     """The decode requests of one step, in batch order, as a mirror records them."""
 
-    block_tables: torch.Tensor  # [B, blocks_per_req] int64, cut to the blocks covering kv_len
+    block_tables: torch.Tensor  # [B, blocks_per_req] int64, cut to the blocks of the longest request
     seq_lens: tuple[int, ...]  # keys of each request after this step (its newest token included)
     block_size: int
     _last_prev: "DecodeRows | None" = field(default=None, repr=False)
     _last_answer: bool = field(default=False, repr=False)
 
-    @property
-    def kv_len(self) -> int:
-        """Keys per request after padding to whole blocks."""
-        return self.block_tables.shape[1] * self.block_size
-
     def extends(self, prev: "DecodeRows") -> bool:
-        """Whether these rows are `prev`'s requests one token further over the same blocks and kv_len.
+        """Whether these rows are `prev`'s requests one token further, their earlier keys in the same blocks.
 
         Asked by every layer with the rows its mirror holds (normally the same object): answered once.
         """
@@ -57,17 +57,18 @@ class DecodeRows:
         return self._last_answer
 
     def _extends(self, prev: "DecodeRows") -> bool:
-        if prev.block_tables.shape != self.block_tables.shape or prev.block_size != self.block_size:
-            return False  # other requests, or a longer padded context
+        if len(prev.seq_lens) != len(self.seq_lens) or prev.block_size != self.block_size:
+            return False  # other requests
         if any(s != p + 1 for s, p in zip(self.seq_lens, prev.seq_lens)):
             return False
         # only the blocks holding the mirrored keys (positions < s - 1) must match: the newest key may
-        # sit in a block allocated this step, which `prev` shows as padding
-        tables = self.block_tables
-        first_position = torch.arange(tables.shape[1], device=tables.device) * self.block_size  # [blocks_per_req]
+        # sit in a block allocated this step, which `prev` shows as padding or not at all
+        width = min(self.block_tables.shape[1], prev.block_tables.shape[1])
+        tables, prev_tables = self.block_tables[:, :width], prev.block_tables[:, :width]
+        first_position = torch.arange(width, device=tables.device) * self.block_size  # [width]
         mirrored = torch.tensor(self.seq_lens, device=tables.device) - 1  # [B] keys kept in the mirror
-        must_match = first_position[None, :] < mirrored[:, None]  # [B, blocks_per_req]
-        return not bool(((tables != prev.block_tables) & must_match).any())
+        must_match = first_position[None, :] < mirrored[:, None]  # [B, width]
+        return not bool(((tables != prev_tables) & must_match).any())
 
 
 @dataclass(slots=True, eq=False)
@@ -76,6 +77,7 @@ class DecodeMirror:
 
     kv: torch.Tensor  # [2, Hkv, B, kv_len, D]: K and V of each (KV head, request), padded to kv_len
     rows: DecodeRows
+    ring: int | None  # the window of a sliding-window layer's ring layout; None: keys from position 0
     # views made once, as every decode step reads the mirror through them
     key_rows: torch.Tensor = field(init=False)  # [2, Hkv, B * kv_len, D]: where appended keys/values go
     keys_t: torch.Tensor = field(init=False)  # [Hkv * B, D, kv_len]: keys transposed for q @ k^T

@@ -5,8 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from llmplug.communicators.parallel_state import get_tp_group
 from llmplug.layers.attention.backend import AttentionBackend
 from llmplug.layers.forward_context import get_forward_context
+from llmplug.layers.weight_utils import check_shape, frozen_parameter
 
 __all__ = ["Attention"]
 
@@ -14,13 +16,31 @@ __all__ = ["Attention"]
 class Attention(nn.Module):
     """Paged multi-head / grouped-query attention over this layer's KV cache.
 
-    Holds no weights. `kv_cache` and `backend` are set by `bind_kv_cache`; the step's metadata comes
-    from the forward context. q, k, v arrive after projection and rotary embedding, flattened per
-    token, and may be strided views (e.g. slices of a fused qkv output).
+    `kv_cache` and `backend` are set by `bind_kv_cache`; the step's metadata comes from the forward
+    context. q, k, v arrive after projection and rotary embedding, flattened per token, and may be
+    strided views (e.g. slices of a fused qkv output).
+
+    Optional features, each off by default (transformers' semantics; query at position i, key at j):
+    - `sliding_window` W: the query sees keys i - W < j <= i;
+    - `logit_softcap` c: scores = c * tanh(scores / c), after `scale`, before masking and ALiBi;
+    - `alibi_slopes` [num_heads] (float32): slope_h * (j - i) added to head h's scores;
+    - `use_sinks`: a learned logit per head (the `sinks` parameter, float32) joins each softmax's
+      denominator and contributes no value.
+    Only `sinks` is a weight; heads are this tensor-parallel rank's (`alibi_slopes` already sliced).
     """
 
     def __init__(
-        self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int | None = None, prefix: str = ""
+        self,
+        num_heads: int,
+        head_dim: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        prefix: str = "",
+        *,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+        alibi_slopes: torch.Tensor | None = None,
+        use_sinks: bool = False,
     ) -> None:
         super().__init__()
         self.num_heads, self.head_dim, self.scale = num_heads, head_dim, scale
@@ -29,9 +49,35 @@ class Attention(nn.Module):
             raise ValueError(f"{num_heads} query heads cannot be grouped over {self.num_kv_heads} KV heads")
         self.num_queries_per_kv = self.num_heads // self.num_kv_heads
         self.layer_name = prefix
+        _check_features(prefix, num_heads, sliding_window, logit_softcap, alibi_slopes)
+        self.sliding_window = sliding_window
+        self.logit_softcap = logit_softcap
+        # a buffer, so it follows the model to its device; not persistent: no checkpoint holds it
+        slopes = None if alibi_slopes is None else alibi_slopes.detach().to(torch.float32)
+        self.register_buffer("alibi_slopes", slopes, persistent=False)
+        self.sinks = None
+        if use_sinks:
+            self.sinks = frozen_parameter(torch.empty(num_heads, dtype=torch.float32), self._load_sinks)
         self.kv_cache: torch.Tensor | None = None  # not a buffer: owned by the model runner, not the checkpoint
         self.backend: type[AttentionBackend] | None = None
         self.backend_state: object | None = None  # the backend's per-layer scratch kept across steps
+
+    @property
+    def features(self) -> frozenset[str]:
+        """The optional features this layer uses (names as in `AttentionBackend.supported_features`)."""
+        used = {
+            "sliding_window": self.sliding_window is not None,
+            "logit_softcap": self.logit_softcap is not None,
+            "alibi": self.alibi_slopes is not None,
+            "sinks": self.sinks is not None,
+        }
+        return frozenset(name for name, on in used.items() if on)
+
+    def _load_sinks(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        """Copy this tensor-parallel rank's heads of the checkpoint's sinks [total_num_heads]."""
+        tp = get_tp_group()
+        check_shape(torch.empty(self.num_heads * tp.world_size, device="meta"), loaded_weight, "sinks")
+        param.data.copy_(loaded_weight.narrow(0, tp.rank_in_group * self.num_heads, self.num_heads))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, H * D], k and v [T, Hkv * D] -> [T, H * D]; k, v are stored in the cache."""
@@ -43,4 +89,24 @@ class Attention(nn.Module):
         return self.backend.forward(self, q, k, v, get_forward_context().attn_metadata)
 
     def extra_repr(self) -> str:
-        return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, scale={self.scale:.4g}"
+        text = f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, scale={self.scale:.4g}"
+        if self.sliding_window is not None:
+            text += f", sliding_window={self.sliding_window}"
+        if self.logit_softcap is not None:
+            text += f", logit_softcap={self.logit_softcap}"
+        return text + "".join(f", {name}" for name in sorted(self.features & {"alibi", "sinks"}))
+
+
+def _check_features(
+    prefix: str, num_heads: int, window: int | None, softcap: float | None, slopes: torch.Tensor | None
+) -> None:
+    """ValueError naming the layer and the argument when a feature's value cannot be meant."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"Attention {prefix!r}: sliding_window={window!r} must be a positive int or None")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"Attention {prefix!r}: logit_softcap={softcap!r} must be positive or None")
+    if slopes is not None and tuple(slopes.shape) != (num_heads,):
+        raise ValueError(
+            f"Attention {prefix!r}: alibi_slopes has shape {tuple(slopes.shape)}, expected ({num_heads},): "
+            "one slope per query head of this tensor-parallel rank"
+        )

@@ -22,6 +22,13 @@ Everything that depends only on the batch (gather indexes, masks, the gather buf
 per step and shared by every layer; a layer only writes its k/v, gathers (or appends to its
 mirror), and attends. Every layer writes all of the step's k/v into its cache before it reads any:
 a request may read a shared block that another request of the same step writes.
+
+Optional features (see `Attention`): a sliding-window layer reads its keys through a windowed
+layout (key_layout.py; built once per step and window) that gathers only what the window reaches,
+and its mask; ALiBi adds its bias to the mask (decode: the baddbmm addend; prefill: SDPA's float
+mask). Soft-capping and sinks change the softmax itself, so such layers compute their scores
+explicitly (decode: bmm, cap, mask, softmax; prefill: the same in chunks of queries). A layer using
+none of them runs exactly the paths above.
 """
 
 from __future__ import annotations
@@ -33,8 +40,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from llmplug.layers.attention.backend import AttentionBackend
+from llmplug.layers.attention.backend import ATTENTION_FEATURES, AttentionBackend
 from llmplug.layers.attention.decode_mirror import DecodeMirror, DecodeRows, mirror_fits
+from llmplug.layers.attention.features import softcap_, softmax_with_sinks
+from llmplug.layers.attention.key_layout import DecodeKeys, PrefillKeys, decode_keys, prefill_keys
 from llmplug.layers.forward_context import CommonAttentionMetadata
 
 if TYPE_CHECKING:
@@ -65,39 +74,23 @@ class TokenSelection:
 
 @dataclass(slots=True)
 class DecodePart:
-    """Requests with one new token attending to their whole cached context."""
+    """Requests with one new token attending to their cached context."""
 
     tokens: TokenSelection
     num_reqs: int
-    block_index: torch.Tensor  # [num_reqs * blocks_per_req] cache blocks to gather, request after request
-    kv_len: int  # blocks_per_req * block_size keys per request after the gather
-    key_mask: torch.Tensor | None  # [B, kv_len] bool, True for real keys; None if all are real
+    tables: torch.Tensor  # [B, blocks_per_req] the blocks covering the longest request
+    seq_lens: list[int]
     rows: DecodeRows  # what a layer's decode mirror records of this step
-    _masks: dict[tuple[int, int, torch.dtype], torch.Tensor] = field(default_factory=dict)
+    _keys: dict[int | None, DecodeKeys] = field(default_factory=dict)
     _buffers: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = field(default_factory=dict)
-    _append_index: torch.Tensor | None = None
 
-    @property
-    def append_index(self) -> torch.Tensor:
-        """[B] row of each request's new key in a mirror viewed as [2, Hkv, B * kv_len, D] (built once)."""
-        if self._append_index is None:
-            device = self.block_index.device
-            newest = torch.tensor(self.rows.seq_lens, device=device) - 1
-            self._append_index = torch.arange(self.num_reqs, device=device) * self.kv_len + newest
-        return self._append_index
-
-    def score_mask(self, num_kv_heads: int, group: int, dtype: torch.dtype) -> torch.Tensor:
-        """Additive key mask [Hkv * B, G, kv_len] in `dtype`, laid out like the scores (built once per step)."""
-        key = (num_kv_heads, group, dtype)
-        if key not in self._masks:
-            device = self.block_index.device
-            if self.key_mask is None:  # zeros: baddbmm still needs an addend, and this costs one step-wide alloc
-                mask = torch.zeros(self.num_reqs, self.kv_len, dtype=dtype, device=device)
-            else:
-                mask = _additive(self.key_mask, dtype)  # [B, kv_len]
-            expanded = mask[None, :, None, :].expand(num_kv_heads, -1, group, -1)
-            self._masks[key] = expanded.reshape(num_kv_heads * self.num_reqs, group, self.kv_len)
-        return self._masks[key]
+    def keys(self, window: int | None) -> DecodeKeys:
+        """The layout of the keys a layer with this sliding window attends (built once per step)."""
+        if window is not None and max(self.seq_lens) <= window:
+            window = None  # the window reaches every key: share the full layout
+        if window not in self._keys:
+            self._keys[window] = decode_keys(self.tables, self.seq_lens, self.rows.block_size, window)
+        return self._keys[window]
 
     def gather_buffer(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A scratch tensor for the gathered K/V, allocated once per step and reused by every layer."""
@@ -116,19 +109,24 @@ class PrefillPart:
     max_query_len: int
     has_context: bool  # some request has tokens cached before this step (chunked prefill, prefix hit)
     causal_single: bool  # one request, nothing cached: plain causal attention over the step's k/v
-    block_index: torch.Tensor | None = None  # [num_reqs * blocks_per_req]
-    kv_len: int = 0
+    q_lens: list[int]
+    seq_lens: list[int]
+    block_size: int
+    tables: torch.Tensor | None  # [B, blocks_per_req] covering the longest request; None: nothing cached
+    device: torch.device
     q_pad_index: torch.Tensor | None = None  # [B * max_query_len] part-local token of each padded query row
     out_index: torch.Tensor | None = None  # [num_part_tokens] padded row of each part-local token
-    causal_mask: torch.Tensor | None = None  # [B, 1, max_query_len, kv_len] bool: j <= context + i, j < seq_len
-    _float_masks: dict[tuple[torch.dtype, int], torch.Tensor] = field(default_factory=dict)
+    _keys: dict[int | None, PrefillKeys] = field(default_factory=dict)
 
-    def attn_mask(self, dtype: torch.dtype, kv_len: int) -> torch.Tensor:
-        """The causal mask over the first kv_len keys, additive in `dtype` (built once per step)."""
-        key = (dtype, kv_len)
-        if key not in self._float_masks:
-            self._float_masks[key] = _additive(self.causal_mask[..., :kv_len], dtype)
-        return self._float_masks[key]
+    def keys(self, window: int | None) -> PrefillKeys:
+        """The layout of the keys a layer with this sliding window attends (built once per step)."""
+        if window is not None and max(self.seq_lens) <= window:
+            window = None  # the window reaches every key: share the full layout
+        if window not in self._keys:
+            self._keys[window] = prefill_keys(
+                self.tables, self.q_lens, self.seq_lens, self.block_size, window, self.device
+            )
+        return self._keys[window]
 
 
 @dataclass(slots=True)
@@ -139,11 +137,6 @@ class TorchSDPAMetadata:
     num_tokens: int
     decode: DecodePart | None
     prefill: PrefillPart | None
-
-
-def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Boolean keep-mask -> 0 / -inf additive mask (SDPA would otherwise convert it on every call)."""
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
 def _select_tokens(reqs: list[int], starts: list[int], device: torch.device) -> TokenSelection:
@@ -159,8 +152,8 @@ def _select_tokens(reqs: list[int], starts: list[int], device: torch.device) -> 
     return TokenSelection(0, num, index)
 
 
-def _request_blocks(common: CommonAttentionMetadata, reqs: list[int], max_seq_len: int) -> tuple[torch.Tensor, int]:
-    """Block tables [len(reqs), blocks_per_req] covering max_seq_len keys of each request, and that key count."""
+def _request_blocks(common: CommonAttentionMetadata, reqs: list[int], max_seq_len: int) -> torch.Tensor:
+    """Block tables [len(reqs), blocks_per_req] covering max_seq_len keys of each request."""
     num_blocks = -(-max_seq_len // common.block_size)
     if common.block_tables.shape[1] < num_blocks:
         raise ValueError(
@@ -170,42 +163,34 @@ def _request_blocks(common: CommonAttentionMetadata, reqs: list[int], max_seq_le
     tables = common.block_tables
     if len(reqs) != common.num_reqs:
         tables = tables.index_select(0, torch.tensor(reqs, device=tables.device))
-    return tables[:, :num_blocks], num_blocks * common.block_size
+    return tables[:, :num_blocks]
 
 
 def _build_decode(
     common: CommonAttentionMetadata, reqs: list[int], starts: list[int], seq_lens: list[int]
 ) -> DecodePart:
-    """Gather index and key-length mask of the decode requests."""
-    device = common.slot_mapping.device
+    """The decode requests' tokens and blocks; their key layouts are built when a layer first asks."""
     lens = [seq_lens[r] for r in reqs]
-    tables, kv_len = _request_blocks(common, reqs, max(lens))
-    key_mask = None
-    if any(n != kv_len for n in lens):
-        lens_t = torch.tensor(lens, device=device)
-        key_mask = torch.arange(kv_len, device=device)[None, :] < lens_t[:, None]  # [B, kv_len]
+    tables = _request_blocks(common, reqs, max(lens))
     rows = DecodeRows(tables, tuple(lens), common.block_size)
-    tokens = _select_tokens(reqs, starts, device)
-    return DecodePart(tokens, len(reqs), tables.reshape(-1), kv_len, key_mask, rows)
+    tokens = _select_tokens(reqs, starts, common.slot_mapping.device)
+    return DecodePart(tokens, len(reqs), tables, lens, rows)
 
 
 def _build_prefill(
     common: CommonAttentionMetadata, reqs: list[int], starts: list[int], q_lens: list[int], seq_lens: list[int]
 ) -> PrefillPart:
-    """Padding indexes and causal mask of the prefill requests."""
+    """The prefill requests' tokens, blocks and padding indexes; key layouts come when a layer asks."""
     device = common.slot_mapping.device
     part_q, part_seq = [q_lens[r] for r in reqs], [seq_lens[r] for r in reqs]
     has_context = any(s > q for q, s in zip(part_q, part_seq))
+    tables = _request_blocks(common, reqs, max(part_seq)) if has_context else None
     part = PrefillPart(
-        _select_tokens(reqs, starts, device), len(reqs), max(part_q), has_context, len(reqs) == 1 and not has_context
+        _select_tokens(reqs, starts, device), len(reqs), max(part_q), has_context,
+        len(reqs) == 1 and not has_context, part_q, part_seq, common.block_size, tables, device,
     )
-    if part.causal_single:
-        return part
-    tables, part.kv_len = _request_blocks(common, reqs, max(part_seq))
-    part.block_index = tables.reshape(-1)
-    q_len_t, seq_t = torch.tensor(part_q, device=device), torch.tensor(part_seq, device=device)
-    part.q_pad_index, part.out_index = _padding_indexes(q_len_t, part.max_query_len)
-    part.causal_mask = _causal_mask(q_len_t, seq_t, part.max_query_len, part.kv_len)
+    if not part.causal_single:  # one request needs no padding: its rows are the padded rows
+        part.q_pad_index, part.out_index = _padding_indexes(torch.tensor(part_q, device=device), part.max_query_len)
     return part
 
 
@@ -219,19 +204,6 @@ def _padding_indexes(q_lens: torch.Tensor, max_query_len: int) -> tuple[torch.Te
     row_of_first = torch.arange(q_lens.shape[0], device=device) * max_query_len - local_starts
     out_index = torch.repeat_interleave(row_of_first, q_lens) + torch.arange(int(q_lens.sum()), device=device)
     return q_pad_index, out_index
-
-
-def _causal_mask(q_lens: torch.Tensor, seq_lens: torch.Tensor, max_query_len: int, kv_len: int) -> torch.Tensor:
-    """[B, 1, Qm, kv_len] bool: query i (absolute position seq_len - q_len + i) sees keys j <= its position.
-
-    Padded rows (i >= q_len) see every real key, so no row is fully masked (no NaN).
-    """
-    device = q_lens.device
-    i = torch.arange(max_query_len, device=device)
-    j = torch.arange(kv_len, device=device)
-    query_pos = (seq_lens - q_lens)[:, None, None] + i[None, :, None]  # [B, Qm, 1]
-    mask = (j[None, None, :] <= query_pos) & (j[None, None, :] < seq_lens[:, None, None])  # [B, Qm, kv_len]
-    return mask.unsqueeze(1)
 
 
 def _adjacent_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
@@ -264,40 +236,39 @@ def _write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mappin
     _scatter_kv(cache.view(2, cache.shape[1], -1, cache.shape[-1]), k, v, slot_mapping)
 
 
-def _gather_blocks(cache: torch.Tensor, block_index: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """[2, Hkv, len(block_index), block_size, D]: the listed blocks of K and V, request after request."""
-    if out is None:
-        return cache.index_select(2, block_index)
-    return torch.index_select(cache, 2, block_index, out=out)
-
-
 def _decode_kv(
-    layer: "Attention", k: torch.Tensor, v: torch.Tensor, part: DecodePart, cache: torch.Tensor
+    layer: "Attention", k: torch.Tensor, v: torch.Tensor, part: DecodePart, keys: DecodeKeys, cache: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The decode requests' keys, transposed, and values, this step's included.
+    """The decode requests' keys, transposed, and values, this step's included, laid out as `keys`.
 
     -> keys [Hkv * B, D, kv_len], values [Hkv * B, kv_len, D]; batch index = kv_head * B + request.
-    From the layer's mirror when it holds the previous step of the same requests (append the new
-    k, v [B, Hkv * D]); else gathered from the cache (already holding this step's k, v) into the
-    mirror, or into a scratch buffer when a mirror would take too much memory.
+    From the layer's mirror when it holds the previous step of the same requests in the same layout
+    (append the new k, v [B, Hkv * D]); else gathered from the cache (already holding this step's
+    k, v) into the mirror, or into a scratch buffer when a mirror would take too much memory.
     """
-    shape = (2, layer.num_kv_heads, part.num_reqs, part.kv_len, layer.head_dim)
-    if not mirror_fits(part.num_reqs, part.kv_len, cache):
+    shape = (2, layer.num_kv_heads, part.num_reqs, keys.kv_len, layer.head_dim)
+    if not mirror_fits(part.num_reqs, keys.kv_len, cache):
         layer.backend_state = None
-        blocks_shape = (2, shape[1], part.block_index.shape[0], *cache.shape[3:])
-        blocks = _gather_blocks(cache, part.block_index, part.gather_buffer(blocks_shape, cache.dtype, cache.device))
-        batched = blocks.view(2, shape[1] * shape[2], shape[3], shape[4])
+        gathered = part.gather_buffer(shape, cache.dtype, cache.device)
+        keys.gather(cache, gathered)
+        batched = gathered.view(2, shape[1] * shape[2], shape[3], shape[4])
         return batched[0].transpose(1, 2), batched[1]
     mirror = layer.backend_state
-    if isinstance(mirror, DecodeMirror) and part.rows.extends(mirror.rows):
-        _scatter_kv(mirror.key_rows, k, v, part.append_index)
+    same_layout = isinstance(mirror, DecodeMirror) and mirror.kv.shape == shape and mirror.ring == keys.ring
+    if same_layout and part.rows.extends(mirror.rows):
+        _scatter_kv(mirror.key_rows, k, v, keys.append_index)
     else:
-        if not isinstance(mirror, DecodeMirror) or mirror.kv.shape != shape:  # else regather in place
-            mirror = DecodeMirror(torch.empty(shape, dtype=cache.dtype, device=cache.device), part.rows)
+        if not same_layout:  # else regather in place
+            mirror = DecodeMirror(torch.empty(shape, dtype=cache.dtype, device=cache.device), part.rows, keys.ring)
             layer.backend_state = mirror
-        _gather_blocks(cache, part.block_index, mirror.kv.view(2, shape[1], -1, *cache.shape[3:]))
+        keys.gather(cache, mirror.kv)
     mirror.rows = part.rows
     return mirror.keys_t, mirror.values
+
+
+def _plain(layer: "Attention") -> bool:
+    """Whether the layer's scores are plain scaled dot products plus a mask (no ALiBi, cap or sinks)."""
+    return layer.alibi_slopes is None and layer.logit_softcap is None and layer.sinks is None
 
 
 def _decode(
@@ -305,11 +276,37 @@ def _decode(
 ) -> torch.Tensor:
     """q, k, v [B, heads * D] of one token per request over each request's cached keys -> [B, H * D]."""
     b, hkv, g, d = part.num_reqs, layer.num_kv_heads, layer.num_queries_per_kv, layer.head_dim
-    keys_t, values = _decode_kv(layer, k, v, part, cache)  # [Hkv * B, D, kv_len], [Hkv * B, kv_len, D]
+    keys = part.keys(layer.sliding_window)
+    keys_t, values = _decode_kv(layer, k, v, part, keys, cache)  # [Hkv * B, D, kv_len], [Hkv * B, kv_len, D]
     qh = q.view(b, hkv, g, d).transpose(0, 1).reshape(hkv * b, g, d)  # [Hkv * B, G, D]
-    scores = torch.baddbmm(part.score_mask(hkv, g, q.dtype), qh, keys_t, alpha=layer.scale)  # [Hkv * B, G, kv_len]
-    out = torch.bmm(torch.softmax(scores, dim=-1), values)  # [Hkv * B, G, D]
+    if _plain(layer):
+        scores = torch.baddbmm(keys.score_mask(hkv, g, q.dtype), qh, keys_t, alpha=layer.scale)  # [Hkv * B, G, kv_len]
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        probs = _decode_probs(layer, qh, keys_t, keys)
+    out = torch.bmm(probs, values)  # [Hkv * B, G, D]
     return out.view(hkv, b, g, d).transpose(0, 1).reshape(b, layer.num_heads * d)  # heads in order kv * G + g
+
+
+def _decode_probs(layer: "Attention", qh: torch.Tensor, keys_t: torch.Tensor, keys: DecodeKeys) -> torch.Tensor:
+    """Attention weights [Hkv * B, G, kv_len] of a layer with ALiBi, soft-capping or sinks."""
+    hkv, g, b = layer.num_kv_heads, layer.num_queries_per_kv, keys.num_reqs
+    scores = torch.bmm(qh, keys_t).mul_(layer.scale)  # [Hkv * B, G, kv_len]
+    if layer.logit_softcap is not None:
+        softcap_(scores, layer.logit_softcap)
+    if not keys.all_seen:
+        scores += keys.score_mask(hkv, g, scores.dtype)
+    if layer.alibi_slopes is not None:
+        scores += keys.alibi_bias(layer.alibi_slopes, hkv, g)
+    sinks = None
+    if layer.sinks is not None:  # head kv * G + g -> [Hkv * B, G, 1]
+        sinks = layer.sinks.view(hkv, 1, g, 1).expand(hkv, b, g, 1).reshape(hkv * b, g, 1)
+    return softmax_with_sinks(scores, sinks)
+
+
+def _rows(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    """x's rows at `index` (None: all of them, in order)."""
+    return x if index is None else x.index_select(0, index)
 
 
 def _causal_single(layer: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -326,19 +323,21 @@ def _causal_single(layer: "Attention", q: torch.Tensor, k: torch.Tensor, v: torc
 def _own_kv(
     layer: "Attention", k: torch.Tensor, v: torch.Tensor, part: PrefillPart
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The part's own k, v padded like the queries -> [B, Hkv, Qm, D] each (nothing cached, or no cache)."""
-    if part.has_context:
-        raise RuntimeError("a request with cached context was scheduled but the Attention layer has no KV cache")
+    """The part's own k, v padded like the queries -> [B, Hkv, Qm, D] each (nothing cached)."""
     b, qm, hkv, d = part.num_reqs, part.max_query_len, layer.num_kv_heads, layer.head_dim
-    kh = k.view(-1, hkv, d).index_select(0, part.q_pad_index).view(b, qm, hkv, d).transpose(1, 2)
-    vh = v.view(-1, hkv, d).index_select(0, part.q_pad_index).view(b, qm, hkv, d).transpose(1, 2)
+    kh = _rows(k.view(-1, hkv, d), part.q_pad_index).view(b, qm, hkv, d).transpose(1, 2)
+    vh = _rows(v.view(-1, hkv, d), part.q_pad_index).view(b, qm, hkv, d).transpose(1, 2)
     return kh, vh
 
 
-def _cached_kv(layer: "Attention", part: PrefillPart, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _cached_kv(
+    layer: "Attention", part: PrefillPart, keys: PrefillKeys, cache: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The part's keys and values gathered from the cache -> [B, Hkv, kv_len, D] each (strided views)."""
-    kv = _gather_blocks(cache, part.block_index)  # [2, Hkv, B * blocks_per_req, block_size, D]
-    kv = kv.view(2, layer.num_kv_heads, part.num_reqs, part.kv_len, layer.head_dim)
+    if cache is None:
+        raise RuntimeError("a request with cached context was scheduled but the Attention layer has no KV cache")
+    kv = cache.index_select(2, keys.block_index)  # [2, Hkv, B * blocks_per_req, block_size, D]
+    kv = kv.view(2, layer.num_kv_heads, part.num_reqs, keys.kv_len, layer.head_dim)
     return kv[0].transpose(0, 1), kv[1].transpose(0, 1)
 
 
@@ -347,22 +346,65 @@ def _prefill_padded(
 ) -> torch.Tensor:
     """Padded batch of prompts/chunks: q [Tp, H * D] over their cached or own keys -> [Tp, H * D]."""
     b, qm, d = part.num_reqs, part.max_query_len, layer.head_dim
+    keys = part.keys(layer.sliding_window)
     # with nothing cached the keys are this step's own: pad them like the queries, skip the cache
-    own = cache is None or not part.has_context
-    kh, vh = _own_kv(layer, k, v, part) if own else _cached_kv(layer, part, cache)
-    qh = q.index_select(0, part.q_pad_index).view(b, qm, layer.num_heads, d).transpose(1, 2)  # [B, H, Qm, D]
-    gqa = layer.num_kv_heads != layer.num_heads
-    mask = part.attn_mask(q.dtype, kh.shape[2])
-    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=layer.scale, enable_gqa=gqa)
+    kh, vh = _own_kv(layer, k, v, part) if keys.block_index is None else _cached_kv(layer, part, keys, cache)
+    qh = _rows(q, part.q_pad_index).view(b, qm, layer.num_heads, d).transpose(1, 2)  # [B, H, Qm, D]
+    if layer.logit_softcap is None and layer.sinks is None:
+        mask = keys.attn_mask(q.dtype)  # [B, 1, Qm, kv_len]
+        if layer.alibi_slopes is not None:
+            mask = mask + _alibi(layer, keys).to(q.dtype)  # [B, H, Qm, kv_len]
+        gqa = layer.num_kv_heads != layer.num_heads
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=layer.scale, enable_gqa=gqa)
+    else:
+        out = _explicit_attention(layer, qh, kh, vh, keys)
     out = out.transpose(1, 2).reshape(b * qm, layer.num_heads * d)  # [B * Qm, H * D]
-    return out.index_select(0, part.out_index)
+    return _rows(out, part.out_index)
+
+
+def _alibi(layer: "Attention", keys: PrefillKeys, rows: slice = slice(None)) -> torch.Tensor:
+    """ALiBi bias [B, H, rows, kv_len] (float32) of the query rows `rows`."""
+    return layer.alibi_slopes.view(1, -1, 1, 1) * keys.alibi_offsets(rows)
+
+
+# scores (elements) one chunk of queries of the explicit prefill path may hold: bounds its memory
+EXPLICIT_SCORES_PER_CHUNK = 1 << 26
+
+
+def _explicit_attention(
+    layer: "Attention", qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, keys: PrefillKeys
+) -> torch.Tensor:
+    """Scores, cap, mask (+ ALiBi), softmax (with sinks), weighted sum -> [B, H, Qm, D], in query chunks.
+
+    qh [B, H, Qm, D]; kh, vh [B, Hkv, kv_len, D]. The G query heads of a KV head attend as one
+    [G * rows, kv_len] matrix, so keys are not repeated per query head.
+    """
+    b, h, qm, d = qh.shape
+    hkv, g = layer.num_kv_heads, layer.num_queries_per_kv
+    sinks = None if layer.sinks is None else layer.sinks.view(1, h, 1, 1)
+    out = qh.new_empty(b, h, qm, d)
+    chunk = max(1, EXPLICIT_SCORES_PER_CHUNK // (b * h * keys.kv_len))
+    for start in range(0, qm, chunk):
+        rows = slice(start, min(start + chunk, qm))
+        n = rows.stop - rows.start
+        qg = qh[:, :, rows].reshape(b, hkv, g * n, d)  # heads kv * G + g -> [B, Hkv, G * n, D]
+        scores = torch.matmul(qg, kh.transpose(2, 3)).view(b, h, n, keys.kv_len).mul_(layer.scale)
+        if layer.logit_softcap is not None:
+            softcap_(scores, layer.logit_softcap)
+        scores += keys.attn_mask(scores.dtype)[:, :, rows]
+        if layer.alibi_slopes is not None:
+            scores += _alibi(layer, keys, rows)
+        probs = softmax_with_sinks(scores, sinks).view(b, hkv, g * n, keys.kv_len)
+        out[:, :, rows] = torch.matmul(probs, vh).view(b, h, n, d)
+    return out
 
 
 def _prefill(
     layer: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, part: PrefillPart, cache: torch.Tensor | None
 ) -> torch.Tensor:
     """Attention of the prefill part's tokens."""
-    if part.causal_single:
+    window = layer.sliding_window
+    if part.causal_single and _plain(layer) and (window is None or part.max_query_len <= window):
         return _causal_single(layer, q, k, v)
     return _prefill_padded(layer, q, k, v, part, cache)
 
@@ -371,6 +413,7 @@ class TorchSDPABackend(AttentionBackend):
     """Reference paged attention on any device torch runs on; fast enough on CPU."""
 
     name = "torch_sdpa"
+    supported_features = ATTENTION_FEATURES
 
     @classmethod
     def kv_cache_shape(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -379,7 +422,8 @@ class TorchSDPABackend(AttentionBackend):
 
     @classmethod
     def build_metadata(cls, common: CommonAttentionMetadata) -> TorchSDPAMetadata:
-        """Split the batch into its decode and prefill parts and precompute their indexes and masks."""
+        """Split the batch into its decode and prefill parts (their key layouts and masks are built when
+        the first layer asks for them, once per sliding window)."""
         q_lens = list(common.query_lens_list) or (common.query_start_loc[1:] - common.query_start_loc[:-1]).tolist()
         seq_lens = list(common.seq_lens_list) or common.seq_lens.tolist()
         starts = [0, *itertools.accumulate(q_lens)]

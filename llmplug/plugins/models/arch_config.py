@@ -1,57 +1,47 @@
-"""Typed, frozen architecture configs, converted once from a Hugging Face config.
+"""Readers of Hugging Face configs shared by the family adapters.
 
-Models never probe the HF config: an adapter function per architecture reads it once (this module
-holds the shared readers) and the model sees only these dataclasses.
+An adapter (`gemma_arch_config(hf) -> DecoderArchConfig`, ...) is the only code that reads a HF
+config; these helpers read the fields most families share: sizes, rope settings (transformers 5
+`rope_parameters`, flat or keyed by layer type, or transformers 4 `rope_theta` + `rope_scaling`),
+per-layer attention windows and NoPE layers. The typed config itself lives in
+`llmplug.layers.decoder` (re-exported here).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 from transformers import PretrainedConfig
 
 from llmplug.core.errors import ModelLoadError
+from llmplug.layers.decoder.arch import DecoderArchConfig, LayerConfig, MLPConfig, RopeConfig
 
-__all__ = ["DecoderArchConfig", "RopeConfig", "head_dim_of", "rope_config_of"]
+__all__ = [
+    "DecoderArchConfig",
+    "LayerConfig",
+    "MLPConfig",
+    "RopeConfig",
+    "architecture_of",
+    "head_dim_of",
+    "layers_of",
+    "refuse",
+    "rope_config_of",
+    "sizes_of",
+]
+
+SLIDING = "sliding_attention"
 
 
-@dataclass(frozen=True, slots=True)
-class RopeConfig:
-    """Rotary embedding of a model."""
-
-    theta: float
-    max_position: int  # max_position_embeddings of the config
-    scaling: Mapping[str, Any] | None = None  # rope_scaling / rope_parameters without rope_theta; None: plain RoPE
-    partial_rotary_factor: float = 1.0
-    is_neox_style: bool = True  # rotate-half pairs (i, i + d/2), as transformers' Llama family
+def architecture_of(hf: PretrainedConfig) -> str:
+    """The config's first `architectures` entry (its class name when it lists none)."""
+    return (getattr(hf, "architectures", None) or [type(hf).__name__])[0]
 
 
-@dataclass(frozen=True, slots=True)
-class DecoderArchConfig:
-    """A pre-norm decoder with RMSNorm, RoPE, grouped-query attention and a gated-SiLU MLP."""
-
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope: RopeConfig
-    tie_word_embeddings: bool = False
-    qkv_bias: bool = False  # bias on q, k, v projections
-    o_proj_bias: bool = False
-    mlp_bias: bool = False
-    qk_norm: bool = False  # RMSNorm over head_dim on q and k before rotary (Qwen3)
-
-    @property
-    def rotary_dim(self) -> int:
-        """Leading dims of each head that are rotated."""
-        return int(self.head_dim * self.rope.partial_rotary_factor)
+def refuse(hf: PretrainedConfig, condition: bool, what: str) -> None:
+    """ModelLoadError naming the architecture when `condition` holds: `what` is not supported."""
+    if condition:
+        raise ModelLoadError(f"{architecture_of(hf)}: {what} is not supported")
 
 
 def head_dim_of(hf: PretrainedConfig) -> int:
@@ -59,22 +49,92 @@ def head_dim_of(hf: PretrainedConfig) -> int:
     return getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
 
 
-def _rope_dict(hf: PretrainedConfig) -> dict[str, Any]:
-    """Rope settings from transformers 5 `rope_parameters` or transformers 4 `rope_theta` + `rope_scaling`."""
+def sizes_of(hf: PretrainedConfig, intermediate_size: int | None = None) -> dict[str, Any]:
+    """The size fields of DecoderArchConfig from transformers' standard names (and attribute maps)."""
+    return dict(
+        architecture=architecture_of(hf),
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        intermediate_size=intermediate_size or hf.intermediate_size,
+        num_layers=hf.num_hidden_layers,
+        num_heads=hf.num_attention_heads,
+        num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+        head_dim=head_dim_of(hf),
+    )
+
+
+def _rope_parameters(hf: PretrainedConfig) -> dict[str, Any]:
+    """transformers 5 `rope_parameters`, else transformers 4 `rope_scaling` + `rope_theta` (a copy)."""
     params = dict(getattr(hf, "rope_parameters", None) or {})
     if not params:
         params = dict(getattr(hf, "rope_scaling", None) or {})
-        params.setdefault("rope_theta", getattr(hf, "rope_theta", 10000.0))
-    if any(isinstance(v, Mapping) for v in params.values()):
-        raise ModelLoadError(f"per-layer-type rope parameters {sorted(params)} are not supported by this model")
+        params.setdefault("rope_theta", getattr(hf, "rope_theta", None) or 10000.0)
     return params
 
 
-def rope_config_of(hf: PretrainedConfig) -> RopeConfig:
-    """The rotary settings of a Llama-family HF config (either transformers generation)."""
-    params = _rope_dict(hf)
-    theta = float(params.pop("rope_theta", 10000.0))
-    partial = float(params.pop("partial_rotary_factor", None) or getattr(hf, "partial_rotary_factor", 1.0) or 1.0)
+def _is_per_layer_type(params: Mapping[str, Any]) -> bool:
+    return any(isinstance(v, Mapping) for v in params.values())
+
+
+def rope_config_of(
+    hf: PretrainedConfig,
+    params: Mapping[str, Any] | None = None,
+    *,
+    is_neox_style: bool = True,
+    partial_rotary_factor: float | None = None,
+) -> RopeConfig:
+    """A RopeConfig from one rope-parameters dict (default: the config's own, which must not be per layer type)."""
+    params = dict(_rope_parameters(hf) if params is None else params)
+    if _is_per_layer_type(params):
+        raise ModelLoadError(
+            f"{architecture_of(hf)}: rope parameters are per layer type {sorted(params)}; read them with layers_of"
+        )
+    theta = float(params.pop("rope_theta", None) or 10000.0)
+    partial = params.pop("partial_rotary_factor", None) or getattr(hf, "partial_rotary_factor", None)
     rope_type = params.get("rope_type") or params.get("type") or "default"
     scaling = MappingProxyType(params) if rope_type != "default" else None
-    return RopeConfig(theta, hf.max_position_embeddings, scaling, partial)
+    factor = float(partial_rotary_factor or partial or 1.0)
+    return RopeConfig(theta, hf.max_position_embeddings, scaling, factor, is_neox_style)
+
+
+def layers_of(
+    hf: PretrainedConfig,
+    *,
+    rope: bool = True,
+    is_neox_style: bool = True,
+    partial_rotary_factor: float | None = None,
+    nope_layers: Collection[int] = (),
+    window: int | None = None,
+) -> tuple[LayerConfig, ...]:
+    """One LayerConfig per layer from `layer_types`, `sliding_window` and the rope parameters.
+
+    Without `layer_types`, a set `sliding_window` (or `window`) applies to every layer, as
+    transformers' Mistral does. Rope parameters keyed by layer type give each layer its type's rope.
+    `rope=False`: no rotary anywhere (absolute positions or ALiBi); `nope_layers`: layers without it.
+    """
+    n = hf.num_hidden_layers
+    window = window or getattr(hf, "sliding_window", None)
+    types = list(getattr(hf, "layer_types", None) or [SLIDING if window else "full_attention"] * n)
+    if len(types) != n:
+        raise ModelLoadError(f"{architecture_of(hf)}: {len(types)} layer_types for {n} layers")
+    ropes = _ropes_by_type(hf, set(types), is_neox_style, partial_rotary_factor) if rope else {}
+    return tuple(
+        LayerConfig(None if i in nope_layers else ropes.get(kind), window if kind == SLIDING else None)
+        for i, kind in enumerate(types)
+    )
+
+
+def _ropes_by_type(
+    hf: PretrainedConfig, types: set[str], is_neox_style: bool, partial: float | None
+) -> dict[str, RopeConfig]:
+    params = _rope_parameters(hf)
+    if not _is_per_layer_type(params):
+        one = rope_config_of(hf, params, is_neox_style=is_neox_style, partial_rotary_factor=partial)
+        return dict.fromkeys(types, one)
+    missing = types - set(params)
+    if missing:
+        raise ModelLoadError(f"{architecture_of(hf)}: rope_parameters has no entry for layer types {sorted(missing)}")
+    return {
+        kind: rope_config_of(hf, params[kind], is_neox_style=is_neox_style, partial_rotary_factor=partial)
+        for kind in types
+    }

@@ -1,8 +1,9 @@
-"""A minimal model runner for tests: paged KV blocks, block tables, flattened batches.
+"""A minimal model runner for model-level tests: paged KV blocks, block tables, flattened batches.
 
 It schedules what a test asks (which requests, how many tokens each), builds the step's
 CommonAttentionMetadata exactly as the engine's model runner does, runs the model inside the
-forward context, and returns every token's logits.
+forward context, and returns every token's logits — raw logits of any position, for checks the
+engine does not expose (prefix-cache hits on chosen blocks, chunks placed between decodes).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import torch
 from llmplug.layers.attention import attention_layers, bind_kv_cache
 from llmplug.layers.attention.torch_sdpa import TorchSDPABackend
 from llmplug.layers.forward_context import CommonAttentionMetadata, forward_context
+
+__all__ = ["PagedHarness", "Sequence"]
 
 
 @dataclass

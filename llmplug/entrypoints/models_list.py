@@ -1,0 +1,66 @@
+"""`llmplug models`: every architecture of the `llmplug.models` group, its family and what it supports.
+
+Kept light at import time (the CLI builds every parser on each call): the model classes are imported
+inside `run`, one module per family. A class that fails to import is listed with the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+FEATURES = ("tp", "pp", "gguf", "int4")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """--json: one JSON list of rows instead of a table."""
+    parser.add_argument("--json", action="store_true", help="One JSON list of rows instead of a table.")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print one row per registered architecture."""
+    rows = model_rows()
+    print(json.dumps(rows, indent=2) if args.json else _table(rows))
+    return 0
+
+
+def model_rows() -> list[dict[str, Any]]:
+    """{architecture, family, distribution, tp, pp, gguf, int4, error} per name of `llmplug.models` (sorted)."""
+    from llmplug.core.errors import PluginError
+    from llmplug.core.plugins import get_registry
+    from llmplug.loaders.gguf_config import ARCHITECTURES as GGUF_ARCHITECTURES
+
+    registry, gguf = get_registry(), {row.hf_architecture for row in GGUF_ARCHITECTURES.values()}
+    rows = []
+    for info in sorted(registry.infos("llmplug.models"), key=lambda i: i.name):
+        row: dict[str, Any] = {"architecture": info.name, "distribution": info.distribution, "error": ""}
+        try:
+            cls = registry.load("llmplug.models", info.name)
+        except PluginError as error:
+            rows.append(row | {"family": "-", **dict.fromkeys(FEATURES, False), "error": str(error)})
+            continue
+        rows.append(row | _features(cls, info.name in gguf))
+    return rows
+
+
+def _features(cls: type, gguf: bool) -> dict[str, Any]:
+    """A model class's family (its own `family`, else its module's name) and feature flags."""
+    return {
+        "family": getattr(cls, "family", None) or cls.__module__.rsplit(".", 1)[-1],
+        "tp": bool(getattr(cls, "supports_tensor_parallel", False)),
+        "pp": bool(getattr(cls, "supports_pipeline_parallel", False)),
+        "gguf": gguf,
+        "int4": bool(getattr(cls, "supports_int4", False)),
+    }
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    header = ("ARCHITECTURE", "FAMILY", *(f.upper() for f in FEATURES), "DISTRIBUTION")
+    cells = [header] + [
+        (r["architecture"], r["family"], *("yes" if r[f] else "-" for f in FEATURES), r["distribution"])
+        + ((f"error: {r['error']}",) if r["error"] else ())
+        for r in rows
+    ]
+    widths = [max(len(str(c[i])) for c in cells) for i in range(len(header))]
+    return "\n".join("  ".join(f"{str(c):<{w}}" for c, w in zip(cell, widths)).rstrip() for cell in cells)

@@ -1,0 +1,174 @@
+"""Which cached keys the queries of a step attend, laid out as one gathered context per request.
+
+A layout says which cache blocks (or slots) to gather into a [B, kv_len] context, the position of
+each gathered key, and so which keys each query sees. Full attention gathers every block from the
+first. A sliding-window layer (query at position i sees keys i - W < j <= i) gathers only what its
+window reaches: in prefill, the blocks from the one holding the earliest key any query of the
+request sees; in decode, a ring of W slots per request, the key at position p in slot p % W (see
+decode_mirror.py). Layouts depend only on the batch and the window, so a step builds each once and
+every layer with that window shares it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["DecodeKeys", "PrefillKeys", "additive", "decode_keys", "prefill_keys"]
+
+
+def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Boolean keep-mask -> 0 / -inf additive mask (SDPA would otherwise convert it on every call)."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+@dataclass(slots=True)
+class DecodeKeys:
+    """The keys of the decode requests (one query each, at position seq_len - 1) as [B, kv_len]."""
+
+    gather_index: torch.Tensor  # ring is None: [B * blocks_per_req] cache blocks; else [B * kv_len] cache slots
+    kv_len: int
+    ring: int | None  # the window W of a ring layout (kv_len == W); None: keys from position 0
+    positions: torch.Tensor  # [B or 1, kv_len] position of each gathered key
+    seq_lens: torch.Tensor  # [B]
+    all_seen: bool  # every gathered key is one the query sees (no key mask)
+    _masks: dict[tuple[int, int, torch.dtype], torch.Tensor] = field(default_factory=dict)
+    _append_index: torch.Tensor | None = None
+
+    @property
+    def num_reqs(self) -> int:
+        """B, the decode requests."""
+        return self.seq_lens.shape[0]
+
+    @property
+    def append_index(self) -> torch.Tensor:
+        """[B] row of each request's newest key in a context viewed as [B * kv_len] (built once)."""
+        if self._append_index is None:
+            newest = self.seq_lens - 1
+            slot = newest if self.ring is None else newest % self.ring
+            self._append_index = torch.arange(self.num_reqs, device=slot.device) * self.kv_len + slot
+        return self._append_index
+
+    def seen(self) -> torch.Tensor:
+        """[B, kv_len] bool: the gathered keys the query sees (the rest is padding)."""
+        return (self.positions >= 0) & (self.positions < self.seq_lens[:, None])
+
+    def score_mask(self, num_kv_heads: int, group: int, dtype: torch.dtype) -> torch.Tensor:
+        """Additive key mask [Hkv * B, G, kv_len] in `dtype`, laid out like the scores (built once per step)."""
+        key = (num_kv_heads, group, dtype)
+        if key not in self._masks:
+            device = self.seq_lens.device
+            if self.all_seen:  # zeros: baddbmm still needs an addend, and this costs one step-wide alloc
+                mask = torch.zeros(self.num_reqs, self.kv_len, dtype=dtype, device=device)
+            else:
+                mask = additive(self.seen(), dtype)  # [B, kv_len]
+            expanded = mask[None, :, None, :].expand(num_kv_heads, -1, group, -1)
+            self._masks[key] = expanded.reshape(num_kv_heads * self.num_reqs, group, self.kv_len)
+        return self._masks[key]
+
+    def alibi_bias(self, slopes: torch.Tensor, num_kv_heads: int, group: int) -> torch.Tensor:
+        """slope_h * (j - i) [Hkv * B, G, kv_len] (float32), laid out like the scores."""
+        offsets = (self.positions - (self.seq_lens[:, None] - 1)).float()  # [B, kv_len], <= 0 for seen keys
+        bias = slopes.view(num_kv_heads, 1, group, 1) * offsets.expand(self.num_reqs, -1)[None, :, None, :]
+        return bias.reshape(num_kv_heads * self.num_reqs, group, self.kv_len)
+
+    def gather(self, cache: torch.Tensor, out: torch.Tensor) -> None:
+        """Copy the keys and values of cache [2, Hkv, num_blocks, block_size, D] into out [2, Hkv, B, kv_len, D]."""
+        if self.ring is None:
+            torch.index_select(cache, 2, self.gather_index, out=out.view(2, out.shape[1], -1, *cache.shape[3:]))
+        else:
+            slots = cache.view(2, cache.shape[1], -1, cache.shape[-1])
+            torch.index_select(slots, 2, self.gather_index, out=out.view(2, out.shape[1], -1, out.shape[-1]))
+
+
+def decode_keys(tables: torch.Tensor, seq_lens: list[int], block_size: int, window: int | None) -> DecodeKeys:
+    """The decode layout of requests with `seq_lens` keys (tables [B, blocks] cover the longest).
+
+    A ring of `window` slots when some request is longer than the window; else every block.
+    """
+    device = tables.device
+    lens = torch.tensor(seq_lens, device=device)
+    if window is None or max(seq_lens) <= window:  # the window, if any, reaches back to position 0
+        kv_len = tables.shape[1] * block_size
+        positions = torch.arange(kv_len, device=device)[None, :]  # [1, kv_len]
+        return DecodeKeys(tables.reshape(-1), kv_len, None, positions, lens, all(n == kv_len for n in seq_lens))
+    newest = lens[:, None] - 1  # [B, 1]
+    # slot r holds the latest position p <= newest with p % window == r (negative: not written yet)
+    positions = newest - (newest - torch.arange(window, device=device)[None, :]) % window  # [B, W]
+    stored = positions.clamp(min=0)
+    slots = tables.gather(1, stored // block_size) * block_size + stored % block_size  # [B, W]
+    return DecodeKeys(slots.reshape(-1), window, window, positions, lens, min(seq_lens) >= window)
+
+
+@dataclass(slots=True)
+class PrefillKeys:
+    """The keys the prefill part's queries attend, per request [kv_len], and the mask of which each sees."""
+
+    block_index: torch.Tensor | None  # [B * blocks_per_req] cache blocks to gather; None: the step's own k/v
+    kv_len: int
+    key_positions: torch.Tensor  # [B, kv_len]
+    query_positions: torch.Tensor  # [B, Qm]; padded query rows repeat the request's last query
+    mask: torch.Tensor  # [B, 1, Qm, kv_len] bool
+    _float_masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+
+    def attn_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """The mask, additive in `dtype` (built once per step)."""
+        if dtype not in self._float_masks:
+            self._float_masks[dtype] = additive(self.mask, dtype)
+        return self._float_masks[dtype]
+
+    def alibi_offsets(self, rows: slice = slice(None)) -> torch.Tensor:
+        """j - i [B, 1, Qm, kv_len] (float32) of the query rows `rows`."""
+        offsets = self.key_positions[:, None, :] - self.query_positions[:, rows, None]  # [B, rows, kv_len]
+        return offsets.float().unsqueeze(1)
+
+
+def prefill_keys(
+    tables: torch.Tensor | None,
+    q_lens: list[int],
+    seq_lens: list[int],
+    block_size: int,
+    window: int | None,
+    device: torch.device,
+) -> PrefillKeys:
+    """The prefill layout of requests computing their last q_lens of seq_lens tokens.
+
+    tables [B, >= blocks of the longest] gathers the keys from the cache; None: the keys are the step's
+    own (nothing cached), padded like the queries. A window skips the blocks no query's window reaches.
+    """
+    contexts = [s - q for q, s in zip(q_lens, seq_lens)]
+    first_keys = [0] * len(q_lens)  # position of each request's first gathered key
+    block_index = None
+    if tables is None:
+        kv_len = max(q_lens)
+    else:
+        if window is not None:  # the earliest key a query sees: context - window + 1
+            first_keys = [max(0, c - window + 1) // block_size * block_size for c in contexts]
+        num_blocks = max(-(-s // block_size) - f // block_size for s, f in zip(seq_lens, first_keys))
+        kv_len = num_blocks * block_size
+        first_block = torch.tensor([f // block_size for f in first_keys], device=device)
+        columns = (first_block[:, None] + torch.arange(num_blocks, device=device)).clamp(max=tables.shape[1] - 1)
+        block_index = tables.gather(1, columns).reshape(-1)  # the clamped columns are padding: masked below
+    return _with_mask(block_index, kv_len, first_keys, contexts, q_lens, window, device)
+
+
+def _with_mask(
+    block_index: torch.Tensor | None,
+    kv_len: int,
+    first_keys: list[int],
+    contexts: list[int],
+    q_lens: list[int],
+    window: int | None,
+    device: torch.device,
+) -> PrefillKeys:
+    """The layout with its mask: query i (position context + i) sees keys j <= its position, within the window."""
+    max_query_len = max(q_lens)
+    key_positions = torch.tensor(first_keys, device=device)[:, None] + torch.arange(kv_len, device=device)
+    i = torch.arange(max_query_len, device=device)
+    last = torch.tensor(q_lens, device=device)[:, None] - 1
+    query_positions = torch.tensor(contexts, device=device)[:, None] + torch.minimum(i[None, :], last)  # [B, Qm]
+    mask = key_positions[:, None, :] <= query_positions[:, :, None]  # [B, Qm, kv_len]
+    if window is not None:
+        mask &= key_positions[:, None, :] > query_positions[:, :, None] - window
+    return PrefillKeys(block_index, kv_len, key_positions, query_positions, mask.unsqueeze(1))

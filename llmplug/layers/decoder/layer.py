@@ -1,0 +1,109 @@
+"""One layer of the generic decoder: attention and MLP, their norms, and the residual stream.
+
+The residual stream is carried as a pair (sublayer output, residual): the sum is only formed by
+the next norm, fused with it (`norm(x, residual)`), so a pre-norm layer does no separate add.
+
+Norm placement, with transformers' module names (so most checkpoints need no renames):
+
+| layout                  | before attn     | after attn  | before MLP                | after MLP   |
+|-------------------------|-----------------|-------------|---------------------------|-------------|
+| pre_norm (Llama)        | input_layernorm |             | post_attention_layernorm  |             |
+| pre + post (Gemma 2)    | input_layernorm | post_attn * | pre_feedforward_layernorm | post_ffn ** |
+| post_norm (OLMo 2)      |                 | post_attn * |                           | post_ffn ** |
+| parallel_residual       | input_layernorm, also the MLP's unless parallel_mlp_norm: post_attention_layernorm |
+
+(* post_attention_layernorm, ** post_feedforward_layernorm)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from llmplug.communicators.parallel_state import get_tp_group
+from llmplug.layers.decoder.arch import DecoderArchConfig, LayerConfig
+from llmplug.layers.decoder.attention import DecoderAttention
+from llmplug.layers.decoder.mlp import DecoderMLP
+from llmplug.layers.layernorm import LayerNorm, RMSNorm, make_norm
+from llmplug.layers.rotary import RotaryCosSin
+
+__all__ = ["DecoderLayer"]
+
+Norm = RMSNorm | LayerNorm
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+class DecoderLayer(nn.Module):
+    """x -> x + attn(...) -> + mlp(...), or x + attn(norm(x)) + mlp(norm'(x)) with a parallel residual."""
+
+    def __init__(self, arch: DecoderArchConfig, layer: LayerConfig, prefix: str = "") -> None:
+        super().__init__()
+        self.parallel = arch.parallel_residual
+        reduce = not self.parallel  # a parallel layer sums attention and MLP, then all-reduces once
+        self.self_attn = DecoderAttention(arch, layer, _join(prefix, "self_attn"), reduce_results=reduce)
+        self.mlp = DecoderMLP(arch.mlp, arch.hidden_size, arch.intermediate_size, _join(prefix, "mlp"), reduce)
+        self.residual_multiplier, self.post_norm = arch.residual_multiplier, arch.post_norm
+        norm = lambda: make_norm(arch.norm, arch.hidden_size)  # noqa: E731
+        pre, post = arch.pre_norm, arch.post_norm
+        self.input_layernorm: Norm | None = norm() if pre else None
+        self.post_attention_layernorm: Norm | None = (
+            norm() if (post or not self.parallel or arch.parallel_mlp_norm) else None
+        )
+        self.pre_feedforward_layernorm: Norm | None = norm() if (pre and post) else None
+        self.post_feedforward_layernorm: Norm | None = norm() if post else None
+
+    # transformers' names mean different places in different layouts (see the module doc)
+    @property
+    def attn_out_norm(self) -> Norm | None:
+        """The norm of the attention output, if any."""
+        return self.post_attention_layernorm if self.post_norm else None
+
+    @property
+    def mlp_in_norm(self) -> Norm | None:
+        """The norm of the MLP input, if the MLP has its own."""
+        return self.pre_feedforward_layernorm if self.post_norm else self.post_attention_layernorm
+
+    def forward(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: RotaryCosSin | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sublayer output, residual stream) of the previous layer -> the same for this one (residual None
+        at the first layer: `hidden` is the embedding output)."""
+        if self.parallel:
+            return self._parallel(hidden, residual, rope)
+        hidden, residual = _add_and_norm(self.input_layernorm, hidden, residual)
+        hidden = self._scaled(_norm(self.attn_out_norm, self.self_attn(hidden, rope)))
+        hidden, residual = _add_and_norm(self.mlp_in_norm, hidden, residual)
+        return self._scaled(_norm(self.post_feedforward_layernorm, self.mlp(hidden))), residual
+
+    def _parallel(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: RotaryCosSin | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x + attn(norm(x)) + mlp(norm(x) or norm'(x)), the two outputs summed over the ranks at once."""
+        normed, residual = _add_and_norm(self.input_layernorm, hidden, residual)
+        mlp_in = normed if self.mlp_in_norm is None else self.mlp_in_norm(residual)
+        out = self.self_attn(normed, rope).add_(self.mlp(mlp_in))  # this rank's partial sums
+        tp = get_tp_group()
+        return self._scaled(tp.all_reduce(out) if tp.world_size > 1 else out), residual
+
+    def _scaled(self, out: torch.Tensor) -> torch.Tensor:
+        """A sublayer's output times the residual multiplier (in place: it is a fresh tensor)."""
+        return out.mul_(self.residual_multiplier) if self.residual_multiplier != 1.0 else out
+
+
+def _add_and_norm(
+    norm: Norm | None, hidden: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(hidden + residual), hidden + residual); without a norm (post-norm layers) the sum twice."""
+    if residual is None:  # the first layer: hidden is the stream itself
+        return (hidden if norm is None else norm(hidden)), hidden
+    if norm is None:
+        stream = hidden.add_(residual)
+        return stream, stream
+    return norm(hidden, residual)
+
+
+def _norm(norm: Norm | None, x: torch.Tensor) -> torch.Tensor:
+    return x if norm is None else norm(x)

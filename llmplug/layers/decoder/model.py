@@ -1,0 +1,207 @@
+"""The generic decoder-only model and its causal-LM head, built from a `DecoderArchConfig`.
+
+A family plugin subclasses `DecoderForCausalLM` and sets two class attributes: `arch_config_of`
+(its HF config -> DecoderArchConfig adapter) and `checkpoint_names` (how its checkpoint names map
+onto the parameters here). Parameter names follow transformers' Llama (`model.embed_tokens`,
+`model.layers.N.self_attn.qkv_proj`, `model.norm`, `lm_head`), plus `model.embed_positions`,
+`model.embed_norm` and the norms of `DecoderLayer`.
+
+Under pipeline parallelism a stage holds only its layers (the embeddings on the first stage, the
+final norm and the head on the last); the others are `PPMissingLayer` placeholders.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, ClassVar, Iterable
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from llmplug.communicators.parallel_state import get_pp_group
+from llmplug.layers.checkpoint_names import CheckpointNames, HeadLayout
+from llmplug.layers.decoder.arch import DecoderArchConfig, RopeConfig
+from llmplug.layers.decoder.layer import DecoderLayer
+from llmplug.layers.layernorm import make_norm
+from llmplug.layers.pipeline import IntermediateTensors, PPMissingLayer, pp_layer_range, skip_missing_layers
+from llmplug.layers.position_embedding import LearnedPositionEmbedding, SinusoidalPositionEmbedding
+from llmplug.layers.rotary import RotaryCosSin, RotaryEmbedding, get_rope
+from llmplug.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from llmplug.layers.weight_utils import StackedParamsMap, load_mapped_weights
+
+__all__ = ["DecoderForCausalLM", "DecoderModel", "stacked_params"]
+
+# rotary tables that old checkpoints saved as buffers; ours are recomputed from the config
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def stacked_params(arch: DecoderArchConfig) -> StackedParamsMap:
+    """Checkpoint module -> (our fused module, shard): q/k/v into qkv_proj, gate/up into gate_up_proj."""
+    stacked: dict[str, tuple[str, str | int]] = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+    }
+    if arch.mlp.gated:
+        stacked |= {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    return stacked
+
+
+def _optional(build: bool, make: Callable[[], nn.Module]) -> nn.Module:
+    return make() if build else PPMissingLayer()
+
+
+class DecoderModel(nn.Module):
+    """Embeddings, the decoder layers and the final norm; one rotary table per distinct rope of the layers."""
+
+    def __init__(self, arch: DecoderArchConfig, prefix: str = "") -> None:
+        super().__init__()
+        pp = get_pp_group()
+        self.arch, self.is_last_stage = arch, pp.is_last_rank
+        self.start_layer, self.end_layer = pp_layer_range(arch.num_layers)
+        first = pp.is_first_rank
+        self.embed_tokens = _optional(
+            first, lambda: VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, _join(prefix, "embed_tokens"))
+        )
+        if arch.absolute_positions:
+            self.embed_positions = _optional(first, lambda: self._position_embedding(_join(prefix, "embed_positions")))
+        if arch.embedding_norm:
+            self.embed_norm = _optional(first, lambda: make_norm(arch.norm, arch.hidden_size))
+        on_stage = range(self.start_layer, self.end_layer)
+        self.layers = nn.ModuleList(
+            DecoderLayer(arch, layer, _join(prefix, f"layers.{i}")) if i in on_stage else PPMissingLayer()
+            for i, layer in enumerate(arch.layers)
+        )
+        self.norm = _optional(self.is_last_stage, lambda: make_norm(arch.norm, arch.hidden_size))
+        self.ropes: list[RopeConfig] = []  # distinct ropes, in the order of rotary_embs
+        self.rotary_embs = nn.ModuleList()
+        self.rope_of_layer = [self._rope_index(layer.rope) for layer in arch.layers]  # index into ropes, or None
+
+    def _position_embedding(self, prefix: str) -> nn.Module:
+        arch = self.arch
+        if arch.absolute_positions == "learned":
+            return LearnedPositionEmbedding(arch.max_position, arch.hidden_size, arch.position_offset, prefix)
+        return SinusoidalPositionEmbedding(arch.max_position, arch.hidden_size, arch.position_offset)
+
+    def _rope_index(self, rope: RopeConfig | None) -> int | None:
+        """The index of `rope`'s table, built the first time a layer uses it."""
+        if rope is None:
+            return None
+        if rope not in self.ropes:
+            self.ropes.append(rope)
+            self.rotary_embs.append(self._rotary(rope))
+        return self.ropes.index(rope)
+
+    def _rotary(self, rope: RopeConfig) -> RotaryEmbedding:
+        dim = self.arch.rotary_dim(rope)
+        return get_rope(self.arch.head_dim, dim, rope.max_position, rope.theta, rope.scaling, rope.is_neox_style)
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions [T] -> the first layer's input [T, hidden]."""
+        arch = self.arch
+        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        if arch.embedding_multiplier != 1.0:  # in the activations' dtype, as transformers rounds it (Gemma)
+            hidden = hidden * torch.tensor(arch.embedding_multiplier, dtype=hidden.dtype)
+        if arch.absolute_positions:
+            hidden = hidden + self.embed_positions(positions).to(hidden.dtype)
+        return self.embed_norm(hidden) if arch.embedding_norm else hidden
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors: IntermediateTensors | None = None
+    ) -> torch.Tensor | IntermediateTensors:
+        """input_ids, positions [T] -> hidden states [T, hidden] (IntermediateTensors before the last stage)."""
+        if intermediate_tensors is None:
+            hidden, residual = self.embed(input_ids, positions), None
+        else:
+            hidden, residual = intermediate_tensors["hidden_states"], intermediate_tensors["residual"]
+        ropes = [emb.cos_sin(positions, hidden.dtype) for emb in self.rotary_embs]  # once per step for all layers
+        for i in range(self.start_layer, self.end_layer):
+            hidden, residual = self.layers[i](hidden, residual, self._rope(ropes, i))
+        if not self.is_last_stage:
+            return IntermediateTensors({"hidden_states": hidden, "residual": residual})
+        return self.norm(hidden, residual)[0]
+
+    def _rope(self, ropes: list[RotaryCosSin], layer: int) -> RotaryCosSin | None:
+        index = self.rope_of_layer[layer]
+        return None if index is None else ropes[index]
+
+
+class DecoderForCausalLM(nn.Module):
+    """A causal LM over `DecoderModel`; a family sets `arch_config_of` and, if its names differ, `checkpoint_names`."""
+
+    arch_config_of: ClassVar[Callable[[PretrainedConfig], DecoderArchConfig]]
+    checkpoint_names: ClassVar[CheckpointNames] = CheckpointNames()  # default: transformers' Llama names
+    # when the checkpoint layout depends on the config (Falcon's q/k/v), this replaces checkpoint_names
+    checkpoint_names_of: ClassVar[Callable[[PretrainedConfig], CheckpointNames] | None] = None
+    supports_pipeline_parallel: ClassVar[bool] = True
+    supports_tensor_parallel: ClassVar[bool] = True  # every weight is a parallel layer with its own loader
+    supports_int4: ClassVar[bool] = True  # its linear layers and head compute through quant_method
+
+    def __init__(self, *, config: PretrainedConfig, prefix: str = "") -> None:
+        super().__init__()
+        self.config = config
+        self.arch = type(self).arch_config_of(config)
+        self.model = DecoderModel(self.arch, _join(prefix, "model"))
+        self.lm_head = self._lm_head(_join(prefix, "lm_head"))
+
+    def _lm_head(self, prefix: str) -> ParallelLMHead | PPMissingLayer:
+        """The output projection (last pipeline stage only); a tied one is built on meta and shares the
+        embedding's table, unless the embedding is on another stage: then it loads that table itself."""
+        arch = self.arch
+        if not get_pp_group().is_last_rank:
+            return PPMissingLayer()
+        make = lambda: ParallelLMHead(arch.vocab_size, arch.hidden_size, arch.lm_head_bias, prefix)  # noqa: E731
+        if not arch.tie_word_embeddings or isinstance(self.model.embed_tokens, PPMissingLayer):
+            return make()
+        if arch.lm_head_bias:  # the bias is its own; only the table is shared
+            return make().tie_weights(self.model.embed_tokens)
+        with torch.device("meta"):  # its own table would be discarded at once
+            head = make()
+        return head.tie_weights(self.model.embed_tokens)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors: IntermediateTensors | None = None
+    ) -> torch.Tensor | IntermediateTensors:
+        """input_ids, positions [T] -> hidden states [T, hidden] (IntermediateTensors before the last stage)."""
+        return self.model(input_ids, positions, intermediate_tensors)
+
+    def compute_logits(self, hidden_states: torch.Tensor, sampling_metadata: Any = None) -> torch.Tensor:
+        """[N, hidden] -> float32 logits [N, vocab]: the head in the model's dtype, then scale and soft-cap."""
+        logits = self.lm_head.get_logits(hidden_states).float()
+        if self.arch.logits_multiplier != 1.0:
+            logits.mul_(self.arch.logits_multiplier)
+        cap = self.arch.final_logit_softcap
+        return logits if cap is None else logits.div_(cap).tanh_().mul_(cap)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load checkpoint tensors (those of this pipeline stage) through `checkpoint_names` and the stacked
+        q/k/v and gate/up map; returns the loaded parameter names."""
+        arch, cls = self.arch, type(self)
+        names = cls.checkpoint_names if cls.checkpoint_names_of is None else cls.checkpoint_names_of(self.config)
+        weights = names.translate(weights, HeadLayout(arch.num_heads, arch.num_kv_heads, arch.head_dim))
+        skipped: tuple[str, ...] = ()
+        if arch.tie_word_embeddings:
+            if self._head_loads_embedding():
+                weights = _embedding_as_head(weights)
+            else:
+                skipped = ("lm_head.weight",)
+        return load_mapped_weights(
+            self, skip_missing_layers(self, weights), stacked_params(arch), IGNORED_SUFFIXES, skipped
+        )
+
+    def _head_loads_embedding(self) -> bool:
+        """A tied head on a stage without the embedding holds its own copy of the embedding's table."""
+        return isinstance(self.lm_head, ParallelLMHead) and isinstance(self.model.embed_tokens, PPMissingLayer)
+
+
+def _embedding_as_head(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+    """The checkpoint's embedding table as `lm_head.weight` (a saved lm_head.weight is the same table: dropped)."""
+    for name, tensor in weights:
+        if name == "model.embed_tokens.weight":
+            yield "lm_head.weight", tensor
+        elif name != "lm_head.weight":
+            yield name, tensor

@@ -1,0 +1,308 @@
+"""Sliding window, logit soft-capping, ALiBi and sinks in TorchSDPABackend equal a dense reference —
+plain masked softmax attention over each request's whole history, itself checked against transformers'
+own eager attention functions and mask functions — through every path a request takes: batched and
+single prompts, chunked prefill across block boundaries, prefix-cache hits, and decode (mirror appends,
+rings, regathers), for GQA ratios 1, 4 and 8, block sizes 4 and 16, and windows smaller than, equal to
+and larger than a block."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, replace
+
+import pytest
+import torch
+
+from llmplug.layers.attention import Attention, alibi_slopes, bind_kv_cache, decode_mirror
+from llmplug.layers.attention.decode_mirror import DecodeMirror
+from llmplug.layers.attention.key_layout import DecodeKeys
+from llmplug.layers.attention.torch_sdpa import TorchSDPABackend
+from llmplug.layers.forward_context import CommonAttentionMetadata, forward_context
+
+D = 8
+SOFTCAP = 2.0  # scores here have std ~1, so tanh bends them visibly
+
+
+@dataclass(frozen=True)
+class Features:
+    """Which features a test layer uses."""
+
+    window: int | None = None
+    softcap: float | None = None
+    alibi: bool = False
+    sinks: bool = False
+
+
+def make_layer(heads: int, kv_heads: int, block: int, features: Features, num_blocks: int = 256) -> Attention:
+    layer = Attention(
+        heads, D, D**-0.5, kv_heads, prefix="layers.0.attn", sliding_window=features.window,
+        logit_softcap=features.softcap, alibi_slopes=alibi_slopes(heads) if features.alibi else None,
+        use_sinks=features.sinks,
+    )
+    if features.sinks:
+        with torch.no_grad():
+            layer.sinks.copy_(torch.randn(heads, generator=torch.Generator().manual_seed(7)) * 2)
+    cache = torch.zeros(TorchSDPABackend.kv_cache_shape(num_blocks, block, kv_heads, D))
+    bind_kv_cache(layer, [cache], TorchSDPABackend)
+    return layer
+
+
+class History:
+    """One request: q, k, v of every position, its blocks so far, and how many tokens are cached."""
+
+    def __init__(self, length: int, heads: int, kv_heads: int, gen: torch.Generator, free: list[int], block: int):
+        self.q = torch.randn(length, heads * D, generator=gen)
+        self.k = torch.randn(length, kv_heads * D, generator=gen)
+        self.v = torch.randn(length, kv_heads * D, generator=gen)
+        self.free, self.block, self.blocks, self.computed = free, block, [], 0
+
+    def share_prefix(self, other: "History", num_blocks: int) -> None:
+        """A prefix-cache hit: `other`'s first blocks (same tokens, so the same keys) hold this one's start."""
+        n = num_blocks * self.block
+        self.k[:n], self.v[:n] = other.k[:n], other.v[:n]
+        self.blocks, self.computed = list(other.blocks[:num_blocks]), n
+
+    def schedule(self, num_tokens: int) -> tuple[int, int]:
+        start, stop = self.computed, self.computed + num_tokens
+        while len(self.blocks) * self.block < stop:
+            self.blocks.append(self.free.pop())
+        return start, stop
+
+
+def reference(layer: Attention, r: History, start: int, stop: int) -> torch.Tensor:
+    """Dense attention of positions [start, stop) over keys [0, stop): scale, cap, ALiBi, mask, softmax with sink."""
+    heads, g = layer.num_heads, layer.num_queries_per_kv
+    q = r.q[start:stop].view(-1, heads, D).transpose(0, 1)  # [H, n, D]
+    k = r.k[:stop].view(stop, -1, D).transpose(0, 1).repeat_interleave(g, 0)  # [H, stop, D]
+    v = r.v[:stop].view(stop, -1, D).transpose(0, 1).repeat_interleave(g, 0)
+    scores = q @ k.transpose(1, 2) * layer.scale
+    if layer.logit_softcap is not None:
+        scores = layer.logit_softcap * torch.tanh(scores / layer.logit_softcap)
+    i, j = torch.arange(start, stop)[:, None], torch.arange(stop)[None, :]
+    if layer.alibi_slopes is not None:
+        scores = scores + layer.alibi_slopes[:, None, None] * (j - i)
+    seen = j <= i
+    if layer.sliding_window is not None:
+        seen &= j > i - layer.sliding_window
+    scores = scores.masked_fill(~seen, float("-inf"))
+    if layer.sinks is not None:
+        scores = torch.cat([scores, layer.sinks[:, None, None].expand(-1, stop - start, 1)], dim=-1)
+    probs = scores.softmax(-1)[..., :stop]
+    return (probs @ v).transpose(0, 1).reshape(stop - start, -1)
+
+
+def step(
+    layer: Attention, reqs: list[History], num_tokens: list[int], dtype: torch.dtype = torch.float32, atol: float = 2e-5
+) -> None:
+    """One flattened step of num_tokens[i] tokens of each request, checked against the reference."""
+    spans = [r.schedule(n) for r, n in zip(reqs, num_tokens)]
+    block = reqs[0].block
+    width = max(len(r.blocks) for r in reqs)
+    common = CommonAttentionMetadata(
+        query_start_loc=torch.tensor([0, *torch.cumsum(torch.tensor(num_tokens), 0).tolist()]),
+        seq_lens=torch.tensor([b for _, b in spans]),
+        num_computed_tokens=torch.tensor([a for a, _ in spans]),
+        block_tables=torch.tensor([r.blocks + [0] * (width - len(r.blocks)) for r in reqs]),
+        slot_mapping=torch.tensor(
+            [r.blocks[p // block] * block + p % block for r, (a, b) in zip(reqs, spans) for p in range(a, b)]
+        ),
+        positions=torch.tensor([p for a, b in spans for p in range(a, b)]),
+        block_size=block, num_reqs=len(reqs), num_tokens=sum(num_tokens), max_query_len=max(num_tokens),
+        max_seq_len=max(b for _, b in spans), query_lens_list=tuple(num_tokens),
+        seq_lens_list=tuple(b for _, b in spans),
+    )
+    q, k, v = (torch.cat([getattr(r, name)[a:b] for r, (a, b) in zip(reqs, spans)]) for name in "qkv")
+    qkv = torch.cat([q, k, v], dim=1)  # k and v as views of one projection output, as the decoder passes them
+    q, k, v = qkv.to(dtype).split([q.shape[1], k.shape[1], v.shape[1]], dim=1)
+    with torch.inference_mode(), forward_context(TorchSDPABackend.build_metadata(common)):
+        out = layer(q, k, v)
+    expected = torch.cat([reference(layer, r, a, b) for r, (a, b) in zip(reqs, spans)])
+    torch.testing.assert_close(out.float(), expected, rtol=0, atol=atol)
+    for r, (_, b) in zip(reqs, spans):
+        r.computed = b
+
+
+def requests(n: int, layer: Attention, block: int, length: int = 96, seed: int = 0) -> list[History]:
+    gen, free = torch.Generator().manual_seed(seed), list(range(1, layer.kv_cache.shape[2]))
+    random.Random(seed).shuffle(free)  # blocks out of order, as after reuse
+    return [History(length, layer.num_heads, layer.num_kv_heads, gen, free, block) for _ in range(n)]
+
+
+def lifecycle(layer: Attention, block: int, window: int) -> None:
+    """Prompts, a chunked prompt, decodes with batch changes and a prefix hit, every step checked."""
+    r0, r1, r2, r3 = requests(4, layer, block)
+    step(layer, [r0, r1], [window + 5, 3])  # two prompts: padded batch, one longer than the window
+    step(layer, [r2], [5])  # one prompt, nothing cached
+    step(layer, [r0, r2, r1], [1, 7, 1])  # decodes around a chunk with 5 tokens of context
+    for _ in range(window + block + 2):  # r1 grows past the window; blocks fill up
+        step(layer, [r0, r1], [1, 1])
+    step(layer, [r2, r0, r1], [2 * block + 1, 1, 1])  # a chunk across block boundaries between decodes
+    r3.share_prefix(r0, r0.computed // block)
+    step(layer, [r3, r2], [4, 1])  # prefix hit of r0's full blocks: a context longer than the window
+    for _ in range(block + 1):
+        step(layer, [r3, r0, r2], [1, 1, 1])
+    step(layer, [r0, r3], [1, 1])  # a request left: regathered
+
+
+GQA = [(4, 4), (8, 2), (8, 1)]  # ratios 1, 4 and 8
+WINDOWS = [(4, 3), (4, 4), (4, 11), (16, 6)]  # (block, window): window <, =, > block; a larger block
+WINDOW_IDS = ["w<block", "w=block", "w>block", "b16"]
+WINDOWED = {  # each with the window of the case
+    "window": Features(),
+    "window+softcap": Features(softcap=SOFTCAP),
+    "window+alibi": Features(alibi=True),
+    "window+sinks": Features(sinks=True),
+    "all": Features(softcap=SOFTCAP, alibi=True, sinks=True),
+}
+UNWINDOWED = {"softcap": Features(softcap=SOFTCAP), "alibi": Features(alibi=True), "sinks": Features(sinks=True)}
+
+
+def windowed(name: str, window: int) -> Features:
+    return replace(WINDOWED[name], window=window)
+
+
+@pytest.mark.parametrize("block,window", WINDOWS, ids=WINDOW_IDS)
+@pytest.mark.parametrize("heads,kv_heads", GQA)
+@pytest.mark.parametrize("name", ["window", "all"])
+def test_window_alone_and_with_every_feature_match_dense_reference(
+    name: str, heads: int, kv_heads: int, block: int, window: int
+) -> None:
+    lifecycle(make_layer(heads, kv_heads, block, windowed(name, window)), block, window)
+
+
+@pytest.mark.parametrize("block,window", WINDOWS, ids=WINDOW_IDS)
+@pytest.mark.parametrize("name", ["window+softcap", "window+alibi", "window+sinks"])
+def test_window_with_each_feature_matches_dense_reference(name: str, block: int, window: int) -> None:
+    lifecycle(make_layer(8, 2, block, windowed(name, window)), block, window)
+
+
+@pytest.mark.parametrize("block", [4, 16])
+@pytest.mark.parametrize("heads,kv_heads", GQA)
+@pytest.mark.parametrize("name", sorted(UNWINDOWED))
+def test_features_without_window_match_dense_reference(name: str, heads: int, kv_heads: int, block: int) -> None:
+    lifecycle(make_layer(heads, kv_heads, block, UNWINDOWED[name]), block, window=6)
+
+
+def hf_reference(layer: Attention, r: History, start: int, stop: int) -> torch.Tensor:
+    """The same attention computed by transformers: its mask functions, Bloom's ALiBi tensor, and Gemma 2's
+    (soft-capping) or GPT-OSS's (sinks) eager attention."""
+    from types import SimpleNamespace
+
+    from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
+    from transformers.models.bloom.modeling_bloom import build_alibi_tensor
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward as gemma2_eager
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward as gpt_oss_eager
+
+    heads, n = layer.num_heads, stop - start
+    q = r.q[start:stop].view(1, n, heads, D).transpose(1, 2)  # [1, H, n, D]
+    k = r.k[:stop].view(1, stop, -1, D).transpose(1, 2)  # [1, Hkv, stop, D]
+    v = r.v[:stop].view(1, stop, -1, D).transpose(1, 2)
+    window = layer.sliding_window
+    mask_fn = causal_mask_function if window is None else sliding_window_causal_mask_function(window)
+    seen = mask_fn(0, 0, torch.arange(start, stop)[:, None], torch.arange(stop)[None, :])  # [n, stop]
+    mask = torch.zeros(1, 1, n, stop).masked_fill(~seen, float("-inf"))
+    if layer.alibi_slopes is not None:  # Bloom adds slope * j: softmax cannot tell it from slope * (j - i)
+        mask = mask + build_alibi_tensor(torch.ones(1, stop), heads, torch.float32).view(1, heads, 1, stop)
+    module = SimpleNamespace(num_key_value_groups=layer.num_queries_per_kv, head_dim=D, training=False,
+                             sinks=layer.sinks)
+    if layer.sinks is not None:
+        out, _ = gpt_oss_eager(module, q, k, v, mask, scaling=layer.scale)
+    else:
+        out, _ = gemma2_eager(module, q, k, v, mask, scaling=layer.scale, softcap=layer.logit_softcap)
+    return out[0].reshape(n, heads * D)
+
+
+@pytest.mark.parametrize("features", [
+    Features(window=5), Features(window=5, softcap=SOFTCAP), Features(window=5, sinks=True), Features(alibi=True),
+    Features(softcap=SOFTCAP),
+], ids=["window (Mistral)", "window+softcap (Gemma 2)", "window+sinks (GPT-OSS)", "alibi (Bloom)", "softcap"])
+def test_the_dense_reference_is_transformers_attention(features: Features) -> None:
+    layer = make_layer(8, 2, 4, features)
+    r = requests(1, layer, 4)[0]
+    for start, stop in [(0, 13), (9, 13), (12, 13)]:  # a prompt, a chunk, a decode
+        torch.testing.assert_close(reference(layer, r, start, stop), hf_reference(layer, r, start, stop),
+                                   rtol=0, atol=1e-5)
+
+
+@pytest.fixture
+def gathers(monkeypatch) -> list[tuple[int, ...]]:
+    """Shapes of the decode contexts gathered from the cache (one per layer pass that does not append)."""
+    calls = []
+    real = DecodeKeys.gather
+
+    def counting(keys, cache, out):
+        calls.append(tuple(out.shape))
+        return real(keys, cache, out)
+
+    monkeypatch.setattr(DecodeKeys, "gather", counting)
+    monkeypatch.setattr(decode_mirror, "MIRROR_CACHE_SHARE", 1.0)
+    return calls
+
+
+def test_windowed_decode_keeps_a_ring_of_the_window_and_only_appends(gathers) -> None:
+    block, window = 4, 6
+    layer = make_layer(4, 2, block, Features(window=window, alibi=True))
+    reqs = requests(2, layer, block)
+    step(layer, reqs, [3, 5])
+    step(layer, reqs, [1, 1])  # seq 4, 6: within the window, every key from position 0
+    step(layer, reqs, [1, 1])  # seq 5, 7: one is longer than the window -> the ring layout
+    assert gathers == [(2, 2, 2, 8, D), (2, 2, 2, window, D)]
+    mirror = layer.backend_state
+    assert isinstance(mirror, DecodeMirror) and mirror.ring == window
+    for _ in range(3 * block):  # crossing block boundaries: the ring is only appended to
+        step(layer, reqs, [1, 1])
+    assert len(gathers) == 2 and layer.backend_state is mirror
+
+
+def test_windowed_prefill_gathers_only_the_blocks_the_window_reaches() -> None:
+    block, window = 4, 6
+    layer = make_layer(4, 2, block, Features(window=window))
+    long, short = requests(2, layer, block)
+    step(layer, [long], [40])
+    step(layer, [long, short], [5, 3])  # a chunk at positions 40..44 next to a fresh prompt
+    spans = [(45, 48), (0, 2)]  # build the next step's metadata without running it
+    for r, (a, b) in zip([long, short], spans):
+        r.schedule(b - a)
+    tables = torch.tensor([r.blocks + [0] * (12 - len(r.blocks)) for r in (long, short)])
+    common = CommonAttentionMetadata(
+        query_start_loc=torch.tensor([0, 3, 5]), seq_lens=torch.tensor([48, 5]),
+        num_computed_tokens=torch.tensor([45, 3]), block_tables=tables, slot_mapping=torch.zeros(5, dtype=torch.long),
+        positions=torch.tensor([45, 46, 47, 3, 4]), block_size=block, num_reqs=2, num_tokens=5, max_query_len=3,
+        max_seq_len=48, query_lens_list=(3, 2), seq_lens_list=(48, 5),
+    )
+    prefill = TorchSDPABackend.build_metadata(common).prefill
+    assert prefill.keys(None).kv_len == 48
+    # the earliest key seen is 45 - 6 + 1 = 40, in block 10: blocks 10 and 11 of `long`, 2 of `short`
+    assert prefill.keys(window).kv_len == 2 * block
+
+
+def test_windowed_decode_without_room_for_a_mirror_gathers_the_window_into_scratch(monkeypatch, gathers) -> None:
+    monkeypatch.setattr(decode_mirror, "MIRROR_CACHE_SHARE", 1 / 1024)
+    block, window = 4, 5
+    layer = make_layer(8, 1, block, Features(window=window, sinks=True))
+    reqs = requests(3, layer, block, seed=2)
+    step(layer, reqs, [9, 2, 12])
+    for _ in range(6):
+        step(layer, reqs, [1, 1, 1])
+    assert layer.backend_state is None and len(gathers) == 6
+    assert all(shape[3] == window for shape in gathers)
+
+
+def test_explicit_prefill_in_query_chunks_matches(monkeypatch) -> None:
+    from llmplug.layers.attention import torch_sdpa
+
+    monkeypatch.setattr(torch_sdpa, "EXPLICIT_SCORES_PER_CHUNK", 3 * 8 * 24)  # 1 query row of 3 requests per chunk
+    layer = make_layer(8, 2, 4, Features(window=7, softcap=SOFTCAP, sinks=True))
+    reqs = requests(3, layer, 4)
+    step(layer, reqs, [17, 6, 11])
+    step(layer, reqs, [4, 1, 7])
+
+
+def test_bfloat16_features_stay_close_to_float32() -> None:
+    block = 4
+    layer = make_layer(8, 2, block, Features(window=6, softcap=SOFTCAP, alibi=True, sinks=True))
+    layer.kv_cache = layer.kv_cache.to(torch.bfloat16)
+    reqs = requests(3, layer, block)
+    step(layer, reqs, [13, 4, 9], dtype=torch.bfloat16, atol=5e-2)
+    for _ in range(5):
+        step(layer, reqs, [1, 1, 1], dtype=torch.bfloat16, atol=5e-2)

@@ -1,0 +1,120 @@
+"""The HF-config readers of the adapters, and adapters refusing what the decoder does not model."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import (
+    Gemma2Config,
+    Gemma3TextConfig,
+    GPT2Config,
+    LlamaConfig,
+    MptConfig,
+    OPTConfig,
+    Qwen2Config,
+    SmolLM3Config,
+    StableLmConfig,
+)
+
+from llmplug.core.errors import ModelLoadError
+from llmplug.layers.decoder import DecoderArchConfig, LayerConfig
+from llmplug.plugins.models.arch_config import layers_of, rope_config_of
+from llmplug.plugins.models.gemma import Gemma2ForCausalLM
+from llmplug.plugins.models.gpt2 import GPT2LMHeadModel
+from llmplug.plugins.models.llama import LlamaForCausalLM, SmolLM3ForCausalLM
+from llmplug.plugins.models.mpt import MptForCausalLM
+from llmplug.plugins.models.opt import OPTForCausalLM
+from llmplug.plugins.models.stablelm import StableLmForCausalLM
+from llmplug.testing import tiny_config
+
+
+def test_layer_types_give_windows_and_each_type_its_rope() -> None:
+    hf = tiny_config(
+        Gemma3TextConfig,
+        num_hidden_layers=3,
+        sliding_window=8,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        },
+    )
+    local, _, full = layers_of(hf)
+    assert (local.sliding_window, local.rope.theta, local.rope.scaling) == (8, 10000.0, None)
+    assert (full.sliding_window, full.rope.theta, dict(full.rope.scaling)) == (
+        None,
+        1e6,
+        {"rope_type": "linear", "factor": 8.0},
+    )
+
+
+def test_a_window_without_layer_types_covers_every_layer_and_qwen2_follows_use_sliding_window() -> None:
+    windows = lambda hf: [layer.sliding_window for layer in layers_of(hf)]  # noqa: E731
+    assert windows(tiny_config(LlamaConfig)) == [None, None]
+    assert windows(tiny_config(Gemma2Config, sliding_window=8)) == [8, None]  # Gemma 2 alternates
+    assert windows(tiny_config(Qwen2Config, sliding_window=8)) == [None, None]  # use_sliding_window off
+    on = tiny_config(Qwen2Config, sliding_window=8, use_sliding_window=True, max_window_layers=1)
+    assert windows(on) == [None, 8]
+
+
+def test_nope_layers_and_configs_without_rotary() -> None:
+    arch = SmolLM3ForCausalLM.arch_config_of(tiny_config(SmolLM3Config, no_rope_layer_interval=2))
+    assert [layer.rope is not None for layer in arch.layers] == [True, False]
+    assert all(layer.rope is None for layer in GPT2LMHeadModel.arch_config_of(tiny_config(GPT2Config)).layers)
+
+
+def test_per_layer_type_rope_is_not_read_as_one_rope() -> None:
+    hf = tiny_config(Gemma3TextConfig)
+    with pytest.raises(ModelLoadError, match="per layer type .*read them with layers_of"):
+        rope_config_of(hf)
+
+
+@pytest.mark.filterwarnings("ignore:`rope_scaling` is deprecated:FutureWarning")  # the old spelling, on purpose
+def test_partial_rotary_and_rope_scaling_are_read_from_either_transformers_generation() -> None:
+    hf = tiny_config(StableLmConfig, partial_rotary_factor=0.25)
+    assert rope_config_of(hf).partial_rotary_factor == 0.25
+    legacy = tiny_config(LlamaConfig)
+    legacy.rope_parameters = None
+    legacy.rope_theta, legacy.rope_scaling = 5e5, {"rope_type": "linear", "factor": 2.0}
+    rope = rope_config_of(legacy)
+    assert (rope.theta, dict(rope.scaling)) == (5e5, {"rope_type": "linear", "factor": 2.0})
+
+
+@pytest.mark.parametrize(
+    "cls, hf, field",
+    [
+        (OPTForCausalLM, lambda: tiny_config(OPTConfig, do_layer_norm_before=False), "do_layer_norm_before=False"),
+        (OPTForCausalLM, lambda: tiny_config(OPTConfig, word_embed_proj_dim=32), "word_embed_proj_dim"),
+        (GPT2LMHeadModel, lambda: tiny_config(GPT2Config, scale_attn_by_inverse_layer_idx=True), "inverse_layer_idx"),
+        (StableLmForCausalLM, lambda: tiny_config(StableLmConfig, qk_layernorm=True), "qk_layernorm"),
+        (MptForCausalLM, lambda: tiny_config(MptConfig, attn_config={"qk_ln": True}), "qk_ln"),
+        (Gemma2ForCausalLM, lambda: tiny_config(Gemma2Config, use_bidirectional_attention=True), "bidirectional"),
+    ],
+)
+def test_what_the_decoder_does_not_model_is_a_clear_load_error(cls, hf, field: str) -> None:
+    config = hf()
+    config.architectures = [cls.__name__]  # as a saved checkpoint's config.json has it
+    with pytest.raises(ModelLoadError, match=f"{cls.__name__}: .*{field}.* is not supported"):
+        cls.arch_config_of(config)
+
+
+def test_the_arch_config_refuses_contradictions() -> None:
+    layers = (LayerConfig(None),)
+    base = dict(
+        architecture="X",
+        vocab_size=8,
+        hidden_size=4,
+        intermediate_size=8,
+        num_layers=1,
+        num_heads=1,
+        num_kv_heads=1,
+        head_dim=4,
+    )
+    with pytest.raises(ValueError, match="2 layer configs for 1 layers"):
+        DecoderArchConfig(**base, layers=layers * 2)
+    with pytest.raises(ValueError, match="parallel_mlp_norm needs parallel_residual"):
+        DecoderArchConfig(**base, layers=layers, parallel_mlp_norm=True)
+    with pytest.raises(ValueError, match="needs pre_norm, post_norm or both"):
+        DecoderArchConfig(**base, layers=layers, pre_norm=False)
+    with pytest.raises(ValueError, match="absolute positions need max_position"):
+        DecoderArchConfig(**base, layers=layers, absolute_positions="learned")
+    assert LlamaForCausalLM.arch_config_of(tiny_config(LlamaConfig)).scale == 16**-0.5

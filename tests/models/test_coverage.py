@@ -1,0 +1,30 @@
+"""Every architecture llmplug registers has a parity case (DESIGN.md: no registered name without proof)."""
+
+from __future__ import annotations
+
+from importlib.metadata import distribution
+
+from .cases import CASES, PP_CASES, TP_CASES, architecture
+
+
+def registered_architectures() -> set[str]:
+    """The names llmplug's own distribution registers in `llmplug.models`."""
+    return {ep.name for ep in distribution("llmplug").entry_points if ep.group == "llmplug.models"}
+
+
+def test_every_registered_architecture_has_a_parity_case() -> None:
+    missing = registered_architectures() - {architecture(c) for c in CASES}
+    assert not missing, (
+        f"registered in pyproject.toml without a parity case in tests/models/cases.py: {sorted(missing)}"
+    )
+
+
+def test_every_parity_case_proves_a_registered_architecture() -> None:
+    unknown = {architecture(c) for c in CASES} - registered_architectures()
+    assert not unknown, f"parity cases of unregistered architectures: {sorted(unknown)}"
+
+
+def test_case_names_are_unique_and_parallel_cases_exist() -> None:
+    names = [c.name for c in CASES]
+    assert len(names) == len(set(names))
+    assert set(TP_CASES) <= set(names) and set(PP_CASES) <= set(names)

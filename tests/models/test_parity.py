@@ -1,0 +1,41 @@
+"""Every registered architecture generates what transformers generates (llmplug.testing parity cases)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from llmplug.testing import ParityCase, ParityRunner
+
+from .cases import CASES, PP_CASES, TP_CASES
+
+BY_NAME = {c.name: c for c in CASES}
+
+
+@pytest.fixture(scope="session")
+def parity(tmp_path_factory: pytest.TempPathFactory) -> ParityRunner:
+    return ParityRunner(tmp_path_factory.mktemp("parity"))
+
+
+@pytest.mark.parametrize("variant", ["plain", "chunked_prefill", "preemption"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_greedy_tokens_and_logprobs_match_transformers(parity: ParityRunner, case: ParityCase, variant: str) -> None:
+    start = time.perf_counter()
+    report = parity.check(case, variant)
+    print(
+        f"{case.name} [{variant}]: max |logprob diff| {report.max_logprob_diff:.1e}, "
+        f"preemptions {report.num_preemptions}, {time.perf_counter() - start:.2f} s"
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", TP_CASES)
+def test_tensor_parallel_greedy_tokens_and_logprobs_match_transformers(parity: ParityRunner, name: str) -> None:
+    parity.check(BY_NAME[name], "tp2")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", PP_CASES)
+def test_pipeline_parallel_greedy_tokens_and_logprobs_match_transformers(parity: ParityRunner, name: str) -> None:
+    parity.check(BY_NAME[name], "pp2")
