@@ -42,10 +42,11 @@ class OpenAIServingChat(OpenAIServing):
         """Answer one chat completion request."""
         model = self.check_model(body.model)
         _check_supported(body)
-        template_kwargs = {**(body.chat_template_kwargs or {}), "add_generation_prompt": body.add_generation_prompt}
+        template_kwargs = {"add_generation_prompt": body.add_generation_prompt}
         if body.continue_final_message:
             template_kwargs.update(continue_final_message=True, add_generation_prompt=False)
-        prompt_text, prompt_ids = self.render_chat(chat_messages(body.messages), **template_kwargs)
+        prompt_text, prompt_ids = await self.renderer.render_chat(chat_messages(body.messages), template_kwargs,
+                                                                  body.chat_template_kwargs)
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.max_tokens(body.max_completion_tokens or body.max_tokens, len(prompt_ids), param, "messages")
         top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -103,6 +104,9 @@ class OpenAIServingChat(OpenAIServing):
 
 
 def _check_supported(body: ChatCompletionRequest) -> None:
+    if "chat_template" in (body.model_extra or {}):
+        raise OpenAIError(400, "chat_template is the server's (--chat-template); a request cannot set it",
+                          param="chat_template")
     if body.tools and body.tool_choice != "none":
         raise OpenAIError(400, "tool calling is not supported by this server", param="tools")
     if body.top_logprobs is not None and not body.logprobs:

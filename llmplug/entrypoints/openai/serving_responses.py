@@ -46,7 +46,7 @@ class OpenAIServingResponses(OpenAIServing):
         """Answer one responses request."""
         model = self.check_model(body.model)
         _check_supported(body)
-        prompt_text, prompt_ids = self.render_chat(_messages(body))
+        prompt_text, prompt_ids = await self.renderer.render_chat(_messages(body), {"add_generation_prompt": True})
         max_tokens = self.max_tokens(body.max_output_tokens, len(prompt_ids), "max_output_tokens", "input")
         params = self.sampling_params(body, max_tokens, body.top_logprobs, body.stream)
         response_id = f"resp_{uuid.uuid4().hex}"
