@@ -16,7 +16,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,8 +30,10 @@ from llmplug import __version__
 from llmplug.core.config import EngineConfig
 from llmplug.core.errors import EngineDeadError, InvalidRequestError
 from llmplug.engine.async_llm import AsyncLLM
+from llmplug.entrypoints.openai.admission import AdmissionControl
 from llmplug.entrypoints.openai.errors import OpenAIError, error_body, error_response, status_phrase
 from llmplug.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from llmplug.entrypoints.openai.prompt_renderer import PromptRenderer, load_chat_template
 from llmplug.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -64,6 +66,8 @@ class ServerSettings:
     allowed_origins: list[str] = field(default_factory=list)  # empty: no CORS headers
     rate_limit: RateLimit | None = None  # per API key or client address
     max_body_bytes: int = 8 * 1024 * 1024
+    max_waiting_requests: int = 1024  # sequences waiting for the running batch; past it: 503 with Retry-After
+    chat_template: str | None = None  # template text; None: the model's own
     served_model_names: list[str] = field(default_factory=list)  # empty: the engine's model
     shutdown_timeout: float = 30.0  # grace period for in-flight requests on SIGTERM
     log_level: str = "info"
@@ -78,7 +82,9 @@ class ServerSettings:
             host=args.host, port=args.port, api_keys=keys,
             allowed_origins=[o.strip() for o in (args.allowed_origins or "").split(",") if o.strip()],
             rate_limit=RateLimit.parse(args.rate_limit) if args.rate_limit else None,
-            max_body_bytes=args.max_body_bytes, served_model_names=list(args.served_model_name or []),
+            max_body_bytes=args.max_body_bytes, max_waiting_requests=args.max_waiting_requests,
+            chat_template=load_chat_template(args.chat_template) if args.chat_template else None,
+            served_model_names=list(args.served_model_name or []),
             shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
         )
 
@@ -88,11 +94,21 @@ def build_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> FastA
     settings = settings or ServerSettings()
     names = settings.served_model_names or [engine.model_name]
     metrics = ServerMetrics(engine.stats)
-    app = FastAPI(title="llmplug", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    renderer = PromptRenderer(engine.get_tokenizer(), settings.chat_template)
+    admission = AdmissionControl(settings.max_waiting_requests, lambda: engine.stats()["num_running"])
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        renderer.shutdown()
+
+    app = FastAPI(title="llmplug", version=__version__, docs_url=None, redoc_url=None, openapi_url=None,
+                  lifespan=lifespan)
     app.state.engine, app.state.metrics, app.state.model_names = engine, metrics, names
-    chat = OpenAIServingChat(engine, names, metrics)
-    completion = OpenAIServingCompletion(engine, names, metrics)
-    responses = OpenAIServingResponses(engine, names, metrics)
+    handlers = (engine, names, metrics, renderer, admission)
+    chat = OpenAIServingChat(*handlers)
+    completion = OpenAIServingCompletion(*handlers)
+    responses = OpenAIServingResponses(*handlers)
     started = int(time.time())
 
     @app.get("/health")
@@ -133,9 +149,10 @@ def build_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> FastA
         return await responses.create(body, raw_request)
 
     _add_exception_handlers(app)
-    # Middleware runs outermost-last-added: CORS, then HTTP metrics, body size, API key and rate limit.
-    app.add_middleware(AccessMiddleware, api_keys=settings.api_keys, rate_limit=settings.rate_limit)
+    # Middleware runs outermost-last-added: CORS, then HTTP metrics, API key and rate limit, body size. The
+    # access check comes before the body is read: an unauthenticated client cannot make the server read 8 MiB.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(AccessMiddleware, api_keys=settings.api_keys, rate_limit=settings.rate_limit)
     app.add_middleware(_HttpMetricsMiddleware, metrics=metrics)
     if settings.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins, allow_methods=["*"],
