@@ -16,7 +16,6 @@ from huggingface_hub.file_download import repo_folder_name
 from llmplug import LLM, SamplingParams
 from llmplug.core import plugins
 from llmplug.core.errors import ModelLoadError
-from llmplug.core.plugins import get_registry
 from tests.engine.test_llm import generate_ids, hf_greedy
 from tests.models.tiny_models import make_tiny
 from tests.plugin_examples import pip_install_examples, run_python
@@ -79,7 +78,7 @@ def put_in_hf_cache(cache: Path, repo_id: str, folder: Path) -> Path:
 
 def test_the_installed_loader_is_chosen_by_load_format_and_generates_like_hf(installed, tiny, npz_model):
     llm = LLM(str(npz_model), **ENGINE)
-    [info] = [i for i in get_registry().infos("llmplug.loaders") if i.name == "npz"]
+    [info] = [i for i in llm.llm_engine.registry.infos("llmplug.loaders") if i.name == "npz"]
     assert (info.distribution, info.builtin) == ("llmplug-example-toy-loader", False)
     assert generate_ids(llm, PROMPTS, GREEDY) == expected(tiny)
 

@@ -54,7 +54,8 @@ class MultiprocExecutor(Executor):
         for rank in range(self.world_size):
             spec = WorkerSpec(rank, rank, self.world_size, init_method, self.calls.handle, self.replies[rank].handle)
             proc = context.Process(
-                target=worker_main, args=(self.config, spec), name=f"llmplug-worker-{rank}", daemon=True
+                target=worker_main, args=(self.config, spec, self.registry), name=f"llmplug-worker-{rank}",
+                daemon=True,
             )
             proc.start()
             self.procs.append(proc)
