@@ -1,7 +1,8 @@
 """The OpenAI-compatible server: `build_app(engine, settings)` makes the FastAPI app, `run_server` serves it.
 
 Routes: /v1/models, /v1/completions, /v1/chat/completions, /v1/responses (API key and rate limit apply
-to every /v1 route), /health, /version, /metrics. Every error answers with OpenAI's error body.
+to every /v1 route), /health, /version, /metrics, /openapi.json (the request schemas with their bounds).
+Every error answers with OpenAI's error body.
 Shutdown (SIGTERM or SIGINT): uvicorn stops accepting connections, lets in-flight requests finish for
 up to `shutdown_timeout` seconds, cancels the rest (which aborts them in the engine), then the engine
 thread stops.
@@ -36,9 +37,13 @@ from llmplug.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from llmplug.entrypoints.openai.prompt_renderer import PromptRenderer, load_chat_template
 from llmplug.entrypoints.openai.protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
     ModelCard,
     ModelList,
+    ResponseObject,
     ResponsesRequest,
 )
 from llmplug.entrypoints.openai.security import AccessMiddleware, BodySizeLimitMiddleware, RateLimit
@@ -53,7 +58,7 @@ API_KEY_ENV = "LLMPLUG_API_KEY"
 
 # Endpoints named in the HTTP metrics; anything else counts as "other" (unbounded label values otherwise).
 _ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/health", "/version",
-              "/metrics")
+              "/metrics", "/openapi.json")
 
 
 @dataclass
@@ -102,7 +107,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> FastA
         yield
         renderer.shutdown()
 
-    app = FastAPI(title="llmplug", version=__version__, docs_url=None, redoc_url=None, openapi_url=None,
+    app = FastAPI(title="llmplug", version=__version__, docs_url=None, redoc_url=None, openapi_url="/openapi.json",
                   lifespan=lifespan)
     app.state.engine, app.state.metrics, app.state.model_names = engine, metrics, names
     handlers = (engine, names, metrics, renderer, admission)
@@ -136,15 +141,15 @@ def build_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> FastA
         return _json(ModelCard(id=name, created=started, root=engine.config.model.model,
                                max_model_len=engine.max_model_len))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=_responses(ChatCompletionResponse))
     async def chat_completions(body: ChatCompletionRequest, raw_request: Request) -> Response:
         return await chat.create(body, raw_request)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=_responses(CompletionResponse))
     async def completions(body: CompletionRequest, raw_request: Request) -> Response:
         return await completion.create(body, raw_request)
 
-    @app.post("/v1/responses")
+    @app.post("/v1/responses", responses=_responses(ResponseObject))
     async def create_response(body: ResponsesRequest, raw_request: Request) -> Response:
         return await responses.create(body, raw_request)
 
@@ -158,6 +163,17 @@ def build_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> FastA
         app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins, allow_methods=["*"],
                            allow_headers=["*"], allow_credentials=False)
     return app
+
+
+def _responses(answer: type) -> dict[int | str, dict[str, Any]]:
+    """What a generation route answers, for the OpenAPI schema: `answer`, a stream, or an error body
+    (400, 401, 404, 413, 429; 503 when the waiting queue is full or the engine is dead)."""
+    return {
+        200: {"model": answer, "description": "The answer, or with `stream` a text/event-stream of chunks.",
+              "content": {"text/event-stream": {}}},
+        "4XX": {"model": ErrorResponse, "description": "The request cannot be served as sent."},
+        503: {"model": ErrorResponse, "description": "Busy (Retry-After says when to retry) or the engine is dead."},
+    }
 
 
 def _json(model: Any) -> Response:
