@@ -23,6 +23,17 @@ class LogprobsLists:
 
 
 @dataclass(slots=True)
+class PromptLogprobsChunk:
+    """Logprobs of the prompt tokens at positions start, start + 1, ... (each given the tokens before it).
+
+    `logprobs` may also be LogprobsTensors (anything with `tolists()`).
+    """
+
+    start: int  # >= 1: the first prompt token has no logprob
+    logprobs: LogprobsLists
+
+
+@dataclass(slots=True)
 class EngineCoreOutput:
     """One request's progress in one engine step, as the output processor receives it.
 
@@ -35,5 +46,6 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None  # the stop token id (or string) that finished it
     # Logprobs may also be LogprobsTensors: the output processor reads anything with `tolists()`.
     new_logprobs: LogprobsLists | None = None  # one position per new token
-    prompt_logprobs: LogprobsLists | None = None  # the next chunk of prompt positions 1.., if requested
+    prompt_logprobs: PromptLogprobsChunk | None = None  # the prompt positions this step computed, if requested
     num_cached_tokens: int = 0
+    error: str | None = None  # why the request was aborted by a failure in a step

@@ -10,6 +10,7 @@ import torch
 
 from llmplug.core.config import EngineConfig
 from llmplug.core.plugins import PluginRegistry
+from llmplug.engine.core_outputs import PromptLogprobsChunk
 from llmplug.engine.pipeline_stage import PipelineStage
 from llmplug.engine.sampler import Sampler
 from llmplug.engine.sampling_state import SamplingState
@@ -19,6 +20,8 @@ from llmplug.layers.forward_context import CommonAttentionMetadata, forward_cont
 from llmplug.loaders import build_loader, resolve_load_format
 
 logger = logging.getLogger(__name__)
+
+UNSAMPLEABLE = "no token can be sampled: the logits hold NaN or +inf, or every token is masked"
 
 
 @dataclass(slots=True, frozen=True)
@@ -106,7 +109,7 @@ class ModelRunner:
             if req.new is not None:
                 new = req.new
                 self.sampling_state.add_request(
-                    new.req_id, new.sampling_params, new.prompt_token_ids, new.output_token_ids, new.eos_token_id
+                    new.req_id, new.sampling_params, new.prompt_token_ids, new.output_token_ids, new.eos_token_ids
                 )
                 self.prompt_token_ids[new.req_id] = new.prompt_token_ids
 
@@ -168,25 +171,30 @@ class ModelRunner:
         if not batch.sample_req_ids:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden_states[batch.sample_indices])
-        out = self.sampler(logits, self.sampling_state.metadata(batch.sample_req_ids), scheduler_output.grammar_bitmask)
-        sampled = out.sampled_token_ids.tolist()
-        for req_id, token in zip(batch.sample_req_ids, sampled):
+        req_ids = batch.sample_req_ids
+        out = self.sampler(logits, self.sampling_state.metadata(req_ids), scheduler_output.grammar_bitmask)
+        # one device-to-host copy for the tokens and the rows that could not be sampled
+        sampled, unsampleable = torch.stack((out.sampled_token_ids, out.unsampleable.long())).tolist()
+        for req_id, token in zip(req_ids, sampled):
             self.sampling_state.append_output(req_id, [token])
+        failed = {req_ids[row]: UNSAMPLEABLE for row, bad in enumerate(unsampleable) if bad}
+        failed.update((req_ids[row], why) for row, why in out.failed_rows.items())
         return ModelRunnerOutput(
-            req_ids=batch.sample_req_ids,
+            req_ids=req_ids,
             sampled_token_ids=[[t] for t in sampled],
             logprobs=out.logprobs,
             prompt_logprobs=prompt_logprobs,
-            failed={batch.sample_req_ids[row]: why for row, why in out.failed_rows.items()},
+            failed=failed,
         )
 
     def _prompt_logprobs(
         self, scheduler_output: SchedulerOutput, batch: BatchInputs, hidden_states: torch.Tensor
-    ) -> dict[str, object]:
-        """Logprobs of each prompt token given the ones before it, for requests that asked."""
+    ) -> dict[str, PromptLogprobsChunk]:
+        """Logprobs of the prompt tokens this step's chunk predicts (each given the ones before it), for requests
+        that asked. A chunk recomputed after preemption comes again; the output processor keeps the first."""
         from llmplug.engine.sampler import compute_prompt_logprobs
 
-        result: dict[str, object] = {}
+        result: dict[str, PromptLogprobsChunk] = {}
         starts = batch.common.query_start_loc.tolist()
         for i, req in enumerate(scheduler_output.requests):
             k = self.sampling_state.params(req.req_id).prompt_logprobs
@@ -200,5 +208,6 @@ class ModelRunner:
                 continue
             rows = hidden_states[starts[i] : starts[i] + n]
             targets = torch.tensor(prompt[req.num_computed_tokens + 1 : end_pos + 1], device=self.device)
-            result[req.req_id] = compute_prompt_logprobs(self.model.compute_logits(rows), targets, k)
+            logprobs = compute_prompt_logprobs(self.model.compute_logits(rows), targets, k)
+            result[req.req_id] = PromptLogprobsChunk(req.num_computed_tokens + 1, logprobs)
         return result

@@ -23,7 +23,7 @@ from typing import Any
 from llmplug.core.errors import InvalidRequestError
 from llmplug.core.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
 from llmplug.core.params import RequestOutputKind, SamplingParams
-from llmplug.engine.core_outputs import EngineCoreOutput, LogprobsLists
+from llmplug.engine.core_outputs import EngineCoreOutput, LogprobsLists, PromptLogprobsChunk
 from llmplug.engine.detokenizer import IncrementalDetokenizer
 
 __all__ = ["EngineCoreOutput", "LogprobsLists", "OutputProcessor", "ProcessedOutputs"]
@@ -50,6 +50,7 @@ class CompletionState:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    error: str | None = None  # set when a failure in a step aborted it
 
     @property
     def finished(self) -> bool:
@@ -175,6 +176,7 @@ class OutputProcessor:
         stopped_here = self._detokenize(completion, update, params)
         if update.finish_reason is not None and not completion.finished:
             completion.finish_reason, completion.stop_reason = update.finish_reason, update.stop_reason
+            completion.error = update.error
         if completion.finished and completion.detokenizer is not None:
             completion.detokenizer.flush()
         if request.finished:
@@ -203,13 +205,18 @@ class OutputProcessor:
         completion.logprobs.extend(positions)
         completion.cumulative_logprob += sum(row[0] for row in lists.logprobs)
 
-    def _add_prompt_logprobs(self, request: RequestState, lists: Any) -> None:
-        """Append the next chunk of prompt positions (the first position has none)."""
+    def _add_prompt_logprobs(self, request: RequestState, chunk: PromptLogprobsChunk) -> None:
+        """Add a chunk of prompt positions (the first position has none); positions already known (a chunk
+        recomputed after preemption) are skipped."""
         if request.prompt_logprobs is None:
             request.prompt_logprobs = [None]
+        known = len(request.prompt_logprobs)
+        if chunk.start > known:
+            raise RuntimeError(f"request {request.request_id}: prompt logprobs from position {chunk.start} "
+                               f"arrived before those of positions {known}..{chunk.start - 1}")
         decode = request.params.detokenize and self.tokenizer is not None
-        positions = self._positions(lists.tolists(), request.params.prompt_logprobs or 0, decode)
-        request.prompt_logprobs.extend(positions)
+        positions = self._positions(chunk.logprobs.tolists(), request.params.prompt_logprobs or 0, decode)
+        request.prompt_logprobs.extend(positions[known - chunk.start :])
 
     def _positions(self, lists: LogprobsLists, num_logprobs: int, decode: bool) -> list[PositionLogprobs]:
         """Logprob dicts of N positions: the chosen token (with its rank) and the top `num_logprobs`."""
@@ -274,6 +281,7 @@ class OutputProcessor:
             logprobs=logprobs,
             finish_reason=completion.finish_reason,
             stop_reason=completion.stop_reason,
+            error=completion.error,
         )
 
     def _prompt_logprobs(self, request: RequestState, delta: bool) -> list[PositionLogprobs | None] | None:

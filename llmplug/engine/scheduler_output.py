@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from llmplug.core.params import SamplingParams
+from llmplug.engine.core_outputs import PromptLogprobsChunk
 
 if TYPE_CHECKING:
     import torch
@@ -19,7 +20,7 @@ class NewRequestData:
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # generated before a preemption; [] for a fresh request
     sampling_params: SamplingParams
-    eos_token_id: int | None = None  # masked while fewer than min_tokens are generated
+    eos_token_ids: tuple[int, ...] = ()  # masked while fewer than min_tokens are generated
 
 
 @dataclass(slots=True, frozen=True)
@@ -53,5 +54,5 @@ class ModelRunnerOutput:
     req_ids: list[str]
     sampled_token_ids: list[list[int]]  # one list per request; usually one token
     logprobs: list | None = None
-    prompt_logprobs: dict[str, object] = field(default_factory=dict)
+    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)  # request id -> this step's chunk
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why it could not be sampled

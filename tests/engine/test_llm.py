@@ -194,3 +194,50 @@ def test_llm_reads_a_config_file_and_keywords_override_it(tiny_llama, tmp_path):
     llm = LLM(config=path, max_num_seqs=5)
     assert llm.config.cache.block_size == 8 and llm.config.scheduler.max_num_seqs == 5
     assert generate_ids(llm, [[4, 5, 6]], GREEDY) == [hf_greedy(tiny_llama.hf_model, [4, 5, 6])]
+
+
+def test_every_eos_id_of_the_generation_config_stops_the_request(tiny_llama, tmp_path):
+    import json
+    import shutil
+
+    prompt = [3, 1, 4, 1, 5]
+    reference = hf_greedy(tiny_llama.hf_model, prompt)
+    eos = reference[4]  # a token the model will generate, declared as the second of several eos ids
+    path = shutil.copytree(tiny_llama.path, tmp_path / "model")
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [255, eos]}))
+    llm = LLM(str(path), dtype="float32", skip_tokenizer_init=True, block_size=4)
+    assert llm.llm_engine.eos_token_ids == (255, eos)
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
+                       use_tqdm=False)[0].outputs[0]
+    stop_at = reference.index(eos) + 1
+    assert out.token_ids == reference[:stop_at] and out.finish_reason == "stop"
+    ignore = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    assert generate_ids(llm, [prompt], ignore) == [reference]
+    held = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, min_tokens=stop_at + 1)  # eos masked till then
+    assert eos not in generate_ids(llm, [prompt], held)[0][: stop_at + 1]
+
+
+@pytest.mark.parametrize("engine_kwargs", [
+    {},
+    {"max_num_batched_tokens": 8},  # the prompt is computed in chunks of 8
+    {"max_num_batched_tokens": 8, "num_gpu_blocks_override": 12, "max_num_seqs": 4},  # and preempted, recomputed
+], ids=["one_chunk", "chunked_prefill", "chunked_and_preempted"])
+def test_prompt_logprobs_match_hf_for_every_chunk_once_per_request(tiny_llama, engine_kwargs):
+    llm = make_llm(tiny_llama, **engine_kwargs)
+    prompt = prompts(3, (30,))[0]
+    with torch.inference_mode():
+        ref = torch.log_softmax(tiny_llama.hf_model(torch.tensor([prompt])).logits[0].float(), -1)  # [P, V]
+    top = ref.topk(3, dim=-1)
+    params = SamplingParams(temperature=0.8, seed=1, n=2, max_tokens=20, ignore_eos=True, prompt_logprobs=3)
+    outs = llm.generate([{"prompt_token_ids": prompt}] * 3, params, use_tqdm=False)
+    for out in outs:
+        assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+        for pos in range(1, len(prompt)):
+            position, before = out.prompt_logprobs[pos], pos - 1
+            assert position[prompt[pos]].logprob == pytest.approx(float(ref[before, prompt[pos]]), abs=1e-4)
+            for rank, (token, value) in enumerate(zip(top.indices[before].tolist(), top.values[before].tolist()), 1):
+                assert position[token].logprob == pytest.approx(value, abs=1e-4)
+                assert token == prompt[pos] or position[token].rank == rank
+    if "num_gpu_blocks_override" in engine_kwargs:
+        assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
+    assert_no_leak(llm)

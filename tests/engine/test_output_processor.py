@@ -7,7 +7,7 @@ import torch
 
 from llmplug.core.errors import InvalidRequestError
 from llmplug.core.params import RequestOutputKind, SamplingParams
-from llmplug.engine.core_outputs import LogprobsLists
+from llmplug.engine.core_outputs import LogprobsLists, PromptLogprobsChunk
 from llmplug.engine.output_processor import EngineCoreOutput, OutputProcessor
 from llmplug.engine.sampler import compute_prompt_logprobs
 
@@ -182,13 +182,29 @@ def test_prompt_logprobs_from_sampler_tensors(tokenizer):
     start(processor, SamplingParams(prompt_logprobs=1, output_kind=RequestOutputKind.DELTA))
     torch.manual_seed(0)
     chunk = compute_prompt_logprobs(torch.randn(2, 100), torch.tensor([2, 3]), 1)
-    out = processor.process([EngineCoreOutput("req", [], prompt_logprobs=chunk)]).request_outputs
+    out = processor.process([EngineCoreOutput("req", [], prompt_logprobs=PromptLogprobsChunk(1, chunk))]).request_outputs
     assert out == []  # nothing generated yet
     first = processor.process([EngineCoreOutput("req", [5])]).request_outputs[0]
     assert first.prompt_logprobs[0] is None and len(first.prompt_logprobs) == 3
     assert first.prompt_logprobs[1][2].logprob == pytest.approx(float(chunk.logprobs[0, 0]))
     later = processor.process([EngineCoreOutput("req", [6])]).request_outputs[0]
     assert later.prompt_logprobs == []  # DELTA sends them once
+
+
+def test_a_recomputed_prompt_chunk_adds_only_positions_not_known_yet(tokenizer):
+    processor = OutputProcessor(tokenizer)
+    start(processor, SamplingParams(prompt_logprobs=0))
+    torch.manual_seed(0)
+    logits, targets = torch.randn(4, 100), torch.tensor([2, 3, 4, 5])
+    first = PromptLogprobsChunk(1, compute_prompt_logprobs(logits[:2], targets[:2], 0))
+    # after a preemption the prompt is computed again, from the start, in other chunks
+    again = PromptLogprobsChunk(1, compute_prompt_logprobs(logits[:3], targets[:3], 0))
+    rest = PromptLogprobsChunk(4, compute_prompt_logprobs(logits[3:], targets[3:], 0))
+    processor.process([EngineCoreOutput("req", [], prompt_logprobs=c) for c in (first, again, rest)])
+    out = processor.process([EngineCoreOutput("req", [7], "length")]).request_outputs[0]
+    assert [list(p) if p else None for p in out.prompt_logprobs] == [None, [2], [3], [4], [5]]
+    expected = torch.log_softmax(logits, -1)[torch.arange(4), targets]
+    assert [p[t].logprob for p, t in zip(out.prompt_logprobs[1:], [2, 3, 4, 5])] == pytest.approx(expected.tolist())
 
 
 def test_no_logprobs_when_not_requested(tokenizer, ids):

@@ -18,14 +18,15 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer
 # Checks that depend on the model (vocabulary, context length) are the engine's, with 400s naming them.
 
 MAX_COUNT = 2**31 - 1  # token counts and token ids
-TokenId = Annotated[int, Field(ge=0, le=MAX_COUNT)]
+# token ids: 32-bit here; the engine checks them against the vocabulary, with a 400 naming the field
+TokenId = Annotated[int, Field(ge=-MAX_COUNT - 1, le=MAX_COUNT)]
 Count = Annotated[int, Field(ge=1, le=MAX_COUNT)]
 Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 Name = Annotated[str, Field(max_length=256)]
-StopString = Annotated[str, Field(min_length=1, max_length=1024)]
-Stop = StopString | Annotated[list[StopString], Field(max_length=64)]
+# finite, and looser than the engine's own configurable limits (decoding.max_stop_strings, ...), which decide
+StopString = Annotated[str, Field(max_length=4096)]
+Stop = StopString | Annotated[list[StopString], Field(max_length=1024)]
 LogitBias = Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]], Field(max_length=1024)]
-MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
 
 # --- common -------------------------------------------------------------------------------------
 
@@ -78,7 +79,7 @@ class SamplingRequest(OpenAIModel):
     """The sampling fields chat and completions requests share (OpenAI's and vLLM's extras)."""
 
     model: Name | None = None
-    n: int = Field(1, ge=1, le=128)
+    n: int = Field(1, ge=1, le=MAX_COUNT)  # the engine's decoding.max_n bounds it
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
@@ -96,6 +97,8 @@ class SamplingRequest(OpenAIModel):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, le=MAX_COUNT)
     stop_token_ids: Annotated[list[TokenId], Field(max_length=1024)] | None = None
+    bad_words: Annotated[list[StopString], Field(max_length=1024)] | None = None
+    allowed_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -133,7 +136,7 @@ class ChatCompletionRequest(SamplingRequest):
     max_tokens: Count | None = Field(None, description="Deprecated by OpenAI for max_completion_tokens.")
     max_completion_tokens: Count | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_COUNT)  # the engine's decoding.max_logprobs bounds it
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     # vLLM's chat extras
@@ -214,10 +217,10 @@ class CompletionRequest(SamplingRequest):
 
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     max_tokens: Count | None = 16
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(None, ge=0, le=MAX_COUNT)  # the engine's decoding.max_logprobs bounds it
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = Field(None, ge=1, le=128)
+    best_of: int | None = Field(None, ge=1, le=MAX_COUNT)
 
 
 class CompletionLogprobs(OpenAIModel):
@@ -286,7 +289,7 @@ class ResponsesRequest(OpenAIModel):
     max_output_tokens: Count | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_COUNT)  # the engine's decoding.max_logprobs bounds it
     stream: bool = False
     store: bool | None = None
     metadata: Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
