@@ -93,7 +93,7 @@ class SamplingRequest(OpenAIModel):
     # vLLM's extra sampling fields
     top_k: int | None = Field(None, ge=-1, le=MAX_COUNT)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)
+    repetition_penalty: float | None = Field(None, ge=0.01, le=100.0)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, le=MAX_COUNT)
     stop_token_ids: Annotated[list[TokenId], Field(max_length=1024)] | None = None
@@ -303,7 +303,7 @@ class ResponsesRequest(OpenAIModel):
     seed: Seed | None = None
     top_k: int | None = Field(None, ge=-1, le=MAX_COUNT)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)
+    repetition_penalty: float | None = Field(None, ge=0.01, le=100.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     stop: Stop | None = None
