@@ -3,19 +3,16 @@ configs both work as configured, and `LLM(config=EngineConfig(...))` applies the
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from llmplug import LLM, SamplingParams
-from llmplug.core import plugins
 from llmplug.core.config import EngineConfig, LoadConfig, ModelConfig, PluginConfig
 from llmplug.core.plugins import PluginNotFoundError
 from tests.engine.test_llm import generate_ids, hf_greedy
 from tests.models.tiny_models import make_tiny
-from tests.plugin_examples import pip_install_examples
+from tests.plugin_examples import pip_install_examples, save_as_npz, use_site
 
 LOADER_DIST, HOOKS_DIST = "llmplug-example-toy-loader", "llmplug-example-toy-hooks"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -32,9 +29,7 @@ def site(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def installed(site, monkeypatch) -> Path:
-    monkeypatch.syspath_prepend(str(site))
-    monkeypatch.delenv(plugins.ENABLED_ENV, raising=False)
-    return site
+    return use_site(site, monkeypatch)
 
 
 @pytest.fixture(scope="module")
@@ -45,10 +40,7 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def npz_model(tiny, tmp_path_factory) -> Path:
     """The tiny Llama's config.json and its weights as weights.npz (what the toy loader reads)."""
-    folder = tmp_path_factory.mktemp("npz_model")
-    shutil.copy(tiny.path / "config.json", folder)
-    np.savez(folder / "weights.npz", **{name: t.numpy() for name, t in tiny.hf_model.state_dict().items()})
-    return folder
+    return save_as_npz(tiny, tmp_path_factory.mktemp("npz_model"))
 
 
 def test_two_engines_with_different_plugin_configs_both_work_as_configured(installed, tiny, npz_model):

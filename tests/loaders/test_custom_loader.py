@@ -8,17 +8,15 @@ import os
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 from huggingface_hub import scan_cache_dir
 from huggingface_hub.file_download import repo_folder_name
 
 from llmplug import LLM, SamplingParams
-from llmplug.core import plugins
 from llmplug.core.errors import ModelLoadError
 from tests.engine.test_llm import generate_ids, hf_greedy
 from tests.models.tiny_models import make_tiny
-from tests.plugin_examples import pip_install_examples, run_python
+from tests.plugin_examples import pip_install_examples, run_python, save_as_npz, use_site
 
 MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -37,9 +35,7 @@ def site(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def installed(site, monkeypatch) -> Path:
-    monkeypatch.syspath_prepend(str(site))
-    monkeypatch.delenv(plugins.ENABLED_ENV, raising=False)
-    return site
+    return use_site(site, monkeypatch)
 
 
 @pytest.fixture(scope="module")
@@ -50,10 +46,7 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def npz_model(tiny, tmp_path_factory) -> Path:
     """The tiny Llama as config.json plus weights.npz (HF names), and no safetensors."""
-    folder = tmp_path_factory.mktemp("npz_model")
-    shutil.copy(tiny.path / "config.json", folder)
-    np.savez(folder / "weights.npz", **{name: t.numpy() for name, t in tiny.hf_model.state_dict().items()})
-    return folder
+    return save_as_npz(tiny, tmp_path_factory.mktemp("npz_model"))
 
 
 def expected(tiny) -> list[list[int]]:

@@ -21,12 +21,14 @@ MAX_TOKENS = 4  # generated tokens per completion while fuzzing: the run stays s
 MAX_SEQUENCES = 4  # n and best_of
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 LENGTH_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+ROUTE_LENGTH_FIELD = {"/v1/chat/completions": "max_tokens", "/v1/completions": "max_tokens",
+                      "/v1/responses": "max_output_tokens"}
 GENERATION = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/v1/responses")]
 OTHERS = [("GET", "/v1/models"), ("GET", "/v1/models/{model_id}"), ("GET", "/health"), ("GET", "/version"),
           ("GET", "/metrics")]
 # (method, path, mode, examples): valid and invalid bodies of the generation routes, where the input is; the
 # GET routes take no body (nothing to make invalid), so only valid requests, and a few
-CASES = [(m, p, mode, 60) for m, p in GENERATION for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)]
+CASES = [(m, p, mode, 40) for m, p in GENERATION for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)]
 CASES += [(m, p, GenerationMode.POSITIVE, 10) for m, p in OTHERS]
 
 
@@ -52,15 +54,18 @@ def greedy_answer(server) -> str:
     return reply.choices[0].message.content
 
 
-def keep_short(body: object) -> None:
-    """Cap what a valid body may generate (n, best_of, and token counts that fit the context), so that the
-    run spends its time on many requests rather than long ones; out-of-range values are left to be refused."""
+def keep_short(path: str, body: object) -> None:
+    """Cap what a valid body may generate (n, best_of, and token counts that fit the context; a body without
+    one gets the route's field set, as chat and responses would otherwise fill the whole context), so that the
+    run spends its time on many requests rather than long ones. Out-of-range values are left to be refused."""
     if not isinstance(body, dict):
         return
     for field in LENGTH_FIELDS:
         value = body.get(field)
         if isinstance(value, int) and not isinstance(value, bool) and MAX_TOKENS < value <= DEFAULT_MODEL_LEN:
             body[field] = MAX_TOKENS
+    if all(body.get(field) is None for field in LENGTH_FIELDS):
+        body[ROUTE_LENGTH_FIELD[path]] = MAX_TOKENS
     for field in ("n", "best_of"):
         value = body.get(field)
         if isinstance(value, int) and not isinstance(value, bool) and MAX_SEQUENCES < value <= 128:
@@ -92,7 +97,7 @@ def test_fuzzed_requests_never_get_a_server_error(api_schema, default_server, me
     @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), database=None,
               phases=[Phase.generate])  # no shrinking: each example is a real request, the first failure says enough
     def fuzz(case) -> None:
-        keep_short(case.body)
+        keep_short(path, case.body)
         response = case.call(timeout=120)
         sent = json.dumps(case.body, default=repr)  # the whole body: a failure must be reproducible from the log
         assert response.status_code < 500 or deliberate_overload(response), f"{sent}\n-> {response.text[:500]}"
