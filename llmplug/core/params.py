@@ -19,16 +19,23 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = 2  # one output, when the request finishes
 
 
-GUIDED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+GUIDED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+_VALUE_KINDS = ("json", "regex", "choice", "grammar", "structural_tag")  # the kinds that carry a value
 
 
 @dataclass
 class GuidedDecodingParams:
-    """A constraint on the generated text; exactly one of json, json_object, regex, choice, grammar is set.
+    """A constraint on the generated text; exactly one of json, json_object, regex, choice, grammar,
+    structural_tag is set.
 
     json: a JSON schema (dict or JSON text); json_object: any JSON object; regex: the text must match it
     in full; choice: the text is one of these strings; grammar: a context-free grammar in the syntax of
-    the backend (Lark for llguidance; GBNF-style EBNF, `root ::= ...`, for xgrammar and llguidance).
+    the backend (Lark for llguidance; GBNF-style EBNF, `root ::= ...`, for xgrammar and llguidance);
+    structural_tag: free text in which tagged regions follow their schemas (xgrammar's structural tag,
+    dict or JSON text).
+
+    start_after_token_ids: the grammar applies only once the output has produced this token sequence
+    (the end of a model's reasoning, such as `</think>`); the tokens before it are sampled freely.
     """
 
     json: str | dict | None = None
@@ -36,23 +43,36 @@ class GuidedDecodingParams:
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    structural_tag: str | dict | None = None
     backend: str | None = None  # None: the engine's decoding.guided_backend
     whitespace_flexible: bool | None = None  # None: the engine's decoding.compact_json decides
+    start_after_token_ids: tuple[int, ...] = ()  # empty: the grammar applies from the first token
 
     def __post_init__(self) -> None:
-        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        kinds = [k for k in _VALUE_KINDS if getattr(self, k) is not None]
         kinds += ["json_object"] if self.json_object else []
         if len(kinds) != 1:
             raise InvalidRequestError(
-                f"guided_decoding needs exactly one of json, json_object, regex, choice, grammar; got {kinds or 'none'}"
+                f"guided_decoding needs exactly one of {', '.join(GUIDED_KINDS)}; got {kinds or 'none'}"
             )
         if isinstance(self.json, str):
-            self.json = _parse_schema(self.json)
+            self.json = _parse_json(self.json, "json")
+        if isinstance(self.structural_tag, str):
+            self.structural_tag = _parse_json(self.structural_tag, "structural_tag")
+        self.start_after_token_ids = tuple(self.start_after_token_ids)
         self._validate()
 
     def _validate(self) -> None:
         if self.json is not None and not isinstance(self.json, (dict, bool)):
             raise InvalidRequestError(f"guided_decoding.json must be a JSON schema object, got {type(self.json).__name__}")
+        if self.structural_tag is not None and not isinstance(self.structural_tag, dict):
+            raise InvalidRequestError(
+                f"guided_decoding.structural_tag must be a JSON object, got {type(self.structural_tag).__name__}"
+            )
+        if not all(isinstance(t, int) and t >= 0 for t in self.start_after_token_ids):
+            raise InvalidRequestError(
+                f"guided_decoding.start_after_token_ids must be token ids, got {self.start_after_token_ids!r}"
+            )
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
@@ -68,7 +88,7 @@ class GuidedDecodingParams:
         """The name of the constraint kind that is set."""
         if self.json_object:
             return "json_object"
-        return next(k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None)
+        return next(k for k in _VALUE_KINDS if getattr(self, k) is not None)
 
     @property
     def schema(self) -> dict | bool:
@@ -80,18 +100,18 @@ class GuidedDecodingParams:
         """What identifies the compiled grammar of this constraint (besides the backend)."""
         import json
 
-        value = {"json": self.json, "regex": self.regex, "choice": self.choice, "grammar": self.grammar}.get(self.kind)
+        value = None if self.json_object else getattr(self, self.kind)
         return self.kind, json.dumps(value, sort_keys=True), self.whitespace_flexible
 
 
-def _parse_schema(text: str) -> dict | bool:
-    """A JSON schema given as JSON text."""
+def _parse_json(text: str, name: str) -> dict | bool:
+    """A JSON value (schema, structural tag) given as JSON text."""
     import json
 
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise InvalidRequestError(f"guided_decoding.json is not valid JSON: {exc}") from None
+        raise InvalidRequestError(f"guided_decoding.{name} is not valid JSON: {exc}") from None
 
 
 # Found by fuzzing the server: a penalty of 5e-324 is "positive and finite" yet divides logits into inf.
@@ -128,7 +148,7 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     guided_decoding: GuidedDecodingParams | None = None
     extra_args: dict[str, Any] = field(default_factory=dict)
-    # the token sequences of bad_words, as the engine's tokenizer spells them (set by the engine when a request is added)
+    # the token sequences of bad_words as the engine's tokenizer spells them: set by the engine when a request is added
     bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -141,7 +161,7 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        """Checks that need no model; the engine checks the rest (vocabulary, context, limits) when a request is added."""
+        """Checks that need no model; the engine checks the rest (vocabulary, context, limits) when it adds the request."""
         self._check_types()
         checks = [
             (self.n >= 1, "n", "must be at least 1"),
@@ -193,7 +213,9 @@ class SamplingParams:
                 continue
             raise InvalidRequestError(f"SamplingParams.{name}={value!r} must be a number", param=name)
         if not math.isfinite(self.temperature):
-            raise InvalidRequestError(f"SamplingParams.temperature={self.temperature!r} must be finite", param="temperature")
+            raise InvalidRequestError(
+                f"SamplingParams.temperature={self.temperature!r} must be finite", param="temperature"
+            )
         for name, kind in lists.items():
             value = getattr(self, name)
             if value is not None and not (isinstance(value, list) and all(_is_kind(v, kind) for v in value)):

@@ -52,6 +52,8 @@ GROUPS: dict[str, str] = {
     "llmplug.executors": "worker executor: parallel.executor name -> executor class",
     "llmplug.attention": "attention backend: device.attention_backend name -> backend class",
     "llmplug.communicators": "device collectives: Platform.get_communicator() name -> communicator class",
+    "llmplug.tool_parsers": "tool calls in model output: serve --tool-call-parser name -> ToolParser class",
+    "llmplug.reasoning_parsers": "reasoning in model output: serve --reasoning-parser name -> ReasoningParser class",
     HOOKS_GROUP: "general plugins: name -> module of pluggy hookimpls, all registered together",
 }
 NAMED_GROUPS: tuple[str, ...] = tuple(group for group in GROUPS if group != HOOKS_GROUP)

@@ -20,7 +20,8 @@ if TYPE_CHECKING:  # no heavy imports at run time
     from llmplug.core.config import EngineConfig, ModelConfig
     from llmplug.core.params import GuidedDecodingParams
 
-PLUGIN_API_VERSION = "1.1"  # 1.1: guided decoding (GuidedDecodingBackend, CompiledGrammar, GrammarMatcher)
+# 1.1: guided decoding (GuidedDecodingBackend, CompiledGrammar, GrammarMatcher); 1.2: tool and reasoning parsers
+PLUGIN_API_VERSION = "1.2"
 
 
 @runtime_checkable

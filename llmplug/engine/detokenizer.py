@@ -130,7 +130,8 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
         backend = fast_backend(tokenizer)
         decode = (backend or tokenizer).decode
-        self._context = prompt_tail(prompt_token_ids, lambda ids: decode(ids, skip_special_tokens=params.skip_special_tokens))
+        skip = params.skip_special_tokens
+        self._context = prompt_tail(prompt_token_ids, lambda ids: decode(ids, skip_special_tokens=skip))
         if backend is not None:
             self._decoder: StreamDecoder | OffsetDecoder = StreamDecoder(
                 backend, params.skip_special_tokens, self._context

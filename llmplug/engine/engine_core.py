@@ -177,7 +177,7 @@ class EngineCore:
             raise self.dead_error
 
     def _outputs(self, updated: list[Request], runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        """One output per request with news: tokens, an end, or (a prefill chunk that sampled nothing) prompt logprobs."""
+        """One output per request with news: tokens, an end, or prompt logprobs (of a chunk that sampled nothing)."""
         row_of = {req_id: i for i, req_id in enumerate(runner_output.req_ids)}
         logprobs = runner_output.logprobs
         outputs = []
@@ -196,7 +196,7 @@ class EngineCore:
                     error=req.error,
                 )
             )
-        reported = {req.request_id for req in updated}
+        reported = {req.request_id for req in updated} if runner_output.prompt_logprobs else set()
         for req_id, chunk in runner_output.prompt_logprobs.items():
             if req_id not in reported and (req := self.scheduler.get_request(req_id)) is not None:
                 outputs.append(

@@ -8,6 +8,8 @@ pool, caching compiled grammars by (backend, constraint). Each request holds a `
 scheduler keeps the request out of the waiting queue until its grammar is ready, feeds the matcher
 every sampled token and finishes the request when the matcher terminates; `grammar_bitmask` fills
 the step's bitmask rows of the requests under a grammar (only those: no work for the others).
+A constraint with `start_after_token_ids` (the end of a model's reasoning) leaves its request's tokens
+free until the output has produced that sequence; its grammar applies from the next token on.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
@@ -41,10 +43,17 @@ CACHE_SIZE = 256  # compiled grammars kept
 class RequestGrammar:
     """One request's grammar: the (shared) compile future, then the request's own matcher."""
 
-    def __init__(self, future: Future[CompiledGrammar]) -> None:
+    def __init__(self, future: Future[CompiledGrammar], start_after_token_ids: Sequence[int] = ()) -> None:
         self._future = future
         self._matcher: GrammarMatcher | None = None
         self._rejected = False
+        self._start_after = tuple(start_after_token_ids)
+        self._recent: deque[int] = deque(maxlen=len(self._start_after))  # the last output tokens, to spot it
+
+    @property
+    def active(self) -> bool:
+        """True once the grammar applies (at once, or after the `start_after_token_ids` sequence)."""
+        return not self._start_after
 
     @property
     def ready(self) -> bool:
@@ -64,14 +73,20 @@ class RequestGrammar:
         return self._matcher
 
     def accept(self, token_id: int) -> None:
-        """Advance by a sampled token; a token the grammar forbids (all tokens masked) ends the request."""
+        """Advance by a sampled token; a token the grammar forbids (all tokens masked) ends the request.
+        Before the grammar applies, the token only counts towards the sequence that starts it."""
+        if not self.active:
+            self._recent.append(token_id)
+            if tuple(self._recent) == self._start_after:
+                self._start_after = ()
+            return
         if not self.matcher.accept_token(token_id):
             logger.warning("guided decoding: sampled token %d is not allowed by the grammar; stopping", token_id)
             self._rejected = True
 
     def is_terminated(self) -> bool:
         """True when the request must stop: the grammar is complete, or it rejected a token."""
-        return self._rejected or self.matcher.is_terminated()
+        return self.active and (self._rejected or self.matcher.is_terminated())
 
 
 def check_json_schema(schema: dict | bool) -> None:
@@ -115,6 +130,11 @@ class GuidedDecodingManager:
         """Choose the backend, validate and start compiling (or reuse the cached compile); the future is shared."""
         if self.tokenizer is None or self.eos_token_id is None:
             raise InvalidRequestError("guided decoding needs the model's tokenizer and end-of-sequence token")
+        outside = [t for t in params.start_after_token_ids if t >= self.vocab_size]
+        if outside:
+            raise InvalidRequestError(
+                f"guided_decoding.start_after_token_ids {outside} are outside the vocabulary [0, {self.vocab_size})"
+            )
         constraint = self.resolve(params)
         key = (constraint.backend, constraint.cache_key)  # as asked ("auto" too): a hit was validated before
         with self._lock:
@@ -216,10 +236,11 @@ def grammar_bitmask(
     and the requests whose matcher raised (request id -> why; their rows stay all allowed, they must fail).
 
     Rows follow the order of the scheduled requests that sample, which is the order of the logits.
-    The bitmask is None when no request of this step samples under a grammar.
+    The bitmask is None when no request of this step samples under a grammar that applies yet.
     """
     sampling = [s.req_id for s in scheduled if s.samples]
-    rows = [(row, guided[req_id]) for row, req_id in enumerate(sampling) if req_id in guided]
+    rows = [(row, guided[req_id]) for row, req_id in enumerate(sampling)
+            if req_id in guided and guided[req_id].grammar.active]
     if not rows:
         return None, {}
     bitmask = torch.full((len(sampling), (vocab_size + 31) // 32), -1, dtype=torch.int32)

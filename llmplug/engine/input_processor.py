@@ -40,8 +40,7 @@ class InputProcessor:
         params = params.clone()
         if params.max_tokens is None:  # all the room the context leaves
             params.max_tokens = self.max_model_len - len(token_ids)
-        if params.bad_words:
-            params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
+        params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words) if params.bad_words else None
         check_params(params, len(token_ids), self.limits)
         return text, token_ids, params
 
@@ -55,6 +54,13 @@ class InputProcessor:
         for word in words:
             for text in (word.lstrip(), " " + word.lstrip()):
                 ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+                bad = [t for t in ids if not 0 <= t < self.vocab_size]
+                if bad:
+                    raise InvalidRequestError(
+                        f"SamplingParams.bad_words: {word!r} is spelled with token ids {bad} outside the model's "
+                        f"vocabulary [0, {self.vocab_size}) (the tokenizer has more tokens than the model)",
+                        param="bad_words",
+                    )
                 if ids and ids not in sequences:
                     sequences.append(ids)
         return sequences
@@ -97,9 +103,13 @@ class InputProcessor:
 
 def _token_ids(values: Any) -> list[int]:
     """Prompt token ids as Python ints (numpy's too); InvalidRequestError for anything else."""
-    items = values.tolist() if hasattr(values, "tolist") else list(values) if isinstance(values, (list, tuple)) else None
-    if not isinstance(items, list) or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in items):
+    items = values.tolist() if hasattr(values, "tolist") else list(values) if isinstance(values, (list, tuple)) else 0
+    if not isinstance(items, list) or not all(map(_is_token_id, items)):
         raise InvalidRequestError(
             f"prompt_token_ids must be a list of integers, got {str(values)[:80]}", param="prompt"
         )
     return [int(t) for t in items]
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)

@@ -258,11 +258,10 @@ class KVCacheManager:
             return
         hashes = self._hash_full_blocks(request, num_full_blocks)
         block_table = self.block_tables[request.request_id]
-        named = [
-            block_table[i] for i in range(num_cached, num_full_blocks) if self.pool.cache_block(block_table[i], hashes[i])
-        ]
-        if named:
-            self._named_this_step.setdefault(request.request_id, []).extend(named)
+        named = self._named_this_step.setdefault(request.request_id, [])
+        for i in range(num_cached, num_full_blocks):
+            if self.pool.cache_block(block_table[i], hashes[i]):
+                named.append(block_table[i])
         self.num_cached_blocks[request.request_id] = num_full_blocks
 
     def finish_step(self, failed_req_ids: Iterable[str] = ()) -> None:

@@ -105,7 +105,8 @@ class LLMEngine:
             child = params if params.n == 1 else child_params(params, i)
             request = Request(
                 child_id, token_ids, child, self.eos_token_ids, arrival_time, priority,
-                grammar=RequestGrammar(grammar) if grammar is not None else None,  # one matcher per child
+                # one matcher per child; it waits for the end of the reasoning when the constraint says so
+                grammar=RequestGrammar(grammar, child.guided_decoding.start_after_token_ids) if grammar else None,
             )
             try:
                 self.engine_core.add_request(request)

@@ -177,7 +177,9 @@ class ModelRunner:
         sampled, unsampleable = torch.stack((out.sampled_token_ids, out.unsampleable.long())).tolist()
         for req_id, token in zip(req_ids, sampled):
             self.sampling_state.append_output(req_id, [token])
-        failed = {req_ids[row]: UNSAMPLEABLE for row, bad in enumerate(unsampleable) if bad}
+        failed = {}
+        if any(unsampleable):
+            failed = {req_ids[row]: UNSAMPLEABLE for row, bad in enumerate(unsampleable) if bad}
         failed.update((req_ids[row], why) for row, why in out.failed_rows.items())
         return ModelRunnerOutput(
             req_ids=req_ids,

@@ -43,12 +43,11 @@ def check_params(params: SamplingParams, num_prompt_tokens: int, limits: Request
     """
     _check_counts(params, num_prompt_tokens, limits)
     _check_stop_strings(params.stop, limits)
-    bias = list(params.logit_bias or ())
-    for name, ids in (("stop_token_ids", params.stop_token_ids), ("allowed_token_ids", params.allowed_token_ids),
-                      ("logit_bias", bias)):
+    for name, ids in (("stop_token_ids", params.stop_token_ids), ("allowed_token_ids", params.allowed_token_ids)):
         _check_token_ids(name, ids or (), limits.vocab_size)
-    for sequence in params.bad_words_token_ids or ():
-        _check_token_ids("bad_words", sequence, limits.vocab_size)
+    bad = [t for t in params.logit_bias or () if not 0 <= t < limits.vocab_size]
+    if bad:
+        _fail("logit_bias", params.logit_bias, f"has keys {bad[:5]} outside the vocabulary [0, {limits.vocab_size})")
 
 
 def _check_counts(params: SamplingParams, num_prompt_tokens: int, limits: RequestLimits) -> None:

@@ -136,7 +136,7 @@ class Sampler:
         return logits
 
     def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """Greedy rows take the argmax, random rows sample: tokens [B] int64 and whether each row could be sampled [B] bool."""
+        """Greedy rows take the argmax, random rows sample: tokens [B] int64, and which rows could be [B] bool."""
         random = metadata.random
         if metadata.all_random:
             return self._sample_random(logits, random)
@@ -170,7 +170,7 @@ class Sampler:
     def _resample_outside_nucleus(
         self, probs: torch.Tensor, tokens: torch.Tensor, random: RandomSampling, ok: torch.Tensor
     ) -> torch.Tensor:
-        """Redraw the rows whose token lies outside their nucleus until none does (rows not `ok` never redraw): [R] int64."""
+        """Redraw the rows whose token lies outside their nucleus until none does (rows not `ok` never): [R] int64."""
         rows = torch.arange(random.num_rows, device=probs.device)  # [A], sub-batch rows still drawing
         top_p, total, done = random.top_p, probs.sum(dim=-1), ~ok | (random.top_p >= 1.0)  # [A]
         while True:

@@ -371,13 +371,12 @@ class SamplingState:
 
     def _banned_tokens(self, states: list[RequestSamplingState]) -> TokenMask | None:
         """The (row, token) pairs no row may sample this step; None when there are none."""
-        pairs = [
-            (i, t)
-            for i, s in enumerate(states)
-            if len(s.output_token_ids) < s.params.min_tokens
-            for t in s.stop_ids
-        ]
-        pairs += [(i, t) for i, s in enumerate(states) if s.params.bad_words_token_ids for t in _bad_word_ends(s)]
+        pairs: list[tuple[int, int]] = []
+        for i, s in enumerate(states):
+            if len(s.output_token_ids) < s.params.min_tokens:
+                pairs += [(i, t) for t in s.stop_ids]
+            if s.params.bad_words_token_ids:
+                pairs += [(i, t) for t in _bad_word_ends(s)]
         if not pairs:
             return None
         rows, token_ids = zip(*pairs)

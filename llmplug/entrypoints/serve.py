@@ -38,6 +38,18 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                    help="On SIGTERM, how long in-flight requests may take to finish. Default: 30.")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="Server log level. Default: info.")
+    g = parser.add_argument_group("tools and reasoning")
+    g.add_argument("--tool-call-parser", metavar="NAME",
+                   help="How the model writes tool calls: an llmplug.tool_parsers name (in tree: hermes, llama3_json, "
+                        "mistral, pythonic, qwen3_xml). Needed for tool_choice \"auto\". Default: none.")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="Allow tool_choice \"auto\" (OpenAI's default with tools): the model decides whether to call, "
+                        "--tool-call-parser reads its calls. tool_choice \"required\" and named functions work "
+                        "without it (guided decoding makes the calls).")
+    g.add_argument("--reasoning-parser", metavar="NAME",
+                   help="Split the model's reasoning from its answer (reasoning_content): an llmplug.reasoning_parsers "
+                        "name (in tree: deepseek_r1, qwen3). Structured output then constrains the answer only. "
+                        "Default: none.")
     add_engine_args(parser, model_positional=True)
 
 

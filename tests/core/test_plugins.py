@@ -60,12 +60,13 @@ def installed(plugin_site: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 # --- groups and discovery --------------------------------------------------------------------------------
 
 
-def test_groups_are_the_eight_of_the_design():
+def test_groups_are_the_ten_of_the_design():
     assert set(GROUPS) == {
         "llmplug.platforms", "llmplug.loaders", "llmplug.models", "llmplug.guided_decoding",
-        "llmplug.executors", "llmplug.attention", "llmplug.communicators", "llmplug.hooks",
+        "llmplug.executors", "llmplug.attention", "llmplug.communicators", "llmplug.tool_parsers",
+        "llmplug.reasoning_parsers", "llmplug.hooks",
     }
-    assert "llmplug.hooks" not in NAMED_GROUPS and len(NAMED_GROUPS) == 7
+    assert "llmplug.hooks" not in NAMED_GROUPS and len(NAMED_GROUPS) == 9
     assert all(description and "\n" not in description for description in GROUPS.values())
 
 
@@ -360,7 +361,7 @@ def _info_for(name: str) -> PluginInfo:
 
 
 @pytest.mark.parametrize("declared, compatible", [
-    ("1.0", True), ("1.1", True), (None, True), ("1.2", False), ("2.0", False), ("0.9", False), ("one", False),
+    ("1.0", True), ("1.2", True), (None, True), ("1.3", False), ("2.0", False), ("0.9", False), ("one", False),
 ])
 def test_api_version_rule_same_major_and_not_newer_minor(declared, compatible):
     plugin = type("Plugin", (), {} if declared is None else {"LLMPLUG_PLUGIN_API_VERSION": declared})

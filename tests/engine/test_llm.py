@@ -241,3 +241,38 @@ def test_prompt_logprobs_match_hf_for_every_chunk_once_per_request(tiny_llama, e
     if "num_gpu_blocks_override" in engine_kwargs:
         assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
     assert_no_leak(llm)
+
+
+# --- text, through a real sentencepiece (Llama 2 style) tokenizer ---
+
+
+def test_output_text_reads_as_it_does_after_the_prompt(sentencepiece_llama):
+    llm = LLM(str(sentencepiece_llama), dtype="float32", block_size=4)
+    tokenizer = llm.get_tokenizer()
+    texts = ["Once upon a time", "The quick brown fox", "Hello world! The robot said", "über 世界"]
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True)
+    for out in llm.generate(texts, params, use_tqdm=False):
+        prompt, completion = out.prompt_token_ids, out.outputs[0]
+        head = tokenizer.decode(prompt, skip_special_tokens=True)
+        full = tokenizer.decode(prompt + completion.token_ids, skip_special_tokens=True)
+        assert completion.text == full[len(head) :]
+        assert out.prompt + completion.text == full  # what `echo` sends
+    llm.shutdown()
+
+
+def test_allowed_token_ids_and_bad_words_shape_the_output(sentencepiece_llama):
+    llm = LLM(str(sentencepiece_llama), dtype="float32", block_size=4)
+    tokenizer = llm.get_tokenizer()
+    free = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    allowed = sorted(set(free.token_ids[1:]) - {free.token_ids[0]})  # not the first token the model would pick
+    out = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=16, allowed_token_ids=allowed),
+                       use_tqdm=False)[0].outputs[0]
+    assert set(out.token_ids) <= set(allowed) and out.token_ids[0] != free.token_ids[0]
+    word = tokenizer.decode(free.token_ids[:2]).strip()  # the model's own first word(s): it wants to say them
+    banned = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, bad_words=[word])
+    out = llm.generate("Once upon a time", banned, use_tqdm=False)[0].outputs[0]
+    for sequence in (tokenizer.encode(word, add_special_tokens=False),
+                     tokenizer.encode(" " + word, add_special_tokens=False)):
+        assert not any(out.token_ids[i : i + len(sequence)] == sequence for i in range(len(out.token_ids)))
+    llm.shutdown()

@@ -520,3 +520,17 @@ def test_a_clean_batch_has_no_unsampleable_row():
     torch.manual_seed(1)
     state, ids = make_state(BATCH_OF_EVERY_KIND)
     assert not Sampler()(torch.randn(8, V), state.metadata(ids)).unsampleable.any()
+
+
+def test_allowed_token_ids_leave_only_those_tokens():
+    out = shaped_logits([SamplingParams(allowed_token_ids=[3, V - 1]), SamplingParams()], torch.zeros(2, V))
+    assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [3, V - 1]
+    assert torch.isfinite(out[1]).all()
+
+
+def test_bad_words_forbid_a_word_s_last_token_once_the_rest_is_generated():
+    params = SamplingParams(temperature=0.0)
+    params.bad_words_token_ids = [[7], [5, 6], [1, 2, 3]]
+    out = shaped_logits([params] * 3, torch.zeros(3, V), outputs=[[], [9, 5], [1, 2]])
+    banned = [set(torch.isinf(row).nonzero().flatten().tolist()) for row in out]
+    assert banned == [{7}, {7, 6}, {7, 3}]

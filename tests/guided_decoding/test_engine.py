@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from llmplug import LLM, SamplingParams
+from llmplug.core.errors import InvalidRequestError
 from llmplug.core.params import GuidedDecodingParams
 from llmplug.plugins.guided_decoding.xgrammar_backend import XGrammarBackend
 
@@ -144,3 +145,37 @@ def test_a_grammar_that_raises_ends_its_request_only(tiny_llm, method):
     assert others == expected[1:]
     kv = tiny_llm.llm_engine.engine_core.kv_cache_manager
     assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_grammar_applies_only_after_the_reasoning_end_sequence(tiny_llm):
+    """A constraint with start_after_token_ids leaves the reasoning free and constrains only what follows it."""
+    tokenizer = tiny_llm.get_tokenizer()
+    reasoning = tokenizer.encode("abc))", add_special_tokens=False)  # its first token is no choice's first one
+    end = tuple(reasoning[-2:])  # "))": the end-of-reasoning sequence
+
+    def write_reasoning(output_token_ids: list[int], logits):
+        """Force the reasoning tokens first (so they are certain), then leave the logits alone."""
+        if len(output_token_ids) < len(reasoning):
+            forced = reasoning[len(output_token_ids)]
+            logits.fill_(float("-inf"))
+            logits[forced] = 0.0
+        return logits
+
+    choices = ["true", "false"]
+    texts = []
+    for seed in range(4):
+        params = SamplingParams(temperature=1.0, seed=seed, max_tokens=30, logits_processors=[write_reasoning],
+                                guided_decoding=GuidedDecodingParams(choice=choices, start_after_token_ids=end))
+        out = tiny_llm.generate(["(1+"], params, use_tqdm=False)[0].outputs[0]
+        assert out.token_ids[:len(reasoning)] == reasoning  # the grammar did not mask the reasoning
+        texts.append(out.text)
+        assert out.text.removeprefix("abc))") in choices, out.text
+        assert out.finish_reason == "stop"
+    # without the delay the same reasoning is impossible: the grammar masks its first token and the request fails
+    params = SamplingParams(temperature=1.0, seed=0, max_tokens=30, logits_processors=[write_reasoning],
+                            guided_decoding=GuidedDecodingParams(choice=choices))
+    out = tiny_llm.generate(["(1+"], params, use_tqdm=False)[0].outputs[0]
+    assert not out.text.startswith("abc")
+    with pytest.raises(InvalidRequestError, match="start_after_token_ids"):
+        tiny_llm.generate(["(1+"], SamplingParams(guided_decoding=GuidedDecodingParams(
+            choice=choices, start_after_token_ids=(10**9,))), use_tqdm=False)

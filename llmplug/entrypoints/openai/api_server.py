@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from llmplug import __version__
 from llmplug.core.config import EngineConfig
 from llmplug.core.errors import EngineDeadError, InvalidRequestError
+from llmplug.core.plugins import PluginRegistry
 from llmplug.engine.async_llm import AsyncLLM
 from llmplug.entrypoints.openai.admission import AdmissionControl
 from llmplug.entrypoints.openai.errors import OpenAIError, error_body, error_response, status_phrase
@@ -46,6 +47,7 @@ from llmplug.entrypoints.openai.protocol import (
     ResponseObject,
     ResponsesRequest,
 )
+from llmplug.entrypoints.openai.reply import ReplyParsers, check_parser_names
 from llmplug.entrypoints.openai.security import AccessMiddleware, BodySizeLimitMiddleware, RateLimit
 from llmplug.entrypoints.openai.serving_chat import OpenAIServingChat
 from llmplug.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -76,6 +78,9 @@ class ServerSettings:
     served_model_names: list[str] = field(default_factory=list)  # empty: the engine's model
     shutdown_timeout: float = 30.0  # grace period for in-flight requests on SIGTERM
     log_level: str = "info"
+    tool_call_parser: str | None = None  # `llmplug.tool_parsers` name: the format of the model's tool calls
+    enable_auto_tool_choice: bool = False  # tool_choice "auto": the model decides, the tool parser reads
+    reasoning_parser: str | None = None  # `llmplug.reasoning_parsers` name
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServerSettings":
@@ -91,6 +96,8 @@ class ServerSettings:
             chat_template=load_chat_template(args.chat_template) if args.chat_template else None,
             served_model_names=list(args.served_model_name or []),
             shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
+            tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
+            reasoning_parser=args.reasoning_parser,
         )
 
 
@@ -110,10 +117,12 @@ def build_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> FastA
     app = FastAPI(title="llmplug", version=__version__, docs_url=None, redoc_url=None, openapi_url="/openapi.json",
                   lifespan=lifespan)
     app.state.engine, app.state.metrics, app.state.model_names = engine, metrics, names
-    handlers = (engine, names, metrics, renderer, admission)
-    chat = OpenAIServingChat(*handlers)
-    completion = OpenAIServingCompletion(*handlers)
-    responses = OpenAIServingResponses(*handlers)
+    parsers = ReplyParsers.load(settings.tool_call_parser, settings.enable_auto_tool_choice,
+                                settings.reasoning_parser, engine.get_tokenizer(), engine.llm_engine.registry)
+    shared = (engine, names, metrics, renderer, admission)
+    chat = OpenAIServingChat(*shared, parsers)
+    completion = OpenAIServingCompletion(*shared)
+    responses = OpenAIServingResponses(*shared, parsers)
     started = int(time.time())
 
     @app.get("/health")
@@ -256,6 +265,8 @@ def run_server(config: EngineConfig, settings: ServerSettings) -> int:
     """Start the engine and serve it until SIGTERM/SIGINT; returns the exit status."""
     import uvicorn
 
+    check_parser_names(settings.tool_call_parser, settings.enable_auto_tool_choice, settings.reasoning_parser,
+                       PluginRegistry.from_config(config.plugins))  # the registry the engine will build
     engine = AsyncLLM.from_config(config)
     try:
         app = build_app(engine, settings)

@@ -67,6 +67,12 @@ class PromptRenderer:
         self.reserved = reserved_template_kwargs(tokenizer) if tokenizer is not None else frozenset()
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmplug-prompts")
 
+    def template_text(self) -> str | None:
+        """The chat template every request is rendered with (None: there is none)."""
+        if self.chat_template is not None:
+            return self.chat_template
+        return getattr(self.tokenizer, "chat_template", None)
+
     def need_tokenizer(self) -> Any:
         """The tokenizer; 400 when the engine runs without one."""
         if self.tokenizer is None:
@@ -87,7 +93,7 @@ class PromptRenderer:
         """
         self.need_tokenizer()
         self.check_client_kwargs(client_kwargs or {})
-        if self.chat_template is None and getattr(self.tokenizer, "chat_template", None) is None:
+        if self.template_text() is None:
             raise OpenAIError(400, "the model's tokenizer has no chat template; start the server with "
                                    "--chat-template FILE", param="messages")
         return await self._off_loop(lambda: self._render(messages, {**(client_kwargs or {}), **template_kwargs}))

@@ -1,8 +1,9 @@
 """Request and response bodies of the OpenAI API (chat, completions, responses, models), as pydantic models.
 
 Field names, defaults and bounds follow OpenAI's schema; the extra sampling fields vLLM accepts (top_k,
-min_p, repetition_penalty, ignore_eos, min_tokens, stop_token_ids, ...) are accepted too. Unknown
-fields are kept (`extra="allow"`) and ignored, as vLLM does, so clients sending newer fields keep working.
+min_p, repetition_penalty, ignore_eos, min_tokens, stop_token_ids, structured_outputs, ...) are accepted
+too. Unknown fields are kept (`extra="allow"`) and ignored, as vLLM does, so clients sending newer fields
+keep working; `ignored_fields` names them, for the log.
 """
 
 from __future__ import annotations
@@ -35,6 +36,19 @@ class OpenAIModel(BaseModel):
     """Base of every body: unknown request fields are accepted and ignored."""
 
     model_config = ConfigDict(extra="allow")
+
+
+def ignored_fields(body: BaseModel, where: str = "") -> list[str]:
+    """The paths of the fields in `body` (and the bodies inside it) that no model declares."""
+    found = [f"{where}{name}" for name in body.model_extra or {}]
+    for name in type(body).model_fields:
+        value = getattr(body, name)
+        items = value if isinstance(value, list) else [value]
+        for i, item in enumerate(items):
+            if isinstance(item, BaseModel):
+                index = f"[{i}]" if isinstance(value, list) else ""
+                found += ignored_fields(item, f"{where}{name}{index}.")
+    return found
 
 
 class StreamOptions(OpenAIModel):
@@ -75,6 +89,20 @@ class ResponseFormat(OpenAIModel):
     json_schema: JsonSchemaFormat | None = None
 
 
+class StructuredOutputs(OpenAIModel):
+    """vLLM's `structured_outputs`: one constraint on the answer (the newer name of the `guided_*` fields)."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    json_: str | dict[str, Any] | None = Field(None, alias="json")  # `json` would shadow a BaseModel method
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    structural_tag: str | dict[str, Any] | None = None
+    disable_any_whitespace: bool | None = None  # True: compact JSON (no whitespace between tokens)
+
+
 class SamplingRequest(OpenAIModel):
     """The sampling fields chat and completions requests share (OpenAI's and vLLM's extras)."""
 
@@ -109,6 +137,7 @@ class SamplingRequest(OpenAIModel):
     guided_choice: Annotated[list[str], Field(min_length=1, max_length=1024)] | None = None
     guided_grammar: str | None = None
     guided_decoding_backend: Name | None = None
+    structured_outputs: StructuredOutputs | None = None
 
 
 # --- /v1/chat/completions -----------------------------------------------------------------------
@@ -121,12 +150,56 @@ class ContentPart(OpenAIModel):
     text: str | None = None
 
 
+class FunctionCall(OpenAIModel):
+    """A function call: its name and its arguments as JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(OpenAIModel):
+    """A tool call of an assistant message (request) or of a reply (response)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIModel):
-    """One message of a conversation."""
+    """One message of a conversation; an assistant's may hold tool calls, a tool's answers one of them."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: Name | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDefinition(OpenAIModel):
+    """A function the model may call: name, description and the JSON schema of its arguments."""
+
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIModel):
+    """`tools[i]` of a chat request: only functions."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    """`tool_choice` naming the one function to call."""
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -137,8 +210,9 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: Count | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_COUNT)  # the engine's decoding.max_logprobs bounds it
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     # vLLM's chat extras
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
@@ -162,6 +236,30 @@ class ChatChoiceLogprobs(OpenAIModel):
 class ChatResponseMessage(OpenAIModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # vLLM's field for the reasoning of a reasoning model
+    tool_calls: list[ToolCall] | None = None
+
+
+class DeltaFunctionCall(OpenAIModel):
+    name: str | None = None
+    arguments: str = ""
+
+    @model_serializer(mode="wrap")
+    def _without_none(self, handler: Any) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class DeltaToolCall(OpenAIModel):
+    """A streamed piece of a tool call: id, type and name on its first chunk, then argument text."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+    @model_serializer(mode="wrap")
+    def _without_none(self, handler: Any) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
 
 
 class ChatCompletionChoice(OpenAIModel):
@@ -186,6 +284,8 @@ class DeltaMessage(OpenAIModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _without_none(self, handler: Any) -> dict[str, Any]:
@@ -258,11 +358,45 @@ class ResponsesContentPart(OpenAIModel):
 
 
 class ResponsesInputMessage(OpenAIModel):
-    """An input item; only messages are supported."""
+    """An input message."""
 
     type: Literal["message"] = "message"
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ResponsesContentPart]
+
+
+class ResponsesFunctionCall(OpenAIModel):
+    """A function call the model made earlier (an input item), or makes now (an output item)."""
+
+    type: Literal["function_call"] = "function_call"
+    id: str | None = None
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+class ResponsesFunctionCallOutput(OpenAIModel):
+    """The result of a function call, sent back as an input item."""
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+
+
+class ResponsesTool(OpenAIModel):
+    """`tools[i]` of a responses request: only functions (the flat form of the Responses API)."""
+
+    type: Literal["function"]
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponsesNamedToolChoice(OpenAIModel):
+    type: Literal["function"]
+    name: str
 
 
 class ResponsesTextFormat(OpenAIModel):
@@ -284,7 +418,7 @@ class ResponsesRequest(OpenAIModel):
     """POST /v1/responses (text in, text out)."""
 
     model: Name | None = None
-    input: str | list[ResponsesInputMessage]
+    input: str | list[ResponsesInputMessage | ResponsesFunctionCall | ResponsesFunctionCallOutput]
     instructions: str | None = None
     max_output_tokens: Count | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -295,8 +429,9 @@ class ResponsesRequest(OpenAIModel):
     metadata: Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
                         Field(max_length=16)] | None = None  # OpenAI's limits
     previous_response_id: Name | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tools: list[ResponsesTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponsesNamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     text: ResponsesTextConfig | None = None
     user: Name | None = None
     # vLLM's extra sampling fields
@@ -336,6 +471,21 @@ class OutputMessage(OpenAIModel):
     content: list[OutputText]
 
 
+class ReasoningText(OpenAIModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningItem(OpenAIModel):
+    """The model's reasoning, an output item before its answer."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningText]
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
 class InputTokensDetails(OpenAIModel):
     cached_tokens: int = 0
 
@@ -368,12 +518,12 @@ class ResponseObject(OpenAIModel):
     instructions: str | None = None
     max_output_tokens: int | None = None
     model: str
-    output: list[OutputMessage]
-    parallel_tool_calls: bool = False
+    output: list[ReasoningItem | OutputMessage | ResponsesFunctionCall]
+    parallel_tool_calls: bool = True
     temperature: float | None = None
     top_p: float | None = None
-    tool_choice: str = "none"
-    tools: list[Any] = Field(default_factory=list)
+    tool_choice: str | ResponsesNamedToolChoice = "none"
+    tools: list[ResponsesTool] = Field(default_factory=list)
     store: bool = False
     metadata: dict[str, str] | None = None
     usage: ResponseUsage | None = None

@@ -1,15 +1,25 @@
-"""POST /v1/chat/completions: the conversation through the chat template, answered whole or streamed."""
+"""POST /v1/chat/completions: the conversation through the chat template, answered whole or streamed.
+
+With tools the answer may hold tool calls (see tools.py), and with a reasoning parser its reasoning comes
+apart from its content (`reasoning_content`); reply.py reads both out of the generated text.
+"""
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from llmplug.core.outputs import CompletionOutput, RequestOutput
+from llmplug.engine.async_llm import AsyncLLM
+from llmplug.entrypoints.openai.admission import AdmissionControl
 from llmplug.entrypoints.openai.errors import OpenAIError
+from llmplug.entrypoints.openai.guided import guided_decoding_params
+from llmplug.entrypoints.openai.metrics import ServerMetrics
+from llmplug.entrypoints.openai.prompt_renderer import PromptRenderer
 from llmplug.entrypoints.openai.protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -18,8 +28,22 @@ from llmplug.entrypoints.openai.protocol import (
     ChatCompletionStreamChoice,
     ChatCompletionStreamResponse,
     ChatResponseMessage,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    NamedToolChoice,
+    ToolCall,
     UsageInfo,
+)
+from llmplug.entrypoints.openai.reply import Reply, ReplyDelta, ReplyParsers, ReplyReader, ReplyStream, call_id
+from llmplug.entrypoints.openai.tools import (
+    ToolChoice,
+    forced_call_constraint,
+    reply_tool_parser,
+    template_input,
+    template_takes_tools,
+    tool_choice,
 )
 from llmplug.entrypoints.openai.serving_engine import (
     SSE_HEADERS,
@@ -38,43 +62,74 @@ from llmplug.entrypoints.openai.serving_engine import (
 class OpenAIServingChat(OpenAIServing):
     """Chat completions."""
 
+    def __init__(self, engine: AsyncLLM, model_names: list[str], metrics: ServerMetrics, renderer: PromptRenderer,
+                 admission: AdmissionControl, parsers: ReplyParsers | None = None):
+        super().__init__(engine, model_names, metrics, renderer, admission)
+        self.parsers = parsers or ReplyParsers()
+        self.template_takes_tools = template_takes_tools(renderer.template_text())
+
     async def create(self, body: ChatCompletionRequest, raw_request: Request) -> Response:
         """Answer one chat completion request."""
         model = self.check_model(body.model)
+        self.log_ignored_fields(body, "/v1/chat/completions")
         _check_supported(body)
-        template_kwargs = {"add_generation_prompt": body.add_generation_prompt}
-        if body.continue_final_message:
-            template_kwargs.update(continue_final_message=True, add_generation_prompt=False)
-        prompt_text, prompt_ids = await self.renderer.render_chat(chat_messages(body.messages), template_kwargs,
-                                                                  body.chat_template_kwargs)
+        named = body.tool_choice.function.name if isinstance(body.tool_choice, NamedToolChoice) else None
+        choice = tool_choice([t.function for t in body.tools or ()], None if named else body.tool_choice, named,
+                             body.parallel_tool_calls, self.parsers.auto_tool_choice)
+        prompt_text, prompt_ids = await self._render(body, choice)
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.max_tokens(body.max_completion_tokens or body.max_tokens, len(prompt_ids), param, "messages")
         top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = self.sampling_params(body, max_tokens, top_logprobs, body.stream)
+        reader, overrides = self.reply_plan(body, choice, prompt_text)
+        params = self.sampling_params(body, max_tokens, top_logprobs, body.stream, **overrides)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         outputs = self.generate(prompt_text, prompt_ids, params, request_id)
         if body.stream:
             # wait for the first output here, so an error the engine finds gets its status code
             first = await until_disconnected(raw_request, anext(outputs))
-            stream = self._stream(first, outputs, request_id, model, body, len(prompt_ids))
+            stream = self._stream(first, outputs, request_id, model, body, len(prompt_ids), reader)
             return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
         final = await until_disconnected(raw_request, last_output(outputs))
         response = ChatCompletionResponse(
             id=request_id, model=model, created=now(),
-            choices=[_choice(c, top_logprobs) for c in sorted(final.outputs, key=lambda c: c.index)],
+            choices=[_choice(c, top_logprobs, reader) for c in sorted(final.outputs, key=lambda c: c.index)],
             usage=usage_info(len(prompt_ids), sum(len(c.token_ids) for c in final.outputs), final.num_cached_tokens),
         )
         return Response(response.model_dump_json(), media_type="application/json")
 
+    async def _render(self, body: ChatCompletionRequest, choice: ToolChoice | None) -> tuple[str, list[int]]:
+        """The prompt: the messages (and tools) through the server's chat template, off the event loop."""
+        hint = self.parsers.tool_parser.format_hint if self.parsers.tool_parser else ""
+        messages, tool_kwargs = template_input(chat_messages(body.messages), choice, self.template_takes_tools, hint)
+        template_kwargs = {**tool_kwargs, "add_generation_prompt": body.add_generation_prompt}
+        if body.continue_final_message:
+            template_kwargs.update(continue_final_message=True, add_generation_prompt=False)
+        return await self.renderer.render_chat(messages, template_kwargs, body.chat_template_kwargs)
+
+    def reply_plan(self, body: Any, choice: ToolChoice | None, prompt_text: str) -> tuple[ReplyReader, dict[str, Any]]:
+        """How the answers are read, and what that changes in the sampling: the grammar of a forced call (after
+        the reasoning, when the answer starts with reasoning) and keeping the special tokens a format needs."""
+        tool_parser = reply_tool_parser(choice, self.parsers.tool_parser)
+        reader = self.parsers.reader(tool_parser, prompt_text, None if choice is None or choice.parallel else 1)
+        forced = forced_call_constraint(choice) if choice else None
+        overrides: dict[str, Any] = {
+            "guided_decoding": guided_decoding_params(body, forced, self.parsers.grammar_start(reader)),
+        }
+        if tool_parser is not None and tool_parser.keep_special_tokens:
+            overrides["skip_special_tokens"] = False
+        return reader, overrides
+
     async def _stream(self, first: RequestOutput, outputs: AsyncGenerator[RequestOutput, None], request_id: str,
-                      model: str, body: ChatCompletionRequest, num_prompt_tokens: int) -> AsyncIterator[str]:
-        """The chunks: a role chunk per choice, content deltas, finish reasons, usage, then [DONE]."""
+                      model: str, body: ChatCompletionRequest, num_prompt_tokens: int,
+                      reader: ReplyReader) -> AsyncIterator[str]:
+        """The chunks: a role chunk per choice, content (reasoning, tool call) deltas, finish reasons, usage, [DONE]."""
         options = body.stream_options
         include_usage = bool(options and options.include_usage)
         continuous_usage = include_usage and options.continuous_usage_stats
         top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         created = now()
         num_generated = [0] * body.n
+        streams = [reader.stream() for _ in range(body.n)]
         cached = first.num_cached_tokens
 
         def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
@@ -89,7 +144,7 @@ class OpenAIServingChat(OpenAIServing):
             while output is not None:
                 for completion in output.outputs:
                     num_generated[completion.index] += len(completion.token_ids)
-                    choice = _stream_choice(completion, top_logprobs)
+                    choice = _stream_choice(completion, top_logprobs, streams[completion.index])
                     if choice is not None:
                         usage = usage_info(num_prompt_tokens, sum(num_generated), cached) if continuous_usage else None
                         yield chunk([choice], usage)
@@ -107,12 +162,8 @@ def _check_supported(body: ChatCompletionRequest) -> None:
     if "chat_template" in (body.model_extra or {}):
         raise OpenAIError(400, "chat_template is the server's (--chat-template); a request cannot set it",
                           param="chat_template")
-    if body.tools and body.tool_choice != "none":
-        raise OpenAIError(400, "tool calling is not supported by this server", param="tools")
     if body.top_logprobs is not None and not body.logprobs:
         raise OpenAIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
-
-
 
 
 def _logprobs(completion: CompletionOutput, top_logprobs: int | None) -> ChatChoiceLogprobs | None:
@@ -121,25 +172,41 @@ def _logprobs(completion: CompletionOutput, top_logprobs: int | None) -> ChatCho
     return ChatChoiceLogprobs(content=chat_logprobs(completion.token_ids, completion.logprobs, top_logprobs))
 
 
-def _choice(completion: CompletionOutput, top_logprobs: int | None) -> ChatCompletionChoice:
+def finish_reason(reason: str | None, made_calls: bool) -> str | None:
+    """OpenAI's finish reason: "tool_calls" when an answer that ended on its own made calls."""
+    return "tool_calls" if made_calls and reason == "stop" else reason
+
+
+def _choice(completion: CompletionOutput, top_logprobs: int | None, reader: ReplyReader) -> ChatCompletionChoice:
+    reply: Reply = reader.whole(completion.text)
+    calls = [ToolCall(id=call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
+             for c in reply.tool_calls]
     return ChatCompletionChoice(
         index=completion.index,
-        message=ChatResponseMessage(content=completion.text),
+        message=ChatResponseMessage(content=reply.content, reasoning_content=reply.reasoning, tool_calls=calls or None),
         logprobs=_logprobs(completion, top_logprobs),
-        finish_reason=completion.finish_reason,
+        finish_reason=finish_reason(completion.finish_reason, bool(calls)),
         stop_reason=completion.stop_reason,
     )
 
 
-def _stream_choice(completion: CompletionOutput, top_logprobs: int | None) -> ChatCompletionStreamChoice | None:
+def _stream_choice(completion: CompletionOutput, top_logprobs: int | None,
+                   stream: ReplyStream) -> ChatCompletionStreamChoice | None:
     """The chunk of one completion's delta, or None when it adds nothing."""
+    delta: ReplyDelta = stream.feed(completion.text)
+    if completion.finish_reason is not None:
+        delta = delta.extend(stream.finish())
     logprobs = _logprobs(completion, top_logprobs)
-    if not completion.text and completion.finish_reason is None and not (logprobs and logprobs.content):
+    message = DeltaMessage(
+        content=delta.content or None, reasoning_content=delta.reasoning or None,
+        tool_calls=[DeltaToolCall(index=d.index, id=new_id, type="function" if new_id else None,
+                                  function=DeltaFunctionCall(name=d.name, arguments=d.arguments))
+                    for new_id, d in delta.tool_calls] or None,
+    )
+    if message == DeltaMessage() and completion.finish_reason is None and not (logprobs and logprobs.content):
         return None
     return ChatCompletionStreamChoice(
-        index=completion.index,
-        delta=DeltaMessage(content=completion.text) if completion.text else DeltaMessage(),
-        logprobs=logprobs,
-        finish_reason=completion.finish_reason,
+        index=completion.index, delta=message, logprobs=logprobs,
+        finish_reason=finish_reason(completion.finish_reason, stream.num_calls > 0),
         stop_reason=completion.stop_reason,
     )

@@ -61,6 +61,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create(self, body: CompletionRequest, raw_request: Request) -> Response:
         """Answer one completions request (n completions of each of its prompts)."""
         model = self.check_model(body.model)
+        self.log_ignored_fields(body, "/v1/completions")
         _check_supported(body)
         prompts = await self._prompts(body.prompt)
         request_id = f"cmpl-{uuid.uuid4().hex}"

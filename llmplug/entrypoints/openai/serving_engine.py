@@ -26,9 +26,11 @@ from llmplug.entrypoints.openai.protocol import (
     ChatLogprob,
     ChatMessage,
     ChatTopLogprob,
+    OpenAIModel,
     PromptTokensDetails,
     SamplingRequest,
     UsageInfo,
+    ignored_fields,
 )
 
 logger = logging.getLogger(__name__)
@@ -88,12 +90,19 @@ class OpenAIServing:
         return requested
 
     def sampling_params(self, request: SamplingRequest, max_tokens: int, logprobs: int | None,
-                        stream: bool) -> SamplingParams:
-        """SamplingParams of a chat or completions request."""
+                        stream: bool, **overrides: Any) -> SamplingParams:
+        """SamplingParams of a request; `overrides` replace fields the request's own would set."""
         return make_sampling_params(
             request, max_tokens=max_tokens, logprobs=logprobs, stream=stream,
-            vocab_size=self.engine.vocab_size,
+            vocab_size=self.engine.vocab_size, **overrides,
         )
+
+    def log_ignored_fields(self, body: OpenAIModel, endpoint: str) -> None:
+        """Log the request fields this server does not know: they are ignored, as vLLM ignores them."""
+        ignored = ignored_fields(body)
+        if ignored:
+            logger.warning("%s: these request fields are not known to this server and are ignored: %s",
+                           endpoint, ", ".join(ignored))
 
     # --- generation --------------------------------------------------------------------------
 
@@ -131,16 +140,19 @@ class OpenAIServing:
 
 
 def make_sampling_params(request: Any, *, max_tokens: int, logprobs: int | None, stream: bool,
-                         vocab_size: int) -> SamplingParams:
-    """SamplingParams from the fields of an OpenAI request (absent fields take OpenAI's defaults)."""
+                         vocab_size: int, **overrides: Any) -> SamplingParams:
+    """SamplingParams from the fields of an OpenAI request (absent fields take OpenAI's defaults), with
+    `overrides` in place of what the request's fields would set."""
     fields = type(request).model_fields  # not the unknown extras a client may send
 
     def value(name: str, default: Any) -> Any:
         got = getattr(request, name) if name in fields else None
         return default if got is None else got
 
+    if "guided_decoding" not in overrides:
+        overrides["guided_decoding"] = guided_decoding_params(request)
     try:
-        return SamplingParams(
+        return SamplingParams(**{**dict(
             n=value("n", 1),
             temperature=value("temperature", DEFAULT_TEMPERATURE),
             top_p=value("top_p", 1.0),
@@ -163,8 +175,7 @@ def make_sampling_params(request: Any, *, max_tokens: int, logprobs: int | None,
             skip_special_tokens=value("skip_special_tokens", True),
             spaces_between_special_tokens=value("spaces_between_special_tokens", True),
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
-            guided_decoding=guided_decoding_params(request),
-        )
+        ), **overrides})
     except InvalidRequestError as exc:
         raise OpenAIError(400, str(exc), param=exc.param) from exc
 
@@ -213,6 +224,10 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         }
         if message.name is not None:
             item["name"] = message.name
+        if message.tool_calls:
+            item["tool_calls"] = [call.model_dump(include={"id", "type", "function"}) for call in message.tool_calls]
+        if message.tool_call_id is not None:
+            item["tool_call_id"] = message.tool_call_id
         rendered.append(item)
     return rendered
 

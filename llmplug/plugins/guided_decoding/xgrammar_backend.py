@@ -1,4 +1,4 @@
-"""The `xgrammar` guided-decoding backend: JSON schema, JSON object, regex, choice and EBNF grammars."""
+"""The `xgrammar` guided-decoding backend: JSON schema, JSON object, regex, choice, EBNF grammars and structural tags."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ class XGrammarBackend(GuidedBackendBase):
     """Guided decoding with xgrammar (grammars in GBNF-style EBNF: `root ::= ...`)."""
 
     name = "xgrammar"
-    features = frozenset({"json", "json_object", "regex", "choice", EBNF_GRAMMAR})
+    features = frozenset({"json", "json_object", "regex", "choice", EBNF_GRAMMAR, "structural_tag"})
 
     def _build_tokenizer_data(self) -> xgr.GrammarCompiler:
         info = xgr.TokenizerInfo.from_huggingface(
@@ -61,6 +61,8 @@ class XGrammarBackend(GuidedBackendBase):
             return xgr.Grammar.from_regex(constraint.regex)
         if kind == "choice":
             return xgr.Grammar.from_regex(choice_regex(constraint.choice))
+        if kind == "structural_tag":
+            return _structural_tag_grammar(constraint.structural_tag)
         return xgr.Grammar.from_ebnf(constraint.grammar)
 
     def _check(self, constraint: GuidedDecodingParams) -> None:
@@ -69,3 +71,17 @@ class XGrammarBackend(GuidedBackendBase):
     def _compile(self, constraint: GuidedDecodingParams) -> Compiled:
         compiled = self.tokenizer_data.compile_grammar(self._grammar(constraint))
         return Compiled(lambda: XGrammarMatcher(compiled))
+
+
+def _structural_tag_grammar(tag: dict) -> xgr.Grammar:
+    """xgrammar's structural tag, in its current form (`{"type": "structural_tag", "format": ...}`) or in the
+    older one vLLM documents (`{"structures": [{"begin", "schema", "end"}], "triggers": [...]}`)."""
+    if "structures" not in tag:
+        return xgr.Grammar.from_structural_tag(tag)
+    items = []
+    for i, item in enumerate(tag["structures"]):
+        missing = [key for key in ("begin", "schema", "end") if key not in item]
+        if missing:
+            raise ValueError(f"structures[{i}] lacks {', '.join(missing)}")
+        items.append(xgr.StructuralTagItem(begin=item["begin"], schema=json.dumps(item["schema"]), end=item["end"]))
+    return xgr.Grammar.from_structural_tag(items, list(tag.get("triggers", [])))

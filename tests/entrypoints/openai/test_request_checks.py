@@ -110,3 +110,21 @@ def test_nan_logits_fail_only_that_request_with_its_reason(server, answers):
     assert server.engine.stats()["num_running"] == 0 and not server.engine.is_dead
     assert client.completions.create(model=server.model, prompt=PROMPT, max_tokens=6).choices[0].finish_reason
     assert complete(server, True) == answers["completions"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_responses_too_many_top_logprobs_is_a_400_and_the_next_answer_is_unchanged(server, stream):
+    client = server.client()
+
+    def respond(**fields):
+        response = client.responses.create(model=server.model, input="Say something", max_output_tokens=6,
+                                           temperature=0, stream=stream, **fields)
+        if not stream:
+            return response.output_text
+        return "".join(event.delta for event in response if event.type == "response.output_text.delta")
+
+    before = respond()
+    with pytest.raises(openai.BadRequestError) as info:
+        respond(top_logprobs=21)
+    assert info.value.body["param"] == "logprobs" and "21" in info.value.body["message"]
+    assert respond() == before
