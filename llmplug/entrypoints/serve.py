@@ -26,7 +26,7 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                         "bursts up to N. Over it: 429 with Retry-After. Default: no limit.")
     g.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, metavar="BYTES",
                    help="Largest request body accepted (413 beyond). Default: 8 MiB.")
-    g.add_argument("--max-waiting-requests", type=_non_negative, default=1024, metavar="N",
+    g.add_argument("--max-waiting-requests", type=_positive, default=1024, metavar="N",
                    help="Most requests (counted as sequences: n per request) waiting for a place in the running "
                         "batch; past it: 503 with Retry-After. Default: 1024.")
     g.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE",
@@ -53,10 +53,10 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser, model_positional=True)
 
 
-def _non_negative(text: str) -> int:
+def _positive(text: str) -> int:
     value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
     return value
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 
+from llmplug.core.errors import ConfigError
 from llmplug.entrypoints.openai.errors import OpenAIError
 
 # Seconds a client is told to wait after a 503: about the time a step frees places in the batch.
@@ -25,6 +26,8 @@ class AdmissionControl:
     """
 
     def __init__(self, max_waiting: int, num_running: Callable[[], int]):
+        if max_waiting < 1:  # a new request waits at least until the next step: 0 would refuse every one
+            raise ConfigError(f"max_waiting_requests={max_waiting}: must be at least 1")
         self.max_waiting = max_waiting
         self.num_running = num_running  # sequences in the running batch, as of the engine's latest step
         self.in_flight = 0  # sequences admitted and not yet ended

@@ -12,6 +12,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmplug import AsyncLLM
+from llmplug.core.errors import ConfigError
+from llmplug.entrypoints.cli import build_parser
+from llmplug.entrypoints.openai.admission import AdmissionControl
 from llmplug.entrypoints.openai.api_server import ServerSettings
 
 from .conftest import ENGINE_KWARGS, is_idle, serve
@@ -94,3 +97,11 @@ def _metrics_text(server) -> str:
         return conn.getresponse().read().decode()
     finally:
         conn.close()
+
+
+def test_a_waiting_cap_below_one_is_refused():
+    with pytest.raises(ConfigError, match="max_waiting_requests=0: must be at least 1"):
+        AdmissionControl(0, lambda: 0)
+    parser, _ = build_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--max-waiting-requests", "0"])
