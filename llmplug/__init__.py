@@ -17,8 +17,11 @@ _EXPORTS = {
     "SamplingParams": "llmplug.core.params",
     "GuidedDecodingParams": "llmplug.core.params",
     "PoolingParams": "llmplug.core.params",
+    "BeamSearchParams": "llmplug.core.params",
     "RequestOutput": "llmplug.core.outputs",
     "CompletionOutput": "llmplug.core.outputs",
+    "BeamSearchOutput": "llmplug.core.outputs",
+    "BeamSearchSequence": "llmplug.core.outputs",
 }
 
 __all__ = [*_EXPORTS, "__version__"]

@@ -1,4 +1,4 @@
-"""What the engine returns: RequestOutput, CompletionOutput, PoolingRequestOutput."""
+"""What the engine returns: RequestOutput, CompletionOutput, PoolingRequestOutput, BeamSearchOutput."""
 
 from __future__ import annotations
 
@@ -70,3 +70,22 @@ class PoolingRequestOutput:
     data: Any
     finished: bool = True
     metrics: RequestMetrics | None = field(default=None)
+
+
+@dataclass
+class BeamSearchSequence:
+    """One beam: the prompt's and the generated tokens, the generated tokens' logprobs and their sum."""
+
+    tokens: list[int]  # prompt + generated, as vLLM's
+    logprobs: list[PositionLogprobs]  # one per generated token
+    cum_logprob: float = 0.0
+    text: str | None = None  # the decoded prompt and generated tokens
+    finish_reason: str | None = None  # "stop" (an end token) or "length"
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """The best `beam_width` beams of one prompt, best first."""
+
+    sequences: list[BeamSearchSequence]

@@ -1,4 +1,4 @@
-"""Per-request parameters: SamplingParams, GuidedDecodingParams, PoolingParams."""
+"""Per-request parameters: SamplingParams, GuidedDecodingParams, PoolingParams, BeamSearchParams."""
 
 from __future__ import annotations
 
@@ -262,3 +262,46 @@ class PoolingParams:
 
     normalize: bool = True
     dimensions: int | None = None
+
+
+@dataclass
+class BeamSearchParams:
+    """Parameters of `LLM.beam_search` (vLLM's names), with transformers' `early_stopping` and length penalty.
+
+    The finished beams are ranked by `cum_logprob / num_generated_tokens ** length_penalty` (the end token
+    counted), as transformers' `generate(num_beams=...)` ranks them. `early_stopping`: True stops once
+    `beam_width` beams finished; False (transformers' default) stops when no running beam can still beat the
+    worst finished one at its current length; "never" also assumes the longest possible length when
+    `length_penalty` > 0. `temperature` > 0 adds, as vLLM does, one token sampled at that temperature to each
+    beam's candidates.
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    early_stopping: bool | str = False
+
+    def __post_init__(self) -> None:
+        for name in ("beam_width", "max_tokens"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise InvalidRequestError(f"BeamSearchParams.{name}={value!r} must be an integer >= 1", param=name)
+        for name in ("temperature", "length_penalty"):
+            value = getattr(self, name)
+            if not _is_kind(value, float) or not math.isfinite(value):
+                raise InvalidRequestError(f"BeamSearchParams.{name}={value!r} must be a finite number", param=name)
+        if self.temperature < 0:
+            raise InvalidRequestError(
+                f"BeamSearchParams.temperature={self.temperature!r} must be non-negative", param="temperature"
+            )
+        if self.early_stopping not in (True, False, "never") or not isinstance(self.early_stopping, (bool, str)):
+            raise InvalidRequestError(
+                f"BeamSearchParams.early_stopping={self.early_stopping!r} must be True, False or 'never'",
+                param="early_stopping",
+            )
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(f"BeamSearchParams.{name}={getattr(self, name)!r} must be a bool", param=name)

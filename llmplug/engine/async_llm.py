@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, Any
 from llmplug.core.config import EngineConfig, load_config
 from llmplug.core.errors import EngineDeadError, InvalidRequestError
 from llmplug.core.outputs import CompletionOutput, RequestOutput
-from llmplug.core.params import RequestOutputKind, SamplingParams
+from llmplug.core.params import BeamSearchParams, RequestOutputKind, SamplingParams
+from llmplug.engine.beam_search import next_token_logprobs, start_search, step_params
 from llmplug.engine.input_processor import PromptType
 from llmplug.engine.llm_engine import LLMEngine
 
@@ -220,6 +221,25 @@ class AsyncLLM:
             if not finished:  # the consumer went away: stop the request
                 self._commands.put(_AbortRequests([request_id]))
 
+    async def beam_search(
+        self, prompt: PromptType, params: BeamSearchParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield one finished output whose `beam_width` completions are the best beams (see `LLM.beam_search`).
+
+        Each step runs the running beams as requests of the engine's batch, beside any other request.
+        """
+        request_id = request_id or f"beam-{uuid.uuid4().hex}"
+        search = start_search(self.llm_engine, prompt, params)  # checks only: reads no engine state
+        step = step_params(params, self.llm_engine.eos_token_ids)
+        while not search.done:
+            ids = [f"{request_id}-{len(search.running[0].token_ids)}-{i}" for i in range(len(search.running))]
+            finals = await asyncio.gather(*(
+                _final(self.generate({"prompt_token_ids": tokens}, step, beam_id))
+                for tokens, beam_id in zip(search.sequences(), ids)
+            ))
+            search.advance([next_token_logprobs(final) for final in finals])
+        yield search.request_output(request_id, self.get_tokenizer())
+
     async def abort(self, request_id: str | list[str]) -> None:
         """Stop requests and free their KV blocks; their streams end with finish_reason "abort"."""
         request_ids = [request_id] if isinstance(request_id, str) else list(request_id)
@@ -378,6 +398,13 @@ class AsyncLLM:
             self.llm_engine.shutdown()
         except Exception:  # noqa: BLE001 - shutting down after a failure must not hide the failure
             logger.exception("shutting down the workers failed")
+
+
+async def _final(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+    """The last output of a request (its generator closed, so nothing is left in the engine)."""
+    async for last in outputs:
+        pass
+    return last
 
 
 def _put_all(batch: list[tuple[_RequestStream, Any]]) -> None:

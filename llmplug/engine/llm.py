@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 from tqdm.auto import tqdm
 
 from llmplug.core.config import EngineConfig, load_config
-from llmplug.core.outputs import RequestOutput
-from llmplug.core.params import SamplingParams
+from llmplug.core.outputs import BeamSearchOutput, RequestOutput
+from llmplug.core.params import BeamSearchParams, SamplingParams
+from llmplug.engine.beam_search import next_token_logprobs, start_search, step_params
 from llmplug.engine.input_processor import PromptType
 from llmplug.engine.llm_engine import LLMEngine
 
@@ -73,6 +74,29 @@ class LLM:
         params = self._params_per_prompt(sampling_params, len(prompts))
         ids = self._add_requests(prompts, params, priority)
         return self._run(ids, use_tqdm)
+
+    def beam_search(
+        self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams, *, use_tqdm: bool = False
+    ) -> list[BeamSearchOutput]:
+        """The best `params.beam_width` beams of each prompt, as transformers' `generate(num_beams=...)` finds them.
+
+        Every prompt and the params are checked before anything is queued. Each step runs every running beam
+        of every prompt as one request in one batch; the beams share their prompt's KV blocks through prefix
+        caching, so a step computes only each beam's last, partial block.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        searches = [start_search(self.llm_engine, prompt, params) for prompt in prompts]
+        with tqdm(total=params.max_tokens, desc="Beam search", disable=not use_tqdm, unit="step") as bar:
+            while running := [s for s in searches if not s.done]:
+                step = step_params(params, self.llm_engine.eos_token_ids)
+                beams = [{"prompt_token_ids": seq} for s in running for seq in s.sequences()]
+                outputs = iter(self.generate(beams, step, use_tqdm=False))
+                for search in running:
+                    search.advance([next_token_logprobs(next(outputs)) for _ in search.running])
+                bar.update(1)
+        tokenizer = self.get_tokenizer()
+        return [search.output(tokenizer) for search in searches]
 
     def chat(
         self,

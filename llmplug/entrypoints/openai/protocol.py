@@ -128,6 +128,9 @@ class SamplingRequest(OpenAIModel):
     bad_words: Annotated[list[StopString], Field(max_length=1024)] | None = None
     allowed_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
+    # vLLM's beam search: `n` beams, ranked by cum_logprob / num_tokens ** length_penalty
+    use_beam_search: bool = False
+    length_penalty: float = Field(1.0, ge=-100.0, le=100.0)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     # structured output: OpenAI's response_format (also accepted on completions, as vLLM does) or vLLM's extras

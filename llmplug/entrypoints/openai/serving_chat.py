@@ -83,7 +83,7 @@ class OpenAIServingChat(OpenAIServing):
         reader, overrides = self.reply_plan(body, choice, prompt_text)
         params = self.sampling_params(body, max_tokens, top_logprobs, body.stream, **overrides)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        outputs = self.generate(prompt_text, prompt_ids, params, request_id)
+        outputs = self.generate(prompt_text, prompt_ids, params, request_id, self.beam_search_params(body, params))
         if body.stream:
             # wait for the first output here, so an error the engine finds gets its status code
             first = await until_disconnected(raw_request, anext(outputs))

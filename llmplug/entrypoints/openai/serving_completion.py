@@ -69,7 +69,8 @@ class OpenAIServingCompletion(OpenAIServing):
         for i, prompt in enumerate(prompts):
             max_tokens = self.max_tokens(body.max_tokens, len(prompt.token_ids), "max_tokens", "prompt")
             params = self.sampling_params(body, max_tokens, body.logprobs, body.stream)
-            streams.append(self.generate(prompt.text, prompt.token_ids, params, f"{request_id}-{i}"))
+            beam = self.beam_search_params(body, params)
+            streams.append(self.generate(prompt.text, prompt.token_ids, params, f"{request_id}-{i}", beam))
         outputs = merge(streams)
         if body.stream:
             first = await until_disconnected(raw_request, anext(outputs))

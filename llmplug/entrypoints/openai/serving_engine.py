@@ -15,7 +15,7 @@ from fastapi import Request
 
 from llmplug.core.errors import EngineDeadError, InvalidRequestError
 from llmplug.core.outputs import PositionLogprobs, RequestOutput
-from llmplug.core.params import RequestOutputKind, SamplingParams
+from llmplug.core.params import BeamSearchParams, RequestOutputKind, SamplingParams
 from llmplug.engine.async_llm import AsyncLLM
 from llmplug.entrypoints.openai.admission import AdmissionControl
 from llmplug.entrypoints.openai.errors import OpenAIError, error_body
@@ -97,6 +97,26 @@ class OpenAIServing:
             vocab_size=self.engine.vocab_size, **overrides,
         )
 
+    def beam_search_params(self, request: SamplingRequest, params: SamplingParams) -> BeamSearchParams | None:
+        """BeamSearchParams when the request asks for beam search (`n` beams); 400 for what it cannot combine with."""
+        if not request.use_beam_search:
+            return None
+        refused = {"stop": params.stop, "logprobs": params.logprobs is not None,
+                   "response_format": params.guided_decoding is not None}
+        for name, given in refused.items():
+            if given:
+                raise OpenAIError(400, f"use_beam_search cannot be combined with {name}: beam search ranks whole "
+                                       "beams by their logprobs and returns no per-token logprobs, stop strings "
+                                       "or grammars", param=name)
+        try:
+            return BeamSearchParams(
+                beam_width=params.n, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos,
+                temperature=request.temperature or 0.0, length_penalty=request.length_penalty,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+            )
+        except InvalidRequestError as exc:
+            raise OpenAIError(400, str(exc), param=exc.param) from exc
+
     def log_ignored_fields(self, body: OpenAIModel, endpoint: str) -> None:
         """Log the request fields this server does not know: they are ignored, as vLLM ignores them."""
         ignored = ignored_fields(body)
@@ -107,8 +127,10 @@ class OpenAIServing:
     # --- generation --------------------------------------------------------------------------
 
     async def generate(self, prompt_text: str | None, prompt_ids: list[int], params: SamplingParams,
-                       request_id: str) -> AsyncGenerator[RequestOutput, None]:
+                       request_id: str, beam: BeamSearchParams | None = None) -> AsyncGenerator[RequestOutput, None]:
         """The engine's outputs of one request, recorded in the metrics however the request ends.
+
+        With `beam`, the request is a beam search: one finished output whose completions are the best beams.
 
         503 at once when too many requests wait for the running batch already (admission control). When a
         failure inside the engine aborted a completion (its `error` is set), the outputs still all come (the
@@ -120,7 +142,10 @@ class OpenAIServing:
             delta = params.output_kind == RequestOutputKind.DELTA
             prompt = {"prompt": prompt_text, "prompt_token_ids": prompt_ids}
             outcome = "abort"  # unless it finishes or fails: the consumer went away
-            outputs = self.engine.generate(prompt, params, request_id)
+            if beam is None:
+                outputs = self.engine.generate(prompt, params, request_id)
+            else:
+                outputs = self.engine.beam_search(prompt, beam, request_id)
             failure = None
             try:
                 async for output in outputs:
