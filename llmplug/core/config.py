@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
 from llmplug.core.errors import ConfigError, PluginError
@@ -203,6 +203,29 @@ class DecodingConfig(_Section):
     max_stop_string_length: int = Field(256, gt=0, description="Longest stop string, in characters.")
 
 
+class SpeculativeConfig(_Section):
+    """Speculative decoding (vLLM's `speculative_config`): draft tokens verified in one target forward pass."""
+
+    method: Literal["ngram"] | None = Field(
+        None, description="How drafts are proposed: ngram (prompt lookup); None: no speculative decoding."
+    )
+    num_speculative_tokens: int | None = Field(
+        None, gt=0, description="Draft tokens proposed per request and step (required with a method)."
+    )
+    prompt_lookup_min: int = Field(1, gt=0, description="ngram: shortest tail of the sequence looked up.")
+    prompt_lookup_max: int = Field(3, gt=0, description="ngram: longest tail of the sequence looked up.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "SpeculativeConfig":
+        if self.method is not None and self.num_speculative_tokens is None:
+            raise ValueError(f"num_speculative_tokens is required with method={self.method!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min={self.prompt_lookup_min} exceeds prompt_lookup_max={self.prompt_lookup_max}"
+            )
+        return self
+
+
 class PluginConfig(_Section):
     """Which third-party plugins load and who wins a name conflict."""
 
@@ -224,6 +247,7 @@ class EngineConfig(_Section):
     load: LoadConfig = Field(default_factory=LoadConfig)
     device: DeviceConfig = Field(default_factory=DeviceConfig)
     decoding: DecodingConfig = Field(default_factory=DecodingConfig)
+    speculative_config: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     plugins: PluginConfig = Field(default_factory=PluginConfig)
 
 
@@ -275,7 +299,7 @@ ALIASES: dict[str, str] = {
 
 # Field names that say too little as a bare flag (`--format`: of what?); their flag is the vLLM
 # alias when there is one, else `--<section>-<field>`. Names shared by two sections join them.
-_VAGUE_NAMES = frozenset({"model", "format", "seed", "enabled", "extra", "executor", "policy", "prefer"})
+_VAGUE_NAMES = frozenset({"model", "format", "seed", "enabled", "extra", "executor", "policy", "prefer", "method"})
 
 
 def _dashed(name: str) -> str:

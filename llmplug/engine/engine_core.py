@@ -14,6 +14,7 @@ from llmplug.engine.output_processor import EngineCoreOutput
 from llmplug.engine.request import Request, RequestStatus
 from llmplug.engine.scheduler import Scheduler
 from llmplug.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from llmplug.engine.spec_decode.speculator import Speculator
 from llmplug.engine.sleep_mode import SLEEP_TAGS, check_sleep_level, check_wake_tags
 from llmplug.engine.weight_update import weight_batches
 
@@ -47,6 +48,7 @@ class EngineCore:
             max_model_len=self.max_model_len,
             enable_chunked_prefill=sched.enable_chunked_prefill,
             policy=sched.policy,
+            speculator=Speculator(config.speculative_config) if config.speculative_config.method else None,
         )
         self.asleep: frozenset[str] = frozenset()  # the SLEEP_TAGS that are asleep now
         self.dead_error: EngineDeadError | None = None  # set by a fatal error; every later step raises it
@@ -190,7 +192,9 @@ class EngineCore:
                     new_token_ids=new_tokens,
                     finish_reason=req.status.finish_reason,
                     stop_reason=req.stop_reason,
-                    new_logprobs=logprobs.row(row) if (logprobs is not None and row is not None) else None,
+                    # speculating requests come after the rows logprobs cover (they never ask for logprobs)
+                    new_logprobs=logprobs.row(row) if (logprobs is not None and row is not None
+                                                       and row < len(logprobs.logprobs)) else None,
                     prompt_logprobs=runner_output.prompt_logprobs.get(req.request_id),
                     num_cached_tokens=req.num_cached_tokens,
                     error=req.error,
@@ -251,14 +255,24 @@ class EngineCore:
             )
 
     def stats(self) -> dict:
-        """Counters for logging and metrics."""
-        return {
+        """Counters for logging and metrics (with speculative decoding, its draft and acceptance counts too)."""
+        stats = {
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
             "num_preemptions": self.scheduler.num_preemptions,
             "kv_cache_usage": self.kv_cache_manager.usage,
             "prefix_cache_hit_rate": self.kv_cache_manager.prefix_cache_stats.hit_rate,
         }
+        if self.scheduler.speculator is not None:
+            spec = self.scheduler.speculator.stats
+            stats.update(
+                spec_decode_num_drafts=spec.num_drafts,
+                spec_decode_num_draft_tokens=spec.num_draft_tokens,
+                spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
+                spec_decode_acceptance_rate=spec.acceptance_rate,
+                spec_decode_mean_accepted_length=spec.mean_accepted_length,
+            )
+        return stats
 
     def shutdown(self) -> None:
         """Stop the executor."""

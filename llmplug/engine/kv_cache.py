@@ -297,6 +297,15 @@ class KVCacheManager:
         self.num_cached_blocks.pop(request.request_id, None)
         self._counted_req_ids.discard(request.request_id)
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Free the request's blocks past its first `num_tokens` tokens (speculative decoding: blocks only
+        rejected draft tokens were written to). They were never named: only blocks of known tokens are."""
+        block_table = self.block_tables.get(request.request_id, [])
+        keep = -(-num_tokens // self.block_size)
+        if len(block_table) > keep:
+            self.pool.free(reversed(block_table[keep:]))
+            del block_table[keep:]
+
     def get_block_ids(self, request: Request) -> list[int]:
         """A copy of the request's block table."""
         return list(self.block_tables.get(request.request_id, ()))

@@ -56,6 +56,12 @@ class LLM:
         """The resolved engine configuration."""
         return self.llm_engine.config
 
+    def stats(self) -> dict[str, Any]:
+        """The engine's counters: running and waiting requests, KV-cache usage, prefix-cache hit rate, preemptions,
+        and with speculative decoding `spec_decode_acceptance_rate`, `spec_decode_mean_accepted_length` and
+        the draft counts."""
+        return self.llm_engine.engine_core.stats()
+
     def get_tokenizer(self) -> Any:
         """The engine's tokenizer."""
         return self.llm_engine.get_tokenizer()

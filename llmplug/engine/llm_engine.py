@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from llmplug.core.config import EngineConfig
+from llmplug.core.errors import InvalidRequestError
 from llmplug.core.outputs import RequestOutput
 from llmplug.core.params import SamplingParams
 from llmplug.core.plugins import PluginRegistry
@@ -96,6 +97,11 @@ class LLMEngine:
     ) -> None:
         """Validate and queue a request; with n > 1 it becomes n sequences sharing the prompt."""
         params = params or SamplingParams()
+        if params.guided_decoding is not None and self.config.speculative_config.method is not None:
+            raise InvalidRequestError(
+                "guided_decoding cannot be combined with speculative decoding (speculative_config): each draft "
+                "position would need the grammar advanced through the drafts before it", param="guided_decoding",
+            )
         text, token_ids, params = self.processor.process(prompt, params)
         grammar = self.guided.prepare(params.guided_decoding) if params.guided_decoding is not None else None
         arrival_time = arrival_time or time.time()

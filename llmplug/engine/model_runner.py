@@ -12,9 +12,11 @@ import numpy as np
 import torch
 
 from llmplug.core.config import EngineConfig
+from llmplug.core.errors import ConfigError
 from llmplug.core.plugins import PluginRegistry
 from llmplug.engine.pipeline_stage import PipelineStage
 from llmplug.engine.sampler import Sampler
+from llmplug.engine.spec_decode.verifier import DraftVerifier
 from llmplug.engine.sampling_state import SamplingState
 from llmplug.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from llmplug.layers.attention import bind_kv_cache
@@ -84,6 +86,12 @@ class ModelRunner:
         hook = self.registry.hook_manager().hook
         global_processors = [p for found in hook.llmplug_logits_processors(config=self.config) for p in found]
         self.sampler = Sampler(logits_processors=global_processors)
+        self.verifier = DraftVerifier(self.sampling_state)
+        if global_processors and self.config.speculative_config.method is not None:
+            raise ConfigError(
+                "speculative_config cannot be combined with engine-wide logits processors (llmplug_logits_processors "
+                "hook): verified draft positions would skip them"
+            )
 
     def kv_cache_spec(self) -> KVCacheSpec:
         """The shape of this worker's share of the KV cache."""
@@ -171,8 +179,12 @@ class ModelRunner:
         # slot of each token: its block (from its request's table) * block_size + offset in block
         slot_mapping = block_tables[req_index, positions // bs] * bs + positions % bs
         input_ids = np.fromiter((t for r in reqs for t in r.token_ids), dtype=np.int64, count=num_tokens)
-        sample_mask = np.fromiter((r.samples for r in reqs), dtype=bool, count=len(reqs))
-        sample_indices = query_start_loc[1:][sample_mask] - 1
+        # the last position of each request that samples; with draft tokens, also each draft's position
+        num_samples = np.fromiter((r.samples * (1 + len(r.spec_token_ids)) for r in reqs), dtype=np.int64,
+                                  count=len(reqs))
+        # row j of a request's n sample rows (ending at cumulative row C) is n..1 positions before the request's end
+        rows_to_end = np.repeat(np.cumsum(num_samples), num_samples) - np.arange(num_samples.sum())
+        sample_indices = np.repeat(query_start_loc[1:], num_samples) - rows_to_end
         on_device = _one_copy(self.device, input_ids=input_ids, positions=positions, query_start_loc=query_start_loc,
                               seq_lens=seq_lens, computed=computed, block_tables=block_tables,
                               slot_mapping=slot_mapping, sample_indices=sample_indices)
@@ -213,7 +225,17 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden_states[batch.sample_indices])
         req_ids = batch.sample_req_ids
-        out = self.sampler(logits, self.sampling_state.metadata(req_ids), scheduler_output.grammar_bitmask)
+        drafts = {r.req_id: r.spec_token_ids for r in scheduler_output.requests if r.spec_token_ids}
+        if drafts:  # speculative decoding: verify the drafts, sample the other requests as usual
+            output = self.verifier.verify(logits, req_ids, drafts, self.sample)
+        else:
+            output = self.sample(logits, req_ids, scheduler_output.grammar_bitmask)
+        output.prompt_logprobs = prompt_logprobs
+        return output
+
+    def sample(self, logits: torch.Tensor, req_ids: list[str], bitmask: torch.Tensor | None) -> ModelRunnerOutput:
+        """One token per row of `logits` [len(req_ids), V], recorded in the sampling state."""
+        out = self.sampler(logits, self.sampling_state.metadata(req_ids), bitmask)
         # one device-to-host copy for the tokens and the rows that could not be sampled
         sampled, unsampleable = torch.stack((out.sampled_token_ids, out.unsampleable.long())).tolist()
         for req_id, token in zip(req_ids, sampled):
@@ -223,11 +245,7 @@ class ModelRunner:
             failed = {req_ids[row]: UNSAMPLEABLE for row, bad in enumerate(unsampleable) if bad}
         failed.update((req_ids[row], why) for row, why in out.failed_rows.items())
         return ModelRunnerOutput(
-            req_ids=req_ids,
-            sampled_token_ids=[[t] for t in sampled],
-            logprobs=out.logprobs,
-            prompt_logprobs=prompt_logprobs,
-            failed=failed,
+            req_ids=req_ids, sampled_token_ids=[[t] for t in sampled], logprobs=out.logprobs, failed=failed
         )
 
     def _prompt_logprobs(

@@ -18,12 +18,15 @@ import logging
 from bisect import insort
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Iterable, Literal
+from typing import TYPE_CHECKING, Callable, Iterable, Literal
 
 from llmplug.core.errors import ConfigError, InvalidRequestError
 from llmplug.engine.kv_cache import KVCacheManager
 from llmplug.engine.request import Request, RequestStatus
 from llmplug.engine.scheduler_output import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
+
+if TYPE_CHECKING:
+    from llmplug.engine.spec_decode.speculator import Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +118,7 @@ class Scheduler:
         max_model_len: int,
         enable_chunked_prefill: bool = True,
         policy: Literal["fcfs", "priority"] = "fcfs",
+        speculator: Speculator | None = None,
     ) -> None:
         if policy not in ("fcfs", "priority"):
             raise ConfigError(f"scheduler.policy={policy!r} is not one of 'fcfs', 'priority'")
@@ -124,6 +128,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
         self.policy = policy
+        self.speculator = speculator  # speculative decoding: draft tokens for decoding requests
         # A request may not outgrow the whole cache either, or it would preempt itself forever.
         self.max_num_tokens = min(max_model_len, kv_cache_manager.num_blocks * kv_cache_manager.block_size)
         self.requests: dict[str, Request] = {}
@@ -246,11 +251,23 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new_tokens = self._num_new_tokens(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new_tokens > 0 and self._allocate_or_preempt(request, num_new_tokens, preempted):
-                scheduled.append(self._scheduled_request(request, num_new_tokens, new=None))
-                budget -= num_new_tokens
+            drafts = self._drafts(request, budget - 1) if num_new_tokens == 1 else []
+            if drafts and not self.kv_cache_manager.allocate_slots(request, 1 + len(drafts)):
+                drafts = []  # speculation never preempts: without free blocks for its drafts the request decodes one
+            if num_new_tokens > 0 and self._allocate_or_preempt(request, num_new_tokens + len(drafts), preempted):
+                scheduled.append(self._scheduled_request(request, num_new_tokens, new=None, drafts=drafts))
+                budget -= num_new_tokens + len(drafts)
             i += 1
         return budget
+
+    def _drafts(self, request: Request, budget: int) -> list[int]:
+        """Draft tokens to verify after a decoding request's last token, within the budget and its length limits."""
+        if self.speculator is None or request.num_tokens - request.num_computed_tokens != 1:
+            return []
+        max_tokens = request.sampling_params.max_tokens
+        room = min(budget, self.max_num_tokens - request.num_tokens - 1,
+                   max_tokens - request.num_output_tokens - 1 if max_tokens is not None else budget)
+        return self.speculator.draft(request, room) if room > 0 else []
 
     def _allocate_or_preempt(self, request: Request, num_new_tokens: int, preempted: set[str]) -> bool:
         """Allocate, preempting from the end of `running` until it fits; False if `request` itself went."""
@@ -312,15 +329,18 @@ class Scheduler:
             return budget
         return 0
 
-    def _scheduled_request(self, request: Request, num_new_tokens: int, new: NewRequestData | None) -> ScheduledRequest:
+    def _scheduled_request(
+        self, request: Request, num_new_tokens: int, new: NewRequestData | None, drafts: list[int] = ()
+    ) -> ScheduledRequest:
         start = request.num_computed_tokens
         return ScheduledRequest(
             req_id=request.request_id,
-            token_ids=request.all_token_ids[start : start + num_new_tokens],
+            token_ids=request.all_token_ids[start : start + num_new_tokens] + list(drafts),
             num_computed_tokens=start,
             block_ids=self.kv_cache_manager.get_block_ids(request),
             samples=start + num_new_tokens == request.num_tokens,
             new=new,
+            spec_token_ids=list(drafts),
         )
 
     # -- results of a step ---------------------------------------------------------------------
@@ -333,19 +353,31 @@ class Scheduler:
             request = self.requests.get(scheduled.req_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # finished (aborted) after it was scheduled
-            request.num_computed_tokens += len(scheduled.token_ids)
+            token_ids = sampled.get(scheduled.req_id)
+            num_rejected = self._num_rejected(scheduled, token_ids)
+            request.num_computed_tokens += len(scheduled.token_ids) - num_rejected
             if scheduled.req_id in runner_output.failed:  # this request alone ends; the batch goes on
                 self._fail(request, runner_output.failed[scheduled.req_id])
                 updated.append(request)
                 continue
-            token_ids = sampled.get(scheduled.req_id)
             if scheduled.samples and token_ids:
                 self._append_tokens(request, token_ids)
                 updated.append(request)
+                if num_rejected and not request.is_finished:  # the rejected drafts' K/V are garbage
+                    self.kv_cache_manager.trim(request, request.num_computed_tokens)
         self._failed = []
         if any(request.is_finished for request in updated):
             self.running = [request for request in self.running if not request.is_finished]
         return updated
+
+    def _num_rejected(self, scheduled: ScheduledRequest, token_ids: list[int] | None) -> int:
+        """Draft tokens of `scheduled` the target rejected (counted in the speculator's stats)."""
+        num_drafts = len(scheduled.spec_token_ids)
+        if not num_drafts:
+            return 0
+        num_accepted = len(token_ids) - 1 if token_ids else 0
+        self.speculator.record(num_drafts, num_accepted)
+        return num_drafts - num_accepted
 
     def fail_requests(self, req_ids: Iterable[str], error: str) -> None:
         """End the unfinished ones of `req_ids` because a step failed for them (their blocks are freed)."""

@@ -27,11 +27,13 @@ class ScheduledRequest:
     """One request's share of a step: the tokens whose K/V this step computes."""
 
     req_id: str
-    token_ids: list[int]  # all_token_ids[num_computed_tokens : num_computed_tokens + len(token_ids)]
+    token_ids: list[int]  # all_token_ids[num_computed_tokens : num_computed_tokens + n], then spec_token_ids
     num_computed_tokens: int  # before this step
     block_ids: list[int]  # the request's whole block table
     samples: bool  # the chunk reaches the last known token, so a token is sampled
     new: NewRequestData | None  # set when the worker has no state for the request
+    # speculative decoding: draft tokens, the tail of token_ids, verified in this step (each position samples)
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -51,7 +53,7 @@ class ModelRunnerOutput:
     """The tokens sampled in one step, for the requests that sampled, in order."""
 
     req_ids: list[str]
-    sampled_token_ids: list[list[int]]  # one list per request; usually one token
+    sampled_token_ids: list[list[int]]  # one list per request: one token, or accepted drafts and one more
     logprobs: list | None = None
     prompt_logprobs: dict[str, object] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why it could not be sampled

@@ -2,7 +2,8 @@
 
 Per request: outcome counts, prompt and generated tokens, time to first token, time per output token
 and end-to-end latency. Engine gauges (running / waiting requests, KV-cache usage, prefix-cache hit
-rate) and the preemption counter are read from `AsyncLLM.stats()` when scraped. Per HTTP response: counts by endpoint and status.
+rate), the preemption counter and, with speculative decoding, the draft counters, acceptance rate and mean
+accepted length are read from `AsyncLLM.stats()` when scraped. Per HTTP response: counts by endpoint and status.
 """
 
 from __future__ import annotations
@@ -47,6 +48,21 @@ class _EngineCollector(Collector):
         # a counter (exposed as llmplug_num_preemptions_total): rate() over it gives preemptions per second
         yield CounterMetricFamily("llmplug_num_preemptions", "Requests preempted (KV blocks taken back) since start.",
                                   value=stats.get("num_preemptions", 0))
+        if "spec_decode_num_drafts" in stats:  # speculative decoding (vLLM's spec_decode counters)
+            yield from _spec_decode_metrics(stats)
+
+
+def _spec_decode_metrics(stats: dict[str, Any]) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """Draft counts (counters) and the acceptance rate and mean accepted length since start (gauges)."""
+    for name, what in (("num_drafts", "Request-steps that verified draft tokens"),
+                       ("num_draft_tokens", "Draft tokens proposed"),
+                       ("num_accepted_tokens", "Draft tokens accepted")):
+        yield CounterMetricFamily(f"llmplug_spec_decode_{name}", f"{what}, since start.",
+                                  value=stats[f"spec_decode_{name}"])
+    yield GaugeMetricFamily("llmplug_spec_decode_acceptance_rate", "Accepted per proposed draft token (0-1), "
+                            "since start.", value=stats["spec_decode_acceptance_rate"])
+    yield GaugeMetricFamily("llmplug_spec_decode_mean_accepted_length", "Tokens a speculating request gains per "
+                            "step (accepted drafts + 1), since start.", value=stats["spec_decode_mean_accepted_length"])
 
 
 class ServerMetrics:

@@ -105,3 +105,23 @@ def test_a_waiting_cap_below_one_is_refused():
     parser, _ = build_parser()
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--max-waiting-requests", "0"])
+
+
+def test_speculative_decoding_metrics_are_exposed(tiny_chat_model):
+    engine = AsyncLLM(str(tiny_chat_model), speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+                      **ENGINE_KWARGS)
+    try:
+        with serve(engine) as running:
+            running.client().completions.create(model=running.model, prompt="one two one two one two one", max_tokens=30,
+                                                temperature=0, extra_body={"ignore_eos": True})
+            running.wait_idle()
+            families = {f.name: f for f in text_string_to_metric_families(_metrics_text(running))}
+        stats = engine.stats()
+        assert stats["spec_decode_num_draft_tokens"] > 0
+        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            family = families[f"llmplug_spec_decode_{name}"]
+            assert family.type == "counter" and family.samples[0].value == stats[f"spec_decode_{name}"]
+        for name in ("acceptance_rate", "mean_accepted_length"):
+            assert families[f"llmplug_spec_decode_{name}"].samples[0].value == pytest.approx(stats[f"spec_decode_{name}"])
+    finally:
+        engine.shutdown()

@@ -1,0 +1,71 @@
+"""What the scheduler asks of speculative decoding: draft tokens for a decoding request, and the counts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from llmplug.core.config import SpeculativeConfig
+from llmplug.core.params import SamplingParams
+from llmplug.engine.request import Request
+from llmplug.engine.spec_decode.ngram import NgramProposer
+
+
+def can_speculate(params: SamplingParams) -> bool:
+    """True for greedy or temperature-only sampling: nothing that reshapes the distribution per position.
+
+    Penalties, logit bias, allowed or banned tokens, min_tokens, logits processors and top-k/top-p/min-p
+    would have to be applied to every verified position as if the drafts before it were already appended,
+    and logprobs would be wanted for every accepted token; such a request decodes one token a step, in
+    the same batch as the speculating ones. Guided decoding is refused when the request is added.
+    """
+    return (
+        params.logprobs is None and params.top_p == 1.0 and params.top_k is None and params.min_p == 0.0
+        and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0 and params.repetition_penalty == 1.0
+        and not params.logit_bias and params.allowed_token_ids is None and not params.bad_words
+        and params.min_tokens == 0 and not params.logits_processors and params.guided_decoding is None
+    )
+
+
+@dataclass(slots=True)
+class SpecDecodeStats:
+    """Draft tokens proposed and accepted since start (vLLM's spec_decode counters)."""
+
+    num_drafts: int = 0  # request-steps that verified at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens per proposed draft token (0.0 before any)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a speculating request gains per step: its accepted drafts plus the one the target adds."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+class Speculator:
+    """Proposes the draft tokens of decoding requests (n-gram prompt lookup) and counts how many are accepted."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self._stats = SpecDecodeStats()
+
+    def draft(self, request: Request, room: int) -> list[int]:
+        """At most `room` (and num_speculative_tokens) draft tokens to follow the request's tokens."""
+        if not can_speculate(request.sampling_params):
+            return []
+        return self.proposer.propose(request.all_token_ids, min(self.num_speculative_tokens, room))
+
+    def record(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        """Count one verified request-step."""
+        self._stats.num_drafts += 1
+        self._stats.num_draft_tokens += num_draft_tokens
+        self._stats.num_accepted_tokens += num_accepted_tokens
+
+    @property
+    def stats(self) -> SpecDecodeStats:
+        """A snapshot of the counters."""
+        return replace(self._stats)
