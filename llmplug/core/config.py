@@ -206,9 +206,11 @@ class DecodingConfig(_Section):
 class SpeculativeConfig(_Section):
     """Speculative decoding (vLLM's `speculative_config`): draft tokens verified in one target forward pass."""
 
-    method: Literal["ngram"] | None = Field(
-        None, description="How drafts are proposed: ngram (prompt lookup); None: no speculative decoding."
+    method: Literal["ngram", "draft_model"] | None = Field(
+        None, description="How drafts are proposed: ngram (prompt lookup), draft_model (a smaller model with the same "
+                          "vocabulary, greedy); None: no speculative decoding."
     )
+    model: str | None = Field(None, description="draft_model: the draft model's directory or .gguf file.")
     num_speculative_tokens: int | None = Field(
         None, gt=0, description="Draft tokens proposed per request and step (required with a method)."
     )
@@ -217,6 +219,8 @@ class SpeculativeConfig(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> "SpeculativeConfig":
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("model (the draft model) is required with method='draft_model', and only with it")
         if self.method is not None and self.num_speculative_tokens is None:
             raise ValueError(f"num_speculative_tokens is required with method={self.method!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:

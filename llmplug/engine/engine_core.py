@@ -48,10 +48,22 @@ class EngineCore:
             max_model_len=self.max_model_len,
             enable_chunked_prefill=sched.enable_chunked_prefill,
             policy=sched.policy,
-            speculator=Speculator(config.speculative_config) if config.speculative_config.method else None,
+            speculator=self._speculator(),
         )
         self.asleep: frozenset[str] = frozenset()  # the SLEEP_TAGS that are asleep now
         self.dead_error: EngineDeadError | None = None  # set by a fatal error; every later step raises it
+
+    def _speculator(self) -> Speculator | None:
+        """Speculative decoding's proposer and counters, when the config asks for it."""
+        spec = self.config.speculative_config
+        if spec.method is None:
+            return None
+        proposer = None
+        if spec.method == "draft_model":
+            from llmplug.engine.spec_decode.draft_model import DraftModelProposer
+
+            proposer = DraftModelProposer(self.config, self.model_info["vocab_size"], self.max_model_len)
+        return Speculator(spec, proposer)
 
     def _resolve_max_model_len(self) -> int:
         model_len = self.model_info["max_position_embeddings"]
@@ -275,5 +287,7 @@ class EngineCore:
         return stats
 
     def shutdown(self) -> None:
-        """Stop the executor."""
+        """Stop the executor (and a draft model's engine)."""
+        if self.scheduler.speculator is not None:
+            self.scheduler.speculator.shutdown()
         self.executor.shutdown()

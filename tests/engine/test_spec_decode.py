@@ -86,6 +86,32 @@ def test_greedy_output_of_the_default_model_equals_plain_decoding():
     assert llm.stats()["spec_decode_num_accepted_tokens"] > 0
 
 
+@pytest.mark.parametrize("draft_arch,variant", [("llama", "plain"), ("qwen2", "plain"), ("qwen2", "chunked_prefill"),
+                                               ("qwen2", "preemption")])
+def test_greedy_output_with_a_draft_model_equals_plain_decoding(draft_arch, variant, tiny_models, tmp_path_factory):
+    """A draft model of another architecture over the same vocabulary (or the target itself: every draft accepted)."""
+    target = tiny_models.get("llama") or tiny_models.setdefault("llama", make_tiny("llama", tmp_path_factory.mktemp("llama")))
+    draft = target if draft_arch == "llama" else make_tiny(draft_arch, tmp_path_factory.mktemp(f"draft_{draft_arch}"),
+                                                           seed=1)
+    expected = generate(make_llm(target.path), GREEDY)
+    config = {"method": "draft_model", "model": str(draft.path), "num_speculative_tokens": 3}
+    llm = make_llm(target.path, speculative_config=config, **VARIANTS[variant])
+    assert generate(llm, GREEDY) == expected
+    stats = llm.stats()
+    assert stats["spec_decode_num_draft_tokens"] > 0
+    if draft is target:
+        assert stats["spec_decode_acceptance_rate"] > 0.95  # the target drafting for itself (float rounding aside)
+    assert_no_leak(llm)
+    llm.shutdown()
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused(tiny_llama, tmp_path_factory):
+    other = make_tiny("qwen2", tmp_path_factory.mktemp("draft_vocab"), overrides={"vocab_size": 300})
+    config = {"method": "draft_model", "model": str(other.path), "num_speculative_tokens": 3}
+    with pytest.raises(ConfigError, match="vocabulary"):
+        make_llm(tiny_llama.path, speculative_config=config)
+
+
 # --- sampled requests: the distribution of the first three tokens ------------------------------------
 
 NUM_SAMPLES = 2000
@@ -212,7 +238,8 @@ def test_requests_that_cannot_speculate_decode_plainly_beside_those_that_do(tiny
 
 
 @pytest.mark.parametrize("config,field", [
-    ({"method": "draft_model", "num_speculative_tokens": 3}, "method"),
+    ({"method": "eagle", "num_speculative_tokens": 3}, "method"),
+    ({"method": "draft_model", "num_speculative_tokens": 3}, "model"),
     ({"method": "ngram"}, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},

@@ -27,3 +27,6 @@ class NgramProposer:
                 start = int(matches[-1]) + n
                 return tokens[start : start + num_tokens].tolist()
         return []
+
+    def shutdown(self) -> None:
+        """Nothing to release: the lookup holds no state."""

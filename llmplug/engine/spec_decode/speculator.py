@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 from llmplug.core.config import SpeculativeConfig
 from llmplug.core.params import SamplingParams
 from llmplug.engine.request import Request
 from llmplug.engine.spec_decode.ngram import NgramProposer
+
+
+class Proposer(Protocol):
+    """Proposes draft tokens: n-gram prompt lookup or a draft model."""
+
+    def propose(self, token_ids: list[int], num_tokens: int) -> list[int]:
+        """Up to `num_tokens` tokens likely to follow `token_ids`."""
+
+    def shutdown(self) -> None:
+        """Release what the proposer holds (a draft model's engine)."""
 
 
 def can_speculate(params: SamplingParams) -> bool:
@@ -46,11 +57,11 @@ class SpecDecodeStats:
 
 
 class Speculator:
-    """Proposes the draft tokens of decoding requests (n-gram prompt lookup) and counts how many are accepted."""
+    """Proposes the draft tokens of decoding requests (n-gram by default) and counts how many are accepted."""
 
-    def __init__(self, config: SpeculativeConfig):
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None):
         self.num_speculative_tokens = config.num_speculative_tokens
-        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.proposer = proposer or NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self._stats = SpecDecodeStats()
 
     def draft(self, request: Request, room: int) -> list[int]:
@@ -64,6 +75,10 @@ class Speculator:
         self._stats.num_drafts += 1
         self._stats.num_draft_tokens += num_draft_tokens
         self._stats.num_accepted_tokens += num_accepted_tokens
+
+    def shutdown(self) -> None:
+        """Release the proposer."""
+        self.proposer.shutdown()
 
     @property
     def stats(self) -> SpecDecodeStats:
