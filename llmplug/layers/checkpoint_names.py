@@ -15,6 +15,8 @@ Llama) and some store several projections as one tensor. A `CheckpointNames` say
 - `fused`: modules (model names) whose checkpoint tensor holds several projections, with its layout
   (`QKV_*`, `GATE_UP`); the tensor is split into the parts' own names (`q_proj`, `k_proj`, `v_proj`,
   `gate_proj`, `up_proj`), which the model's stacked-parameter map then loads into its fused layers;
+- `stacked`: modules the checkpoint stores as one tensor per index (`q_layernorm.norms.{h}`, StableLM 2's
+  per-head norms), gathered in index order into one tensor of the model's module (`q_norm`, [heads, ...]);
 - `ignored`: checkpoint name suffixes the model knowingly drops (e.g. GPT-2's causal-mask buffers).
 
 `translate(weights, heads)` applies all of it lazily, tensor by tensor; the generic loading loop
@@ -34,6 +36,7 @@ from llmplug.core.errors import ModelLoadError
 
 __all__ = [
     "GATE_UP",
+    "QKV_CODEGEN",
     "QKV_CONTIGUOUS",
     "QKV_GROUPED",
     "QKV_PER_HEAD",
@@ -45,7 +48,9 @@ __all__ = [
 QKV_CONTIGUOUS = "qkv_contiguous"  # [q heads | k heads | v heads] (Phi-3, GPT-2, MPT, Falcon multi-query)
 QKV_PER_HEAD = "qkv_per_head"  # [heads, (q, k, v), head_dim] (GPT-NeoX, Bloom, Falcon)
 QKV_GROUPED = "qkv_grouped"  # [kv_heads, (q of the group..., k, v), head_dim] (Falcon's new decoder)
+QKV_CODEGEN = "qkv_codegen"  # [4 blocks, (q, v, k), heads / 4 * head_dim] (CodeGen's mp_num = 4 layout)
 GATE_UP = "gate_up"  # [gate | up] (Phi-3)
+CODEGEN_BLOCKS = 4  # CodeGen's `mp_num`, fixed in its code
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +81,13 @@ def _split_qkv_grouped(t: torch.Tensor, h: HeadLayout) -> list[torch.Tensor]:
     return [q.flatten(0, 2), k.flatten(0, 1), v.flatten(0, 1)]
 
 
+def _split_qkv_codegen(t: torch.Tensor, h: HeadLayout) -> list[torch.Tensor]:
+    if h.num_heads != h.num_kv_heads or h.num_heads % CODEGEN_BLOCKS:
+        raise ModelLoadError(f"CodeGen's q/k/v tensor needs as many KV heads as heads, a multiple of 4, got {h}")
+    parts = t.unflatten(0, (CODEGEN_BLOCKS, 3, -1))  # [4, (q, v, k), heads / 4 * head_dim, ...]
+    return [parts[:, i].flatten(0, 1) for i in (0, 2, 1)]
+
+
 def _split_halves(t: torch.Tensor, h: HeadLayout) -> list[torch.Tensor]:
     return list(t.chunk(2, dim=0))
 
@@ -86,6 +98,7 @@ _LAYOUTS: dict[str, tuple[tuple[str, ...], Callable[[torch.Tensor, HeadLayout], 
     QKV_CONTIGUOUS: (_QKV_PARTS, _split_qkv_contiguous),
     QKV_PER_HEAD: (_QKV_PARTS, _split_qkv_per_head),
     QKV_GROUPED: (_QKV_PARTS, _split_qkv_grouped),
+    QKV_CODEGEN: (_QKV_PARTS, _split_qkv_codegen),
     GATE_UP: (("gate_proj", "up_proj"), _split_halves),
 }
 
@@ -98,6 +111,7 @@ class CheckpointNames:
     renames: Mapping[str, str] = field(default_factory=dict)
     transposed: frozenset[str] = frozenset()
     fused: Mapping[str, str] = field(default_factory=dict)
+    stacked: Mapping[str, str] = field(default_factory=dict)
     ignored: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -135,11 +149,17 @@ class CheckpointNames:
     def translate(
         self, weights: Iterable[tuple[str, torch.Tensor]], heads: HeadLayout
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """(checkpoint name, tensor) -> (model name, tensor), fused tensors split into their parts."""
+        """(checkpoint name, tensor) -> (model name, tensor), fused tensors split into their parts, stacked
+        pieces gathered (yielded once all other tensors are)."""
+        pieces: dict[str, dict[int, torch.Tensor]] = {}
         for name, tensor in weights:
             if _has_suffix(name, self.ignored):
                 continue
             name = self.rename(name)
+            piece = self._stacked_piece(name)
+            if piece is not None:
+                pieces.setdefault(piece[0], {})[piece[1]] = tensor
+                continue
             module, _, leaf = name.rpartition(".")
             if leaf == "weight" and _has_suffix(module, self.transposed):
                 tensor = tensor.t()
@@ -151,6 +171,21 @@ class CheckpointNames:
             owner = module.rpartition(".")[0]
             for part, piece in zip(part_names, split(tensor, heads)):
                 yield _join(owner, part, leaf), piece
+        for name, by_index in pieces.items():
+            if sorted(by_index) != list(range(len(by_index))):
+                raise ModelLoadError(f"{name}: the checkpoint has pieces {sorted(by_index)}, not 0..{len(by_index) - 1}")
+            yield name, torch.stack([by_index[i] for i in range(len(by_index))])
+
+    def _stacked_piece(self, name: str) -> tuple[str, int] | None:
+        """(the model's name, index) of a tensor that is one piece of a `stacked` module, else None."""
+        parts = name.split(".")
+        for source, target in self.stacked.items():
+            src = source.split(".")
+            for i in range(len(parts) - len(src)):
+                index = parts[i + len(src)]
+                if parts[i : i + len(src)] == src and index.isdigit():
+                    return ".".join([*parts[:i], target, *parts[i + len(src) + 1 :]]), int(index)
+        return None
 
 
 def _longest_first(rules: Mapping[str, str]) -> tuple[tuple[list[str], str], ...]:

@@ -25,6 +25,7 @@ class RopeConfig:
     scaling: Mapping[str, Any] | None = None  # rope_scaling / rope_parameters without rope_theta; None: plain RoPE
     partial_rotary_factor: float = 1.0  # share of each head's leading dims that are rotated
     is_neox_style: bool = True  # rotate-half pairs (i, i + d/2); False: interleaved pairs (2i, 2i + 1), GPT-J style
+    inverted: bool = False  # rotate by minus the angle (NanoChat's flipped rotate_half)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +66,8 @@ class DecoderArchConfig:
     o_proj_bias: bool = False
     qk_norm: QKNormConfig | None = None  # norm of q and k before rotary
     clip_qkv: float | None = None  # q, k, v clamped to [-clip_qkv, clip_qkv] (OLMo, MPT)
+    # (beta, length): after rotary, q at position p times 1 + beta * log(1 + floor(p / length)) (Ministral 3)
+    query_position_scale: tuple[float, int] | None = None
     attention_scale: float | None = None  # None: head_dim ** -0.5
     attn_logit_softcap: float | None = None  # scores = cap * tanh(scores / cap) (Gemma 2)
     alibi: bool = False  # ALiBi biases instead of positions (Bloom, MPT, Falcon-RW)
@@ -75,6 +78,7 @@ class DecoderArchConfig:
     # layer structure
     pre_norm: bool = True  # norm before each sublayer (input_layernorm, post_attention_layernorm)
     post_norm: bool = False  # norm of each sublayer's output before the residual add (OLMo 2; with pre: Gemma 2)
+    norm_after_residual: bool = False  # x = norm(x + sublayer(x)), no pre-norm (post-LN: GPT-1, OPT-350m)
     parallel_residual: bool = False  # x + attn(norm(x)) + mlp(norm'(x)) (GPT-J, GPT-NeoX, Falcon, Phi, Cohere)
     parallel_mlp_norm: bool = False  # with parallel_residual: the MLP has its own norm' (GPT-NeoX, Falcon-40B)
     residual_multiplier: float = 1.0  # sublayer outputs scaled before the residual add (Granite)
@@ -82,11 +86,14 @@ class DecoderArchConfig:
     # embeddings and positions
     embedding_multiplier: float = 1.0  # token embeddings scaled (Gemma: sqrt(hidden), Granite)
     embedding_norm: bool = False  # a norm right after the embeddings (Bloom)
-    absolute_positions: Literal["learned", "sinusoidal"] | None = None  # added to the token embeddings
+    embedding_dim: int | None = None  # token embeddings (and LM head) of another width, projected in/out (OPT-350m)
+    # added to the token embeddings; sinusoidal: XGLM's table, sinusoidal_paper: the Transformer paper's (CTRL)
+    absolute_positions: Literal["learned", "sinusoidal", "sinusoidal_paper"] | None = None
     position_offset: int = 0  # row of position p in the position table is p + offset (OPT, XGLM: 2)
     max_position: int = 0  # rows of the position table (without the offset)
 
     # output
+    final_norm: bool = True  # False: the last layer's output goes to the head as it is (post-LN models)
     tie_word_embeddings: bool = False
     lm_head_bias: bool = False
     logits_multiplier: float = 1.0  # logits scaled (Cohere's logit_scale, 1 / Granite's logits_scaling)
@@ -99,8 +106,10 @@ class DecoderArchConfig:
             raise ValueError(f"{self.architecture}: parallel_mlp_norm needs parallel_residual")
         if self.parallel_residual and self.post_norm:
             raise ValueError(f"{self.architecture}: a parallel residual with post-sublayer norms is not modelled")
-        if not (self.pre_norm or self.post_norm):
-            raise ValueError(f"{self.architecture}: a layer needs pre_norm, post_norm or both")
+        if self.norm_after_residual and (self.pre_norm or self.post_norm or self.parallel_residual):
+            raise ValueError(f"{self.architecture}: norm_after_residual replaces pre_norm, post_norm and parallel_residual")
+        if not (self.pre_norm or self.post_norm or self.norm_after_residual):
+            raise ValueError(f"{self.architecture}: a layer needs pre_norm, post_norm, both, or norm_after_residual")
         if self.absolute_positions and self.max_position <= 0:
             raise ValueError(f"{self.architecture}: absolute positions need max_position > 0")
 
