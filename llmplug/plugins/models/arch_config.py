@@ -18,6 +18,7 @@ from llmplug.core.errors import ModelLoadError
 from llmplug.layers.decoder.arch import DecoderArchConfig, LayerConfig, MLPConfig, RopeConfig
 
 __all__ = [
+    "SLIDING",
     "DecoderArchConfig",
     "LayerConfig",
     "MLPConfig",
@@ -30,7 +31,7 @@ __all__ = [
     "sizes_of",
 ]
 
-SLIDING = "sliding_attention"
+SLIDING = "sliding_attention"  # the layer type of windowed layers in `layer_types`
 
 
 def architecture_of(hf: PretrainedConfig) -> str:
