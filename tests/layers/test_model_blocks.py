@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import ModernBertDecoderConfig
 from transformers.activations import ACT2FN, XIELUActivation
 from transformers.models.cohere.modeling_cohere import CohereLayerNorm
 from transformers.models.ctrl.modeling_ctrl import positional_encoding
 from transformers.models.ministral3.modeling_ministral3 import get_llama_4_attn_scale
+from transformers.models.modernbert_decoder.modeling_modernbert_decoder import ModernBertDecoderPredictionHead
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.nemotron.modeling_nemotron import NemotronLayerNorm1P
 from transformers.models.olmo.modeling_olmo import OlmoLayerNorm
@@ -18,7 +20,8 @@ from transformers.models.xglm.modeling_xglm import XGLMSinusoidalPositionalEmbed
 
 from llmplug.layers.activation import ACTIVATIONS, XIELU, Activation, ActivationAndMul
 from llmplug.layers.checkpoint_names import CheckpointNames, HeadLayout
-from llmplug.layers.decoder import DecoderArchConfig, DecoderModel, LayerConfig
+from llmplug.layers.decoder import DecoderArchConfig, DecoderModel, HeadTransformConfig, LayerConfig
+from llmplug.layers.decoder.model import HeadTransform
 from llmplug.layers.layernorm import LayerNorm, NormConfig, RMSNorm, make_norm
 from llmplug.layers.position_embedding import LearnedPositionEmbedding, sinusoidal_table
 from llmplug.layers.qk_norm import QKNormConfig, ShardedHeadsNorm, make_qk_norm
@@ -122,6 +125,23 @@ def test_query_position_scale_is_ministral3s_llama4_attention_temperature() -> N
     theirs = get_llama_4_attn_scale(positions[None], 0.3, 8)  # [1, 1, T, 1]
     torch.testing.assert_close(ours.flatten(), theirs.flatten())
     assert ours[0].item() == 1.0 and ours[-1].item() > 1.0
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_head_transform_is_modernbert_decoders_prediction_head(bias: bool) -> None:
+    config = ModernBertDecoderConfig(hidden_size=H, classifier_bias=bias, classifier_activation="gelu", norm_bias=True)
+    theirs = randomized(ModernBertDecoderPredictionHead(config))
+    arch = DecoderArchConfig(
+        architecture="X", vocab_size=8, hidden_size=H, intermediate_size=8, num_layers=1, num_heads=1,
+        num_kv_heads=1, head_dim=H, layers=(LayerConfig(None),), norm=NormConfig("layer", config.norm_eps, bias=True),
+        head_transform=HeadTransformConfig("gelu", bias),
+    )
+    ours = HeadTransform(arch)
+    copy_params(ours, theirs)
+    assert (ours.dense.bias is not None) == bias
+    x = torch.randn(5, H)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), theirs(x))
 
 
 def test_stablelm_per_head_norms_load_stacked_into_one_per_head_norm() -> None:

@@ -42,9 +42,11 @@ from transformers import (
     GPT2Config,
     GPTJConfig,
     GPTNeoXConfig,
+    GPTNeoXJapaneseConfig,
     GraniteConfig,
     LlamaConfig,
     MistralConfig,
+    ModernBertDecoderConfig,
     MptConfig,
     NanoChatConfig,
     OpenAIGPTConfig,
@@ -68,7 +70,6 @@ from llmplug.testing import ParityCase, tiny_config
 
 
 WINDOW = 8  # sliding windows far shorter than prompt + generation (up to 29 + 24 tokens)
-NO_POSITION_LIMIT = {"max_model_len": 256}  # ALiBi models: the config has no max_position_embeddings
 
 
 def case(
@@ -161,7 +162,8 @@ CASES: list[ParityCase] = [
         },
     ),
     # ALiBi, a LayerNorm after the embeddings, per-head fused qkv
-    case("BloomForCausalLM", BloomConfig, NO_POSITION_LIMIT),
+    # (no context length in its config: the engine assumes 2048)
+    case("BloomForCausalLM", BloomConfig),
     # parallel attention + MLP from one norm, multi-query (Falcon-7B)
     case("FalconForCausalLM", FalconConfig),
     # the new decoder architecture: two norms, grouped KV heads in the fused qkv (Falcon-40B)
@@ -171,7 +173,6 @@ CASES: list[ParityCase] = [
     case(
         "FalconForCausalLM-alibi",
         FalconConfig,
-        NO_POSITION_LIMIT,
         hf_attn="sdpa",
         alibi=True,
         multi_query=False,
@@ -179,12 +180,12 @@ CASES: list[ParityCase] = [
         bias=True,
     ),
     # ALiBi, bias-free LayerNorm, clip_qkv (transformers' MPT ignores alibi_bias_max: keep its default 8)
-    case("MptForCausalLM", MptConfig, NO_POSITION_LIMIT, attn_config={"alibi": True, "clip_qkv": 0.3}),
+    # (its context length is `max_seq_len`)
+    case("MptForCausalLM", MptConfig, max_seq_len=256, attn_config={"alibi": True, "clip_qkv": 0.3}),
     # unscaled attention, learned positions, alternating global and local (windowed) layers
     case(
         "GPTNeoForCausalLM",
-        GPTBigCodeConfig,
-    GPTNeoConfig,
+        GPTNeoConfig,
         attention_types=[[["global", "local"], 1]],
         window_size=WINDOW,
         intermediate_size=128,
@@ -271,6 +272,12 @@ CASES += [
     case("BioGptForCausalLM", BioGptConfig),
     # StableLM 2 12B: a bias-free LayerNorm per q and k head, stored as one tensor per head
     case("StableLmForCausalLM-qk-layernorm", StableLmConfig, qk_layernorm=True, partial_rotary_factor=0.25),
+    # sequential GPT-NeoX without biases but the last layer's attention output bias, partial rotary
+    case("GPTNeoXJapaneseForCausalLM", GPTNeoXJapaneseConfig, intermediate_multiple_size=2, rotary_pct=0.5),
+    # no norm before the first layer's attention, a window of 8 (local_attention 16) with its own rope base,
+    # fused GeGLU, the prediction head (dense with bias, GELU, LayerNorm) before the tied decoder with a bias
+    case("ModernBertDecoderForCausalLM", ModernBertDecoderConfig, local_attention=2 * WINDOW, classifier_bias=True,
+         pad_token_id=0, bos_token_id=0),
     # LongRoPE: the long factors (and attention factor) for sequences past the original context of 2
     case("Phi3ForCausalLM-longrope", Phi3Config, prompt_lengths=(3, 11, 7, 20, 4, 14, 29, 5),
          partial_rotary_factor=0.75, original_max_position_embeddings=2, rope_parameters={

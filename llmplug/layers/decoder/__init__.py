@@ -1,13 +1,14 @@
 """The generic decoder-only transformer every dense decoder family is a config of.
 
-Exports the typed config (`DecoderArchConfig`, `LayerConfig`, `MLPConfig`, `RopeConfig`), the model
+Exports the typed config (`DecoderArchConfig`, `LayerConfig`, `MLPConfig`, `RopeConfig`,
+`HeadTransformConfig`), the model
 (`DecoderForCausalLM`, `DecoderModel`) and its blocks (`DecoderLayer`, `DecoderAttention`,
 `DecoderMLP`). A family plugin writes an adapter from its HF config to a `DecoderArchConfig` and,
 when its checkpoint names differ from transformers' Llama names, a `CheckpointNames`
 (llmplug.layers.checkpoint_names); see docs/models.md.
 """
 
-from llmplug.layers.decoder.arch import DecoderArchConfig, LayerConfig, MLPConfig, RopeConfig
+from llmplug.layers.decoder.arch import DecoderArchConfig, HeadTransformConfig, LayerConfig, MLPConfig, RopeConfig
 from llmplug.layers.decoder.attention import DecoderAttention
 from llmplug.layers.decoder.layer import DecoderLayer
 from llmplug.layers.decoder.mlp import DecoderMLP
@@ -20,6 +21,7 @@ __all__ = [
     "DecoderLayer",
     "DecoderMLP",
     "DecoderModel",
+    "HeadTransformConfig",
     "LayerConfig",
     "MLPConfig",
     "RopeConfig",

@@ -13,7 +13,7 @@ from typing import Any, Literal, Mapping
 from llmplug.layers.layernorm import NormConfig
 from llmplug.layers.qk_norm import QKNormConfig
 
-__all__ = ["DecoderArchConfig", "LayerConfig", "MLPConfig", "RopeConfig"]
+__all__ = ["DecoderArchConfig", "HeadTransformConfig", "LayerConfig", "MLPConfig", "RopeConfig"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +34,8 @@ class LayerConfig:
 
     rope: RopeConfig | None  # None: no rotary embedding in this layer (NoPE)
     sliding_window: int | None = None  # None: attends to the whole context
+    o_proj_bias: bool = False  # a bias on this layer's output projection alone (GPT-NeoX-Japanese: the last layer)
+    input_norm: bool = True  # False: no norm before this layer's attention (ModernBERT's first layer)
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +45,14 @@ class MLPConfig:
     activation: str = "silu"  # a name of llmplug.layers.activation.ACTIVATIONS, or "xielu"
     gated: bool = True
     bias: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class HeadTransformConfig:
+    """dense -> activation -> norm between the final norm and the LM head (ModernBERT's prediction head)."""
+
+    activation: str  # a name of llmplug.layers.activation.ACTIVATIONS
+    bias: bool = False  # on the dense layer
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +104,7 @@ class DecoderArchConfig:
 
     # output
     final_norm: bool = True  # False: the last layer's output goes to the head as it is (post-LN models)
+    head_transform: HeadTransformConfig | None = None  # dense, activation and norm before the LM head
     tie_word_embeddings: bool = False
     lm_head_bias: bool = False
     logits_multiplier: float = 1.0  # logits scaled (Cohere's logit_scale, 1 / Granite's logits_scaling)

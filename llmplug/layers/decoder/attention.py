@@ -37,7 +37,7 @@ class DecoderAttention(nn.Module):
         self.o_proj = RowParallelLinear(
             arch.num_heads * d,
             arch.hidden_size,
-            arch.o_proj_bias,
+            arch.o_proj_bias or layer.o_proj_bias,
             reduce_results=reduce_results,
             prefix=_join(prefix, "o_proj"),
         )

@@ -52,7 +52,7 @@ class DecoderLayer(nn.Module):
         self.residual_multiplier, self.post_norm = arch.residual_multiplier, arch.post_norm
         norm = lambda: make_norm(arch.norm, arch.hidden_size)  # noqa: E731
         pre, post, self.norm_after_residual = arch.pre_norm, arch.post_norm, arch.norm_after_residual
-        self.input_layernorm: Norm | None = norm() if (pre or self.norm_after_residual) else None
+        self.input_layernorm: Norm | None = norm() if (pre and layer.input_norm) or self.norm_after_residual else None
         self.post_attention_layernorm: Norm | None = (
             norm() if (post or not self.parallel or arch.parallel_mlp_norm) else None
         )

@@ -4,7 +4,8 @@ A family plugin subclasses `DecoderForCausalLM` and sets two class attributes: `
 (its HF config -> DecoderArchConfig adapter) and `checkpoint_names` (how its checkpoint names map
 onto the parameters here). Parameter names follow transformers' Llama (`model.embed_tokens`,
 `model.layers.N.self_attn.qkv_proj`, `model.norm`, `lm_head`), plus `model.embed_positions`,
-`model.embed_norm`, `model.project_in` / `model.project_out` and the norms of `DecoderLayer`.
+`model.embed_norm`, `model.project_in` / `model.project_out`, `model.head_transform` and the norms of
+`DecoderLayer`.
 
 Under pipeline parallelism a stage holds only its layers (the embeddings on the first stage, the
 final norm and the head on the last); the others are `PPMissingLayer` placeholders.
@@ -19,6 +20,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from llmplug.communicators.parallel_state import get_pp_group
+from llmplug.layers.activation import Activation
 from llmplug.layers.checkpoint_names import CheckpointNames, HeadLayout
 from llmplug.layers.decoder.arch import DecoderArchConfig, RopeConfig
 from llmplug.layers.decoder.layer import DecoderLayer
@@ -84,6 +86,9 @@ class DecoderModel(nn.Module):
             for i, layer in enumerate(arch.layers)
         )
         self.norm = _optional(self.is_last_stage and arch.final_norm, lambda: make_norm(arch.norm, arch.hidden_size))
+        if arch.head_transform:
+            transform = lambda: HeadTransform(arch, _join(prefix, "head_transform"))  # noqa: E731
+            self.head_transform = _optional(self.is_last_stage, transform)
         self.ropes: list[RopeConfig] = []  # distinct ropes, in the order of rotary_embs
         self.rotary_embs = nn.ModuleList()
         self.rope_of_layer = [self._rope_index(layer.rope) for layer in arch.layers]  # index into ropes, or None
@@ -153,11 +158,28 @@ class DecoderModel(nn.Module):
             hidden = self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
         elif residual is not None:
             hidden = hidden + residual
+        if self.arch.head_transform:
+            hidden = self.head_transform(hidden)
         return self.project_out(hidden) if self.arch.embedding_dim else hidden
 
     def _rope(self, ropes: list[RotaryCosSin], layer: int) -> RotaryCosSin | None:
         index = self.rope_of_layer[layer]
         return None if index is None else ropes[index]
+
+
+class HeadTransform(nn.Module):
+    """norm(act(dense(x))) before the LM head; every rank holds it whole (one [hidden, hidden] matrix)."""
+
+    def __init__(self, arch: DecoderArchConfig, prefix: str = "") -> None:
+        super().__init__()
+        config = arch.head_transform
+        self.dense = ReplicatedLinear(arch.hidden_size, arch.hidden_size, config.bias, _join(prefix, "dense"))
+        self.act = Activation(config.activation)
+        self.norm = make_norm(arch.norm, arch.hidden_size)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[T, hidden] -> [T, hidden]."""
+        return self.norm(self.act(self.dense(hidden)))
 
 
 class DecoderForCausalLM(nn.Module):
