@@ -184,7 +184,7 @@ class DeviceConfig(_Section):
 
 
 class DecodingConfig(_Section):
-    """Guided (structured) decoding."""
+    """How requests decode: guided (structured) decoding, and the limits a request is checked against when added."""
 
     guided_backend: str = Field(
         "auto",
@@ -200,6 +200,12 @@ class DecodingConfig(_Section):
             "with free whitespace, sampled output tends to fill it."
         ),
     )
+    max_logprobs: int = Field(
+        20, ge=0, description="Most `logprobs` / `prompt_logprobs` (top tokens per position) a request may ask for."
+    )
+    max_n: int = Field(128, gt=0, description="Most completions (`n`) one request may ask for.")
+    max_stop_strings: int = Field(64, ge=0, description="Most stop strings one request may give.")
+    max_stop_string_length: int = Field(256, gt=0, description="Longest stop string, in characters.")
 
 
 class PluginConfig(_Section):
@@ -269,6 +275,7 @@ ALIASES: dict[str, str] = {
     "platform": "device.platform",
     "attention_backend": "device.attention_backend",
     "guided_decoding_backend": "decoding.guided_backend",
+    "max_logprobs": "decoding.max_logprobs",
 }
 
 # Field names that say too little as a bare flag (`--format`: of what?); their flag is the vLLM
@@ -488,8 +495,12 @@ def _nest(merged: dict[str, _Setting]) -> tuple[dict[str, dict[str, Any]], dict[
 
 
 def _run_hooks(nested: dict[str, Any], sources: dict[str, str]) -> None:
-    """Let `llmplug_adjust_config` hooks edit the merged dict; the fields they change name the hook as source."""
-    from llmplug.core.plugins import PluginRegistry, get_registry, set_registry  # lazy: plugins imports config
+    """Let `llmplug_adjust_config` hooks edit the merged dict; the fields they change name the hook as source.
+
+    The hooks are those of the registry this very config builds (its allow-list), not the process's: two
+    configs loaded in one process never see each other's plugins.
+    """
+    from llmplug.core.plugins import PluginRegistry  # lazy: plugins imports config
 
     # The allow-list decides which plugins' hooks run, so it is validated and applied first.
     plugin_config = _validate(PluginConfig, nested["plugins"], sources, prefix="plugins")
@@ -498,9 +509,8 @@ def _run_hooks(nested: dict[str, Any], sources: dict[str, str]) -> None:
     except PluginError as exc:  # e.g. a malformed plugins.prefer key: say which source set it
         where = ", ".join(sorted({sources["plugins.enabled"], sources["plugins.prefer"]} - {"default"}))
         raise ConfigError(f"{exc} (plugins config from {where or 'default'})") from None
-    set_registry(registry)
     before = copy.deepcopy(nested)
-    get_registry().hook_manager().hook.llmplug_adjust_config(config=nested)
+    registry.hook_manager().hook.llmplug_adjust_config(config=nested)
     _attribute_changes(before, nested, sources)
 
 

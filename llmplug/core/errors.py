@@ -28,7 +28,14 @@ class PluginVersionError(PluginError):
 
 
 class InvalidRequestError(LlmplugError, ValueError):
-    """A request (prompt or sampling parameters) is invalid; only that request fails."""
+    """A request (prompt or sampling parameters) is invalid; only that request fails.
+
+    `param` names the offending request field when there is one (the server's error body reports it).
+    """
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class ModelLoadError(LlmplugError):
@@ -41,3 +48,8 @@ class EngineDeadError(LlmplugError):
 
 class EngineStateError(LlmplugError, RuntimeError):
     """The engine cannot do this now (it is asleep, or requests are running); the message says what to do."""
+
+
+class StartupError(LlmplugError, RuntimeError):
+    """The engine cannot be started this way (e.g. worker processes from a script's unguarded top level);
+    the message says what to change."""

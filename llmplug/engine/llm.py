@@ -37,7 +37,17 @@ class LLM:
             # keyword arguments given to LLM override the file they come with
             resolved = load_config(kwargs=kwargs, file=config, order=("file", "kwargs", "cli"))
             engine_config = resolved.config
-        self.llm_engine = LLMEngine(engine_config)
+        self._start(LLMEngine(engine_config))
+
+    @classmethod
+    def from_engine(cls, llm_engine: LLMEngine) -> "LLM":
+        """Wrap an existing LLMEngine, e.g. one built with a plugin registry of the caller's making."""
+        self = cls.__new__(cls)
+        self._start(llm_engine)
+        return self
+
+    def _start(self, llm_engine: LLMEngine) -> None:
+        self.llm_engine = llm_engine
         self._ids = itertools.count()
 
     @property
@@ -160,15 +170,21 @@ class LLM:
         return ids
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        """Step until every request finished; whatever escapes (an error, Ctrl-C) first aborts the unfinished ones,
+        so the engine holds none of their blocks and the next call starts clean."""
         pending = set(request_ids)
         finished: dict[str, RequestOutput] = {}
-        with tqdm(total=len(request_ids), desc="Generating", disable=not use_tqdm, unit="req") as bar:
-            while pending:
-                if not self.llm_engine.has_unfinished_requests():
-                    raise RuntimeError(f"engine went idle with requests {sorted(pending)} unfinished")
-                for out in self.llm_engine.step():
-                    if out.finished and out.request_id in pending:
-                        finished[out.request_id] = out
-                        pending.discard(out.request_id)
-                        bar.update(1)
+        try:
+            with tqdm(total=len(request_ids), desc="Generating", disable=not use_tqdm, unit="req") as bar:
+                while pending:
+                    if not self.llm_engine.has_unfinished_requests():
+                        raise RuntimeError(f"engine went idle with requests {sorted(pending)} unfinished")
+                    for out in self.llm_engine.step():
+                        if out.finished and out.request_id in pending:
+                            finished[out.request_id] = out
+                            pending.discard(out.request_id)
+                            bar.update(1)
+        except BaseException:
+            self.llm_engine.abort_request(sorted(pending))
+            raise
         return [finished[i] for i in request_ids]

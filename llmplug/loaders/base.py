@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import json
 import logging
 import os
 import time
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
     from llmplug.core.config import EngineConfig, LoadConfig, ModelConfig
+    from llmplug.core.plugins import PluginRegistry
 
 __all__ = [
     "BaseModelLoader",
@@ -76,10 +78,15 @@ def hf_cache_snapshot(name: str, cache_dir: str | None) -> str:
 
 
 class BaseModelLoader(abc.ABC):
-    """Shared steps of every loader; constructed with the engine's LoadConfig in each process."""
+    """Shared steps of every loader; constructed with the engine's LoadConfig in each process.
 
-    def __init__(self, load_config: "LoadConfig") -> None:
+    `registry` is the engine's plugin registry, where the model class is looked up; default (a loader
+    used outside an engine): the process-wide one.
+    """
+
+    def __init__(self, load_config: "LoadConfig", registry: "PluginRegistry | None" = None) -> None:
         self.load_config = load_config
+        self.registry = registry
 
     # ---- locating the model -------------------------------------------------------------------
     def model_path(self, name: str) -> str:
@@ -120,6 +127,17 @@ class BaseModelLoader(abc.ABC):
         except (OSError, ValueError) as error:
             raise ModelLoadError(f"cannot load the tokenizer from {path}: {error}") from error
 
+    def load_generation_config(self, model_config: "ModelConfig") -> dict[str, Any]:
+        """The model's generation_config.json as a dict (eos_token_id, default sampling values); {} without one."""
+        path = os.path.join(self.model_path(model_config.model), "generation_config.json")
+        if not os.path.isfile(path):
+            return {}
+        try:
+            with open(path, encoding="utf-8") as file:
+                return json.load(file)
+        except (OSError, ValueError) as error:
+            raise ModelLoadError(f"cannot read {path}: {error}") from error
+
     def get_model_class(self, hf_config: "PretrainedConfig") -> type:
         """The `llmplug.models` plugin registered under the config's first architecture."""
         from llmplug.core.plugins import get_registry
@@ -127,7 +145,7 @@ class BaseModelLoader(abc.ABC):
         architectures = getattr(hf_config, "architectures", None) or []
         if not architectures:
             raise ModelLoadError("the model's config.json lists no `architectures`; set it via hf_overrides")
-        return get_registry().load("llmplug.models", architectures[0])
+        return (self.registry or get_registry()).load("llmplug.models", architectures[0])
 
     # ---- weights ---------------------------------------------------------------------------------
     @abc.abstractmethod
