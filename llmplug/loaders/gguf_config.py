@@ -178,7 +178,8 @@ def build_hf_config(reader: gguf.GGUFReader, path: str) -> PretrainedConfig:
         fields["rope_theta"] = float(meta.get("rope.freq_base", 10000.0))
         fields["rope_scaling"] = _rope_scaling(reader, meta, fields["rope_theta"], fields["head_dim"])
     fields.update(_tensor_derived_fields(reader, spec, path))
-    fields = {spec.renames.get(name, "rms_norm_eps" if name == "eps" else name): value for name, value in fields.items()}
+    default_names = {"eps": "rms_norm_eps"}
+    fields = {spec.renames.get(name, default_names.get(name, name)): value for name, value in fields.items()}
     fields.update(spec.extra(meta, tensors) if spec.extra else {})
     fields.update({name: field_value(reader, key) for name, key in _TOKEN_ID_FIELDS.items()})
     config = AutoConfig.for_model(spec.model_type, architectures=[spec.hf_architecture], **fields)

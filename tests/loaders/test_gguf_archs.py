@@ -25,7 +25,9 @@ from .gguf_writer_utils import add_tiny_tokenizer, hf_state_dict, make_tiny_mode
 from .parity import hf_greedy, our_greedy
 
 VOCAB = tokenizer_tokens()
-SIZES = dict(vocab_size=len(VOCAB), hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256)
+SIZES = dict(
+    vocab_size=len(VOCAB), hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256
+)
 IDS = dict(bos_token_id=VOCAB.index("<|im_start|>"), eos_token_id=VOCAB.index("<|im_end|>"),
            pad_token_id=VOCAB.index("<|endoftext|>"))  # the ids add_tiny_tokenizer writes
 
@@ -85,7 +87,7 @@ CASES = [
     ArchCase("nemotron", "nemotron", dict(intermediate_size=128, num_key_value_heads=2),
              lambda c: {**_decoder(c, "layer_norm_eps", c.norm_eps), "rope_dimension_count": _rope_dims(c),
                         "rope_freq_base": c.rope_parameters["rope_theta"]}, norm_offset=1.0),
-    ArchCase("gpt2", "gpt2", dict(n_inner=256, n_positions=1024),  # transformers reads n_ctx, not n_positions
+    ArchCase("gpt2", "gpt2", dict(n_inner=256, max_position_embeddings=1024),  # transformers reads n_ctx, not n_positions
              lambda c: {"block_count": c.n_layer, "context_length": c.n_positions, "embedding_length": c.n_embd,
                         "feed_forward_length": 4 * c.n_embd, "head_count": c.n_head,
                         "layer_norm_eps": c.layer_norm_epsilon},
