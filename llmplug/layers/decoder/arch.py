@@ -8,10 +8,13 @@ choice, so an adapter names only what its family changes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Literal, Mapping
 
 from llmplug.layers.layernorm import NormConfig
 from llmplug.layers.qk_norm import QKNormConfig
+
+if TYPE_CHECKING:  # the MoE block builds its shared experts from this package's MLP
+    from llmplug.layers.moe.config import MoEConfig
 
 __all__ = ["DecoderArchConfig", "LayerConfig", "MLPConfig", "RopeConfig"]
 
@@ -33,6 +36,7 @@ class LayerConfig:
 
     rope: RopeConfig | None  # None: no rotary embedding in this layer (NoPE)
     sliding_window: int | None = None  # None: attends to the whole context
+    moe: bool = False  # the MLP is the arch's mixture of experts (DecoderArchConfig.moe), else the dense one
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +62,8 @@ class DecoderArchConfig:
     head_dim: int
     layers: tuple[LayerConfig, ...]  # one per layer: rotary and attention window
     norm: NormConfig = NormConfig()  # every norm of the model (the q/k norms have their own)
-    mlp: MLPConfig = MLPConfig()
+    mlp: MLPConfig = MLPConfig()  # the dense MLP (of `intermediate_size`)
+    moe: MoEConfig | None = None  # the mixture-of-experts MLP of the layers marked `moe`
 
     # attention
     qkv_bias: bool = False  # bias on q, k, v projections
@@ -101,6 +106,8 @@ class DecoderArchConfig:
             raise ValueError(f"{self.architecture}: a parallel residual with post-sublayer norms is not modelled")
         if not (self.pre_norm or self.post_norm):
             raise ValueError(f"{self.architecture}: a layer needs pre_norm, post_norm or both")
+        if any(layer.moe for layer in self.layers) and self.moe is None:
+            raise ValueError(f"{self.architecture}: layers marked moe need a MoEConfig (DecoderArchConfig.moe)")
         if self.absolute_positions and self.max_position <= 0:
             raise ValueError(f"{self.architecture}: absolute positions need max_position > 0")
 
