@@ -46,6 +46,7 @@ __all__ = [
     "QKV_CONTIGUOUS",
     "QKV_GROUPED",
     "QKV_PER_HEAD",
+    "STACKED_EXPERT_LEAVES",
     "CheckpointNames",
     "HeadLayout",
 ]
@@ -61,6 +62,14 @@ EXPERTS_T = "experts_t"  # [E, in, out] (Llama 4, GPT-OSS down_proj)
 EXPERTS_T_INTERLEAVED = "experts_t_interleaved"  # [E, in, 2 * out], gate and up columns alternating (GPT-OSS)
 EXPERTS_FLAT = "experts_flat"  # [E * out, in] (DBRX w1, v1)
 EXPERTS_FLAT_T = "experts_flat_t"  # [E * in, out] (DBRX w2)
+# renames giving transformers' stacked expert parameters (`experts.gate_up_proj`, `experts.down_proj`, their
+# `_bias`; saved so by families without a per-expert checkpoint format) the `.weight` / `.bias` leaf of a module
+STACKED_EXPERT_LEAVES: Mapping[str, str] = {
+    "experts.gate_up_proj": "experts.gate_up_proj.weight",
+    "experts.down_proj": "experts.down_proj.weight",
+    "experts.gate_up_proj_bias": "experts.gate_up_proj.bias",
+    "experts.down_proj_bias": "experts.down_proj.bias",
+}
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,11 +6,22 @@ its family routes or stores differently, so that a wrong flag changes the tokens
 
 from __future__ import annotations
 
-from transformers import MixtralConfig, PhimoeConfig
+from transformers import (
+    FlexOlmoConfig,
+    GraniteMoeConfig,
+    GraniteMoeSharedConfig,
+    GraniteMoeSWAConfig,
+    MixtralConfig,
+    OlmoeConfig,
+    PhimoeConfig,
+    Qwen2MoeConfig,
+    Qwen3MoeConfig,
+)
 
 from .cases import case
 
 WINDOW = 8
+GRANITE_MULTIPLIERS = dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=4.0)
 
 MOE_CASES = [
     # softmax top-2 renormalised, experts stored one by one (w1/w2/w3), a window on every layer
@@ -24,6 +35,55 @@ MOE_CASES = [
         attention_bias=True,
         lm_head_bias=True,
         router_jitter_noise=0.5,
+    ),
+    # a dense first layer (mlp_only_layers), a gated shared expert, top-4 without renormalising
+    case(
+        "Qwen2MoeForCausalLM",
+        Qwen2MoeConfig,
+        num_experts=8,
+        num_experts_per_tok=4,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        mlp_only_layers=[0],
+    ),
+    # q/k norms, renormalised top-2, a dense second layer (decoder_sparse_step)
+    case(
+        "Qwen3MoeForCausalLM",
+        Qwen3MoeConfig,
+        head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[1],
+    ),
+    # RMSNorm over the whole q and k projections, top-2 as scored
+    case("OlmoeForCausalLM", OlmoeConfig, num_experts=8, num_experts_per_tok=2, intermediate_size=32),
+    # OLMo 2's post-sublayer norms with OLMoE's experts
+    case("FlexOlmoForCausalLM", FlexOlmoConfig, num_experts=8, num_experts_per_tok=2, intermediate_size=32),
+    # Granite's multipliers, stacked experts (input_linear / output_linear)
+    case("GraniteMoeForCausalLM", GraniteMoeConfig, num_local_experts=4, intermediate_size=32, **GRANITE_MULTIPLIERS),
+    # + an ungated shared MLP
+    case(
+        "GraniteMoeSharedForCausalLM",
+        GraniteMoeSharedConfig,
+        num_local_experts=4,
+        intermediate_size=32,
+        shared_intermediate_size=48,
+        **GRANITE_MULTIPLIERS,
+    ),
+    # + sinks, a windowed layer, a rope base per layer and a NoPE layer
+    case(
+        "GraniteMoeSWAForCausalLM",
+        GraniteMoeSWAConfig,
+        num_local_experts=4,
+        intermediate_size=32,
+        shared_intermediate_size=48,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention"],
+        layer_rope_theta=[10000.0, 0],
+        **GRANITE_MULTIPLIERS,
     ),
 ]
 
