@@ -11,6 +11,10 @@ from transformers import (
     GraniteMoeConfig,
     GraniteMoeSharedConfig,
     GraniteMoeSWAConfig,
+    Dots1Config,
+    Glm4MoeConfig,
+    GptOssConfig,
+    MiniMaxM2Config,
     MixtralConfig,
     OlmoeConfig,
     PhimoeConfig,
@@ -21,6 +25,18 @@ from transformers import (
 from .cases import case
 
 WINDOW = 8
+# DeepSeek V3's router: sigmoid + correction bias, 2 of 4 groups, renormalised, scaled; a dense first layer
+DEEPSEEK_V3_MOE = dict(
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    n_shared_experts=1,
+    n_group=4,
+    topk_group=2,
+    norm_topk_prob=True,
+    routed_scaling_factor=2.5,
+    first_k_dense_replace=1,
+)
 GRANITE_MULTIPLIERS = dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=4.0)
 
 MOE_CASES = [
@@ -84,6 +100,38 @@ MOE_CASES = [
         layer_types=["sliding_attention", "full_attention"],
         layer_rope_theta=[10000.0, 0],
         **GRANITE_MULTIPLIERS,
+    ),
+    # sinks, biases, alternating windows, yarn; router bias, clamped SwiGLU with biases, interleaved gate/up
+    case(
+        "GptOssForCausalLM",
+        GptOssConfig,
+        head_dim=16,
+        num_local_experts=4,
+        intermediate_size=32,
+        sliding_window=WINDOW,
+        swiglu_limit=0.5,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+    # partial rotary, q/k/v bias without o_proj's, per-head q/k norms, DeepSeek V3 routing
+    case("Glm4MoeForCausalLM", Glm4MoeConfig, attention_bias=True, use_qk_norm=True, **DEEPSEEK_V3_MOE),
+    # Qwen3 attention with DeepSeek V3 routing
+    case("Dots1ForCausalLM", Dots1Config, **DEEPSEEK_V3_MOE),
+    # q/k norms over the projections, partial rotary, sigmoid routing with the block's correction bias
+    case(
+        "MiniMaxM2ForCausalLM",
+        MiniMaxM2Config,
+        head_dim=16,
+        num_local_experts=8,
+        intermediate_size=32,
+        partial_rotary_factor=0.5,
     ),
 ]
 
