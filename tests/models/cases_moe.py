@@ -7,6 +7,8 @@ its family routes or stores differently, so that a wrong flag changes the tokens
 from __future__ import annotations
 
 from transformers import (
+    Ernie4_5_MoeConfig,
+    HunYuanMoEV1Config,
     FlexOlmoConfig,
     GraniteMoeConfig,
     GraniteMoeSharedConfig,
@@ -133,6 +135,18 @@ MOE_CASES = [
         intermediate_size=32,
         partial_rotary_factor=0.5,
     ),
+    # interleaved rotary, biases everywhere, a dense first layer, softmax routing with the correction bias
+    case(
+        "Ernie4_5_MoeForCausalLM",
+        Ernie4_5_MoeConfig,
+        moe_num_experts=8,
+        moe_k=2,
+        moe_intermediate_size=32,
+        moe_num_shared_experts=1,
+        use_bias=True,
+    ),
+    # q/k norms after the rotary, a shared MLP beside the experts, float32 router
+    case("HunYuanMoEV1ForCausalLM", HunYuanMoEV1Config, head_dim=16, num_experts=4, moe_topk=2, intermediate_size=32),
 ]
 
 # MoE: experts sharded over the ranks' intermediate features

@@ -69,6 +69,7 @@ class DecoderArchConfig:
     qkv_bias: bool = False  # bias on q, k, v projections
     o_proj_bias: bool = False
     qk_norm: QKNormConfig | None = None  # norm of q and k before rotary
+    qk_norm_after_rope: bool = False  # the q/k norm follows the rotary instead (HunYuan)
     clip_qkv: float | None = None  # q, k, v clamped to [-clip_qkv, clip_qkv] (OLMo, MPT)
     attention_scale: float | None = None  # None: head_dim ** -0.5
     attn_logit_softcap: float | None = None  # scores = cap * tanh(scores / cap) (Gemma 2)

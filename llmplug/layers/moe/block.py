@@ -43,7 +43,7 @@ class SparseMoeBlock(nn.Module):
         self.experts = FusedExperts(config, hidden_size, expert_parallel)
         self.shared_experts = None
         if config.shared_intermediate_size:
-            shared = MLPConfig(config.activation)
+            shared = MLPConfig(config.activation, bias=config.shared_bias)
             self.shared_experts = DecoderMLP(
                 shared, hidden_size, config.shared_intermediate_size, _join(prefix, "shared_experts"), False
             )
