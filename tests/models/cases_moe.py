@@ -7,6 +7,7 @@ its family routes or stores differently, so that a wrong flag changes the tokens
 from __future__ import annotations
 
 from transformers import (
+    DbrxConfig,
     Ernie4_5_MoeConfig,
     HunYuanMoEV1Config,
     FlexOlmoConfig,
@@ -146,6 +147,17 @@ MOE_CASES = [
         use_bias=True,
     ),
     # q/k norms after the rotary, a shared MLP beside the experts, float32 router
+    # fused Wqkv clamped, bias-free LayerNorm, flat expert tensors, weights divided by their 2-norm
+    case(
+        "DbrxForCausalLM",
+        DbrxConfig,
+        d_model=64,
+        n_heads=4,
+        n_layers=2,
+        max_seq_len=256,
+        attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 0.3},
+        ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2, "moe_normalize_expert_weights": 2.0},
+    ),
     case("HunYuanMoEV1ForCausalLM", HunYuanMoEV1Config, head_dim=16, num_experts=4, moe_topk=2, intermediate_size=32),
 ]
 
