@@ -7,6 +7,8 @@ its family routes or stores differently, so that a wrong flag changes the tokens
 from __future__ import annotations
 
 from transformers import (
+    DeepseekV2Config,
+    DeepseekV3Config,
     DbrxConfig,
     Ernie4_5_MoeConfig,
     HunYuanMoEV1Config,
@@ -40,6 +42,17 @@ DEEPSEEK_V3_MOE = dict(
     routed_scaling_factor=2.5,
     first_k_dense_replace=1,
 )
+DEEPSEEK_V2_MOE = DEEPSEEK_V3_MOE | {"norm_topk_prob": False}
+DEEPSEEK_YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 0.707,
+    "mscale_all_dim": 0.707,
+}
 GRANITE_MULTIPLIERS = dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=4.0)
 
 MOE_CASES = [
@@ -157,6 +170,33 @@ MOE_CASES = [
         max_seq_len=256,
         attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 0.3},
         ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2, "moe_normalize_expert_weights": 2.0},
+    ),
+    # latent attention with a q LoRA, YaRN with mscale, interleaved rotary; V2 group-limited softmax routing
+    case(
+        "DeepseekV2ForCausalLM",
+        DeepseekV2Config,
+        num_key_value_heads=4,  # transformers expands the latent to every head
+        kv_lora_rank=32,
+        q_lora_rank=48,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=24,
+        topk_method="group_limited_greedy",
+        rope_parameters=DEEPSEEK_YARN,
+        **DEEPSEEK_V2_MOE,
+    ),
+    # latent attention without a q LoRA, V3 routing, rotate-half rotary (rope_interleave off)
+    case(
+        "DeepseekV3ForCausalLM",
+        DeepseekV3Config,
+        num_key_value_heads=4,  # transformers expands the latent to every head
+        kv_lora_rank=32,
+        q_lora_rank=None,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=24,
+        rope_interleave=False,
+        **DEEPSEEK_V3_MOE,
     ),
     case("HunYuanMoEV1ForCausalLM", HunYuanMoEV1Config, head_dim=16, num_experts=4, moe_topk=2, intermediate_size=32),
 ]
