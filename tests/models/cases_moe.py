@@ -201,5 +201,7 @@ MOE_CASES = [
     case("HunYuanMoEV1ForCausalLM", HunYuanMoEV1Config, head_dim=16, num_experts=4, moe_topk=2, intermediate_size=32),
 ]
 
-# MoE: experts sharded over the ranks' intermediate features
-MOE_TP_CASES = ["MixtralForCausalLM"]
+# MoE (experts sharded by their intermediate features) and MLA (heads sharded, the latent replicated)
+MOE_TP_CASES = ["MixtralForCausalLM", "DeepseekV3ForCausalLM"]
+# expert parallelism: TP=2 ranks holding 4 of the 8 experts each, a sharded shared expert beside them
+EP_CASES = ["Qwen2MoeForCausalLM"]
