@@ -7,18 +7,19 @@ its family routes or stores differently, so that a wrong flag changes the tokens
 from __future__ import annotations
 
 from transformers import (
+    DbrxConfig,
     DeepseekV2Config,
     DeepseekV3Config,
-    DbrxConfig,
+    Dots1Config,
     Ernie4_5_MoeConfig,
-    HunYuanMoEV1Config,
     FlexOlmoConfig,
+    Glm4MoeConfig,
+    GptOssConfig,
     GraniteMoeConfig,
     GraniteMoeSharedConfig,
     GraniteMoeSWAConfig,
-    Dots1Config,
-    Glm4MoeConfig,
-    GptOssConfig,
+    HunYuanMoEV1Config,
+    MiniCPM3Config,
     MiniMaxM2Config,
     MixtralConfig,
     OlmoeConfig,
@@ -159,7 +160,6 @@ MOE_CASES = [
         moe_num_shared_experts=1,
         use_bias=True,
     ),
-    # q/k norms after the rotary, a shared MLP beside the experts, float32 router
     # fused Wqkv clamped, bias-free LayerNorm, flat expert tensors, weights divided by their 2-norm
     case(
         "DbrxForCausalLM",
@@ -198,6 +198,21 @@ MOE_CASES = [
         rope_interleave=False,
         **DEEPSEEK_V3_MOE,
     ),
+    # latent attention with rotate-half rotary and a dense MLP; embedding, residual and logits scalings
+    case(
+        "MiniCPM3ForCausalLM",
+        MiniCPM3Config,
+        num_key_value_heads=4,
+        kv_lora_rank=32,
+        q_lora_rank=48,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=24,
+        scale_emb=4.0,
+        scale_depth=1.4,
+        dim_model_base=32,
+    ),
+    # q/k norms after the rotary, a shared MLP beside the experts, float32 router
     case("HunYuanMoEV1ForCausalLM", HunYuanMoEV1Config, head_dim=16, num_experts=4, moe_topk=2, intermediate_size=32),
 ]
 
