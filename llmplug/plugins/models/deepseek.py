@@ -18,7 +18,13 @@ from llmplug.layers.decoder import DecoderArchConfig, DecoderForCausalLM, MLACon
 from llmplug.layers.layernorm import NormConfig
 from llmplug.layers.moe import RouterConfig
 from llmplug.plugins.models.arch_config import layers_of, sizes_of
-from llmplug.plugins.models.deepseek_moe import deepseek_moe, deepseek_v2_router, deepseek_v3_router, first_k_dense
+from llmplug.plugins.models.deepseek_moe import (
+    deepseek_moe,
+    deepseek_v2_router,
+    deepseek_v3_router,
+    first_k_dense,
+    next_layer_dropped,
+)
 
 __all__ = ["DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "mla_config_of", "mla_scale"]
 
@@ -85,3 +91,4 @@ class DeepseekV3ForCausalLM(DecoderForCausalLM):
     """DeepSeek-V3 / R1 (HF architecture DeepseekV3ForCausalLM)."""
 
     arch_config_of = staticmethod(deepseek_v3_arch_config)
+    checkpoint_names_of = staticmethod(next_layer_dropped)

@@ -2,7 +2,8 @@
 
 Glm4Moe: partial rotary (half of each head), q/k/v bias (`attention_bias`, o_proj without), optional
 per-head q/k RMSNorm (`use_qk_norm`). Dots1: Qwen3's attention (per-head q/k RMSNorm), windows by layer
-type. Both keep the first `first_k_dense_replace` layers dense. Checkpoint names are transformers'.
+type. Both keep the first `first_k_dense_replace` layers dense. Checkpoint names are transformers';
+GLM-4.5's multi-token-prediction layer (after the last layer) is dropped, as transformers does.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from transformers import PretrainedConfig
 from llmplug.layers.decoder import DecoderArchConfig, DecoderForCausalLM
 from llmplug.layers.layernorm import NormConfig
 from llmplug.layers.qk_norm import QKNormConfig
-from llmplug.plugins.models.deepseek_moe import deepseek_moe, deepseek_v3_router, first_k_dense
+from llmplug.plugins.models.deepseek_moe import deepseek_moe, deepseek_v3_router, first_k_dense, next_layer_dropped
 from llmplug.plugins.models.llama import llama_fields
 
 __all__ = ["Dots1ForCausalLM", "Glm4MoeForCausalLM"]
@@ -47,6 +48,7 @@ class Glm4MoeForCausalLM(DecoderForCausalLM):
     """GLM-4.5 / GLM-4.6 (HF architecture Glm4MoeForCausalLM)."""
 
     arch_config_of = staticmethod(glm4_moe_arch_config)
+    checkpoint_names_of = staticmethod(next_layer_dropped)
 
 
 class Dots1ForCausalLM(DecoderForCausalLM):
