@@ -14,6 +14,7 @@ from transformers import (
     Ernie4_5_MoeConfig,
     FlexOlmoConfig,
     Glm4MoeConfig,
+    Glm4MoeLiteConfig,
     GptOssConfig,
     GraniteMoeConfig,
     GraniteMoeSharedConfig,
@@ -26,6 +27,8 @@ from transformers import (
     PhimoeConfig,
     Qwen2MoeConfig,
     Qwen3MoeConfig,
+    SolarOpenConfig,
+    YoutuConfig,
 )
 
 from .cases import case
@@ -202,7 +205,7 @@ MOE_CASES = [
     case(
         "MiniCPM3ForCausalLM",
         MiniCPM3Config,
-        num_key_value_heads=4,
+        num_key_value_heads=4,  # transformers expands the latent to every head
         kv_lora_rank=32,
         q_lora_rank=48,
         qk_nope_head_dim=16,
@@ -212,11 +215,53 @@ MOE_CASES = [
         scale_depth=1.4,
         dim_model_base=32,
     ),
+    # DeepSeek V3 with its MoE layers by type: the dense one last, interleaved rotary, a q LoRA
+    case(
+        "Glm4MoeLiteForCausalLM",
+        Glm4MoeLiteConfig,
+        num_key_value_heads=4,  # transformers expands the latent to every head
+        kv_lora_rank=32,
+        q_lora_rank=48,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=24,
+        mlp_layer_types=["sparse", "dense"],
+        **DEEPSEEK_V3_MOE | {"first_k_dense_replace": None},
+    ),
+    # latent attention with interleaved rotary in the Llama decoder, a dense MLP, latent biases
+    case(
+        "YoutuForCausalLM",
+        YoutuConfig,
+        num_key_value_heads=4,  # transformers expands the latent to every head
+        kv_lora_rank=32,
+        q_lora_rank=48,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=24,
+        attention_bias=True,
+    ),
+    # Llama attention with q/k/v biases, DeepSeek V3 routing on every layer
+    case("SolarOpenForCausalLM", SolarOpenConfig, head_dim=16, attention_bias=True, **DEEPSEEK_V3_MOE),
     # q/k norms after the rotary, a shared MLP beside the experts, float32 router
     case("HunYuanMoEV1ForCausalLM", HunYuanMoEV1Config, head_dim=16, num_experts=4, moe_topk=2, intermediate_size=32),
 ]
 
-# MoE (experts sharded by their intermediate features) and MLA (heads sharded, the latent replicated)
-MOE_TP_CASES = ["MixtralForCausalLM", "DeepseekV3ForCausalLM"]
+# one case per family module: experts sharded by their intermediate features, heads of latent attention
+# sharded with the latent replicated; and what each family shards beside them (expert and router biases,
+# sinks, q/k norms over whole projections, shared experts, fused Wqkv, a q LoRA)
+MOE_TP_CASES = [
+    "MixtralForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "OlmoeForCausalLM",
+    "GraniteMoeSharedForCausalLM",
+    "GptOssForCausalLM",
+    "Glm4MoeForCausalLM",
+    "MiniMaxM2ForCausalLM",
+    "Ernie4_5_MoeForCausalLM",
+    "HunYuanMoEV1ForCausalLM",
+    "DbrxForCausalLM",
+    "DeepseekV3ForCausalLM",
+    "MiniCPM3ForCausalLM",
+]
 # expert parallelism: TP=2 ranks holding 4 of the 8 experts each, a sharded shared expert beside them
 EP_CASES = ["Qwen2MoeForCausalLM"]

@@ -5,19 +5,22 @@ Both: the first `first_k_dense_replace` layers keep a dense MLP of `intermediate
 (greedy or group-limited), V3 by sigmoid with a score-correction bias and grouped top-k. The rotary
 (over qk_rope_head_dim, interleaved pairs unless V3's `rope_interleave` is off) may be YaRN; with its
 `mscale_all_dim` the attention scale is multiplied by mscale^2, as DeepSeek does.
+
+Also here, being DeepSeek V3 with one difference each: GLM-4.7-Flash (Glm4MoeLite: MoE layers named by
+`mlp_layer_types`) and Youtu-LLM (V3's latent attention in the Llama decoder with a dense MLP).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 from transformers import PretrainedConfig
 
 from llmplug.layers.decoder import DecoderArchConfig, DecoderForCausalLM, MLAConfig, MLPConfig
 from llmplug.layers.layernorm import NormConfig
 from llmplug.layers.moe import RouterConfig
-from llmplug.plugins.models.arch_config import layers_of, sizes_of
+from llmplug.plugins.models.arch_config import layers_of, moe_layers, sizes_of
 from llmplug.plugins.models.deepseek_moe import (
     deepseek_moe,
     deepseek_v2_router,
@@ -25,8 +28,16 @@ from llmplug.plugins.models.deepseek_moe import (
     first_k_dense,
     next_layer_dropped,
 )
+from llmplug.plugins.models.llama import llama_fields
 
-__all__ = ["DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "mla_config_of", "mla_scale"]
+__all__ = [
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
+    "Glm4MoeLiteForCausalLM",
+    "YoutuForCausalLM",
+    "mla_config_of",
+    "mla_scale",
+]
 
 LATENT_NORM_EPS = 1e-6  # transformers' DeepSeek q_a_layernorm / kv_a_layernorm use the RMSNorm default
 
@@ -55,12 +66,15 @@ def mla_scale(hf: PretrainedConfig) -> float:
     return scale
 
 
-def deepseek_fields(hf: PretrainedConfig, router: RouterConfig, interleaved: bool) -> dict[str, Any]:
-    """The DecoderArchConfig fields DeepSeek V2 and V3 share."""
+def deepseek_fields(
+    hf: PretrainedConfig, router: RouterConfig, interleaved: bool, is_moe: Callable[[int], bool] | None = None
+) -> dict[str, Any]:
+    """The DecoderArchConfig fields DeepSeek V2 and V3 share; MoE layers from `first_k_dense_replace` on
+    unless `is_moe` says which."""
     layers = layers_of(hf, is_neox_style=not interleaved)
     return dict(
         **sizes_of(hf),
-        layers=first_k_dense(hf, layers),
+        layers=first_k_dense(hf, layers) if is_moe is None else moe_layers(layers, is_moe),
         norm=NormConfig("rms", hf.rms_norm_eps),
         mlp=MLPConfig(hf.hidden_act, bias=bool(getattr(hf, "mlp_bias", False))),
         moe=deepseek_moe(hf, router),
@@ -81,6 +95,24 @@ def deepseek_v3_arch_config(hf: PretrainedConfig) -> DecoderArchConfig:
     return DecoderArchConfig(**deepseek_fields(hf, deepseek_v3_router(hf), interleaved=bool(hf.rope_interleave)))
 
 
+def glm4_moe_lite_arch_config(hf: PretrainedConfig) -> DecoderArchConfig:
+    """Glm4MoeLiteForCausalLM: DeepSeek V3 with its MoE layers named by `mlp_layer_types`."""
+    is_moe = lambda i: hf.mlp_layer_types[i] == "sparse"  # noqa: E731
+    return DecoderArchConfig(
+        **deepseek_fields(hf, deepseek_v3_router(hf), interleaved=bool(hf.rope_interleave), is_moe=is_moe)
+    )
+
+
+def youtu_arch_config(hf: PretrainedConfig) -> DecoderArchConfig:
+    """YoutuForCausalLM: DeepSeek V3's latent attention in the Llama decoder with a dense MLP."""
+    return DecoderArchConfig(
+        **llama_fields(hf) | {"layers": layers_of(hf, is_neox_style=not hf.rope_interleave)},
+        mla=mla_config_of(hf),
+        attention_scale=mla_scale(hf),
+        o_proj_bias=bool(hf.attention_bias),
+    )
+
+
 class DeepseekV2ForCausalLM(DecoderForCausalLM):
     """DeepSeek-V2 / V2-Lite (HF architecture DeepseekV2ForCausalLM)."""
 
@@ -92,3 +124,16 @@ class DeepseekV3ForCausalLM(DecoderForCausalLM):
 
     arch_config_of = staticmethod(deepseek_v3_arch_config)
     checkpoint_names_of = staticmethod(next_layer_dropped)
+
+
+class Glm4MoeLiteForCausalLM(DecoderForCausalLM):
+    """GLM-4.7-Flash (HF architecture Glm4MoeLiteForCausalLM)."""
+
+    arch_config_of = staticmethod(glm4_moe_lite_arch_config)
+    checkpoint_names_of = staticmethod(next_layer_dropped)
+
+
+class YoutuForCausalLM(DecoderForCausalLM):
+    """Youtu-LLM (HF architecture YoutuForCausalLM)."""
+
+    arch_config_of = staticmethod(youtu_arch_config)
