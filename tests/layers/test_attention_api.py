@@ -117,3 +117,11 @@ def test_a_latent_layer_takes_no_v_and_its_cache_holds_keys_only() -> None:
     bind_kv_cache(layer, None, TorchSDPABackend)
     with pytest.raises(ValueError, match="values_in_keys=5"):
         layer(torch.zeros(2, 4 * D), torch.zeros(2, D), torch.zeros(2, D))
+
+
+def test_the_triton_backend_refuses_a_latent_layer_naming_the_feature() -> None:
+    from llmplug.layers.attention.triton_backend import TritonAttentionBackend
+
+    layer = Attention(4, D, 0.5, 1, prefix="m.attn", values_in_keys=5)
+    with pytest.raises(ValueError, match=r"does not implement \['values_in_keys'\].*layer 'm.attn'"):
+        bind_kv_cache(layer, None, TritonAttentionBackend)
