@@ -39,7 +39,12 @@ class ModelConfig(_Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weight and activation dtype; auto: the platform's preferred dtype."
     )
-    max_model_len: int | None = Field(None, gt=0, description="Context length; default: the model's.")
+    max_model_len: int | None = Field(
+        None,
+        gt=0,
+        description="Context length; default: the model's (max_position_embeddings, n_positions, max_seq_len, ...; "
+        "2048 if its config names none).",
+    )
     seed: int = Field(0, description="Seed of the engine's random state (per-request seeds override).")
     skip_tokenizer_init: bool = Field(False, description="Do not load a tokenizer; prompts must be token ids.")
     trust_remote_code: bool = Field(False, description="Allow transformers to run code from the model directory.")
@@ -96,6 +101,13 @@ class ParallelConfig(_Section):
     tensor_parallel_size: int = Field(1, gt=0, description="Ranks that split each layer.")
     pipeline_parallel_size: int = Field(1, gt=0, description="Ranks that split the layer stack.")
     data_parallel_size: int = Field(1, gt=0, description="Independent engine replicas.")
+    enable_expert_parallel: bool = Field(
+        False,
+        description=(
+            "Mixture-of-experts layers: each tensor-parallel rank holds whole experts (a share of them) instead of "
+            "a slice of every expert; the same one all-reduce per layer either way."
+        ),
+    )
     executor: str | None = Field(
         None,
         description=(
@@ -291,6 +303,7 @@ ALIASES: dict[str, str] = {
     "tensor_parallel_size": "parallel.tensor_parallel_size",
     "pipeline_parallel_size": "parallel.pipeline_parallel_size",
     "data_parallel_size": "parallel.data_parallel_size",
+    "enable_expert_parallel": "parallel.enable_expert_parallel",
     "distributed_executor_backend": "parallel.executor",
     "load_format": "load.format",
     "download_dir": "load.download_dir",

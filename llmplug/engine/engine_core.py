@@ -66,13 +66,11 @@ class EngineCore:
         return Speculator(spec, proposer)
 
     def _resolve_max_model_len(self) -> int:
-        model_len = self.model_info["max_position_embeddings"]
+        model_len = self.model_info["context_length"]
         asked = self.config.model.max_model_len
         if asked is None:
-            if model_len is None:
-                raise ConfigError("model.max_model_len is not set and the model config has no max_position_embeddings")
             return int(model_len)
-        if model_len is not None and asked > model_len:
+        if asked > model_len:
             logger.warning("model.max_model_len=%d exceeds the model's %d positions", asked, model_len)
         return asked
 

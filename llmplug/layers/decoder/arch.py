@@ -8,12 +8,15 @@ choice, so an adapter names only what its family changes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Literal, Mapping
 
 from llmplug.layers.layernorm import NormConfig
 from llmplug.layers.qk_norm import QKNormConfig
 
-__all__ = ["DecoderArchConfig", "LayerConfig", "MLPConfig", "RopeConfig"]
+if TYPE_CHECKING:  # the MoE block builds its shared experts from this package's MLP
+    from llmplug.layers.moe.config import MoEConfig
+
+__all__ = ["DecoderArchConfig", "HeadTransformConfig", "LayerConfig", "MLAConfig", "MLPConfig", "RopeConfig"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +28,7 @@ class RopeConfig:
     scaling: Mapping[str, Any] | None = None  # rope_scaling / rope_parameters without rope_theta; None: plain RoPE
     partial_rotary_factor: float = 1.0  # share of each head's leading dims that are rotated
     is_neox_style: bool = True  # rotate-half pairs (i, i + d/2); False: interleaved pairs (2i, 2i + 1), GPT-J style
+    inverted: bool = False  # rotate by minus the angle (NanoChat's flipped rotate_half)
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +37,9 @@ class LayerConfig:
 
     rope: RopeConfig | None  # None: no rotary embedding in this layer (NoPE)
     sliding_window: int | None = None  # None: attends to the whole context
+    o_proj_bias: bool = False  # a bias on this layer's output projection alone (GPT-NeoX-Japanese: the last layer)
+    input_norm: bool = True  # False: no norm before this layer's attention (ModernBERT's first layer)
+    moe: bool = False  # the MLP is the arch's mixture of experts (DecoderArchConfig.moe), else the dense one
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +49,38 @@ class MLPConfig:
     activation: str = "silu"  # a name of llmplug.layers.activation.ACTIVATIONS, or "xielu"
     gated: bool = True
     bias: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class HeadTransformConfig:
+    """dense -> activation -> norm between the final norm and the LM head (ModernBERT's prediction head)."""
+
+    activation: str  # a name of llmplug.layers.activation.ACTIVATIONS
+    bias: bool = False  # on the dense layer
+
+
+@dataclass(frozen=True, slots=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek V2/V3): keys and values come from one compressed latent per token.
+
+    q = q_proj(x), or q_b_proj(norm(q_a_proj(x))) with a `q_lora_rank`; each head is [nope | rope] dims.
+    kv_a_proj_with_mqa(x) = [c_kv (kv_lora_rank) | k_pe (qk_rope_head_dim)]; c_kv is normalized, k_pe
+    rotated (one for all heads); kv_b_proj(c_kv) expands to each head's [k_nope | v]. The KV cache holds
+    [c_kv | k_pe] only; the rotary of the arch (its `head_dim` is qk_rope_head_dim) rotates q_pe, k_pe.
+    """
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None  # None: q projected directly
+    latent_norm_eps: float = 1e-6  # of q_a_layernorm and kv_a_layernorm
+    latent_bias: bool = False  # q_a_proj and kv_a_proj_with_mqa have a bias (DeepSeek V2's attention_bias)
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Dims of each head's query (and expanded key): nope + rope."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,13 +97,17 @@ class DecoderArchConfig:
     head_dim: int
     layers: tuple[LayerConfig, ...]  # one per layer: rotary and attention window
     norm: NormConfig = NormConfig()  # every norm of the model (the q/k norms have their own)
-    mlp: MLPConfig = MLPConfig()
+    mlp: MLPConfig = MLPConfig()  # the dense MLP (of `intermediate_size`)
+    moe: MoEConfig | None = None  # the mixture-of-experts MLP of the layers marked `moe`
 
     # attention
     qkv_bias: bool = False  # bias on q, k, v projections
     o_proj_bias: bool = False
     qk_norm: QKNormConfig | None = None  # norm of q and k before rotary
+    mla: MLAConfig | None = None  # multi-head latent attention instead of q/k/v projections (DeepSeek V2/V3)
     clip_qkv: float | None = None  # q, k, v clamped to [-clip_qkv, clip_qkv] (OLMo, MPT)
+    # (beta, length): after rotary, q at position p times 1 + beta * log(1 + floor(p / length)) (Ministral 3)
+    query_position_scale: tuple[float, int] | None = None
     attention_scale: float | None = None  # None: head_dim ** -0.5
     attn_logit_softcap: float | None = None  # scores = cap * tanh(scores / cap) (Gemma 2)
     alibi: bool = False  # ALiBi biases instead of positions (Bloom, MPT, Falcon-RW)
@@ -75,6 +118,7 @@ class DecoderArchConfig:
     # layer structure
     pre_norm: bool = True  # norm before each sublayer (input_layernorm, post_attention_layernorm)
     post_norm: bool = False  # norm of each sublayer's output before the residual add (OLMo 2; with pre: Gemma 2)
+    norm_after_residual: bool = False  # x = norm(x + sublayer(x)), no pre-norm (post-LN: GPT-1, OPT-350m)
     parallel_residual: bool = False  # x + attn(norm(x)) + mlp(norm'(x)) (GPT-J, GPT-NeoX, Falcon, Phi, Cohere)
     parallel_mlp_norm: bool = False  # with parallel_residual: the MLP has its own norm' (GPT-NeoX, Falcon-40B)
     residual_multiplier: float = 1.0  # sublayer outputs scaled before the residual add (Granite)
@@ -82,11 +126,15 @@ class DecoderArchConfig:
     # embeddings and positions
     embedding_multiplier: float = 1.0  # token embeddings scaled (Gemma: sqrt(hidden), Granite)
     embedding_norm: bool = False  # a norm right after the embeddings (Bloom)
-    absolute_positions: Literal["learned", "sinusoidal"] | None = None  # added to the token embeddings
+    embedding_dim: int | None = None  # token embeddings (and LM head) of another width, projected in/out (OPT-350m)
+    # added to the token embeddings; sinusoidal: XGLM's table, sinusoidal_paper: the Transformer paper's (CTRL)
+    absolute_positions: Literal["learned", "sinusoidal", "sinusoidal_paper"] | None = None
     position_offset: int = 0  # row of position p in the position table is p + offset (OPT, XGLM: 2)
     max_position: int = 0  # rows of the position table (without the offset)
 
     # output
+    final_norm: bool = True  # False: the last layer's output goes to the head as it is (post-LN models)
+    head_transform: HeadTransformConfig | None = None  # dense, activation and norm before the LM head
     tie_word_embeddings: bool = False
     lm_head_bias: bool = False
     logits_multiplier: float = 1.0  # logits scaled (Cohere's logit_scale, 1 / Granite's logits_scaling)
@@ -99,8 +147,12 @@ class DecoderArchConfig:
             raise ValueError(f"{self.architecture}: parallel_mlp_norm needs parallel_residual")
         if self.parallel_residual and self.post_norm:
             raise ValueError(f"{self.architecture}: a parallel residual with post-sublayer norms is not modelled")
-        if not (self.pre_norm or self.post_norm):
-            raise ValueError(f"{self.architecture}: a layer needs pre_norm, post_norm or both")
+        if self.norm_after_residual and (self.pre_norm or self.post_norm or self.parallel_residual):
+            raise ValueError(f"{self.architecture}: norm_after_residual replaces pre_norm, post_norm and parallel_residual")
+        if not (self.pre_norm or self.post_norm or self.norm_after_residual):
+            raise ValueError(f"{self.architecture}: a layer needs pre_norm, post_norm, both, or norm_after_residual")
+        if any(layer.moe for layer in self.layers) and self.moe is None:
+            raise ValueError(f"{self.architecture}: layers marked moe need a MoEConfig (DecoderArchConfig.moe)")
         if self.absolute_positions and self.max_position <= 0:
             raise ValueError(f"{self.architecture}: absolute positions need max_position > 0")
 

@@ -1,5 +1,6 @@
-"""The self-attention block of the generic decoder: fused q/k/v projection, optional clamp and q/k norms,
-in-place rotary, paged attention (with the layer's window, soft-cap, ALiBi, sinks), output projection."""
+"""The self-attention block of the generic decoder: fused q/k/v projection, optional clamp and q/k norms
+(before or after rotary), in-place rotary, an optional per-position query scale, paged attention (with the
+layer's window, soft-cap, ALiBi, sinks), output projection."""
 
 from __future__ import annotations
 
@@ -36,12 +37,13 @@ class DecoderAttention(nn.Module):
         self.o_proj = RowParallelLinear(
             arch.num_heads * d,
             arch.hidden_size,
-            arch.o_proj_bias,
+            arch.o_proj_bias or layer.o_proj_bias,
             reduce_results=reduce_results,
             prefix=_join(prefix, "o_proj"),
         )
         self.clip_qkv = arch.clip_qkv
         self.q_norm, self.k_norm = self._qk_norms(arch)
+        self.qk_norm_after_rope = arch.qk_norm is not None and arch.qk_norm.after_rope
         self.attn = Attention(
             self.num_heads,
             d,
@@ -65,6 +67,12 @@ class DecoderAttention(nn.Module):
             make_qk_norm(arch.qk_norm, self.num_kv_heads, self.head_dim, first_kv_head),
         )
 
+    def _norm_qk_(self, qk: torch.Tensor) -> None:
+        """Normalize q and k of qk [T, H + Hkv, D] in place (no norm: nothing)."""
+        if self.q_norm is not None:
+            qk[:, : self.num_heads] = self.q_norm(qk[:, : self.num_heads])
+            qk[:, self.num_heads :] = self.k_norm(qk[:, self.num_heads :])
+
     def _alibi_slopes(self, arch: DecoderArchConfig) -> torch.Tensor:
         """[num_heads of this rank] float32 ALiBi slopes (times the attention scale where the family scales them)."""
         slopes = alibi_slopes(arch.num_heads, arch.alibi_max_bias)
@@ -72,17 +80,23 @@ class DecoderAttention(nn.Module):
         slopes = slopes[first : first + self.num_heads]
         return slopes * arch.scale if arch.alibi_scaled else slopes
 
-    def forward(self, hidden: torch.Tensor, rope: RotaryCosSin | None) -> torch.Tensor:
-        """[T, hidden] -> [T, hidden] (this rank's partial sum when reduce_results=False)."""
+    def forward(
+        self, hidden: torch.Tensor, rope: RotaryCosSin | None, query_scale: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """[T, hidden] -> [T, hidden] (this rank's partial sum when reduce_results=False); `query_scale`
+        [T, 1, 1] multiplies q after rotary (the decoder's `query_position_scale`)."""
         qkv = self.qkv_proj(hidden)  # [T, (H + 2 * Hkv) * D]
         if self.clip_qkv is not None:
             qkv.clamp_(-self.clip_qkv, self.clip_qkv)
         q_end, k_end = self.q_size, self.q_size + self.kv_size
         qk = qkv[:, :k_end].view(qkv.shape[0], self.num_heads + self.num_kv_heads, self.head_dim)  # [T, H + Hkv, D]
-        if self.q_norm is not None:  # written back into qkv
-            qk[:, : self.num_heads] = self.q_norm(qk[:, : self.num_heads])
-            qk[:, self.num_heads :] = self.k_norm(qk[:, self.num_heads :])
+        if not self.qk_norm_after_rope:
+            self._norm_qk_(qk)
         if rope is not None:
             rope.apply_(qk)  # rotates q and k inside qkv
+        if self.qk_norm_after_rope:
+            self._norm_qk_(qk)
+        if query_scale is not None:
+            qk[:, : self.num_heads].mul_(query_scale)
         out = self.attn(qkv[:, :q_end], qkv[:, q_end:k_end], qkv[:, k_end:])  # [T, H * D]
         return self.o_proj(out)
