@@ -13,7 +13,7 @@ Llama) and some store several projections as one tensor. A `CheckpointNames` say
   `xattn.c_attn`);
 - `transposed`: modules (model names) whose checkpoint weights are stored [in, out] (GPT-2's Conv1D);
 - `fused`: modules (model names) whose checkpoint tensor holds several projections, with its layout
-  (`QKV_*`, `GATE_UP`); the tensor is split into the parts' own names (`q_proj`, `k_proj`, `v_proj`,
+  (`QKV_*`, `GATE_UP`, `UP_GATE`); the tensor is split into the parts' own names (`q_proj`, `k_proj`, `v_proj`,
   `gate_proj`, `up_proj`), which the model's stacked-parameter map then loads into its fused layers;
 - `ignored`: checkpoint name suffixes the model knowingly drops (e.g. GPT-2's causal-mask buffers).
 
@@ -37,6 +37,7 @@ __all__ = [
     "QKV_CONTIGUOUS",
     "QKV_GROUPED",
     "QKV_PER_HEAD",
+    "UP_GATE",
     "CheckpointNames",
     "HeadLayout",
 ]
@@ -46,6 +47,7 @@ QKV_CONTIGUOUS = "qkv_contiguous"  # [q heads | k heads | v heads] (Phi-3, GPT-2
 QKV_PER_HEAD = "qkv_per_head"  # [heads, (q, k, v), head_dim] (GPT-NeoX, Bloom, Falcon)
 QKV_GROUPED = "qkv_grouped"  # [kv_heads, (q of the group..., k, v), head_dim] (Falcon's new decoder)
 GATE_UP = "gate_up"  # [gate | up] (Phi-3)
+UP_GATE = "up_gate"  # [up | gate] (GTE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +89,7 @@ _LAYOUTS: dict[str, tuple[tuple[str, ...], Callable[[torch.Tensor, HeadLayout], 
     QKV_PER_HEAD: (_QKV_PARTS, _split_qkv_per_head),
     QKV_GROUPED: (_QKV_PARTS, _split_qkv_grouped),
     GATE_UP: (("gate_proj", "up_proj"), _split_halves),
+    UP_GATE: (("up_proj", "gate_proj"), _split_halves),
 }
 
 

@@ -25,7 +25,10 @@ class Attention(nn.Module):
     - `logit_softcap` c: scores = c * tanh(scores / c), after `scale`, before masking and ALiBi;
     - `alibi_slopes` [num_heads] (float32): slope_h * (j - i) added to head h's scores;
     - `use_sinks`: a learned logit per head (the `sinks` parameter, float32) joins each softmax's
-      denominator and contributes no value.
+      denominator and contributes no value;
+    - `causal=False` ("bidirectional", encoders): each query sees every key of its own request (with a
+      `sliding_window` W, the keys |i - j| < W); the step must hold each request's whole prompt, and
+      no KV cache is needed (`bind_kv_cache(model, None, backend)`).
     Only `sinks` is a weight; heads are this tensor-parallel rank's (`alibi_slopes` already sliced).
     """
 
@@ -41,6 +44,7 @@ class Attention(nn.Module):
         logit_softcap: float | None = None,
         alibi_slopes: torch.Tensor | None = None,
         use_sinks: bool = False,
+        causal: bool = True,
     ) -> None:
         super().__init__()
         self.num_heads, self.head_dim, self.scale = num_heads, head_dim, scale
@@ -50,6 +54,9 @@ class Attention(nn.Module):
         self.num_queries_per_kv = self.num_heads // self.num_kv_heads
         self.layer_name = prefix
         _check_features(prefix, num_heads, sliding_window, logit_softcap, alibi_slopes)
+        if not causal and (logit_softcap is not None or alibi_slopes is not None or use_sinks):
+            raise ValueError(f"Attention {prefix!r}: bidirectional attention with soft-capping, ALiBi or sinks is not modelled")
+        self.causal = causal
         self.sliding_window = sliding_window
         self.logit_softcap = logit_softcap
         # a buffer, so it follows the model to its device; not persistent: no checkpoint holds it
@@ -70,6 +77,7 @@ class Attention(nn.Module):
             "logit_softcap": self.logit_softcap is not None,
             "alibi": self.alibi_slopes is not None,
             "sinks": self.sinks is not None,
+            "bidirectional": not self.causal,
         }
         return frozenset(name for name, on in used.items() if on)
 
@@ -94,7 +102,7 @@ class Attention(nn.Module):
             text += f", sliding_window={self.sliding_window}"
         if self.logit_softcap is not None:
             text += f", logit_softcap={self.logit_softcap}"
-        return text + "".join(f", {name}" for name in sorted(self.features & {"alibi", "sinks"}))
+        return text + "".join(f", {name}" for name in sorted(self.features & {"alibi", "sinks", "bidirectional"}))
 
 
 def _check_features(

@@ -1,7 +1,8 @@
 """The generic decoder-only transformer every dense decoder family is a config of.
 
 Exports the typed config (`DecoderArchConfig`, `LayerConfig`, `MLPConfig`, `RopeConfig`), the model
-(`DecoderForCausalLM`, `DecoderModel`) and its blocks (`DecoderLayer`, `DecoderAttention`,
+(`DecoderForCausalLM`, `DecoderModel`; `TransformerForPooling` for embeddings and classifiers, encoders
+included) and its blocks (`DecoderLayer`, `DecoderAttention`,
 `DecoderMLP`). A family plugin writes an adapter from its HF config to a `DecoderArchConfig` and,
 when its checkpoint names differ from transformers' Llama names, a `CheckpointNames`
 (llmplug.layers.checkpoint_names); see docs/models.md.
@@ -12,6 +13,7 @@ from llmplug.layers.decoder.attention import DecoderAttention
 from llmplug.layers.decoder.layer import DecoderLayer
 from llmplug.layers.decoder.mlp import DecoderMLP
 from llmplug.layers.decoder.model import DecoderForCausalLM, DecoderModel, stacked_params
+from llmplug.layers.decoder.pooling import TransformerForPooling, as_pooling_model
 
 __all__ = [
     "DecoderArchConfig",
@@ -23,5 +25,7 @@ __all__ = [
     "LayerConfig",
     "MLPConfig",
     "RopeConfig",
+    "TransformerForPooling",
+    "as_pooling_model",
     "stacked_params",
 ]

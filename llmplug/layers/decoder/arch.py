@@ -1,8 +1,10 @@
-"""The typed, frozen description of a decoder-only transformer that `DecoderForCausalLM` builds.
+"""The typed, frozen description of a transformer that `DecoderForCausalLM` (or, for embeddings and
+classifiers, `TransformerForPooling`) builds.
 
 A family's config adapter (llmplug/plugins/models/) reads its HF config once into a
 `DecoderArchConfig`; the generic decoder reads nothing else. Every field defaults to the Llama
-choice, so an adapter names only what its family changes.
+choice, so an adapter names only what its family changes. An encoder (BERT, ModernBERT) is the same
+transformer with `causal=False`, and BERT's norms after each residual add are `norm_after_residual`.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ class LayerConfig:
     """What may differ from one layer to the next."""
 
     rope: RopeConfig | None  # None: no rotary embedding in this layer (NoPE)
-    sliding_window: int | None = None  # None: attends to the whole context
+    sliding_window: int | None = None  # None: attends to the whole context (bidirectional: keys |i - j| < W)
+    input_norm: bool = True  # pre-norm layers: False skips the norm before attention (ModernBERT's first layer)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +45,7 @@ class MLPConfig:
     activation: str = "silu"  # a name of llmplug.layers.activation.ACTIVATIONS, or "xielu"
     gated: bool = True
     bias: bool = False
+    down_bias: bool | None = None  # None: as `bias` (GTE: only down_proj has one)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +75,7 @@ class DecoderArchConfig:
     alibi_max_bias: float = 8.0
     alibi_scaled: bool = False  # the bias is multiplied by the attention scale too (Falcon)
     attention_sinks: bool = False  # a learned per-head sink logit
+    causal: bool = True  # False: every token attends to the whole prompt (encoders; no KV cache, never chunked)
 
     # layer structure
     pre_norm: bool = True  # norm before each sublayer (input_layernorm, post_attention_layernorm)
@@ -78,6 +83,8 @@ class DecoderArchConfig:
     parallel_residual: bool = False  # x + attn(norm(x)) + mlp(norm'(x)) (GPT-J, GPT-NeoX, Falcon, Phi, Cohere)
     parallel_mlp_norm: bool = False  # with parallel_residual: the MLP has its own norm' (GPT-NeoX, Falcon-40B)
     residual_multiplier: float = 1.0  # sublayer outputs scaled before the residual add (Granite)
+    norm_after_residual: bool = False  # x = norm(x + sublayer(x)) after each sublayer (BERT's post-LN)
+    final_norm: bool = True  # a norm after the last layer
 
     # embeddings and positions
     embedding_multiplier: float = 1.0  # token embeddings scaled (Gemma: sqrt(hidden), Granite)
@@ -85,6 +92,7 @@ class DecoderArchConfig:
     absolute_positions: Literal["learned", "sinusoidal"] | None = None  # added to the token embeddings
     position_offset: int = 0  # row of position p in the position table is p + offset (OPT, XGLM: 2)
     max_position: int = 0  # rows of the position table (without the offset)
+    type_vocab_size: int = 0  # token-type (segment) embeddings added to the token embeddings (BERT); 0: none
 
     # output
     tie_word_embeddings: bool = False
@@ -99,8 +107,10 @@ class DecoderArchConfig:
             raise ValueError(f"{self.architecture}: parallel_mlp_norm needs parallel_residual")
         if self.parallel_residual and self.post_norm:
             raise ValueError(f"{self.architecture}: a parallel residual with post-sublayer norms is not modelled")
-        if not (self.pre_norm or self.post_norm):
-            raise ValueError(f"{self.architecture}: a layer needs pre_norm, post_norm or both")
+        if self.norm_after_residual and (self.pre_norm or self.post_norm or self.parallel_residual):
+            raise ValueError(f"{self.architecture}: norm_after_residual excludes pre_norm, post_norm and parallel_residual")
+        if not (self.pre_norm or self.post_norm or self.norm_after_residual):
+            raise ValueError(f"{self.architecture}: a layer needs pre_norm, post_norm, both, or norm_after_residual")
         if self.absolute_positions and self.max_position <= 0:
             raise ValueError(f"{self.architecture}: absolute positions need max_position > 0")
 

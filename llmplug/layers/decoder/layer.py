@@ -11,6 +11,10 @@ Norm placement, with transformers' module names (so most checkpoints need no ren
 | pre + post (Gemma 2)    | input_layernorm | post_attn * | pre_feedforward_layernorm | post_ffn ** |
 | post_norm (OLMo 2)      |                 | post_attn * |                           | post_ffn ** |
 | parallel_residual       | input_layernorm, also the MLP's unless parallel_mlp_norm: post_attention_layernorm |
+| norm_after_residual (BERT) | norm(x + attn(x)): post_attention_layernorm; norm(x + mlp(x)): post_feedforward_layernorm |
+
+A norm_after_residual layer carries no separate residual: the normed sum is the stream (it returns
+(stream, None)).
 
 (* post_attention_layernorm, ** post_feedforward_layernorm)
 """
@@ -47,13 +51,13 @@ class DecoderLayer(nn.Module):
         self.mlp = DecoderMLP(arch.mlp, arch.hidden_size, arch.intermediate_size, _join(prefix, "mlp"), reduce)
         self.residual_multiplier, self.post_norm = arch.residual_multiplier, arch.post_norm
         norm = lambda: make_norm(arch.norm, arch.hidden_size)  # noqa: E731
-        pre, post = arch.pre_norm, arch.post_norm
-        self.input_layernorm: Norm | None = norm() if pre else None
+        pre, post, self.norm_after_residual = arch.pre_norm, arch.post_norm, arch.norm_after_residual
+        self.input_layernorm: Norm | None = norm() if (pre and layer.input_norm) else None
         self.post_attention_layernorm: Norm | None = (
             norm() if (post or not self.parallel or arch.parallel_mlp_norm) else None
         )
         self.pre_feedforward_layernorm: Norm | None = norm() if (pre and post) else None
-        self.post_feedforward_layernorm: Norm | None = norm() if post else None
+        self.post_feedforward_layernorm: Norm | None = norm() if (post or self.norm_after_residual) else None
 
     # transformers' names mean different places in different layouts (see the module doc)
     @property
@@ -73,6 +77,8 @@ class DecoderLayer(nn.Module):
         at the first layer: `hidden` is the embedding output)."""
         if self.parallel:
             return self._parallel(hidden, residual, rope)
+        if self.norm_after_residual:
+            return self._norm_after_residual(hidden, residual, rope)
         hidden, residual = _add_and_norm(self.input_layernorm, hidden, residual)
         hidden = self._scaled(_norm(self.attn_out_norm, self.self_attn(hidden, rope)))
         hidden, residual = _add_and_norm(self.mlp_in_norm, hidden, residual)
@@ -87,6 +93,14 @@ class DecoderLayer(nn.Module):
         out = self.self_attn(normed, rope).add_(self.mlp(mlp_in))  # this rank's partial sums
         tp = get_tp_group()
         return self._scaled(tp.all_reduce(out) if tp.world_size > 1 else out), residual
+
+    def _norm_after_residual(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: RotaryCosSin | None
+    ) -> tuple[torch.Tensor, None]:
+        """x = norm(x + attn(x)); x = norm'(x + mlp(x)) -> (x, None): the normed sum is the whole stream."""
+        x = hidden if residual is None else hidden + residual
+        x = self.post_attention_layernorm(self._scaled(self.self_attn(x, rope)), x)[0]
+        return self.post_feedforward_layernorm(self._scaled(self.mlp(x)), x)[0], None
 
     def _scaled(self, out: torch.Tensor) -> torch.Tensor:
         """A sublayer's output times the residual multiplier (in place: it is a fresh tensor)."""

@@ -4,7 +4,7 @@ A family plugin subclasses `DecoderForCausalLM` and sets two class attributes: `
 (its HF config -> DecoderArchConfig adapter) and `checkpoint_names` (how its checkpoint names map
 onto the parameters here). Parameter names follow transformers' Llama (`model.embed_tokens`,
 `model.layers.N.self_attn.qkv_proj`, `model.norm`, `lm_head`), plus `model.embed_positions`,
-`model.embed_norm` and the norms of `DecoderLayer`.
+`model.embed_token_types`, `model.embed_norm` and the norms of `DecoderLayer`.
 
 Under pipeline parallelism a stage holds only its layers (the embeddings on the first stage, the
 final norm and the head on the last); the others are `PPMissingLayer` placeholders.
@@ -69,6 +69,10 @@ class DecoderModel(nn.Module):
         )
         if arch.absolute_positions:
             self.embed_positions = _optional(first, lambda: self._position_embedding(_join(prefix, "embed_positions")))
+        if arch.type_vocab_size:
+            self.embed_token_types = _optional(
+                first, lambda: VocabParallelEmbedding(arch.type_vocab_size, arch.hidden_size, _join(prefix, "embed_token_types"))
+            )
         if arch.embedding_norm:
             self.embed_norm = _optional(first, lambda: make_norm(arch.norm, arch.hidden_size))
         on_stage = range(self.start_layer, self.end_layer)
@@ -76,7 +80,7 @@ class DecoderModel(nn.Module):
             DecoderLayer(arch, layer, _join(prefix, f"layers.{i}")) if i in on_stage else PPMissingLayer()
             for i, layer in enumerate(arch.layers)
         )
-        self.norm = _optional(self.is_last_stage, lambda: make_norm(arch.norm, arch.hidden_size))
+        self.norm = _optional(self.is_last_stage and arch.final_norm, lambda: make_norm(arch.norm, arch.hidden_size))
         self.ropes: list[RopeConfig] = []  # distinct ropes, in the order of rotary_embs
         self.rotary_embs = nn.ModuleList()
         self.rope_of_layer = [self._rope_index(layer.rope) for layer in arch.layers]  # index into ropes, or None
@@ -100,22 +104,31 @@ class DecoderModel(nn.Module):
         dim = self.arch.rotary_dim(rope)
         return get_rope(self.arch.head_dim, dim, rope.max_position, rope.theta, rope.scaling, rope.is_neox_style)
 
-    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions [T] -> the first layer's input [T, hidden]."""
+    def embed(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """input_ids, positions (, token_type_ids: all 0 when None) [T] -> the first layer's input [T, hidden]."""
         arch = self.arch
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
         if arch.embedding_multiplier != 1.0:  # in the activations' dtype, as transformers rounds it (Gemma)
             hidden = hidden * torch.tensor(arch.embedding_multiplier, dtype=hidden.dtype)
+        if arch.type_vocab_size:
+            types = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
+            hidden = hidden + self.embed_token_types(types)
         if arch.absolute_positions:
             hidden = hidden + self.embed_positions(positions).to(hidden.dtype)
         return self.embed_norm(hidden) if arch.embedding_norm else hidden
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors: IntermediateTensors | None = None
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+        token_type_ids: torch.Tensor | None = None,
     ) -> torch.Tensor | IntermediateTensors:
         """input_ids, positions [T] -> hidden states [T, hidden] (IntermediateTensors before the last stage)."""
         if intermediate_tensors is None:
-            hidden, residual = self.embed(input_ids, positions), None
+            hidden, residual = self.embed(input_ids, positions, token_type_ids), None
         else:
             hidden, residual = intermediate_tensors["hidden_states"], intermediate_tensors["residual"]
         ropes = [emb.cos_sin(positions, hidden.dtype) for emb in self.rotary_embs]  # once per step for all layers
@@ -123,7 +136,9 @@ class DecoderModel(nn.Module):
             hidden, residual = self.layers[i](hidden, residual, self._rope(ropes, i))
         if not self.is_last_stage:
             return IntermediateTensors({"hidden_states": hidden, "residual": residual})
-        return self.norm(hidden, residual)[0]
+        if residual is None:  # norm_after_residual layers: the stream is `hidden` alone
+            return self.norm(hidden) if self.arch.final_norm else hidden
+        return self.norm(hidden, residual)[0] if self.arch.final_norm else hidden + residual
 
     def _rope(self, ropes: list[RotaryCosSin], layer: int) -> RotaryCosSin | None:
         index = self.rope_of_layer[layer]

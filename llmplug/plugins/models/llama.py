@@ -1,7 +1,9 @@
 """The Llama family: Llama, Mistral, Qwen2, Qwen3, SmolLM3 — the generic decoder with RMSNorm, RoPE, gated SiLU.
 
 They differ only in biases, q/k norms, tying, sliding windows and NoPE layers; their checkpoints use
-the decoder's own (transformers' Llama) names, so no `CheckpointNames` is needed.
+the decoder's own (transformers' Llama) names, so no `CheckpointNames` is needed. Their
+`*ForSequenceClassification` (classifiers, rerankers, reward models: last-token pooling into a
+`score` head) are the causal LMs' pooling twins.
 """
 
 from __future__ import annotations
@@ -10,16 +12,20 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
-from llmplug.layers.decoder import DecoderArchConfig, DecoderForCausalLM, MLPConfig
+from llmplug.layers.decoder import DecoderArchConfig, DecoderForCausalLM, MLPConfig, as_pooling_model
 from llmplug.layers.layernorm import NormConfig
 from llmplug.layers.qk_norm import QKNormConfig
 from llmplug.plugins.models.arch_config import layers_of, sizes_of
 
 __all__ = [
     "LlamaForCausalLM",
+    "LlamaForSequenceClassification",
     "MistralForCausalLM",
+    "MistralForSequenceClassification",
     "Qwen2ForCausalLM",
+    "Qwen2ForSequenceClassification",
     "Qwen3ForCausalLM",
+    "Qwen3ForSequenceClassification",
     "SmolLM3ForCausalLM",
     "llama_fields",
 ]
@@ -96,3 +102,9 @@ class SmolLM3ForCausalLM(DecoderForCausalLM):
     """SmolLM3 (HF architecture SmolLM3ForCausalLM)."""
 
     arch_config_of = staticmethod(smollm3_arch_config)
+
+
+LlamaForSequenceClassification = as_pooling_model(LlamaForCausalLM, classify=True)
+MistralForSequenceClassification = as_pooling_model(MistralForCausalLM, classify=True)
+Qwen2ForSequenceClassification = as_pooling_model(Qwen2ForCausalLM, classify=True)
+Qwen3ForSequenceClassification = as_pooling_model(Qwen3ForCausalLM, classify=True)
