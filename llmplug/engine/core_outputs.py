@@ -1,8 +1,10 @@
-"""What the engine core sends the engine process per request and step (plain Python, no torch)."""
+"""What the engine core sends the engine process per request and step (plain Python; a pooled result is
+a CPU tensor)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -37,3 +39,4 @@ class EngineCoreOutput:
     new_logprobs: LogprobsLists | None = None  # one position per new token
     prompt_logprobs: LogprobsLists | None = None  # the next chunk of prompt positions 1.., if requested
     num_cached_tokens: int = 0
+    pooling_output: Any = None  # a pooling request's result: a CPU torch.Tensor

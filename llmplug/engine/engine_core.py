@@ -26,20 +26,27 @@ GRAMMAR_WAIT_S = 0.05  # longest a step with nothing else to do waits for a gram
 
 
 class EngineCore:
-    """Owns the scheduler, the KV-cache manager and the executor; one `step()` is one forward pass."""
+    """Owns the scheduler, the KV-cache manager and the executor; one `step()` is one forward pass.
+
+    A pooling engine (`model_info["pooling"]` set) has no KV cache: its prompts run whole, once."""
 
     def __init__(self, config: EngineConfig):
         self.config = config
         executor_cls = get_registry().load("llmplug.executors", config.parallel.executor)
         self.executor = executor_cls(config)
         self.model_info = self.executor.collective_rpc("model_info")[0]
+        self.pooling = self.model_info.get("pooling")  # the pooling model's tasks and defaults; None: it generates
         self.max_model_len = self._resolve_max_model_len()
-        num_blocks = self._num_blocks()
+        num_blocks = 0 if self.pooling else self._num_blocks()
         self.executor.initialize_cache(num_blocks)
         cache = config.cache
-        self.kv_cache_manager = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.kv_cache_manager = (
+            None if self.pooling else KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        )
         sched = config.scheduler
         budget = sched.token_budget(self.max_model_len)
+        if self.pooling and sched.max_num_batched_tokens is None:  # a pooling prompt runs whole: let the longest fit
+            budget = max(budget, self.max_model_len)
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             max_num_seqs=sched.max_num_seqs,
@@ -52,6 +59,9 @@ class EngineCore:
 
     def _resolve_max_model_len(self) -> int:
         model_len = self.model_info["max_position_embeddings"]
+        longest_input = (self.pooling or {}).get("max_seq_length")  # a sentence-transformers folder's
+        if longest_input and model_len:
+            model_len = min(model_len, longest_input)
         asked = self.config.model.max_model_len
         if asked is None:
             if model_len is None:
@@ -127,6 +137,7 @@ class EngineCore:
                     new_logprobs=logprobs.row(row) if (logprobs is not None and row is not None) else None,
                     prompt_logprobs=runner_output.prompt_logprobs.get(req.request_id),
                     num_cached_tokens=req.num_cached_tokens,
+                    pooling_output=runner_output.pooler_output.get(req.request_id),
                 )
             )
         return outputs
@@ -148,8 +159,8 @@ class EngineCore:
             self.reset_prefix_cache()  # no block computed with the old weights may be hit again
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix (EngineStateError while requests hold blocks)."""
-        if not self.kv_cache_manager.reset_prefix_cache():
+        """Forget every cached prefix (EngineStateError while requests hold blocks); a pooling engine caches none."""
+        if self.kv_cache_manager is not None and not self.kv_cache_manager.reset_prefix_cache():
             raise EngineStateError("the prefix cache can only be reset while no request is running")
 
     def sleep(self, level: int = 1) -> None:
@@ -182,8 +193,8 @@ class EngineCore:
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
             "num_preemptions": self.scheduler.num_preemptions,
-            "kv_cache_usage": self.kv_cache_manager.usage,
-            "prefix_cache_hit_rate": self.kv_cache_manager.prefix_cache_stats.hit_rate,
+            "kv_cache_usage": self.kv_cache_manager.usage if self.kv_cache_manager else 0.0,
+            "prefix_cache_hit_rate": self.kv_cache_manager.prefix_cache_stats.hit_rate if self.kv_cache_manager else 0.0,
         }
 
     def shutdown(self) -> None:

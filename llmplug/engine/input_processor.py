@@ -29,6 +29,12 @@ class InputProcessor:
             params.max_tokens = max(room, 1) if params.max_tokens is None else min(params.max_tokens, room)
         return text, token_ids, params
 
+    def process_pooling(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(prompt text, token ids) of a prompt to pool: it may fill the whole context (nothing is generated)."""
+        text, token_ids = self._tokenize(prompt)
+        self._validate(token_ids, generates=False)
+        return text, token_ids
+
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             return prompt.get("prompt"), list(prompt["prompt_token_ids"])
@@ -41,13 +47,18 @@ class InputProcessor:
             raise InvalidRequestError("the engine runs without a tokenizer (skip_tokenizer_init): pass prompt_token_ids")
         return text, self.tokenizer.encode(text)
 
-    def _validate(self, token_ids: list[int]) -> None:
+    def _validate(self, token_ids: list[int], generates: bool = True) -> None:
         if not token_ids:
             raise InvalidRequestError("the prompt is empty")
         bad = [t for t in token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
         if bad:
             raise InvalidRequestError(f"prompt token ids out of the vocabulary [0, {self.vocab_size}): {bad[:5]}")
-        if len(token_ids) >= self.max_model_len:
+        if not generates and len(token_ids) > self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(token_ids)} tokens, but the model's context length is {self.max_model_len}: "
+                "shorten the input"
+            )
+        if generates and len(token_ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"the prompt has {len(token_ids)} tokens, but the context length is {self.max_model_len}: "
                 "shorten the prompt (it must leave room for at least one generated token)"

@@ -1,4 +1,5 @@
-"""ModelRunner: turns a SchedulerOutput into one flattened forward pass and a sampled token per request."""
+"""ModelRunner: turns a SchedulerOutput into one flattened forward pass and a sampled token per request
+(or, for pooling requests, the model's pooled result: see engine/pooling.py)."""
 
 from __future__ import annotations
 
@@ -81,6 +82,13 @@ class ModelRunner:
         hook = get_registry().hook_manager().hook
         global_processors = [p for found in hook.llmplug_logits_processors(config=self.config) for p in found]
         self.sampler = Sampler(logits_processors=global_processors)
+        self.pooling_info: dict | None = None  # a pooling model's tasks and defaults (None: it generates)
+        if getattr(self.model, "is_pooling_model", False):
+            from llmplug.engine.pooling import pooling_info
+            from llmplug.layers.pooler import PoolingType
+
+            self.pooling_info = pooling_info(self.model, self.hf_config, self.config, loader.model_path(self.config.model.model))
+            self.pooling_type = PoolingType(self.pooling_info["pooling_type"])
 
     def kv_cache_spec(self) -> KVCacheSpec:
         """The shape of this worker's share of the KV cache."""
@@ -94,12 +102,16 @@ class ModelRunner:
         return [m for m in self.model.modules() if isinstance(m, Attention)]
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate one cache tensor per attention layer and bind them to the layers."""
+        """Allocate one cache tensor per attention layer and bind them to the layers (0 blocks: a pooling
+        engine, whose prompts run whole, binds the backend without any cache)."""
+        self.num_blocks = num_blocks
+        if num_blocks == 0:
+            bind_kv_cache(self.model, None, self.attn_backend)
+            return
         spec = self.kv_cache_spec()
         shape = self.attn_backend.kv_cache_shape(num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
         caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(spec.num_layers)]
         bind_kv_cache(self.model, caches, self.attn_backend)
-        self.num_blocks = num_blocks
 
     @contextlib.contextmanager
     def profile_step(self, num_tokens: int, num_seqs: int, max_model_len: int) -> Iterator[Callable[[], None]]:
@@ -141,7 +153,7 @@ class ModelRunner:
         for req_id in scheduler_output.finished_req_ids:
             self.prompt_logprobs_sent.pop(req_id, None)
         for req in scheduler_output.requests:
-            if req.new is not None:
+            if req.new is not None and req.new.pooling_params is None:  # pooling requests need no sampling state
                 new = req.new
                 self.sampling_state.add_request(
                     new.req_id, new.sampling_params, new.prompt_token_ids, new.output_token_ids, new.eos_token_id
@@ -161,7 +173,8 @@ class ModelRunner:
         # positions: computed[i] + 0..query_lens[i]-1 for each request, without a per-token loop
         req_index = np.repeat(np.arange(len(reqs)), query_lens)
         positions = np.arange(num_tokens, dtype=np.int64) - query_start_loc[req_index] + computed[req_index]
-        max_blocks = max(len(r.block_ids) for r in reqs)
+        # pooling requests hold no blocks: their slots fall in block 0 of a cache a pooling engine lacks
+        max_blocks = max(1, max(len(r.block_ids) for r in reqs))
         block_tables = np.zeros((len(reqs), max_blocks), dtype=np.int64)
         for i, r in enumerate(reqs):
             block_tables[i, : len(r.block_ids)] = r.block_ids
@@ -202,9 +215,11 @@ class ModelRunner:
         batch = self.prepare_inputs(scheduler_output)
         attn_metadata = self.attn_backend.build_metadata(batch.common)
         with forward_context(attn_metadata):
-            hidden_states = self.stage.run(self.model, batch.input_ids, batch.positions)
+            hidden_states = self.stage.run(self.model, batch.input_ids, batch.positions, **self._model_kwargs(scheduler_output))
         if hidden_states is None:  # an earlier pipeline stage: the last one samples
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        if self.pooling_info is not None:  # a pooling engine: every request pools
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], pooler_output=self._pool(scheduler_output, batch, hidden_states))
         prompt_logprobs = self._prompt_logprobs(scheduler_output, batch, hidden_states)
         if not batch.sample_req_ids:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], prompt_logprobs=prompt_logprobs)
@@ -220,6 +235,20 @@ class ModelRunner:
             prompt_logprobs=prompt_logprobs,
             failed={batch.sample_req_ids[row]: why for row, why in out.failed_rows.items()},
         )
+
+    def _model_kwargs(self, scheduler_output: SchedulerOutput) -> dict[str, torch.Tensor]:
+        """Inputs beyond token ids and positions: token types (segments of text pairs) for models that take them."""
+        if not getattr(self.model, "accepts_token_type_ids", False):
+            return {}
+        requests = scheduler_output.requests
+        types = [t for r in requests for t in ((r.new and r.new.token_type_ids) or [0] * len(r.token_ids))]
+        return {"token_type_ids": torch.tensor(types, dtype=torch.int64, device=self.device)}
+
+    def _pool(self, scheduler_output: SchedulerOutput, batch: BatchInputs, hidden_states: torch.Tensor) -> dict:
+        from llmplug.engine.pooling import pool
+
+        starts = [0, *itertools.accumulate(batch.common.query_lens_list)]
+        return pool(self.model, scheduler_output, starts, hidden_states, self.pooling_type)
 
     def _prompt_logprobs(
         self, scheduler_output: SchedulerOutput, batch: BatchInputs, hidden_states: torch.Tensor

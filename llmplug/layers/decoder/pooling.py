@@ -33,6 +33,7 @@ __all__ = [
     "TransformerForPooling",
     "as_pooling_model",
     "classifier_activation",
+    "converted_class",
     "decoder_score_head",
     "with_score_head",
 ]
@@ -70,6 +71,11 @@ class TransformerForPooling(nn.Module):
     def pooling_tasks(self) -> tuple[str, ...]:
         """The tasks this model pools for, its default first."""
         return self._pooler.tasks
+
+    @property
+    def type_vocab_size(self) -> int:
+        """Token types (segments) the model embeds; 0: none."""
+        return self.arch.type_vocab_size
 
     @property
     def max_positions(self) -> int | None:
@@ -136,6 +142,15 @@ def as_pooling_model(cls: type[DecoderForCausalLM], classify: bool) -> type[Tran
     if cls.checkpoint_names_of is not None:
         raise ValueError(f"{cls.__name__}: its checkpoint names depend on the config; it has no pooling twin")
     return type(name, (TransformerForPooling,), attributes)
+
+
+def converted_class(cls: type, convert: str) -> type:
+    """The class to build for `model.convert`: `cls` itself ("none"), or its embedding / classification twin."""
+    if convert == "none":
+        return cls
+    if not (isinstance(cls, type) and issubclass(cls, DecoderForCausalLM)):
+        raise ValueError(f"model.convert={convert!r} needs a generic-decoder causal LM; {cls.__name__} is not one")
+    return as_pooling_model(cls, classify=convert == "classify")
 
 
 def with_score_head(names: CheckpointNames) -> CheckpointNames:
