@@ -173,13 +173,15 @@ class ModelRunner:
         # positions: computed[i] + 0..query_lens[i]-1 for each request, without a per-token loop
         req_index = np.repeat(np.arange(len(reqs)), query_lens)
         positions = np.arange(num_tokens, dtype=np.int64) - query_start_loc[req_index] + computed[req_index]
-        # pooling requests hold no blocks: their slots fall in block 0 of a cache a pooling engine lacks
-        max_blocks = max(1, max(len(r.block_ids) for r in reqs))
-        block_tables = np.zeros((len(reqs), max_blocks), dtype=np.int64)
+        max_blocks = max(len(r.block_ids) for r in reqs)
+        block_tables = np.zeros((len(reqs), max(max_blocks, 1)), dtype=np.int64)
         for i, r in enumerate(reqs):
             block_tables[i, : len(r.block_ids)] = r.block_ids
         # slot of each token: its block (from its request's table) * block_size + offset in block
-        slot_mapping = block_tables[req_index, positions // bs] * bs + positions % bs
+        if max_blocks:
+            slot_mapping = block_tables[req_index, positions // bs] * bs + positions % bs
+        else:  # a pooling engine's step: no KV cache, nothing is stored
+            slot_mapping = np.zeros(num_tokens, dtype=np.int64)
         input_ids = np.fromiter((t for r in reqs for t in r.token_ids), dtype=np.int64, count=num_tokens)
         sample_mask = np.fromiter((r.samples for r in reqs), dtype=bool, count=len(reqs))
         sample_indices = query_start_loc[1:][sample_mask] - 1

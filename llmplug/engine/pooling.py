@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 from llmplug.core.errors import ConfigError, InvalidRequestError
 from llmplug.core.params import PoolingParams
@@ -29,7 +29,15 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PoolingInfo", "pool", "pooling_info", "resolve_model_kind", "resolve_pooling_params"]
+__all__ = [
+    "PoolingInfo",
+    "pair_prompt",
+    "pool",
+    "pooling_info",
+    "resolve_model_kind",
+    "resolve_pooling_params",
+    "score_pairs",
+]
 
 
 # ---- engine process, start-up -------------------------------------------------------------------
@@ -95,6 +103,7 @@ def pooling_info(model: Any, hf_config: Any, config: "EngineConfig", model_path:
         "lowercase": bool(st is not None and st.do_lower_case),
         "type_vocab_size": int(getattr(model, "type_vocab_size", 0)),
         "accepts_token_type_ids": bool(getattr(model, "accepts_token_type_ids", False)),
+        "id2label": {int(k): str(v) for k, v in (getattr(hf_config, "id2label", None) or {}).items()},
     }
 
 
@@ -116,6 +125,7 @@ class PoolingInfo:
     lowercase: bool
     type_vocab_size: int  # token types (segments) the model embeds; 0: none
     accepts_token_type_ids: bool
+    id2label: dict[int, str]  # a classifier's label names
 
     @classmethod
     def from_model_info(cls, info: dict[str, Any]) -> "PoolingInfo":
@@ -155,6 +165,30 @@ def _check_dimensions(dimensions: int, task: str, info: PoolingInfo) -> None:
     allowed = info.matryoshka_dimensions
     if allowed and dimensions not in allowed:
         raise InvalidRequestError(f"dimensions={dimensions} is not one of the model's Matryoshka sizes {allowed}")
+
+
+def score_pairs(data_1: str | Sequence[str], data_2: str | Sequence[str]) -> list[tuple[str, str]]:
+    """The text pairs to score: one first text against each second text, or pairs by index."""
+    first = [data_1] if isinstance(data_1, str) else list(data_1)
+    second = [data_2] if isinstance(data_2, str) else list(data_2)
+    if not first or not second:
+        raise InvalidRequestError("scoring needs at least one text on each side")
+    if len(first) == 1:
+        first = first * len(second)
+    if len(first) != len(second):
+        raise InvalidRequestError(f"scoring got {len(first)} first texts for {len(second)} second texts; give one or as many")
+    return list(zip(first, second))
+
+
+def pair_prompt(tokenizer: Any, text_1: str, text_2: str) -> dict[str, Any]:
+    """A text pair as a cross-encoder's tokenizer joins it: token ids and, where it has them, token types."""
+    if tokenizer is None:
+        raise InvalidRequestError("scoring text pairs needs the model's tokenizer (the engine runs without one)")
+    encoded = tokenizer(text_1, text_2)
+    prompt: dict[str, Any] = {"prompt_token_ids": list(encoded["input_ids"])}
+    if encoded.get("token_type_ids") is not None:
+        prompt["token_type_ids"] = list(encoded["token_type_ids"])
+    return prompt
 
 
 # ---- worker, per step ---------------------------------------------------------------------------
