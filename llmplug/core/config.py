@@ -57,8 +57,8 @@ class ModelConfig(_Section):
     runner: Literal["auto", "generate", "pooling"] = Field(
         "auto",
         description=(
-            "What the engine serves: generate (sampling) or pooling (embeddings, classification, scores); auto: "
-            "pooling for a pooling architecture (BertModel, *ForSequenceClassification) or a sentence-transformers folder."
+            "What the engine serves: generate (sampling) or pooling (embeddings, classification, scores); auto: pooling "
+            "for a pooling architecture (BertModel, *ForSequenceClassification) or a sentence-transformers folder."
         ),
     )
     convert: Literal["auto", "none", "embed", "classify"] = Field(
@@ -216,7 +216,9 @@ class PoolerConfig(_Section):
 
     pooling_type: Literal["LAST", "CLS", "MEAN", "ALL"] | None = Field(
         None,
-        description="Which hidden states stand for a prompt; default: the sentence-transformers folder's, else the model's.",
+        description=(
+            "Which hidden states stand for a prompt; default: the sentence-transformers folder's, else the model's."
+        ),
     )
     normalize: bool | None = Field(
         None, description="L2-normalize embeddings; default: as the sentence-transformers folder says, else true."

@@ -189,12 +189,13 @@ class EngineCore:
 
     def stats(self) -> dict:
         """Counters for logging and metrics."""
+        kv = self.kv_cache_manager
         return {
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
             "num_preemptions": self.scheduler.num_preemptions,
-            "kv_cache_usage": self.kv_cache_manager.usage if self.kv_cache_manager else 0.0,
-            "prefix_cache_hit_rate": self.kv_cache_manager.prefix_cache_stats.hit_rate if self.kv_cache_manager else 0.0,
+            "kv_cache_usage": kv.usage if kv else 0.0,
+            "prefix_cache_hit_rate": kv.prefix_cache_stats.hit_rate if kv else 0.0,
         }
 
     def shutdown(self) -> None:

@@ -155,7 +155,9 @@ class LLM:
             outputs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, pooling_task="score")
             return [ScoringRequestOutput.from_base(out) for out in outputs]
         if "embed" not in tasks:
-            raise InvalidRequestError(f"scoring needs a cross-encoder or an embedding model; this model pools for {tasks}")
+            raise InvalidRequestError(
+                f"scoring needs a cross-encoder or an embedding model; this model pools for {tasks}"
+            )
         return self._embedding_scores(pairs, pooling_params, use_tqdm)
 
     def _embedding_scores(

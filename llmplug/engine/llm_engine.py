@@ -132,7 +132,8 @@ class LLMEngine:
                           pooling_params=params, token_type_ids=token_types)
         self.engine_core.add_request(request)
         self._pooling_requests[request_id] = (token_ids, RequestMetrics(arrival_time))
-        self.hooks.llmplug_request_event(event="added", request_id=request_id, info={"num_prompt_tokens": len(token_ids)})
+        info = {"num_prompt_tokens": len(token_ids)}
+        self.hooks.llmplug_request_event(event="added", request_id=request_id, info=info)
 
     def _pooling_prompt(self, prompt: PromptType) -> PromptType:
         """The prompt as the model's sentence-transformers folder feeds it (lowercased text, if it says so)."""
@@ -191,8 +192,8 @@ class LLMEngine:
         prompt_token_ids, metrics = self._pooling_requests.pop(update.req_id)
         metrics.finished_time = time.time()
         data = update.pooling_output
-        return PoolingRequestOutput(update.req_id, None if data is None else PoolingOutput(data), prompt_token_ids,
-                                    True, metrics)
+        outputs = None if data is None else PoolingOutput(data)
+        return PoolingRequestOutput(update.req_id, outputs, prompt_token_ids, True, metrics)
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is still generating."""

@@ -87,7 +87,8 @@ class ModelRunner:
             from llmplug.engine.pooling import pooling_info
             from llmplug.layers.pooler import PoolingType
 
-            self.pooling_info = pooling_info(self.model, self.hf_config, self.config, loader.model_path(self.config.model.model))
+            path = loader.model_path(self.config.model.model)
+            self.pooling_info = pooling_info(self.model, self.hf_config, self.config, path)
             self.pooling_type = PoolingType(self.pooling_info["pooling_type"])
 
     def kv_cache_spec(self) -> KVCacheSpec:
@@ -216,12 +217,14 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         batch = self.prepare_inputs(scheduler_output)
         attn_metadata = self.attn_backend.build_metadata(batch.common)
+        model_kwargs = self._model_kwargs(scheduler_output)
         with forward_context(attn_metadata):
-            hidden_states = self.stage.run(self.model, batch.input_ids, batch.positions, **self._model_kwargs(scheduler_output))
+            hidden_states = self.stage.run(self.model, batch.input_ids, batch.positions, **model_kwargs)
         if hidden_states is None:  # an earlier pipeline stage: the last one samples
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         if self.pooling_info is not None:  # a pooling engine: every request pools
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], pooler_output=self._pool(scheduler_output, batch, hidden_states))
+            pooled = self._pool(scheduler_output, batch, hidden_states)
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], pooler_output=pooled)
         prompt_logprobs = self._prompt_logprobs(scheduler_output, batch, hidden_states)
         if not batch.sample_req_ids:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], prompt_logprobs=prompt_logprobs)

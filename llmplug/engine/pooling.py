@@ -138,7 +138,9 @@ def resolve_pooling_params(params: PoolingParams, info: PoolingInfo) -> PoolingP
     cannot do."""
     task = params.task or info.tasks[0]
     if task not in info.tasks:
-        raise InvalidRequestError(f"this model does not support the pooling task {task!r}; it supports {', '.join(info.tasks)}")
+        raise InvalidRequestError(
+            f"this model does not support the pooling task {task!r}; it supports {', '.join(info.tasks)}"
+        )
     if params.dimensions is not None:
         _check_dimensions(params.dimensions, task, info)
     return dataclasses.replace(
@@ -176,7 +178,9 @@ def score_pairs(data_1: str | Sequence[str], data_2: str | Sequence[str]) -> lis
     if len(first) == 1:
         first = first * len(second)
     if len(first) != len(second):
-        raise InvalidRequestError(f"scoring got {len(first)} first texts for {len(second)} second texts; give one or as many")
+        raise InvalidRequestError(
+            f"scoring got {len(first)} first texts for {len(second)} second texts; give one or as many"
+        )
     return list(zip(first, second))
 
 

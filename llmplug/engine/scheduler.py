@@ -167,9 +167,11 @@ class Scheduler:
         where = f"request {request.request_id!r}: prompt of {num_prompt} tokens"
         if num_prompt == 0:
             raise InvalidRequestError(f"request {request.request_id!r}: the prompt is empty")
-        if (request.is_pooling) != (self.kv_cache_manager is None):
+        if request.is_pooling != (self.kv_cache_manager is None):
             kind = "pooling" if request.is_pooling else "generation"
-            raise InvalidRequestError(f"request {request.request_id!r}: a {kind} request in an engine that does not serve it")
+            raise InvalidRequestError(
+                f"request {request.request_id!r}: a {kind} request in an engine that does not serve it"
+            )
         if request.is_pooling:
             self._check_pooling_fits(request, where)
             return

@@ -100,7 +100,8 @@ class ClassifierHead(nn.Module):
     def __init__(self, config: ClassifierHeadConfig, hidden_size: int, prefix: str = "") -> None:
         super().__init__()
         self.config = config
-        self.dense = ReplicatedLinear(hidden_size, hidden_size, config.dense_bias, f"{prefix}.dense") if config.dense else None
+        dense = config.dense
+        self.dense = ReplicatedLinear(hidden_size, hidden_size, config.dense_bias, f"{prefix}.dense") if dense else None
         self.act = activation_fn(config.dense_activation) if config.dense else None
         self.norm = make_norm(config.norm, hidden_size) if config.norm is not None else None
         self.out_proj = ReplicatedLinear(hidden_size, config.num_labels, config.out_bias, f"{prefix}.out_proj")

@@ -119,7 +119,9 @@ def _prompt(token_ids: list[int], token_types: bool) -> dict[str, list[int]]:
     return prompt
 
 
-def _reference(hf_model: torch.nn.Module, prompt: dict, task: str, pooling_type: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _reference(
+    hf_model: torch.nn.Module, prompt: dict, task: str, pooling_type: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' (raw, activated) result for one prompt: embeddings are normalized in both."""
     ids = torch.tensor([prompt["prompt_token_ids"]])
     kwargs = {"token_type_ids": torch.tensor([prompt["token_type_ids"]])} if "token_type_ids" in prompt else {}

@@ -3,7 +3,8 @@
 Routes: /v1/models, /v1/completions, /v1/chat/completions, /v1/responses for a generating model; for a
 pooling model (embeddings, classifiers, cross-encoders) /v1/embeddings, /v1/score and /score, /v1/rerank,
 /rerank and /v2/rerank, /classify and /v1/classify, /pooling; the other kind's routes answer 400 naming
-the model's kind. API key and rate limit apply to every /v1 route. /health, /version, /metrics. Every error answers with OpenAI's error body.
+the model's kind. API key and rate limit apply to every /v1 route. /health, /version, /metrics. Every
+error answers with OpenAI's error body.
 Shutdown (SIGTERM or SIGINT): uvicorn stops accepting connections, lets in-flight requests finish for
 up to `shutdown_timeout` seconds, cancels the rest (which aborts them in the engine), then the engine
 thread stops.

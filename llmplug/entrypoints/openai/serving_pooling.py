@@ -162,7 +162,9 @@ class OpenAIServingPooling(OpenAIServing):
                    kind: str) -> list[PoolingRequestOutput]:
         """Pool every input at once (the engine batches them); a client that leaves aborts them all."""
         request_id = f"{kind}-{uuid.uuid4().hex}"
-        work = asyncio.gather(*(self.engine.encode(x.prompt, params, f"{request_id}-{i}") for i, x in enumerate(inputs)))
+        work = asyncio.gather(
+            *(self.engine.encode(x.prompt, params, f"{request_id}-{i}") for i, x in enumerate(inputs))
+        )
         return await until_disconnected(raw_request, work)
 
     async def _scores(self, raw_request: Request, first: str | list[str], second: str | list[str]

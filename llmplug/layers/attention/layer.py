@@ -55,7 +55,9 @@ class Attention(nn.Module):
         self.layer_name = prefix
         _check_features(prefix, num_heads, sliding_window, logit_softcap, alibi_slopes)
         if not causal and (logit_softcap is not None or alibi_slopes is not None or use_sinks):
-            raise ValueError(f"Attention {prefix!r}: bidirectional attention with soft-capping, ALiBi or sinks is not modelled")
+            raise ValueError(
+                f"Attention {prefix!r}: bidirectional attention with soft-capping, ALiBi or sinks is not modelled"
+            )
         self.causal = causal
         self.sliding_window = sliding_window
         self.logit_softcap = logit_softcap

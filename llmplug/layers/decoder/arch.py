@@ -108,7 +108,9 @@ class DecoderArchConfig:
         if self.parallel_residual and self.post_norm:
             raise ValueError(f"{self.architecture}: a parallel residual with post-sublayer norms is not modelled")
         if self.norm_after_residual and (self.pre_norm or self.post_norm or self.parallel_residual):
-            raise ValueError(f"{self.architecture}: norm_after_residual excludes pre_norm, post_norm and parallel_residual")
+            raise ValueError(
+                f"{self.architecture}: norm_after_residual excludes pre_norm, post_norm and parallel_residual"
+            )
         if not (self.pre_norm or self.post_norm or self.norm_after_residual):
             raise ValueError(f"{self.architecture}: a layer needs pre_norm, post_norm, both, or norm_after_residual")
         if self.absolute_positions and self.max_position <= 0:

@@ -11,7 +11,7 @@ Norm placement, with transformers' module names (so most checkpoints need no ren
 | pre + post (Gemma 2)    | input_layernorm | post_attn * | pre_feedforward_layernorm | post_ffn ** |
 | post_norm (OLMo 2)      |                 | post_attn * |                           | post_ffn ** |
 | parallel_residual       | input_layernorm, also the MLP's unless parallel_mlp_norm: post_attention_layernorm |
-| norm_after_residual (BERT) | norm(x + attn(x)): post_attention_layernorm; norm(x + mlp(x)): post_feedforward_layernorm |
+| norm_after_residual     | norm(x + attn(x)): post_attention_layernorm; then post_feedforward_layernorm (BERT) |
 
 A norm_after_residual layer carries no separate residual: the normed sum is the stream (it returns
 (stream, None)).

@@ -70,9 +70,10 @@ class DecoderModel(nn.Module):
         if arch.absolute_positions:
             self.embed_positions = _optional(first, lambda: self._position_embedding(_join(prefix, "embed_positions")))
         if arch.type_vocab_size:
-            self.embed_token_types = _optional(
-                first, lambda: VocabParallelEmbedding(arch.type_vocab_size, arch.hidden_size, _join(prefix, "embed_token_types"))
+            types = lambda: VocabParallelEmbedding(  # noqa: E731
+                arch.type_vocab_size, arch.hidden_size, _join(prefix, "embed_token_types")
             )
+            self.embed_token_types = _optional(first, types)
         if arch.embedding_norm:
             self.embed_norm = _optional(first, lambda: make_norm(arch.norm, arch.hidden_size))
         on_stage = range(self.start_layer, self.end_layer)
