@@ -115,6 +115,8 @@ def test_the_arch_config_refuses_contradictions() -> None:
         DecoderArchConfig(**base, layers=layers, parallel_mlp_norm=True)
     with pytest.raises(ValueError, match="needs pre_norm, post_norm or both"):
         DecoderArchConfig(**base, layers=layers, pre_norm=False)
+    with pytest.raises(ValueError, match="norm_after_residual excludes pre_norm"):
+        DecoderArchConfig(**base, layers=layers, norm_after_residual=True)
     with pytest.raises(ValueError, match="absolute positions need max_position"):
         DecoderArchConfig(**base, layers=layers, absolute_positions="learned")
     assert LlamaForCausalLM.arch_config_of(tiny_config(LlamaConfig)).scale == 16**-0.5

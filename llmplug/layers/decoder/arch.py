@@ -112,7 +112,7 @@ class DecoderArchConfig:
                 f"{self.architecture}: norm_after_residual excludes pre_norm, post_norm and parallel_residual"
             )
         if not (self.pre_norm or self.post_norm or self.norm_after_residual):
-            raise ValueError(f"{self.architecture}: a layer needs pre_norm, post_norm, both, or norm_after_residual")
+            raise ValueError(f"{self.architecture}: a layer needs pre_norm, post_norm or both (or norm_after_residual)")
         if self.absolute_positions and self.max_position <= 0:
             raise ValueError(f"{self.architecture}: absolute positions need max_position > 0")
 
