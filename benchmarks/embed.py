@@ -5,7 +5,7 @@ sentences, in one run.
     python benchmarks/embed.py --num-sentences 256 --repeats 5
 
 Both engines get the same sentences (texts in, normalized float32 vectors out, tokenization included),
-the same torch thread count, and a warm-up call. Reports sentences/s of each and the ratio, and the
+the same torch thread count and a warm-up call; their timed calls alternate. Reports sentences/s of each and the ratio, and the
 lowest cosine similarity between the two engines' vectors.
 """
 
@@ -15,6 +15,7 @@ import argparse
 import json
 import statistics
 import time
+from typing import Callable
 
 from llmplug.platforms.cpu_threads import configure_cpu_threads
 
@@ -31,15 +32,17 @@ def sentences(n: int) -> list[str]:
     return [f"{PROMPTS[i % len(PROMPTS)]} (variant {i})" for i in range(n)]
 
 
-def timed(fn, repeats: int) -> tuple[float, object]:
-    """The median wall time of `fn()` over `repeats` calls (after one warm-up), and its last result."""
-    result = fn()
-    times = []
+def interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, tuple[float, object]]:
+    """Each fn's median wall time over `repeats` calls (after one warm-up each) and its last result; the
+    calls alternate between the fns, so a busy spell on a shared machine slows both alike."""
+    results = {name: fn() for name, fn in fns.items()}
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), result
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            results[name] = fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: (statistics.median(times[name]), results[name]) for name in fns}
 
 
 def main() -> None:
@@ -59,10 +62,13 @@ def main() -> None:
     path = resolve_model_path(args.model)
     llm = LLM(path, dtype="float32")
     st = SentenceTransformer(path, device="cpu")
-    llmplug_s, ours = timed(lambda: llm.embed(texts, use_tqdm=False), args.repeats)
-    with torch.inference_mode():
-        st_s, theirs = timed(lambda: st.encode(texts, batch_size=args.batch_size, convert_to_numpy=True), args.repeats)
+    with torch.inference_mode():  # sentence-transformers' encode runs under it too
+        timings = interleaved({
+            "llmplug": lambda: llm.embed(texts, use_tqdm=False),
+            "sentence_transformers": lambda: st.encode(texts, batch_size=args.batch_size, convert_to_numpy=True),
+        }, args.repeats)
     llm.shutdown()
+    (llmplug_s, ours), (st_s, theirs) = timings["llmplug"], timings["sentence_transformers"]
     ours = np.array([out.outputs.embedding for out in ours])
     cosine = float(((ours * theirs).sum(-1) / (np.linalg.norm(ours, axis=-1) * np.linalg.norm(theirs, axis=-1))).min())
     result = {
