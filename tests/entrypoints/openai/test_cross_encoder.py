@@ -54,28 +54,60 @@ def test_llm_score_is_transformers_cross_encoder(cross_encoder):
         llm.shutdown()
 
 
-def test_score_rerank_classify_routes_on_a_cross_encoder(cross_encoder):
-    path, expected = cross_encoder
-    engine = AsyncLLM(str(path), **KWARGS)
+@pytest.fixture(scope="module")
+def cross_server(cross_encoder):
+    """The cross-encoder served (one engine for the module's route tests)."""
+    engine = AsyncLLM(str(cross_encoder[0]), **KWARGS)
     try:
-        with serve(engine) as server:
-            status, body, _ = post(server, "/v1/score", {"text_1": QUERY, "text_2": DOCS})
-            assert status == 200
-            torch.testing.assert_close(torch.tensor([d["score"] for d in body["data"]]), expected, atol=1e-5, rtol=0)
-            status, body, _ = post(server, "/rerank", {"query": QUERY, "documents": [{"text": d} for d in DOCS],
-                                                       "top_n": 3, "return_documents": False})
-            assert status == 200
-            assert [r["index"] for r in body["results"]] == torch.argsort(expected, descending=True)[:3].tolist()
-            assert all(r.get("document") is None for r in body["results"])
-            status, body, _ = post(server, "/classify", {"input": [QUERY]})
-            assert status == 200 and body["data"][0]["label"] == "relevant" and body["data"][0]["num_classes"] == 1
-            # a classifier has no embeddings: the 400 names what it does support, and it goes on serving
-            status, body, _ = post(server, "/v1/embeddings", {"input": "hello"})
-            assert status == 400 and "supports classify, score" in body["error"]["message"]
-            status, body, _ = post(server, "/v1/score", {"text_1": QUERY, "text_2": DOCS[:1]})
-            assert status == 200 and body["data"][0]["score"] == pytest.approx(float(expected[0]), abs=1e-5)
+        with serve(engine) as running:
+            yield running
     finally:
         engine.shutdown()
+
+
+def test_score_rerank_classify_routes_on_a_cross_encoder(cross_encoder, cross_server):
+    expected = cross_encoder[1]
+    status, body, _ = post(cross_server, "/v1/score", {"text_1": QUERY, "text_2": DOCS})
+    assert status == 200
+    torch.testing.assert_close(torch.tensor([d["score"] for d in body["data"]]), expected, atol=1e-5, rtol=0)
+    status, body, _ = post(cross_server, "/rerank", {"query": QUERY, "documents": [{"text": d} for d in DOCS],
+                                                     "top_n": 3, "return_documents": False})
+    assert status == 200
+    assert [r["index"] for r in body["results"]] == torch.argsort(expected, descending=True)[:3].tolist()
+    assert all(r.get("document") is None for r in body["results"])
+    status, body, _ = post(cross_server, "/classify", {"input": [QUERY]})
+    assert status == 200 and body["data"][0]["label"] == "relevant" and body["data"][0]["num_classes"] == 1
+    # a classifier has no embeddings: the 400 names what it does support, and it goes on serving
+    status, body, _ = post(cross_server, "/v1/embeddings", {"input": "hello"})
+    assert status == 400 and "supports classify, score" in body["error"]["message"]
+    status, body, _ = post(cross_server, "/v1/score", {"text_1": QUERY, "text_2": DOCS[:1]})
+    assert status == 200 and body["data"][0]["score"] == pytest.approx(float(expected[0]), abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "message"),
+    [
+        ("/v1/score", {"text_1": [QUERY, QUERY], "text_2": DOCS[:3]}, "2 first texts for 3 second texts"),
+        ("/v1/score", {"text_1": QUERY}, "give text_1 and text_2"),
+        ("/v1/score", {"text_1": QUERY, "text_2": "word " * 200}, "maximum context length is 128"),
+        ("/v1/rerank", {"query": QUERY, "documents": []}, "documents must not be empty"),
+        ("/v1/rerank", {"query": QUERY, "documents": DOCS, "top_n": 0}, "top_n"),
+        ("/classify", {"input": []}, "input must not be empty"),
+        ("/classify", {"input": [[101, 30522, 102]]}, "outside the vocabulary"),
+        ("/classify", {"input": "word " * 200}, "maximum context length is 128"),
+    ],
+    ids=["score-lengths-differ", "score-no-text_2", "score-pair-too-long", "rerank-no-documents", "rerank-top_n-0",
+         "classify-empty-list", "classify-token-out-of-vocab", "classify-too-long"],
+)
+def test_bad_input_is_a_400_and_the_cross_encoder_keeps_serving(cross_encoder, cross_server, route, body, message):
+    status, answer, _ = post(cross_server, route, body)
+    assert status == 400, answer
+    assert message in answer["error"]["message"]
+    status, answer, _ = post(cross_server, "/v1/rerank", {"query": QUERY, "documents": DOCS[:2]})
+    assert status == 200
+    expected = cross_encoder[1][:2]
+    assert [r["relevance_score"] for r in answer["results"]] == pytest.approx(sorted(expected.tolist(), reverse=True),
+                                                                             abs=1e-5)
 
 
 def test_pooling_routes_are_a_400_on_a_generating_model(server):

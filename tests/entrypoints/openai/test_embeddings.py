@@ -3,6 +3,8 @@ over /v1/embeddings and friends, checked against sentence-transformers' own outp
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import openai
 import pytest
@@ -168,3 +170,24 @@ def test_pooling_params_normalize_off_gives_the_raw_mean(reference):
         assert tokens.outputs.data.shape == (len(tokens.prompt_token_ids), 384)
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "message"),
+    [
+        ({"prompt_token_ids": [101, 30522, 102]}, None, "out of the vocabulary"),
+        ("hello", PoolingParams(dimensions=1000), "exceeds the model's embedding size 384"),
+        ("word " * 300, None, "context length is 256"),
+        ("hello", PoolingParams(task="classify"), "classify"),
+    ],
+    ids=["token-out-of-vocab", "dimensions-too-large", "too-long", "task-it-lacks"],
+)
+def test_bad_input_to_the_engine_names_it_and_the_next_request_works(engine, reference, prompt, params, message):
+    """AsyncLLM.encode refuses a bad request before queueing it; the engine goes on embedding."""
+    async def run() -> None:
+        with pytest.raises(InvalidRequestError, match=message):
+            await engine.encode(prompt, params or PoolingParams(task="embed"), "bad")
+        good = await engine.encode(SENTENCES[2], PoolingParams(task="embed"), "good")
+        assert _cosines(good.outputs.data.numpy(), reference[2]) > 0.9999
+
+    asyncio.run(run())
