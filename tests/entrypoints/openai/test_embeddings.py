@@ -158,6 +158,23 @@ def test_score_and_rerank_by_embedding_similarity(server, reference):
     assert status == 400 and "embed" in body["error"]["message"]
 
 
+def test_matryoshka_dimensions_match_sentence_transformers_truncate_dim():
+    """With the model declared Matryoshka, `dimensions` keeps the first features and renormalizes them, as
+    sentence-transformers' truncate_dim with normalize_embeddings does, through LLM.embed and the openai client."""
+    st = SentenceTransformer(resolve_model_path(MODEL), device="cpu", truncate_dim=128)
+    expected = st.encode(SENTENCES[:8], convert_to_numpy=True, normalize_embeddings=True)
+    engine = AsyncLLM(MODEL, hf_overrides={"is_matryoshka": True}, **KWARGS)
+    try:
+        with serve(engine) as running:
+            answer = running.client().embeddings.create(model=running.model, input=SENTENCES[:8], dimensions=128)
+        got = np.array([d.embedding for d in answer.data])
+        assert got.shape == (8, 128)
+        assert _cosines(got, expected).min() > 0.9999
+        np.testing.assert_allclose(np.linalg.norm(got, axis=-1), 1.0, atol=1e-5)
+    finally:
+        engine.shutdown()
+
+
 def test_pooling_params_normalize_off_gives_the_raw_mean(reference):
     llm = LLM(MODEL, **KWARGS)
     try:
