@@ -177,3 +177,29 @@ def test_num_blocks_for_budget_counts_k_and_v_of_every_layer():
 def test_num_blocks_for_budget_rejects_a_budget_below_one_max_length_request():
     with pytest.raises(ConfigError, match=r"max_model_len=161 needs 11 blocks"):
         num_blocks_for_budget(10 * 2048, 16, 2, 4, 8, 2, max_model_len=161)
+
+
+def test_a_failed_step_takes_back_the_names_it_gave():
+    kv = KVCacheManager(num_blocks=8, block_size=BS)
+    done = req("done", list(range(8)))
+    prefill(kv, done)
+    kv.finish_step()  # the step that wrote done's two blocks ran
+    failing = req("failing", list(range(8)) + [50, 51, 52, 53, 54])
+    assert prefill(kv, failing)  # hits done's two blocks, names its third
+    assert len(kv.pool.cached_block_ids) == 3
+    kv.abandon_step()
+    kv.free(failing)
+    # done's names stay (their K/V were written); the failed step's block has no name left
+    assert sorted(kv.pool.cached_block_ids) == sorted(done.block_hashes)
+    again = req("again", list(range(8)) + [50, 51, 52, 53, 54])
+    assert kv.get_computed_blocks(again)[1] == 8
+
+
+def test_a_request_failing_alone_loses_the_names_its_step_gave_it():
+    kv = KVCacheManager(num_blocks=8, block_size=BS)
+    ok, bad = req("ok", [1, 2, 3, 4, 5]), req("bad", [9, 8, 7, 6, 5])
+    prefill(kv, ok), prefill(kv, bad)
+    kv.finish_step(failed_req_ids=["bad"])
+    kv.free(bad)
+    assert list(kv.pool.cached_block_ids) == ok.block_hashes[:1]
+    assert kv.get_computed_blocks(req("bad2", [9, 8, 7, 6, 5]))[1] == 0
