@@ -78,6 +78,7 @@ class PoolingRequestOutput:
     prompt_token_ids: list[int]
     finished: bool = True
     metrics: RequestMetrics | None = field(default=None)
+    error: str | None = None  # why a failure inside a step ended it (then `outputs` is None)
 
     @classmethod
     def from_base(cls, base: "PoolingRequestOutput") -> "PoolingRequestOutput":

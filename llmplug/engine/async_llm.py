@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmplug.core.config import EngineConfig, load_config
-from llmplug.core.errors import EngineDeadError, InvalidRequestError
+from llmplug.core.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from llmplug.core.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
 from llmplug.core.params import PoolingParams, RequestOutputKind, SamplingParams
 from llmplug.engine.input_processor import PromptType
@@ -229,7 +229,8 @@ class AsyncLLM:
         self, prompt: PromptType, pooling_params: PoolingParams, request_id: str | None = None, *, priority: int = 0
     ) -> PoolingRequestOutput:
         """The pooled result of one prompt (a pooling engine). Cancelling the caller aborts the request;
-        InvalidRequestError for a bad request, EngineDeadError when the engine died."""
+        InvalidRequestError for a bad request, RequestFailedError when a failure inside a step ended it,
+        EngineDeadError when the engine died."""
         request_id = request_id or f"pool-{uuid.uuid4().hex}"
         stream = self._register(request_id)
         self._commands.put(_AddRequest(request_id, prompt, pooling_params, priority, time.time()))
@@ -239,8 +240,10 @@ class AsyncLLM:
             answered = True
             if isinstance(item, BaseException):
                 raise item
-            if isinstance(item, _Aborted) or item.outputs is None:
+            if isinstance(item, _Aborted):
                 raise InvalidRequestError(f"pooling request {request_id} was aborted")
+            if item.outputs is None:
+                raise RequestFailedError(f"pooling request {request_id} failed: {item.error}")
             return item
         finally:
             self._unregister(request_id)

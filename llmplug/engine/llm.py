@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 from tqdm.auto import tqdm
 
 from llmplug.core.config import EngineConfig, load_config
-from llmplug.core.errors import InvalidRequestError
+from llmplug.core.errors import InvalidRequestError, RequestFailedError
 from llmplug.core.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
@@ -109,9 +109,9 @@ class LLM:
         params = _pooling_params_per_prompt(pooling_params, len(prompts), pooling_task)
         ids = self._add_requests(prompts, params, None)
         outputs = self._run(ids, use_tqdm)
-        for out in outputs:
-            if out.outputs is None:
-                raise InvalidRequestError(f"pooling request {out.request_id} was aborted")
+        failed = [f"{out.request_id}: {out.error}" for out in outputs if out.outputs is None]
+        if failed:  # the others ran to the end; the engine goes on
+            raise RequestFailedError(f"{len(failed)} of {len(outputs)} pooling requests failed: " + "; ".join(failed))
         return outputs
 
     def embed(

@@ -202,7 +202,7 @@ class LLMEngine:
         metrics.finished_time = time.time()
         data = update.pooling_output
         outputs = None if data is None else PoolingOutput(data)
-        return PoolingRequestOutput(update.req_id, outputs, prompt_token_ids, True, metrics)
+        return PoolingRequestOutput(update.req_id, outputs, prompt_token_ids, True, metrics, update.error)
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is still generating."""

@@ -225,8 +225,8 @@ class ModelRunner:
         if hidden_states is None:  # an earlier pipeline stage: the last one samples
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         if self.pooling_info is not None:  # a pooling engine: every request pools
-            pooled = self._pool(scheduler_output, batch, hidden_states)
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], pooler_output=pooled)
+            pooled, failed = self._pool(scheduler_output, batch, hidden_states)
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], pooler_output=pooled, failed=failed)
         prompt_logprobs = self._prompt_logprobs(scheduler_output, batch, hidden_states)
         if not batch.sample_req_ids:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], prompt_logprobs=prompt_logprobs)
@@ -257,7 +257,9 @@ class ModelRunner:
         types = [t for r in requests for t in ((r.new and r.new.token_type_ids) or [0] * len(r.token_ids))]
         return {"token_type_ids": torch.tensor(types, dtype=torch.int64, device=self.device)}
 
-    def _pool(self, scheduler_output: SchedulerOutput, batch: BatchInputs, hidden_states: torch.Tensor) -> dict:
+    def _pool(
+        self, scheduler_output: SchedulerOutput, batch: BatchInputs, hidden_states: torch.Tensor
+    ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         from llmplug.engine.pooling import pool
 
         starts = [0, *itertools.accumulate(batch.common.query_lens_list)]

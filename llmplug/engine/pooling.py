@@ -198,20 +198,27 @@ def pair_prompt(tokenizer: Any, text_1: str, text_2: str) -> dict[str, Any]:
 # ---- worker, per step ---------------------------------------------------------------------------
 
 
+NON_FINITE = "its pooled result holds NaN or infinity (bad numerics in the model for this input)"
+
+
 def pool(
     model: Any, scheduler_output: "SchedulerOutput", starts: list[int], hidden_states: "torch.Tensor", pooling_type: Any
-) -> dict[str, "torch.Tensor"]:
-    """Each pooling request's result (float32, on the CPU); `starts[i]` is request i's first row."""
+) -> tuple[dict[str, "torch.Tensor"], dict[str, str]]:
+    """(each pooling request's result (float32, on the CPU), why each failed request failed); `starts[i]` is
+    request i's first row. A result holding NaN or infinity fails its request alone."""
+    import torch
+
     from llmplug.layers.pooler import PoolingMetadata
 
     pooled = [(i, r) for i, r in enumerate(scheduler_output.requests) if r.pools]
     if not pooled:
-        return {}
+        return {}, {}
     metadata = PoolingMetadata(
         starts=[starts[i] for i, _ in pooled],
         lens=[len(r.token_ids) for _, r in pooled],
         params=[r.new.pooling_params for _, r in pooled],
         pooling_type=pooling_type,
     )
-    results = model.pooler(hidden_states, metadata)
-    return {r.req_id: out.float().cpu() for (_, r), out in zip(pooled, results)}
+    results = {r.req_id: out.float().cpu() for (_, r), out in zip(pooled, model.pooler(hidden_states, metadata))}
+    failed = {req_id: NON_FINITE for req_id, out in results.items() if not bool(torch.isfinite(out).all())}
+    return {req_id: out for req_id, out in results.items() if req_id not in failed}, failed

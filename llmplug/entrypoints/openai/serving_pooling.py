@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from fastapi import Request
 from fastapi.responses import Response
 
-from llmplug.core.errors import InvalidRequestError
+from llmplug.core.errors import InvalidRequestError, RequestFailedError
 from llmplug.core.outputs import PoolingRequestOutput
 from llmplug.core.params import PoolingParams
 from llmplug.engine.pooling import pair_prompt, resolve_pooling_params, score_pairs
@@ -165,7 +165,10 @@ class OpenAIServingPooling(OpenAIServing):
         work = asyncio.gather(
             *(self.engine.encode(x.prompt, params, f"{request_id}-{i}") for i, x in enumerate(inputs))
         )
-        return await until_disconnected(raw_request, work)
+        try:
+            return await until_disconnected(raw_request, work)
+        except RequestFailedError as error:  # the engine goes on; this request's inputs all end
+            raise OpenAIError(500, f"The request failed inside the engine: {error}", code="request_failed") from None
 
     async def _scores(self, raw_request: Request, first: str | list[str], second: str | list[str]
                       ) -> tuple[list[float], list[_Input]]:

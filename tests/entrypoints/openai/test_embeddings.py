@@ -12,8 +12,10 @@ import torch
 from sentence_transformers import SentenceTransformer
 
 from llmplug import LLM, AsyncLLM, PoolingParams
-from llmplug.core.errors import InvalidRequestError
+from llmplug.core.errors import InvalidRequestError, RequestFailedError
 from llmplug.loaders.default_model import resolve_model_path
+
+from tests.engine.faults import heal, nan_hidden_states
 
 from .conftest import serve
 from .test_errors import post
@@ -208,3 +210,36 @@ def test_bad_input_to_the_engine_names_it_and_the_next_request_works(engine, ref
         assert _cosines(good.outputs.data.numpy(), reference[2]) > 0.9999
 
     asyncio.run(run())
+
+
+def test_bad_numerics_in_one_input_fail_only_its_request(server, reference):
+    """NaN hidden states for one input: that request is a 500 naming the reason, the other inputs of the engine's
+    batch and the next requests get sentence-transformers' vectors; through LLM, the call names the failed one."""
+    tokenizer = server.engine.get_tokenizer()
+    poisoned = SENTENCES[5]  # "Do you?": none of the first 7 sentences has its token count
+    num_tokens = len(tokenizer.encode(poisoned))
+    assert sum(len(tokenizer.encode(s)) == num_tokens for s in SENTENCES[:7]) == 1
+    nan_hidden_states(server.engine, num_tokens)
+    try:
+        status, body, _ = post(server, "/v1/embeddings", {"input": [SENTENCES[4], poisoned, SENTENCES[6]]})
+        assert status == 500 and body["error"]["code"] == "request_failed"
+        assert "NaN" in body["error"]["message"]
+        good = server.client().embeddings.create(model=server.model, input=SENTENCES[:5], encoding_format="float")
+        assert _cosines(np.array([d.embedding for d in good.data]), reference[:5]).min() > 0.9999
+    finally:
+        heal(server.engine)
+    status, body, _ = post(server, "/v1/embeddings", {"input": [poisoned]})
+    assert status == 200 and _cosines(np.array(body["data"][0]["embedding"]), reference[5]) > 0.9999
+
+
+def test_llm_embed_names_the_request_that_failed_and_goes_on(reference):
+    llm = LLM(MODEL, **KWARGS)
+    try:
+        nan_hidden_states(llm, len(llm.get_tokenizer().encode(SENTENCES[5])))
+        with pytest.raises(RequestFailedError, match="1 of 3 pooling requests failed: 1: .*NaN"):
+            llm.embed(SENTENCES[4:7], use_tqdm=False)
+        heal(llm)
+        got = np.array([out.outputs.embedding for out in llm.embed(SENTENCES[4:7], use_tqdm=False)])
+        assert _cosines(got, reference[4:7]).min() > 0.9999
+    finally:
+        llm.shutdown()
