@@ -94,7 +94,9 @@ class SchedulerConfig(_Section):
 
     max_num_seqs: int = Field(256, gt=0, description="Most requests in one step.")
     max_num_batched_tokens: int | None = Field(
-        None, gt=0, description="Token budget of one step; default 2048 with chunked prefill, else max_model_len."
+        None, gt=0,
+        description="Token budget of one step; default 2048 with chunked prefill, else max_model_len; "
+        "pooling models: 32768, or max_model_len if longer.",
     )
     enable_chunked_prefill: bool = Field(True, description="Split long prompts across steps.")
     policy: Literal["fcfs", "priority"] = Field("fcfs", description="Order of waiting requests.")

@@ -22,6 +22,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# a pooling step's default token budget (vLLM's): no KV cache to share the memory with, and fewer, larger
+# steps pool a batch faster; at least the context length, so that the longest prompt fits whole
+POOLING_MAX_NUM_BATCHED_TOKENS = 32768
 GRAMMAR_WAIT_S = 0.05  # longest a step with nothing else to do waits for a grammar (new requests wait too)
 
 
@@ -45,8 +48,8 @@ class EngineCore:
         )
         sched = config.scheduler
         budget = sched.token_budget(self.max_model_len)
-        if self.pooling and sched.max_num_batched_tokens is None:  # a pooling prompt runs whole: let the longest fit
-            budget = max(budget, self.max_model_len)
+        if self.pooling and sched.max_num_batched_tokens is None:
+            budget = max(POOLING_MAX_NUM_BATCHED_TOKENS, self.max_model_len)
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             max_num_seqs=sched.max_num_seqs,
