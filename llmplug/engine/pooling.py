@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     import torch
 
     from llmplug.core.config import EngineConfig
+    from llmplug.core.plugins import PluginRegistry
     from llmplug.engine.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -43,18 +44,18 @@ __all__ = [
 # ---- engine process, start-up -------------------------------------------------------------------
 
 
-def resolve_model_kind(config: "EngineConfig") -> None:
+def resolve_model_kind(config: "EngineConfig", registry: "PluginRegistry") -> None:
     """Set `model.runner` and `model.convert` (in place) from the architecture the checkpoint names.
 
     auto runner: pooling for a pooling architecture or a sentence-transformers folder, else generate.
     auto convert: embed when a generating architecture runs as a pooling model, else none.
     """
-    from llmplug.core.plugins import get_registry
     from llmplug.layers.decoder.pooling import converted_class
+    from llmplug.loaders import build_loader
     from llmplug.loaders.sentence_transformers import is_sentence_transformers_folder
 
     model = config.model
-    loader = get_registry().load("llmplug.loaders", config.load.format)(config.load)
+    loader = build_loader(registry, config.load.format, config.load)
     cls = loader.get_model_class(loader.load_hf_config(model))
     pools = bool(getattr(cls, "is_pooling_model", False))
     if model.runner == "auto":

@@ -66,7 +66,7 @@ class OpenAIServingPooling(OpenAIServing):
         """OpenAI's embeddings: one vector per input, as floats or base64 float32."""
         model = self.check_model(body.model)
         params = self._params("embed", "dimensions", dimensions=body.dimensions, normalize=body.normalize)
-        inputs = self._inputs(body.input)
+        inputs = await self._inputs(body.input)
         outputs = await self._run(raw_request, inputs, params, "embd")
         data = [EmbeddingData(index=i, embedding=_encode(out.outputs.data, body.encoding_format))
                 for i, out in enumerate(outputs)]
@@ -101,7 +101,7 @@ class OpenAIServingPooling(OpenAIServing):
         """Class probabilities of each input, with the most likely label."""
         model = self.check_model(body.model)
         params = self._params("classify", "input")
-        inputs = self._inputs(body.input)
+        inputs = await self._inputs(body.input)
         outputs = await self._run(raw_request, inputs, params, "classify")
         labels = self.engine.pooling.id2label
         data = []
@@ -115,7 +115,7 @@ class OpenAIServingPooling(OpenAIServing):
         """The raw pooled output of each input for `task` (default: the model's first)."""
         model = self.check_model(body.model)
         params = self._params(body.task, "task")
-        inputs = self._inputs(body.input)
+        inputs = await self._inputs(body.input)
         outputs = await self._run(raw_request, inputs, params, "pool")
         data = [PoolingData(index=i, data=_encode(out.outputs.data, body.encoding_format))
                 for i, out in enumerate(outputs)]
@@ -130,7 +130,7 @@ class OpenAIServingPooling(OpenAIServing):
         except InvalidRequestError as error:
             raise OpenAIError(400, str(error), param=param) from None
 
-    def _inputs(self, raw: PoolingInput, param: str = "input") -> list[_Input]:
+    async def _inputs(self, raw: PoolingInput, param: str = "input") -> list[_Input]:
         """Every input of the request as token ids, checked against the vocabulary and the context length."""
         if isinstance(raw, str) or (raw and all(isinstance(t, int) for t in raw)):
             raw = [raw]
@@ -140,7 +140,7 @@ class OpenAIServingPooling(OpenAIServing):
         for i, item in enumerate(raw):
             if isinstance(item, str):
                 text = item.lower() if self.engine.pooling.lowercase else item
-                inputs.append(_Input({"prompt_token_ids": self.encode(text)}, item))
+                inputs.append(_Input({"prompt_token_ids": await self.renderer.encode(text)}, item))
             else:
                 inputs.append(_Input({"prompt_token_ids": list(item)}, None))
             self._check(inputs[-1], f"{param}[{i}]" if len(raw) > 1 else param)
@@ -160,15 +160,18 @@ class OpenAIServingPooling(OpenAIServing):
 
     async def _run(self, raw_request: Request, inputs: list[_Input], params: PoolingParams,
                    kind: str) -> list[PoolingRequestOutput]:
-        """Pool every input at once (the engine batches them); a client that leaves aborts them all."""
+        """Pool every input at once (the engine batches them); a client that leaves aborts them all. Admission
+        control counts each input as a sequence, as it counts a completion's `n`."""
         request_id = f"{kind}-{uuid.uuid4().hex}"
-        work = asyncio.gather(
-            *(self.engine.encode(x.prompt, params, f"{request_id}-{i}") for i, x in enumerate(inputs))
-        )
-        try:
-            return await until_disconnected(raw_request, work)
-        except RequestFailedError as error:  # the engine goes on; this request's inputs all end
-            raise OpenAIError(500, f"The request failed inside the engine: {error}", code="request_failed") from None
+        with self.admission.admit(len(inputs)):  # 503 when too many wait for the running batch already
+            work = asyncio.gather(
+                *(self.engine.encode(x.prompt, params, f"{request_id}-{i}") for i, x in enumerate(inputs))
+            )
+            try:
+                return await until_disconnected(raw_request, work)
+            except RequestFailedError as error:  # the engine goes on; this request's inputs all end
+                raise OpenAIError(500, f"The request failed inside the engine: {error}",
+                                  code="request_failed") from None
 
     async def _scores(self, raw_request: Request, first: str | list[str], second: str | list[str]
                       ) -> tuple[list[float], list[_Input]]:
@@ -179,14 +182,14 @@ class OpenAIServingPooling(OpenAIServing):
             raise OpenAIError(400, str(error), param="text_2") from None
         if "score" in self.engine.pooling.tasks:
             params = self._params("score", "model")
-            inputs = [_Input(pair_prompt(self.need_tokenizer(), a, b), None) for a, b in pairs]
+            inputs = [_Input(pair_prompt(self.renderer.need_tokenizer(), a, b), None) for a, b in pairs]
             for i, item in enumerate(inputs):
                 self._check(item, f"pair {i}")
             outputs = await self._run(raw_request, inputs, params, "score")
             return [float(out.outputs.data.reshape(-1)[0]) for out in outputs], inputs
         params = self._params("embed", "model")
         texts = list(dict.fromkeys(t for pair in pairs for t in pair))
-        inputs = self._inputs(texts, "text")
+        inputs = await self._inputs(texts, "text")
         outputs = await self._run(raw_request, inputs, params, "score")
         vectors = {t: out.outputs.data for t, out in zip(texts, outputs)}
         return [F.cosine_similarity(vectors[a], vectors[b], dim=0).item() for a, b in pairs], inputs
