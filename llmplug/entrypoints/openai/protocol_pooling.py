@@ -8,10 +8,11 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from llmplug.entrypoints.openai.protocol import OpenAIModel
+from llmplug.entrypoints.openai.protocol import Count, OpenAIModel, TokenId
 
-# one input, or several: text, token ids, a list of texts, a list of token-id lists
-PoolingInput = str | list[str] | list[int] | list[list[int]]
+# one input, or several: text, token ids, a list of texts, a list of token-id lists (token ids 32-bit, as in
+# protocol.py; the engine checks them against the vocabulary and each input against the context length)
+PoolingInput = str | list[str] | list[TokenId] | list[list[TokenId]]
 
 
 class PoolingUsage(OpenAIModel):
@@ -27,7 +28,7 @@ class EmbeddingRequest(OpenAIModel):
     model: str | None = None
     input: PoolingInput
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(None, ge=1)
+    dimensions: Count | None = None
     user: str | None = None
     normalize: bool | None = None  # vLLM's extra: override the model's normalization
 
@@ -82,7 +83,7 @@ class RerankRequest(OpenAIModel):
     model: str | None = None
     query: str
     documents: list[str | RerankDocument]
-    top_n: int | None = Field(None, ge=1)
+    top_n: Count | None = None
     return_documents: bool = True
 
 

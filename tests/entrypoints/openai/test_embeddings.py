@@ -243,3 +243,14 @@ def test_llm_embed_names_the_request_that_failed_and_goes_on(reference):
         assert _cosines(got, reference[4:7]).min() > 0.9999
     finally:
         llm.shutdown()
+
+
+def test_openapi_schema_lists_the_routes_of_the_models_kind(server):
+    """A pooling model's /openapi.json documents the pooling routes, not the generation ones (which answer 400)."""
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/openapi.json", timeout=30) as answer:
+        paths = set(json.load(answer)["paths"])
+    assert {"/v1/embeddings", "/v1/score", "/v1/rerank", "/classify", "/pooling"} <= paths
+    assert not paths & {"/v1/chat/completions", "/v1/completions", "/v1/responses"}
