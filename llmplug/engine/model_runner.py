@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -32,16 +33,14 @@ class KVCacheSpec:
     """What one KV block costs and how many layers hold one."""
 
     num_layers: int
-    num_kv_heads: int
-    head_dim: int
+    block_elements: int  # cache elements of one block summed over the layers (layers may differ: MLA's latent)
     dtype: torch.dtype
     block_size: int
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block across all layers (K and V)."""
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+        """Bytes of one block across all layers (K and V, or a latent layer's keys only)."""
+        return self.block_elements * torch.empty((), dtype=self.dtype).element_size()
 
 
 @dataclass(slots=True)
@@ -97,8 +96,8 @@ class ModelRunner:
     def kv_cache_spec(self) -> KVCacheSpec:
         """The shape of this worker's share of the KV cache."""
         attn_layers = self._attention_layers()
-        first = attn_layers[0]
-        return KVCacheSpec(len(attn_layers), first.num_kv_heads, first.head_dim, self.dtype, self.block_size)
+        shapes = [self.attn_backend.layer_kv_cache_shape(layer, 1, self.block_size) for layer in attn_layers]
+        return KVCacheSpec(len(attn_layers), sum(math.prod(shape) for shape in shapes), self.dtype, self.block_size)
 
     def _attention_layers(self) -> list[torch.nn.Module]:
         from llmplug.layers.attention import Attention
@@ -112,9 +111,11 @@ class ModelRunner:
         if num_blocks == 0:
             bind_kv_cache(self.model, None, self.attn_backend)
             return
-        spec = self.kv_cache_spec()
-        shape = self.attn_backend.kv_cache_shape(num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
-        caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(spec.num_layers)]
+        shapes = [
+            self.attn_backend.layer_kv_cache_shape(layer, num_blocks, self.block_size)
+            for layer in self._attention_layers()
+        ]
+        caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for shape in shapes]
         bind_kv_cache(self.model, caches, self.attn_backend)
 
     @contextlib.contextmanager
