@@ -1,4 +1,5 @@
-"""ModelRunner: turns a SchedulerOutput into one flattened forward pass and a sampled token per request."""
+"""ModelRunner: turns a SchedulerOutput into one flattened forward pass and a sampled token per request
+(or, for pooling requests, the model's pooled result: see engine/pooling.py)."""
 
 from __future__ import annotations
 
@@ -83,6 +84,14 @@ class ModelRunner:
         hook = self.registry.hook_manager().hook
         global_processors = [p for found in hook.llmplug_logits_processors(config=self.config) for p in found]
         self.sampler = Sampler(logits_processors=global_processors)
+        self.pooling_info: dict | None = None  # a pooling model's tasks and defaults (None: it generates)
+        if getattr(self.model, "is_pooling_model", False):
+            from llmplug.engine.pooling import pooling_info
+            from llmplug.layers.pooler import PoolingType
+
+            path = loader.model_path(self.config.model.model)
+            self.pooling_info = pooling_info(self.model, self.hf_config, self.config, path)
+            self.pooling_type = PoolingType(self.pooling_info["pooling_type"])
 
     def kv_cache_spec(self) -> KVCacheSpec:
         """The shape of this worker's share of the KV cache."""
@@ -96,14 +105,18 @@ class ModelRunner:
         return [m for m in self.model.modules() if isinstance(m, Attention)]
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate one cache tensor per attention layer and bind them to the layers."""
+        """Allocate one cache tensor per attention layer and bind them to the layers (0 blocks: a pooling
+        engine, whose prompts run whole, binds the backend without any cache)."""
+        self.num_blocks = num_blocks
+        if num_blocks == 0:
+            bind_kv_cache(self.model, None, self.attn_backend)
+            return
         shapes = [
             self.attn_backend.layer_kv_cache_shape(layer, num_blocks, self.block_size)
             for layer in self._attention_layers()
         ]
         caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for shape in shapes]
         bind_kv_cache(self.model, caches, self.attn_backend)
-        self.num_blocks = num_blocks
 
     @contextlib.contextmanager
     def profile_step(self, num_tokens: int, num_seqs: int, max_model_len: int) -> Iterator[Callable[[], None]]:
@@ -145,7 +158,7 @@ class ModelRunner:
         for req_id in scheduler_output.finished_req_ids:
             self.prompt_logprobs_sent.pop(req_id, None)
         for req in scheduler_output.requests:
-            if req.new is not None:
+            if req.new is not None and req.new.pooling_params is None:  # pooling requests need no sampling state
                 new = req.new
                 self.sampling_state.add_request(
                     new.req_id, new.sampling_params, new.prompt_token_ids, new.output_token_ids, new.eos_token_ids
@@ -166,11 +179,14 @@ class ModelRunner:
         req_index = np.repeat(np.arange(len(reqs)), query_lens)
         positions = np.arange(num_tokens, dtype=np.int64) - query_start_loc[req_index] + computed[req_index]
         max_blocks = max(len(r.block_ids) for r in reqs)
-        block_tables = np.zeros((len(reqs), max_blocks), dtype=np.int64)
+        block_tables = np.zeros((len(reqs), max(max_blocks, 1)), dtype=np.int64)
         for i, r in enumerate(reqs):
             block_tables[i, : len(r.block_ids)] = r.block_ids
         # slot of each token: its block (from its request's table) * block_size + offset in block
-        slot_mapping = block_tables[req_index, positions // bs] * bs + positions % bs
+        if max_blocks:
+            slot_mapping = block_tables[req_index, positions // bs] * bs + positions % bs
+        else:  # a pooling engine's step: no KV cache, nothing is stored
+            slot_mapping = np.zeros(num_tokens, dtype=np.int64)
         input_ids = np.fromiter((t for r in reqs for t in r.token_ids), dtype=np.int64, count=num_tokens)
         sample_mask = np.fromiter((r.samples for r in reqs), dtype=bool, count=len(reqs))
         sample_indices = query_start_loc[1:][sample_mask] - 1
@@ -205,10 +221,14 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         batch = self.prepare_inputs(scheduler_output)
         attn_metadata = self.attn_backend.build_metadata(batch.common)
+        model_kwargs = self._model_kwargs(scheduler_output)
         with forward_context(attn_metadata):
-            hidden_states = self.stage.run(self.model, batch.input_ids, batch.positions)
+            hidden_states = self.stage.run(self.model, batch.input_ids, batch.positions, **model_kwargs)
         if hidden_states is None:  # an earlier pipeline stage: the last one samples
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        if self.pooling_info is not None:  # a pooling engine: every request pools
+            pooled, failed = self._pool(scheduler_output, batch, hidden_states)
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], pooler_output=pooled, failed=failed)
         prompt_logprobs = self._prompt_logprobs(scheduler_output, batch, hidden_states)
         if not batch.sample_req_ids:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], prompt_logprobs=prompt_logprobs)
@@ -230,6 +250,22 @@ class ModelRunner:
             prompt_logprobs=prompt_logprobs,
             failed=failed,
         )
+
+    def _model_kwargs(self, scheduler_output: SchedulerOutput) -> dict[str, torch.Tensor]:
+        """Inputs beyond token ids and positions: token types (segments of text pairs) for models that take them."""
+        if not getattr(self.model, "accepts_token_type_ids", False):
+            return {}
+        requests = scheduler_output.requests
+        types = [t for r in requests for t in ((r.new and r.new.token_type_ids) or [0] * len(r.token_ids))]
+        return {"token_type_ids": torch.tensor(types, dtype=torch.int64, device=self.device)}
+
+    def _pool(
+        self, scheduler_output: SchedulerOutput, batch: BatchInputs, hidden_states: torch.Tensor
+    ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        from llmplug.engine.pooling import pool
+
+        starts = [0, *itertools.accumulate(batch.common.query_lens_list)]
+        return pool(self.model, scheduler_output, starts, hidden_states, self.pooling_type)
 
     def _prompt_logprobs(
         self, scheduler_output: SchedulerOutput, batch: BatchInputs, hidden_states: torch.Tensor

@@ -155,14 +155,19 @@ class Worker:
             destroy_distributed_environment()
 
     def model_info(self) -> dict:
-        """Facts about the loaded model the engine needs (context length, vocabulary, layers)."""
-        hf = self.model_runner.hf_config
-        spec = self.model_runner.kv_cache_spec()
+        """Facts about the loaded model the engine needs (context length, vocabulary, layers; a pooling model's
+        tasks and defaults, None for a generating one)."""
+        runner = self.model_runner
+        hf = runner.hf_config
+        spec = runner.kv_cache_spec()
+        # a position table shorter than the config says (RoBERTa's starts at pad_token_id + 1) is the limit
+        positions = getattr(runner.model, "max_positions", None) or context_length_of(hf)
         return {
-            "context_length": context_length_of(hf),
+            "context_length": positions,
             "vocab_size": hf.vocab_size,
             "eos_token_id": getattr(hf, "eos_token_id", None),
             "block_bytes": spec.block_bytes,
+            "pooling": runner.pooling_info,
         }
 
     # ---- between generations: new weights, sleep mode (called through Executor.collective_rpc) ----

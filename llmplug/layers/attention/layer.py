@@ -26,6 +26,9 @@ class Attention(nn.Module):
     - `alibi_slopes` [num_heads] (float32): slope_h * (j - i) added to head h's scores;
     - `use_sinks`: a learned logit per head (the `sinks` parameter, float32) joins each softmax's
       denominator and contributes no value;
+    - `causal=False` ("bidirectional", encoders): each query sees every key of its own request (with a
+      `sliding_window` W, the keys |i - j| < W); the step must hold each request's whole prompt, and
+      no KV cache is needed (`bind_kv_cache(model, None, backend)`);
     - `values_in_keys` Dv: no v is passed or stored: the values are the first Dv dims of each key, and
       the output has Dv dims per head (multi-head latent attention, whose one KV "head" is the latent;
       needs num_kv_heads == 1; the cache holds keys only).
@@ -44,6 +47,7 @@ class Attention(nn.Module):
         logit_softcap: float | None = None,
         alibi_slopes: torch.Tensor | None = None,
         use_sinks: bool = False,
+        causal: bool = True,
         values_in_keys: int | None = None,
     ) -> None:
         super().__init__()
@@ -54,6 +58,11 @@ class Attention(nn.Module):
         self.num_queries_per_kv = self.num_heads // self.num_kv_heads
         self.layer_name = prefix
         _check_features(prefix, num_heads, sliding_window, logit_softcap, alibi_slopes)
+        if not causal and (logit_softcap is not None or alibi_slopes is not None or use_sinks):
+            raise ValueError(
+                f"Attention {prefix!r}: bidirectional attention with soft-capping, ALiBi or sinks is not modelled"
+            )
+        self.causal = causal
         _check_values_in_keys(prefix, values_in_keys, head_dim, self.num_kv_heads)
         self.values_in_keys = values_in_keys
         self.v_head_dim = values_in_keys or head_dim  # dims of each head's output
@@ -77,6 +86,7 @@ class Attention(nn.Module):
             "logit_softcap": self.logit_softcap is not None,
             "alibi": self.alibi_slopes is not None,
             "sinks": self.sinks is not None,
+            "bidirectional": not self.causal,
             "values_in_keys": self.values_in_keys is not None,
         }
         return frozenset(name for name, on in used.items() if on)
@@ -112,7 +122,7 @@ class Attention(nn.Module):
             text += f", logit_softcap={self.logit_softcap}"
         if self.values_in_keys is not None:
             text += f", values_in_keys={self.values_in_keys}"
-        return text + "".join(f", {name}" for name in sorted(self.features & {"alibi", "sinks"}))
+        return text + "".join(f", {name}" for name in sorted(self.features & {"alibi", "sinks", "bidirectional"}))
 
 
 def _check_values_in_keys(prefix: str, values: int | None, head_dim: int, num_kv_heads: int) -> None:

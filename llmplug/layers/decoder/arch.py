@@ -1,8 +1,10 @@
-"""The typed, frozen description of a decoder-only transformer that `DecoderForCausalLM` builds.
+"""The typed, frozen description of a transformer that `DecoderForCausalLM` (or, for embeddings and
+classifiers, `TransformerForPooling`) builds.
 
 A family's config adapter (llmplug/plugins/models/) reads its HF config once into a
 `DecoderArchConfig`; the generic decoder reads nothing else. Every field defaults to the Llama
-choice, so an adapter names only what its family changes.
+choice, so an adapter names only what its family changes. An encoder (BERT, ModernBERT) is the same
+transformer with `causal=False`, and BERT's norms after each residual add are `norm_after_residual`.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ class LayerConfig:
     """What may differ from one layer to the next."""
 
     rope: RopeConfig | None  # None: no rotary embedding in this layer (NoPE)
-    sliding_window: int | None = None  # None: attends to the whole context
+    sliding_window: int | None = None  # None: attends to the whole context (bidirectional: keys |i - j| < W)
     o_proj_bias: bool = False  # a bias on this layer's output projection alone (GPT-NeoX-Japanese: the last layer)
     input_norm: bool = True  # False: no norm before this layer's attention (ModernBERT's first layer)
     moe: bool = False  # the MLP is the arch's mixture of experts (DecoderArchConfig.moe), else the dense one
@@ -49,6 +51,7 @@ class MLPConfig:
     activation: str = "silu"  # a name of llmplug.layers.activation.ACTIVATIONS, or "xielu"
     gated: bool = True
     bias: bool = False
+    down_bias: bool | None = None  # None: as `bias` (GTE: only down_proj has one)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,11 +117,12 @@ class DecoderArchConfig:
     alibi_max_bias: float = 8.0
     alibi_scaled: bool = False  # the bias is multiplied by the attention scale too (Falcon)
     attention_sinks: bool = False  # a learned per-head sink logit
+    causal: bool = True  # False: every token attends to the whole prompt (encoders; no KV cache, never chunked)
 
     # layer structure
     pre_norm: bool = True  # norm before each sublayer (input_layernorm, post_attention_layernorm)
     post_norm: bool = False  # norm of each sublayer's output before the residual add (OLMo 2; with pre: Gemma 2)
-    norm_after_residual: bool = False  # x = norm(x + sublayer(x)), no pre-norm (post-LN: GPT-1, OPT-350m)
+    norm_after_residual: bool = False  # x = norm(x + sublayer(x)), no pre-norm (post-LN: GPT-1, OPT-350m, BERT)
     parallel_residual: bool = False  # x + attn(norm(x)) + mlp(norm'(x)) (GPT-J, GPT-NeoX, Falcon, Phi, Cohere)
     parallel_mlp_norm: bool = False  # with parallel_residual: the MLP has its own norm' (GPT-NeoX, Falcon-40B)
     residual_multiplier: float = 1.0  # sublayer outputs scaled before the residual add (Granite)
@@ -131,6 +135,7 @@ class DecoderArchConfig:
     absolute_positions: Literal["learned", "sinusoidal", "sinusoidal_paper"] | None = None
     position_offset: int = 0  # row of position p in the position table is p + offset (OPT, XGLM: 2)
     max_position: int = 0  # rows of the position table (without the offset)
+    type_vocab_size: int = 0  # token-type (segment) embeddings added to the token embeddings (BERT); 0: none
 
     # output
     final_norm: bool = True  # False: the last layer's output goes to the head as it is (post-LN models)

@@ -54,6 +54,7 @@ class DecoderAttention(nn.Module):
             logit_softcap=arch.attn_logit_softcap,
             alibi_slopes=self._alibi_slopes(arch) if arch.alibi else None,
             use_sinks=arch.attention_sinks,
+            causal=arch.causal,
         )
 
     def _qk_norms(self, arch: DecoderArchConfig) -> tuple[nn.Module | None, nn.Module | None]:

@@ -36,8 +36,9 @@ class DecoderMLP(nn.Module):
         else:
             self.up_proj = ColumnParallelLinear(hidden_size, inter, bias, prefix=_join(prefix, "up_proj"))
             self.act_fn = XIELU() if config.activation == "xielu" else Activation(config.activation)
+        down_bias = bias if config.down_bias is None else config.down_bias
         self.down_proj = RowParallelLinear(
-            inter, hidden_size, bias, reduce_results=reduce_results, prefix=_join(prefix, "down_proj")
+            inter, hidden_size, down_bias, reduce_results=reduce_results, prefix=_join(prefix, "down_proj")
         )
         self.gated = config.gated
 
