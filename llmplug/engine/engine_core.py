@@ -37,7 +37,9 @@ class EngineCore:
         num_blocks = self._num_blocks()
         self.executor.initialize_cache(num_blocks)
         cache = config.cache
-        self.kv_cache_manager = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, cache.block_size, cache.enable_prefix_caching, self.model_info["num_state_slots"]
+        )
         sched = config.scheduler
         budget = sched.token_budget(self.max_model_len)
         self.scheduler = Scheduler(

@@ -322,6 +322,7 @@ class Scheduler:
             block_ids=self.kv_cache_manager.get_block_ids(request),
             samples=start + num_new_tokens == request.num_tokens,
             new=new,
+            state_slot=self.kv_cache_manager.get_state_slot(request),
         )
 
     # -- results of a step ---------------------------------------------------------------------

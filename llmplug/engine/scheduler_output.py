@@ -32,6 +32,7 @@ class ScheduledRequest:
     block_ids: list[int]  # the request's whole block table
     samples: bool  # the chunk reaches the last known token, so a token is sampled
     new: NewRequestData | None  # set when the worker has no state for the request
+    state_slot: int | None = None  # its recurrent-state slot (models with recurrent mixers only)
 
 
 @dataclass(slots=True)

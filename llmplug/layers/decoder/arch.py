@@ -12,8 +12,17 @@ from typing import Any, Literal, Mapping
 
 from llmplug.layers.layernorm import NormConfig
 from llmplug.layers.qk_norm import QKNormConfig
+from llmplug.layers.recurrent.gated_delta_net import GatedDeltaNetConfig
+from llmplug.layers.recurrent.mamba import MambaMixerConfig
+from llmplug.layers.recurrent.mamba2 import Mamba2MixerConfig
+from llmplug.layers.recurrent.short_conv import ShortConvConfig
 
-__all__ = ["DecoderArchConfig", "LayerConfig", "MLPConfig", "RopeConfig"]
+__all__ = ["RECURRENT_MIXERS", "DecoderArchConfig", "LayerConfig", "MLPConfig", "MixerKind", "RopeConfig"]
+
+# the token mixer of a layer: attention, or a recurrent mixer of llmplug.layers.recurrent
+MixerKind = Literal["attention", "mamba", "mamba2", "gated_delta_net", "short_conv"]
+# the recurrent mixer kinds; each is also the DecoderArchConfig field holding that mixer's config
+RECURRENT_MIXERS = frozenset({"mamba", "mamba2", "gated_delta_net", "short_conv"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +42,8 @@ class LayerConfig:
 
     rope: RopeConfig | None  # None: no rotary embedding in this layer (NoPE)
     sliding_window: int | None = None  # None: attends to the whole context
+    mixer: MixerKind | None = "attention"  # None: no token mixer (NemotronH's MLP-only layers)
+    mlp: bool = True  # False: the layer is its mixer alone (Mamba, NemotronH's mixer layers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +82,13 @@ class DecoderArchConfig:
     alibi_max_bias: float = 8.0
     alibi_scaled: bool = False  # the bias is multiplied by the attention scale too (Falcon)
     attention_sinks: bool = False  # a learned per-head sink logit
+    attention_output_gate: bool = False  # q_proj also gives a gate per head: out * sigmoid(gate) (Qwen3-Next)
+
+    # recurrent mixers (llmplug.layers.recurrent), one config each for the layers whose `mixer` names it
+    mamba: MambaMixerConfig | None = None
+    mamba2: Mamba2MixerConfig | None = None
+    gated_delta_net: GatedDeltaNetConfig | None = None
+    short_conv: ShortConvConfig | None = None
 
     # layer structure
     pre_norm: bool = True  # norm before each sublayer (input_layernorm, post_attention_layernorm)
@@ -103,6 +121,26 @@ class DecoderArchConfig:
             raise ValueError(f"{self.architecture}: a layer needs pre_norm, post_norm or both")
         if self.absolute_positions and self.max_position <= 0:
             raise ValueError(f"{self.architecture}: absolute positions need max_position > 0")
+        self._check_layer_kinds()
+
+    def _check_layer_kinds(self) -> None:
+        """Each recurrent mixer has its config; layers other than attention + MLP are plain pre-norm."""
+        for i, layer in enumerate(self.layers):
+            if layer.mixer in RECURRENT_MIXERS and getattr(self, layer.mixer) is None:
+                raise ValueError(f"{self.architecture}: layer {i} is a {layer.mixer} layer but `{layer.mixer}` is None")
+            if layer.mixer is None and not layer.mlp:
+                raise ValueError(f"{self.architecture}: layer {i} has neither a mixer nor an MLP")
+        plain = all(layer.mixer == "attention" and layer.mlp for layer in self.layers)
+        if not plain and (self.post_norm or self.parallel_residual or not self.pre_norm):
+            raise ValueError(
+                f"{self.architecture}: layers with a recurrent mixer or a single sublayer are pre-norm only "
+                "(no post_norm, no parallel_residual)"
+            )
+
+    @property
+    def has_recurrent_layers(self) -> bool:
+        """Whether any layer's mixer keeps per-request state."""
+        return any(layer.mixer in RECURRENT_MIXERS for layer in self.layers)
 
     @property
     def scale(self) -> float:

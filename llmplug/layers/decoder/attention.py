@@ -1,5 +1,10 @@
 """The self-attention block of the generic decoder: fused q/k/v projection, optional clamp and q/k norms,
-in-place rotary, paged attention (with the layer's window, soft-cap, ALiBi, sinks), output projection."""
+in-place rotary, paged attention (with the layer's window, soft-cap, ALiBi, sinks), optional output gate,
+output projection.
+
+With `attention_output_gate` (Qwen3-Next) the checkpoint's q_proj gives each head [q | gate]: the fused
+projection holds it as twice the query heads (so a tensor-parallel rank keeps whole pairs), and the
+attention output is multiplied by sigmoid(gate) before o_proj."""
 
 from __future__ import annotations
 
@@ -28,11 +33,14 @@ class DecoderAttention(nn.Module):
     ) -> None:
         super().__init__()
         d = arch.head_dim
+        self.gated = arch.attention_output_gate
+        q_heads = 2 * arch.num_heads if self.gated else arch.num_heads  # a gate "head" beside each query head
         self.qkv_proj = QKVParallelLinear(
-            arch.hidden_size, d, arch.num_heads, arch.num_kv_heads, arch.qkv_bias, _join(prefix, "qkv_proj")
+            arch.hidden_size, d, q_heads, arch.num_kv_heads, arch.qkv_bias, _join(prefix, "qkv_proj")
         )
-        self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d
-        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.num_heads = self.qkv_proj.num_heads // 2 if self.gated else self.qkv_proj.num_heads
+        self.num_kv_heads, self.head_dim = self.qkv_proj.num_kv_heads, d
+        self.q_size, self.kv_size = self.num_heads * d, self.qkv_proj.kv_size
         self.o_proj = RowParallelLinear(
             arch.num_heads * d,
             arch.hidden_size,
@@ -74,7 +82,20 @@ class DecoderAttention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, rope: RotaryCosSin | None) -> torch.Tensor:
         """[T, hidden] -> [T, hidden] (this rank's partial sum when reduce_results=False)."""
-        qkv = self.qkv_proj(hidden)  # [T, (H + 2 * Hkv) * D]
+        qkv = self.qkv_proj(hidden)  # [T, (H + 2 * Hkv) * D]; gated: [T, (2 H + 2 * Hkv) * D]
+        if self.gated:
+            qkv, gate = self._ungate(qkv)
+            return self.o_proj(self._attend(qkv, rope).mul_(torch.sigmoid(gate)))
+        return self.o_proj(self._attend(qkv, rope))
+
+    def _ungate(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, H * (q | gate) + 2 Hkv * D] -> (qkv [T, (H + 2 Hkv) * D], gate [T, H * D])."""
+        pairs = qkv[:, : 2 * self.q_size].unflatten(-1, (self.num_heads, 2 * self.head_dim))
+        q, gate = pairs[..., : self.head_dim], pairs[..., self.head_dim :]
+        return torch.cat([q.flatten(1), qkv[:, 2 * self.q_size :]], dim=1), gate.flatten(1)
+
+    def _attend(self, qkv: torch.Tensor, rope: RotaryCosSin | None) -> torch.Tensor:
+        """[T, (H + 2 Hkv) * D] -> the attention output [T, H * D]."""
         if self.clip_qkv is not None:
             qkv.clamp_(-self.clip_qkv, self.clip_qkv)
         q_end, k_end = self.q_size, self.q_size + self.kv_size
@@ -84,5 +105,4 @@ class DecoderAttention(nn.Module):
             qk[:, self.num_heads :] = self.k_norm(qk[:, self.num_heads :])
         if rope is not None:
             rope.apply_(qk)  # rotates q and k inside qkv
-        out = self.attn(qkv[:, :q_end], qkv[:, q_end:k_end], qkv[:, k_end:])  # [T, H * D]
-        return self.o_proj(out)
+        return self.attn(qkv[:, :q_end], qkv[:, q_end:k_end], qkv[:, k_end:])  # [T, H * D]

@@ -3,6 +3,11 @@
 The residual stream is carried as a pair (sublayer output, residual): the sum is only formed by
 the next norm, fused with it (`norm(x, residual)`), so a pre-norm layer does no separate add.
 
+A layer's token mixer (`LayerConfig.mixer`) is attention (`self_attn`) or a recurrent mixer of
+llmplug.layers.recurrent (`mixer`: Mamba, Mamba 2, gated delta net, short conv); a layer may also
+lack its mixer or its MLP (`LayerConfig.mlp`): such layers are pre-norm, with `input_layernorm`
+before the mixer and `post_attention_layernorm` before the MLP.
+
 Norm placement, with transformers' module names (so most checkpoints need no renames):
 
 | layout                  | before attn     | after attn  | before MLP                | after MLP   |
@@ -21,15 +26,22 @@ import torch
 from torch import nn
 
 from llmplug.communicators.parallel_state import get_tp_group
-from llmplug.layers.decoder.arch import DecoderArchConfig, LayerConfig
+from llmplug.layers.decoder.arch import DecoderArchConfig, LayerConfig, MixerKind
 from llmplug.layers.decoder.attention import DecoderAttention
 from llmplug.layers.decoder.mlp import DecoderMLP
 from llmplug.layers.layernorm import LayerNorm, RMSNorm, make_norm
+from llmplug.layers.recurrent import GatedDeltaNet, Mamba2Mixer, MambaMixer, RecurrentMixer, ShortConv
 from llmplug.layers.rotary import RotaryCosSin
 
 __all__ = ["DecoderLayer"]
 
 Norm = RMSNorm | LayerNorm
+RECURRENT_MIXER_CLASSES: dict[str, type[RecurrentMixer]] = {
+    "mamba": MambaMixer,
+    "mamba2": Mamba2Mixer,
+    "gated_delta_net": GatedDeltaNet,
+    "short_conv": ShortConv,
+}
 
 
 def _join(prefix: str, name: str) -> str:
@@ -43,14 +55,23 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.parallel = arch.parallel_residual
         reduce = not self.parallel  # a parallel layer sums attention and MLP, then all-reduces once
-        self.self_attn = DecoderAttention(arch, layer, _join(prefix, "self_attn"), reduce_results=reduce)
-        self.mlp = DecoderMLP(arch.mlp, arch.hidden_size, arch.intermediate_size, _join(prefix, "mlp"), reduce)
+        self.mixer_kind: MixerKind | None = layer.mixer
+        if layer.mixer == "attention":
+            self.self_attn = DecoderAttention(arch, layer, _join(prefix, "self_attn"), reduce_results=reduce)
+        elif layer.mixer is not None:
+            mixer_cls = RECURRENT_MIXER_CLASSES[layer.mixer]
+            self.mixer = mixer_cls(getattr(arch, layer.mixer), arch.hidden_size, _join(prefix, "mixer"))
+        self.mlp = (
+            DecoderMLP(arch.mlp, arch.hidden_size, arch.intermediate_size, _join(prefix, "mlp"), reduce)
+            if layer.mlp
+            else None
+        )
         self.residual_multiplier, self.post_norm = arch.residual_multiplier, arch.post_norm
         norm = lambda: make_norm(arch.norm, arch.hidden_size)  # noqa: E731
         pre, post = arch.pre_norm, arch.post_norm
-        self.input_layernorm: Norm | None = norm() if pre else None
+        self.input_layernorm: Norm | None = norm() if pre and layer.mixer is not None else None
         self.post_attention_layernorm: Norm | None = (
-            norm() if (post or not self.parallel or arch.parallel_mlp_norm) else None
+            norm() if layer.mlp and (post or not self.parallel or arch.parallel_mlp_norm) else None
         )
         self.pre_feedforward_layernorm: Norm | None = norm() if (pre and post) else None
         self.post_feedforward_layernorm: Norm | None = norm() if post else None
@@ -73,10 +94,17 @@ class DecoderLayer(nn.Module):
         at the first layer: `hidden` is the embedding output)."""
         if self.parallel:
             return self._parallel(hidden, residual, rope)
-        hidden, residual = _add_and_norm(self.input_layernorm, hidden, residual)
-        hidden = self._scaled(_norm(self.attn_out_norm, self.self_attn(hidden, rope)))
-        hidden, residual = _add_and_norm(self.mlp_in_norm, hidden, residual)
-        return self._scaled(_norm(self.post_feedforward_layernorm, self.mlp(hidden))), residual
+        if self.mixer_kind is not None:
+            hidden, residual = _add_and_norm(self.input_layernorm, hidden, residual)
+            hidden = self._scaled(_norm(self.attn_out_norm, self._mix(hidden, rope)))
+        if self.mlp is not None:
+            hidden, residual = _add_and_norm(self.mlp_in_norm, hidden, residual)
+            hidden = self._scaled(_norm(self.post_feedforward_layernorm, self.mlp(hidden)))
+        return hidden, residual
+
+    def _mix(self, hidden: torch.Tensor, rope: RotaryCosSin | None) -> torch.Tensor:
+        """The token mixer: attention (with this layer's rope) or a recurrent mixer."""
+        return self.self_attn(hidden, rope) if self.mixer_kind == "attention" else self.mixer(hidden)
 
     def _parallel(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: RotaryCosSin | None
