@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from transformers import (
     BloomConfig,
+    FalconMambaConfig,
+    Mamba2Config,
+    MambaConfig,
     CohereConfig,
     FalconConfig,
     Gemma2Config,
@@ -42,7 +45,9 @@ from llmplug.testing import ParityCase, tiny_config
 
 
 WINDOW = 8  # sliding windows far shorter than prompt + generation (up to 29 + 24 tokens)
-NO_POSITION_LIMIT = {"max_model_len": 256}  # ALiBi models: the config has no max_position_embeddings
+NO_POSITION_LIMIT = {"max_model_len": 256}  # ALiBi and state-space models: the config has no max_position_embeddings
+# state-space layers: a short conv of 4, a few groups and heads; SSD chunks shorter than the prompts
+MAMBA2_SIZES = dict(num_heads=8, head_dim=16, expand=2, n_groups=2, state_size=8, chunk_size=8)
 
 
 def case(
@@ -153,6 +158,10 @@ CASES: list[ParityCase] = [
     ),
     # NoPE: the second layer has no rotary
     case("SmolLM3ForCausalLM", SmolLM3Config, no_rope_layer_interval=2),
+    # state-space models: Mamba (selective scan), FalconMamba (+ RMS norms of dt, B, C), Mamba 2 (SSD)
+    case("MambaForCausalLM", MambaConfig, NO_POSITION_LIMIT, state_size=8, time_step_rank=8),
+    case("FalconMambaForCausalLM", FalconMambaConfig, NO_POSITION_LIMIT, state_size=8, time_step_rank=8),
+    case("Mamba2ForCausalLM", Mamba2Config, NO_POSITION_LIMIT, **MAMBA2_SIZES),
     # OLMo 2 with a window on the first layer and a rope per layer type
     case(
         "Olmo3ForCausalLM",
