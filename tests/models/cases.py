@@ -15,6 +15,8 @@ from transformers import (
     JambaConfig,
     Lfm2Config,
     NemotronHConfig,
+    Qwen3_5TextConfig,
+    Qwen3NextConfig,
     Mamba2Config,
     MambaConfig,
     CohereConfig,
@@ -53,6 +55,15 @@ WINDOW = 8  # sliding windows far shorter than prompt + generation (up to 29 + 2
 NO_POSITION_LIMIT = {"max_model_len": 256}  # ALiBi and state-space models: the config has no max_position_embeddings
 # state-space layers: a short conv of 4, a few groups and heads; SSD chunks shorter than the prompts
 MAMBA2_SIZES = dict(num_heads=8, head_dim=16, expand=2, n_groups=2, state_size=8, chunk_size=8)
+GDN_SIZES = dict(
+    num_hidden_layers=3,
+    layer_types=["linear_attention", "full_attention", "linear_attention"],
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=16,
+)
 BAMBA_SIZES = dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8, mamba_chunk_size=8)
 
 
@@ -199,6 +210,8 @@ CASES: list[ParityCase] = [
     case(
         "NemotronHForCausalLM",
         NemotronHConfig,
+    Qwen3_5TextConfig,
+    Qwen3NextConfig,
         layers_block_type=["linear_attention", "mlp", "full_attention", "mlp"],
         head_dim=16,
         mamba_num_heads=8,
@@ -207,6 +220,10 @@ CASES: list[ParityCase] = [
         ssm_state_size=8,
         chunk_size=8,
     ),
+    # gated delta nets (grouped value heads, projections interleaved per key head) and gated attention with
+    # partial rotary and 1 + w norms (Qwen3-Next with dense MLPs; Qwen3.5 with plain projections)
+    case("Qwen3NextForCausalLM", Qwen3NextConfig, mlp_only_layers=[0, 1, 2], **GDN_SIZES),
+    case("Qwen3_5ForCausalLM", Qwen3_5TextConfig, **GDN_SIZES),
     # Mamba with RMS-normed dt, B, C and attention without rotary (Jamba, dense MLPs)
     case("JambaForCausalLM", JambaConfig, num_experts=1, attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8,
          mamba_dt_rank=8),
