@@ -8,7 +8,7 @@ choice, so an adapter names only what its family changes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Literal, Mapping
 
 from llmplug.layers.layernorm import NormConfig
 from llmplug.layers.qk_norm import QKNormConfig
@@ -16,6 +16,9 @@ from llmplug.layers.recurrent.gated_delta_net import GatedDeltaNetConfig
 from llmplug.layers.recurrent.mamba import MambaMixerConfig
 from llmplug.layers.recurrent.mamba2 import Mamba2MixerConfig
 from llmplug.layers.recurrent.short_conv import ShortConvConfig
+
+if TYPE_CHECKING:  # the MoE block builds its shared experts from this package's MLP
+    from llmplug.layers.moe.config import MoEConfig
 
 __all__ = ["RECURRENT_MIXERS", "DecoderArchConfig", "LayerConfig", "MLPConfig", "MixerKind", "RopeConfig"]
 
@@ -44,6 +47,7 @@ class LayerConfig:
     sliding_window: int | None = None  # None: attends to the whole context
     mixer: MixerKind | None = "attention"  # None: no token mixer (NemotronH's MLP-only layers)
     mlp: bool = True  # False: the layer is its mixer alone (Mamba, NemotronH's mixer layers)
+    moe: bool = False  # the MLP is the arch's mixture of experts (DecoderArchConfig.moe), else the dense one
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,12 +73,14 @@ class DecoderArchConfig:
     head_dim: int
     layers: tuple[LayerConfig, ...]  # one per layer: rotary and attention window
     norm: NormConfig = NormConfig()  # every norm of the model (the q/k norms have their own)
-    mlp: MLPConfig = MLPConfig()
+    mlp: MLPConfig = MLPConfig()  # the dense MLP (of `intermediate_size`)
+    moe: MoEConfig | None = None  # the mixture-of-experts MLP of the layers marked `moe`
 
     # attention
     qkv_bias: bool = False  # bias on q, k, v projections
     o_proj_bias: bool = False
     qk_norm: QKNormConfig | None = None  # norm of q and k before rotary
+    qk_norm_after_rope: bool = False  # the q/k norm follows the rotary instead (HunYuan)
     clip_qkv: float | None = None  # q, k, v clamped to [-clip_qkv, clip_qkv] (OLMo, MPT)
     attention_scale: float | None = None  # None: head_dim ** -0.5
     attn_logit_softcap: float | None = None  # scores = cap * tanh(scores / cap) (Gemma 2)
@@ -119,6 +125,8 @@ class DecoderArchConfig:
             raise ValueError(f"{self.architecture}: a parallel residual with post-sublayer norms is not modelled")
         if not (self.pre_norm or self.post_norm):
             raise ValueError(f"{self.architecture}: a layer needs pre_norm, post_norm or both")
+        if any(layer.moe for layer in self.layers) and self.moe is None:
+            raise ValueError(f"{self.architecture}: layers marked moe need a MoEConfig (DecoderArchConfig.moe)")
         if self.absolute_positions and self.max_position <= 0:
             raise ValueError(f"{self.architecture}: absolute positions need max_position > 0")
         self._check_layer_kinds()

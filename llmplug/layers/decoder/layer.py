@@ -61,11 +61,7 @@ class DecoderLayer(nn.Module):
         elif layer.mixer is not None:
             mixer_cls = RECURRENT_MIXER_CLASSES[layer.mixer]
             self.mixer = mixer_cls(getattr(arch, layer.mixer), arch.hidden_size, _join(prefix, "mixer"))
-        self.mlp = (
-            DecoderMLP(arch.mlp, arch.hidden_size, arch.intermediate_size, _join(prefix, "mlp"), reduce)
-            if layer.mlp
-            else None
-        )
+        self.mlp = _mlp(arch, layer, _join(prefix, "mlp"), reduce) if layer.mlp else None
         self.residual_multiplier, self.post_norm = arch.residual_multiplier, arch.post_norm
         norm = lambda: make_norm(arch.norm, arch.hidden_size)  # noqa: E731
         pre, post = arch.pre_norm, arch.post_norm
@@ -119,6 +115,15 @@ class DecoderLayer(nn.Module):
     def _scaled(self, out: torch.Tensor) -> torch.Tensor:
         """A sublayer's output times the residual multiplier (in place: it is a fresh tensor)."""
         return out.mul_(self.residual_multiplier) if self.residual_multiplier != 1.0 else out
+
+
+def _mlp(arch: DecoderArchConfig, layer: LayerConfig, prefix: str, reduce: bool) -> nn.Module:
+    """The layer's MLP: the mixture of experts on layers marked `moe`, else the dense one."""
+    if not layer.moe:
+        return DecoderMLP(arch.mlp, arch.hidden_size, arch.intermediate_size, prefix, reduce)
+    from llmplug.layers.moe import SparseMoeBlock  # imported here: the MoE block builds on this package's MLP
+
+    return SparseMoeBlock(arch.moe, arch.hidden_size, prefix, reduce)
 
 
 def _add_and_norm(
