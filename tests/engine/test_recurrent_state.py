@@ -12,7 +12,7 @@ from transformers import BambaConfig
 
 from llmplug import LLM, SamplingParams
 from llmplug.testing import TinyCheckpoint, save_tiny_checkpoint, tiny_config
-from tests.models.cases import BAMBA_SIZES
+from tests.models.cases_recurrent import BAMBA_SIZES
 
 MAX_NUM_SEQS = 6
 

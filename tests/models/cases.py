@@ -8,17 +8,7 @@ with tensor parallelism (slow).
 from __future__ import annotations
 
 from transformers import (
-    BambaConfig,
     BloomConfig,
-    FalconMambaConfig,
-    GraniteMoeHybridConfig,
-    JambaConfig,
-    Lfm2Config,
-    NemotronHConfig,
-    Qwen3_5TextConfig,
-    Qwen3NextConfig,
-    Mamba2Config,
-    MambaConfig,
     CohereConfig,
     FalconConfig,
     Gemma2Config,
@@ -52,19 +42,7 @@ from llmplug.testing import ParityCase, tiny_config
 
 
 WINDOW = 8  # sliding windows far shorter than prompt + generation (up to 29 + 24 tokens)
-NO_POSITION_LIMIT = {"max_model_len": 256}  # ALiBi and state-space models: the config has no max_position_embeddings
-# state-space layers: a short conv of 4, a few groups and heads; SSD chunks shorter than the prompts
-MAMBA2_SIZES = dict(num_heads=8, head_dim=16, expand=2, n_groups=2, state_size=8, chunk_size=8)
-GDN_SIZES = dict(
-    num_hidden_layers=3,
-    layer_types=["linear_attention", "full_attention", "linear_attention"],
-    head_dim=16,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=8,
-    linear_value_head_dim=16,
-)
-BAMBA_SIZES = dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8, mamba_chunk_size=8)
+NO_POSITION_LIMIT = {"max_model_len": 256}  # ALiBi models: the config has no max_position_embeddings
 
 
 def case(
@@ -175,58 +153,6 @@ CASES: list[ParityCase] = [
     ),
     # NoPE: the second layer has no rotary
     case("SmolLM3ForCausalLM", SmolLM3Config, no_rope_layer_interval=2),
-    # state-space models: Mamba (selective scan), FalconMamba (+ RMS norms of dt, B, C), Mamba 2 (SSD)
-    case("MambaForCausalLM", MambaConfig, NO_POSITION_LIMIT, state_size=8, time_step_rank=8),
-    case("FalconMambaForCausalLM", FalconMambaConfig, NO_POSITION_LIMIT, state_size=8, time_step_rank=8),
-    case("Mamba2ForCausalLM", Mamba2Config, NO_POSITION_LIMIT, **MAMBA2_SIZES),
-    # hybrids: short convs and attention with q/k norms (LFM2, its final norm named embedding_norm)
-    case("Lfm2ForCausalLM", Lfm2Config, layer_types=["conv", "full_attention", "conv"], num_hidden_layers=3,
-         block_multiple_of=32, block_ffn_dim_multiplier=1.5),
-    # Mamba 2 and attention with partial rotary (Bamba)
-    case("BambaForCausalLM", BambaConfig, attn_layer_indices=[1], **BAMBA_SIZES),
-    # Bamba's mix with Granite's multipliers and no rotary (Granite 4.0 H dense)
-    case(
-        "GraniteMoeHybridForCausalLM",
-        GraniteMoeHybridConfig,
-        layer_types=["mamba", "attention"],
-        num_local_experts=0,
-        shared_intermediate_size=96,
-        embedding_multiplier=2.0,
-        residual_multiplier=0.5,
-        attention_multiplier=0.1,
-        logits_scaling=4.0,
-        **BAMBA_SIZES,
-    ),
-    case(
-        "GraniteMoeHybridForCausalLM-rope",
-        GraniteMoeHybridConfig,
-        layer_types=["attention", "mamba"],
-        num_local_experts=0,
-        shared_intermediate_size=96,
-        position_embedding_type="rope",
-        **BAMBA_SIZES,
-    ),
-    # one sublayer per layer: Mamba 2, attention without rotary, squared-ReLU MLP (NemotronH)
-    case(
-        "NemotronHForCausalLM",
-        NemotronHConfig,
-    Qwen3_5TextConfig,
-    Qwen3NextConfig,
-        layers_block_type=["linear_attention", "mlp", "full_attention", "mlp"],
-        head_dim=16,
-        mamba_num_heads=8,
-        mamba_head_dim=16,
-        n_groups=2,
-        ssm_state_size=8,
-        chunk_size=8,
-    ),
-    # gated delta nets (grouped value heads, projections interleaved per key head) and gated attention with
-    # partial rotary and 1 + w norms (Qwen3-Next with dense MLPs; Qwen3.5 with plain projections)
-    case("Qwen3NextForCausalLM", Qwen3NextConfig, mlp_only_layers=[0, 1, 2], **GDN_SIZES),
-    case("Qwen3_5ForCausalLM", Qwen3_5TextConfig, **GDN_SIZES),
-    # Mamba with RMS-normed dt, B, C and attention without rotary (Jamba, dense MLPs)
-    case("JambaForCausalLM", JambaConfig, num_experts=1, attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8,
-         mamba_dt_rank=8),
     # OLMo 2 with a window on the first layer and a rope per layer type
     case(
         "Olmo3ForCausalLM",
@@ -277,3 +203,8 @@ from .cases_moe import MOE_CASES, MOE_TP_CASES  # noqa: E402
 
 CASES += MOE_CASES
 TP_CASES += MOE_TP_CASES
+
+# the state-space and hybrid architectures, in their own module (they use `case` above)
+from .cases_recurrent import RECURRENT_CASES  # noqa: E402
+
+CASES += RECURRENT_CASES
