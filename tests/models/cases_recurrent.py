@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from transformers import (
     BambaConfig,
+    FalconH1Config,
     FalconMambaConfig,
     GraniteMoeHybridConfig,
     JambaConfig,
@@ -80,6 +81,25 @@ RECURRENT_CASES = [
         position_embedding_type="rope",
         **GRANITE_HYBRID,
     ),
+    # attention and Mamba 2 side by side in every layer, muP multipliers everywhere (Falcon-H1); with the
+    # gated norm (norm before gate) and without it
+    case(
+        "FalconH1ForCausalLM",
+        FalconH1Config,
+        mamba_d_ssm=128,
+        mamba_rms_norm=True,
+        embedding_multiplier=1.5,
+        lm_head_multiplier=0.5,
+        mlp_multipliers=[0.8, 1.3],
+        key_multiplier=0.7,
+        attention_in_multiplier=1.2,
+        attention_out_multiplier=0.9,
+        ssm_in_multiplier=1.1,
+        ssm_out_multiplier=0.6,
+        ssm_multipliers=[0.9, 1.1, 0.8, 1.2, 0.7],
+        **BAMBA_SIZES,
+    ),
+    case("FalconH1ForCausalLM-ungated", FalconH1Config, mamba_d_ssm=128, mamba_rms_norm=False, **BAMBA_SIZES),
     # one sublayer per layer: Mamba 2, attention without rotary, squared-ReLU MLP (NemotronH)
     case(
         "NemotronHForCausalLM",

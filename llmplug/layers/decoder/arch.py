@@ -46,6 +46,8 @@ class LayerConfig:
     rope: RopeConfig | None  # None: no rotary embedding in this layer (NoPE)
     sliding_window: int | None = None  # None: attends to the whole context
     mixer: MixerKind | None = "attention"  # None: no token mixer (NemotronH's MLP-only layers)
+    # a recurrent mixer run beside the attention on the same input, the outputs summed (Falcon-H1)
+    parallel_mixer: MixerKind | None = None
     mlp: bool = True  # False: the layer is its mixer alone (Mamba, NemotronH's mixer layers)
     moe: bool = False  # the MLP is the arch's mixture of experts (DecoderArchConfig.moe), else the dense one
 
@@ -57,6 +59,8 @@ class MLPConfig:
     activation: str = "silu"  # a name of llmplug.layers.activation.ACTIVATIONS, or "xielu"
     gated: bool = True
     bias: bool = False
+    gate_multiplier: float = 1.0  # act(gate(x) * m) * up(x) (Falcon-H1's muP)
+    down_multiplier: float = 1.0  # down(...) * m (Falcon-H1's muP)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +93,11 @@ class DecoderArchConfig:
     alibi_scaled: bool = False  # the bias is multiplied by the attention scale too (Falcon)
     attention_sinks: bool = False  # a learned per-head sink logit
     attention_output_gate: bool = False  # q_proj also gives a gate per head: out * sigmoid(gate) (Qwen3-Next)
+    key_multiplier: float = 1.0  # k scaled before rotary (Falcon-H1)
+    # a layer with a parallel mixer: attn(x * in) * out + mixer(x) * mixer_out (Falcon-H1's muP)
+    attention_in_multiplier: float = 1.0
+    attention_out_multiplier: float = 1.0
+    parallel_mixer_out_multiplier: float = 1.0
 
     # recurrent mixers (llmplug.layers.recurrent), one config each for the layers whose `mixer` names it
     mamba: MambaMixerConfig | None = None
@@ -129,13 +138,19 @@ class DecoderArchConfig:
             raise ValueError(f"{self.architecture}: layers marked moe need a MoEConfig (DecoderArchConfig.moe)")
         if self.absolute_positions and self.max_position <= 0:
             raise ValueError(f"{self.architecture}: absolute positions need max_position > 0")
+        if self.mlp.gate_multiplier != 1.0 and not self.mlp.gated:
+            raise ValueError(f"{self.architecture}: an MLP gate multiplier needs a gated MLP")
         self._check_layer_kinds()
 
     def _check_layer_kinds(self) -> None:
         """Each recurrent mixer has its config; layers other than attention + MLP are plain pre-norm."""
         for i, layer in enumerate(self.layers):
-            if layer.mixer in RECURRENT_MIXERS and getattr(self, layer.mixer) is None:
-                raise ValueError(f"{self.architecture}: layer {i} is a {layer.mixer} layer but `{layer.mixer}` is None")
+            for kind in (layer.mixer, layer.parallel_mixer):
+                if kind in RECURRENT_MIXERS and getattr(self, kind) is None:
+                    raise ValueError(f"{self.architecture}: layer {i} has a {kind} mixer but `{kind}` is None")
+            beside_attention = layer.mixer == "attention" and layer.parallel_mixer in RECURRENT_MIXERS
+            if layer.parallel_mixer is not None and not beside_attention:
+                raise ValueError(f"{self.architecture}: layer {i}: a parallel mixer is recurrent, beside attention")
             if layer.mixer is None and not layer.mlp:
                 raise ValueError(f"{self.architecture}: layer {i} has neither a mixer nor an MLP")
         plain = all(layer.mixer == "attention" and layer.mlp for layer in self.layers)
@@ -148,7 +163,7 @@ class DecoderArchConfig:
     @property
     def has_recurrent_layers(self) -> bool:
         """Whether any layer's mixer keeps per-request state."""
-        return any(layer.mixer in RECURRENT_MIXERS for layer in self.layers)
+        return any({layer.mixer, layer.parallel_mixer} & RECURRENT_MIXERS for layer in self.layers)
 
     @property
     def scale(self) -> float:

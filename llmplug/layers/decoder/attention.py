@@ -49,6 +49,7 @@ class DecoderAttention(nn.Module):
             prefix=_join(prefix, "o_proj"),
         )
         self.clip_qkv, self.qk_norm_after_rope = arch.clip_qkv, arch.qk_norm_after_rope
+        self.key_multiplier = arch.key_multiplier
         self.q_norm, self.k_norm = self._qk_norms(arch)
         self.attn = Attention(
             self.num_heads,
@@ -105,6 +106,8 @@ class DecoderAttention(nn.Module):
         if self.clip_qkv is not None:
             qkv.clamp_(-self.clip_qkv, self.clip_qkv)
         q_end, k_end = self.q_size, self.q_size + self.kv_size
+        if self.key_multiplier != 1.0:
+            qkv[:, q_end:k_end].mul_(self.key_multiplier)
         qk = qkv[:, :k_end].view(qkv.shape[0], self.num_heads + self.num_kv_heads, self.head_dim)  # [T, H + Hkv, D]
         if not self.qk_norm_after_rope:
             self._norm_qk_(qk)

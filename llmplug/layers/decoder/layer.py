@@ -56,11 +56,18 @@ class DecoderLayer(nn.Module):
         self.parallel = arch.parallel_residual
         reduce = not self.parallel  # a parallel layer sums attention and MLP, then all-reduces once
         self.mixer_kind: MixerKind | None = layer.mixer
+        self.parallel_mixer = layer.parallel_mixer is not None
         if layer.mixer == "attention":
             self.self_attn = DecoderAttention(arch, layer, _join(prefix, "self_attn"), reduce_results=reduce)
-        elif layer.mixer is not None:
-            mixer_cls = RECURRENT_MIXER_CLASSES[layer.mixer]
-            self.mixer = mixer_cls(getattr(arch, layer.mixer), arch.hidden_size, _join(prefix, "mixer"))
+        recurrent = layer.parallel_mixer or (layer.mixer if layer.mixer != "attention" else None)
+        if recurrent is not None:
+            mixer_cls = RECURRENT_MIXER_CLASSES[recurrent]
+            self.mixer = mixer_cls(getattr(arch, recurrent), arch.hidden_size, _join(prefix, "mixer"))
+        self.multipliers = (  # of a layer with a parallel mixer: attention in, attention out, mixer out
+            arch.attention_in_multiplier,
+            arch.attention_out_multiplier,
+            arch.parallel_mixer_out_multiplier,
+        )
         self.mlp = _mlp(arch, layer, _join(prefix, "mlp"), reduce) if layer.mlp else None
         self.residual_multiplier, self.post_norm = arch.residual_multiplier, arch.post_norm
         norm = lambda: make_norm(arch.norm, arch.hidden_size)  # noqa: E731
@@ -99,7 +106,11 @@ class DecoderLayer(nn.Module):
         return hidden, residual
 
     def _mix(self, hidden: torch.Tensor, rope: RotaryCosSin | None) -> torch.Tensor:
-        """The token mixer: attention (with this layer's rope) or a recurrent mixer."""
+        """The token mixer: attention (with this layer's rope) or a recurrent mixer, or both side by side."""
+        if self.parallel_mixer:
+            attn_in, attn_out, mixer_out = self.multipliers
+            attention = self.self_attn(hidden * attn_in if attn_in != 1.0 else hidden, rope)
+            return attention.mul_(attn_out).add_(self.mixer(hidden), alpha=mixer_out)
         return self.self_attn(hidden, rope) if self.mixer_kind == "attention" else self.mixer(hidden)
 
     def _parallel(
