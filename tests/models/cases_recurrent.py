@@ -21,6 +21,7 @@ from transformers import (
     Qwen3_5MoeTextConfig,
     Qwen3_5TextConfig,
     Qwen3NextConfig,
+    Zamba2Config,
 )
 
 from .cases import case
@@ -40,6 +41,17 @@ GDN_SIZES = dict(
 MOE_SIZES = dict(num_experts=4, num_experts_per_tok=2)
 LFM2_LAYERS = dict(layer_types=["conv", "full_attention", "conv"], num_hidden_layers=3)
 GRANITE_HYBRID = dict(layer_types=["mamba", "attention"], shared_intermediate_size=96, **BAMBA_SIZES)
+
+ZAMBA2 = dict(
+    num_hidden_layers=5,
+    layers_block_type=["mamba", "hybrid", "mamba", "hybrid", "hybrid"],
+    num_mem_blocks=2,
+    mamba_headdim=16,
+    mamba_ngroups=2,
+    mamba_d_state=8,
+    adapter_rank=4,
+    chunk_size=8,
+)
 
 RECURRENT_CASES = [
     # state-space models: Mamba (selective scan), FalconMamba (+ RMS norms of dt, B, C), Mamba 2 (SSD)
@@ -100,6 +112,13 @@ RECURRENT_CASES = [
         **BAMBA_SIZES,
     ),
     case("FalconH1ForCausalLM-ungated", FalconH1Config, mamba_d_ssm=128, mamba_rms_norm=False, **BAMBA_SIZES),
+    # Mamba 2 layers and two transformer blocks shared by three hybrid layers, with per-use adapters on q, k, v
+    # and the MLP, on [hidden | embeddings] (Zamba 2; transformers' k/v adapters need as many kv heads as
+    # heads); with rotary and grouped kv heads, without the attention adapters
+    case(
+        "Zamba2ForCausalLM", Zamba2Config, use_shared_attention_adapter=True, num_key_value_heads=4, **ZAMBA2
+    ),
+    case("Zamba2ForCausalLM-rope", Zamba2Config, use_mem_rope=True, hidden_act="silu", **ZAMBA2),
     # one sublayer per layer: Mamba 2, attention without rotary, squared-ReLU MLP (NemotronH)
     case(
         "NemotronHForCausalLM",
