@@ -64,7 +64,7 @@ class SharedAttention(nn.Module):
         self.sizes = [heads * self.head_dim, kv_heads * self.head_dim, kv_heads * self.head_dim]
         self.num_qk_heads = heads + kv_heads
         if hf.use_shared_attention_adapter:
-            refuse(hf, kv_heads != heads, "use_shared_attention_adapter with num_key_value_heads != num_attention_heads")
+            refuse(hf, kv_heads != heads, "use_shared_attention_adapter with fewer kv heads than heads")
             self.linear_q_adapter_list = _adapters(hf, block_id, width, self.sizes[0])
             self.linear_k_adapter_list = _adapters(hf, block_id, width, self.sizes[1])
             self.linear_v_adapter_list = _adapters(hf, block_id, width, self.sizes[2])
