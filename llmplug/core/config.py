@@ -179,7 +179,7 @@ class DeviceConfig(_Section):
 
 
 class DecodingConfig(_Section):
-    """Guided (structured) decoding."""
+    """How requests decode: guided (structured) decoding, and the limits a request is checked against when added."""
 
     guided_backend: str = Field(
         "auto",
@@ -195,6 +195,12 @@ class DecodingConfig(_Section):
             "with free whitespace, sampled output tends to fill it."
         ),
     )
+    max_logprobs: int = Field(
+        20, ge=0, description="Most `logprobs` / `prompt_logprobs` (top tokens per position) a request may ask for."
+    )
+    max_n: int = Field(128, gt=0, description="Most completions (`n`) one request may ask for.")
+    max_stop_strings: int = Field(64, ge=0, description="Most stop strings one request may give.")
+    max_stop_string_length: int = Field(256, gt=0, description="Longest stop string, in characters.")
 
 
 class PluginConfig(_Section):
@@ -264,6 +270,7 @@ ALIASES: dict[str, str] = {
     "platform": "device.platform",
     "attention_backend": "device.attention_backend",
     "guided_decoding_backend": "decoding.guided_backend",
+    "max_logprobs": "decoding.max_logprobs",
 }
 
 # Field names that say too little as a bare flag (`--format`: of what?); their flag is the vLLM

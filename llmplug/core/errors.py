@@ -28,7 +28,14 @@ class PluginVersionError(PluginError):
 
 
 class InvalidRequestError(LlmplugError, ValueError):
-    """A request (prompt or sampling parameters) is invalid; only that request fails."""
+    """A request (prompt or sampling parameters) is invalid; only that request fails.
+
+    `param` names the offending request field when there is one (the server's error body reports it).
+    """
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class ModelLoadError(LlmplugError):

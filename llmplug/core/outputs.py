@@ -40,6 +40,7 @@ class CompletionOutput:
     logprobs: list[PositionLogprobs] | None = None
     finish_reason: str | None = None  # "stop", "length", "abort" or None while running
     stop_reason: int | str | None = None  # the stop string or stop token that ended it
+    error: str | None = None  # with finish_reason "abort": what failed inside the engine for this completion
 
     def finished(self) -> bool:
         """True once a finish reason is set."""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import enum
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -128,6 +130,8 @@ class SamplingParams:
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None  # never generate these words (token sequences, as vLLM)
+    allowed_token_ids: list[int] | None = None  # sample only among these tokens
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     min_tokens: int = 0
@@ -141,6 +145,8 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     guided_decoding: GuidedDecodingParams | None = None
     extra_args: dict[str, Any] = field(default_factory=dict)
+    # the token sequences of bad_words as the engine's tokenizer spells them: set by the engine when a request is added
+    bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -152,6 +158,8 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
+        """Checks that need no model; the engine checks the rest (vocabulary, context, limits) when it adds the request."""
+        self._check_types()
         checks = [
             (self.n >= 1, "n", "must be at least 1"),
             (self.temperature >= 0.0, "temperature", "must be non-negative"),
@@ -160,12 +168,17 @@ class SamplingParams:
             (0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]"),
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),
-            (self.repetition_penalty > 0.0, "repetition_penalty", "must be positive"),
+            (0.0 < self.repetition_penalty < math.inf, "repetition_penalty", "must be positive and finite"),
             (self.min_tokens >= 0, "min_tokens", "must be non-negative"),
             (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be at least 1"),
             (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens", "must not exceed max_tokens"),
             (self.logprobs is None or self.logprobs >= 0, "logprobs", "must be non-negative"),
             (self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs", "must be non-negative"),
+            (all(s for s in self.stop), "stop", "must not contain an empty string (it would match at once)"),
+            (self.allowed_token_ids is None or len(self.allowed_token_ids) > 0, "allowed_token_ids",
+             "must not be empty (no token could be sampled)"),
+            (all(w.strip() for w in self.bad_words or ()), "bad_words", "must not contain an empty word"),
+            (all(math.isfinite(v) for v in (self.logit_bias or {}).values()), "logit_bias", "values must be finite"),
         ]
         checks.append((
             all(callable(p) for p in self.logits_processors or ()), "logits_processors",
@@ -176,9 +189,41 @@ class SamplingParams:
                        "must be 0 with guided_decoding (the grammar decides where the output ends)"))
         for ok, name, why in checks:
             if not ok:
-                raise InvalidRequestError(f"SamplingParams.{name}={getattr(self, name)!r} {why}")
+                raise InvalidRequestError(f"SamplingParams.{name}={getattr(self, name)!r} {why}", param=name)
         if self.top_k == -1:  # vLLM's spelling of "disabled"
             self.top_k = None
+
+    def _check_types(self) -> None:
+        """Each field has its type (a wrong one would fail inside an engine step, not here)."""
+        ints = ("n", "min_tokens", "max_tokens", "logprobs", "prompt_logprobs", "seed", "top_k")
+        floats = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+        lists = {"stop": str, "stop_token_ids": int, "bad_words": str, "allowed_token_ids": int}
+        for name in ints:
+            value = getattr(self, name)
+            if value is not None and not _is_int(value):
+                raise InvalidRequestError(f"SamplingParams.{name}={value!r} must be an integer", param=name)
+        for name in floats:
+            value = getattr(self, name)
+            if _is_kind(value, float) and not math.isnan(value):
+                continue
+            raise InvalidRequestError(f"SamplingParams.{name}={value!r} must be a number", param=name)
+        if not math.isfinite(self.temperature):
+            raise InvalidRequestError(
+                f"SamplingParams.temperature={self.temperature!r} must be finite", param="temperature"
+            )
+        for name, kind in lists.items():
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, list) and all(_is_kind(v, kind) for v in value)):
+                raise InvalidRequestError(
+                    f"SamplingParams.{name}={value!r} must be a list of {kind.__name__}", param=name
+                )
+        bias = self.logit_bias
+        if bias is not None and not (
+            isinstance(bias, dict) and all(_is_int(k) and _is_kind(v, float) for k, v in bias.items())
+        ):
+            raise InvalidRequestError(
+                f"SamplingParams.logit_bias={bias!r} must map token ids (int) to numbers", param="logit_bias"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -192,6 +237,18 @@ class SamplingParams:
         new = copy.copy(self)
         new.stop, new.stop_token_ids = list(self.stop), list(self.stop_token_ids)
         return new
+
+
+def _is_int(value: Any) -> bool:
+    """An integer (Python's or numpy's), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_kind(value: Any, kind: type) -> bool:
+    """`value` is of `kind`; for float, any int or float (not a bool)."""
+    if kind is float:
+        return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    return _is_int(value) if kind is int else isinstance(value, kind)
 
 
 @dataclass

@@ -7,9 +7,10 @@ loop that serves HTTP. The two sides talk through two channels only:
   (no busy wait); a call's result or error comes back through a future;
 - outputs go back through `loop.call_soon_threadsafe`, once per step and event loop, into one asyncio
   queue per request.
-An error in adding one request (InvalidRequestError) reaches that request only. An exception from a
-step means the engine is broken: every in-flight request fails with EngineDeadError, later calls raise
-it at once, and `check_health()` reports it.
+An error in adding one request (InvalidRequestError) reaches that request only. A failure inside a step
+ends only the requests it concerns (their last output has finish_reason "abort" and `error` set; see
+EngineCore.step). An exception that escapes a step is fatal (a dead worker, a device error): every
+in-flight request fails with EngineDeadError, later calls raise it at once, and `check_health()` reports it.
 """
 
 from __future__ import annotations
@@ -291,7 +292,10 @@ class AsyncLLM:
                 self._publish(outputs)
         except Exception as exc:  # a broken step: no later step can be trusted
             logger.exception("the engine loop failed; failing every in-flight request")
-            self._fail_all(EngineDeadError(f"the engine failed and cannot serve requests: {exc!r}"), exc)
+            if isinstance(exc, EngineDeadError):
+                self._fail_all(exc, exc.__cause__)
+            else:
+                self._fail_all(EngineDeadError(f"the engine failed and cannot serve requests: {exc!r}"), exc)
         else:
             self._fail_all(EngineDeadError("the engine was shut down"), None)
         finally:

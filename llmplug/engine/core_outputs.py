@@ -37,3 +37,4 @@ class EngineCoreOutput:
     new_logprobs: LogprobsLists | None = None  # one position per new token
     prompt_logprobs: LogprobsLists | None = None  # the next chunk of prompt positions 1.., if requested
     num_cached_tokens: int = 0
+    error: str | None = None  # why the request was aborted by a failure in a step

@@ -1,10 +1,14 @@
 """Incremental detokenization of one completion, with stop strings.
 
-Text grows token by token and always equals `tokenizer.decode(output_ids, skip_special_tokens=...)`
-(no prompt context: a sentencepiece tokenizer's leading space of the first output token is dropped,
-exactly as that decode drops it). A fast tokenizer decodes through tokenizers' `DecodeStream`; any
-other through the same prefix / read-offset scheme written in Python. Both hold back text while it
-ends in an incomplete UTF-8 sequence (a character split across tokens) and release it whole.
+Text is decoded in context, as vLLM does: after the tail of the prompt (its last 4 or more tokens, as
+few as decode to whole characters). It grows token by token and always equals the part of
+`tokenizer.decode(tail + output_ids, skip_special_tokens=...)` after `tokenizer.decode(tail)`, which is
+how the output reads after the whole prompt. Decoded alone, the output would lose what depends on the
+token before it: a sentencepiece tokenizer (Llama 2, Mistral) drops the leading space of the first
+output token, so an answer would be glued to its prompt. A fast tokenizer decodes through tokenizers'
+`DecodeStream` (primed with the tail); any other through the same prefix / read-offset scheme written
+in Python. Both hold back text while it ends in an incomplete UTF-8 sequence (a character split across
+tokens) and release it whole.
 
 A byte-fallback (sentencepiece) decoder is not monotonic on invalid UTF-8: a run of byte tokens
 that stops being valid turns into one U+FFFD per byte, rewriting text already emitted. Streams of
@@ -14,12 +18,17 @@ Stop strings: after each `update`, `check_stop` searches only the new text plus 
 string - 1) characters before it, truncates the text at the earliest match (keeping the stop string
 when `include_stop_str_in_output`) and reports the string. Streaming never sends text it may have to
 take back: `get_next_output_text` holds back the longest tail that is a prefix of a stop string, and
-releases it when the next token shows it is not one (or when the request finishes).
+releases it when the next token shows it is not one (or when the request finishes). Neither grows
+with the number of stop strings in Python: the search is one compiled regular expression (the
+strings longest first, so the longest of those starting at the earliest match wins), the hold-back a
+binary search in the sorted strings per candidate tail length.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import bisect
+import re
+from typing import Any, Callable, Sequence
 
 from llmplug.core.params import SamplingParams
 
@@ -43,13 +52,30 @@ def fast_backend(tokenizer: Any) -> Any | None:
     return backend if isinstance(backend, _FastTokenizer) else None
 
 
+MIN_CONTEXT_TOKENS, MAX_CONTEXT_TOKENS = 4, 24  # how much of the prompt's tail output is decoded after
+
+
+def prompt_tail(prompt_token_ids: list[int], decode: Callable[[list[int]], str]) -> list[int]:
+    """The shortest tail of the prompt, of at least MIN_CONTEXT_TOKENS tokens, that decodes to whole
+    characters (its first token does not continue a character split across tokens); the longest one
+    tried when none does."""
+    if len(prompt_token_ids) <= MIN_CONTEXT_TOKENS:
+        return list(prompt_token_ids)
+    longest = min(len(prompt_token_ids), MAX_CONTEXT_TOKENS)
+    for n in range(MIN_CONTEXT_TOKENS, longest + 1):
+        tail = list(prompt_token_ids[-n:])
+        if _REPLACEMENT not in decode(tail):
+            return tail
+    return list(prompt_token_ids[-longest:])
+
+
 class StreamDecoder:
     """Decodes through tokenizers' DecodeStream (Rust), recovering from its invalid-prefix error."""
 
-    def __init__(self, backend: Any, skip_special_tokens: bool) -> None:
+    def __init__(self, backend: Any, skip_special_tokens: bool, context: Sequence[int] = ()) -> None:
         self.backend = backend
         self.skip_special_tokens = skip_special_tokens
-        self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self.stream = DecodeStream(ids=list(context), skip_special_tokens=skip_special_tokens)
 
     def step(self, token_id: int) -> str | None:
         """Text completed by one more token, or None while it is incomplete."""
@@ -74,14 +100,14 @@ class OffsetDecoder:
     context that decoders need for spaces.
     """
 
-    def __init__(self, tokenizer: Any, params: SamplingParams) -> None:
+    def __init__(self, tokenizer: Any, params: SamplingParams, context: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
         self.kwargs = {"skip_special_tokens": params.skip_special_tokens}
         if not params.spaces_between_special_tokens:  # only slow tokenizers know this argument
             self.kwargs["spaces_between_special_tokens"] = False
-        self.token_ids: list[int] = []
+        self.token_ids: list[int] = list(context)
         self.prefix_offset = 0
-        self.read_offset = 0
+        self.read_offset = len(context)
 
     def step(self, token_id: int) -> str | None:
         """Text completed by one more token, or None while it is incomplete."""
@@ -103,16 +129,26 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
         backend = fast_backend(tokenizer)
+        decode = (backend or tokenizer).decode
+        skip = params.skip_special_tokens
+        self._context = prompt_tail(prompt_token_ids, lambda ids: decode(ids, skip_special_tokens=skip))
         if backend is not None:
-            self._decoder: StreamDecoder | OffsetDecoder = StreamDecoder(backend, params.skip_special_tokens)
+            self._decoder: StreamDecoder | OffsetDecoder = StreamDecoder(
+                backend, params.skip_special_tokens, self._context
+            )
         else:
-            self._decoder = OffsetDecoder(tokenizer, params)
-        self.prompt_token_ids = prompt_token_ids  # kept for callers; decoding needs no prompt context
+            self._decoder = OffsetDecoder(tokenizer, params, self._context)
+        self._context_text = self._decoder.decode(self._context)
+        self.prompt_token_ids = prompt_token_ids
         self.token_ids: list[int] = []
         self.stop = list(params.stop or [])
         self.include_stop_str_in_output = params.include_stop_str_in_output
         self.min_tokens = params.min_tokens
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
+        self._sorted_stops = sorted(set(self.stop))
+        self._stop_starts = frozenset(s[0] for s in self.stop)
+        by_length = sorted(self._sorted_stops, key=len, reverse=True)
+        self._stop_pattern = re.compile("|".join(map(re.escape, by_length))) if self.stop else None
         self._text = ""
         self._sent = 0  # characters already handed out by get_next_output_text
         self.stopped = False  # a stop string matched: the text is final
@@ -144,11 +180,18 @@ class IncrementalDetokenizer:
         """
         if self.stopped:
             return ""
-        full = self._decoder.decode(self.token_ids)
+        full = self._decode_in_context(self.token_ids)
         added = full[len(self._text) :] if full.startswith(self._text) else ""
         self._text = full
         self._sent = min(self._sent, len(full))
         return added
+
+    def _decode_in_context(self, token_ids: list[int]) -> str:
+        """The text of `token_ids` as it reads after the prompt's tail."""
+        text = self._decoder.decode(self._context + token_ids)
+        if text.startswith(self._context_text):
+            return text[len(self._context_text) :]
+        return self._decoder.decode(token_ids)  # the tail reads differently once followed: no context to strip
 
     def check_stop(self, new_text_len: int) -> str | None:
         """After `update` added `new_text_len` characters: the stop string now in the text, or None.
@@ -160,10 +203,10 @@ class IncrementalDetokenizer:
         if not self.stop or new_text_len <= 0 or self.stopped or len(self.token_ids) <= self.min_tokens:
             return None
         start = max(0, len(self._text) - new_text_len - (self._max_stop_len - 1))
-        matches = [(i, s) for s in self.stop if (i := self._text.find(s, start)) >= 0]
-        if not matches:
+        match = self._stop_pattern.search(self._text, start)
+        if match is None:
             return None
-        index, stop = min(matches, key=lambda m: (m[0], -len(m[1])))
+        index, stop = match.start(), match.group()
         end = index + len(stop) if self.include_stop_str_in_output else index
         self._text = self._text[:end]
         self._sent = min(self._sent, end)
@@ -185,8 +228,12 @@ class IncrementalDetokenizer:
         """Length of the longest tail of the text that is a proper prefix of a stop string."""
         if self.include_stop_str_in_output:
             return 0  # the stop string itself is kept, so nothing sent would be taken back
+        stops = self._sorted_stops
         for length in range(min(self._max_stop_len - 1, len(self._text)), 0, -1):
+            if self._text[-length] not in self._stop_starts:
+                continue
             tail = self._text[-length:]
-            if any(s.startswith(tail) for s in self.stop):
+            i = bisect.bisect_left(stops, tail)  # the first stop string >= tail starts with it, if any does
+            if i < len(stops) and stops[i].startswith(tail):
                 return length
         return 0

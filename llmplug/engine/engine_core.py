@@ -6,14 +6,14 @@ import logging
 from typing import TYPE_CHECKING, Iterable
 
 from llmplug.core.config import EngineConfig
-from llmplug.core.errors import ConfigError, EngineStateError
+from llmplug.core.errors import ConfigError, EngineDeadError, EngineStateError
 from llmplug.core.plugins import get_registry
 from llmplug.engine.guided_decoding import grammar_bitmask, wait_for_any
 from llmplug.engine.kv_cache import KVCacheManager
 from llmplug.engine.output_processor import EngineCoreOutput
 from llmplug.engine.request import Request, RequestStatus
 from llmplug.engine.scheduler import Scheduler
-from llmplug.engine.scheduler_output import ModelRunnerOutput
+from llmplug.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from llmplug.engine.sleep_mode import SLEEP_TAGS, check_sleep_level, check_wake_tags
 from llmplug.engine.weight_update import weight_batches
 
@@ -51,6 +51,7 @@ class EngineCore:
             policy=sched.policy,
         )
         self.asleep: frozenset[str] = frozenset()  # the SLEEP_TAGS that are asleep now
+        self.dead_error: EngineDeadError | None = None  # set by a fatal error; every later step raises it
 
     def _resolve_max_model_len(self) -> int:
         model_len = self.model_info["max_position_embeddings"]
@@ -83,6 +84,7 @@ class EngineCore:
 
     def add_request(self, request: Request) -> None:
         """Queue a request (rejects one that can never fit, with InvalidRequestError)."""
+        self._check_alive()
         if self.asleep:
             raise EngineStateError(
                 f"the engine is asleep ({', '.join(sorted(self.asleep))}); call wake_up() before adding requests"
@@ -98,27 +100,91 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
-        """Schedule, run the model once, and report each request's new tokens."""
+        """Schedule, run the model once, and report each request's new tokens.
+
+        A failure inside the step ends only the requests it concerns, with finish reason "abort" and the
+        error: one row (non-finite logits, a logits processor or grammar that raised) ends its request; an
+        exception from the step as a whole ends the step's requests. Their blocks are freed and the
+        prefix-cache names of blocks the step was to write are taken back. Only a fatal error (see
+        `is_fatal`) ends the engine: it raises EngineDeadError now and at every later call.
+        """
+        self._check_alive()
         scheduler_output = self.scheduler.schedule()
+        try:
+            runner_output = self._execute(scheduler_output)
+            updated = self.scheduler.update_from_output(scheduler_output, runner_output)
+        except Exception as exc:
+            if self.is_fatal(exc):
+                self._die(scheduler_output, exc)
+            return self._fail_step(scheduler_output, exc)
+        except BaseException:  # KeyboardInterrupt and the like: clean up, then let it through
+            self._abandon_step(scheduler_output)
+            raise
+        self.kv_cache_manager.finish_step(runner_output.failed)
+        return self._outputs(updated, runner_output)
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run the model on the step's batch; requests whose grammar raised are marked failed."""
+        failed: dict[str, str] = {}
         if self.scheduler.guided:  # requests under a grammar: their rows of the token bitmask
-            scheduler_output.grammar_bitmask = grammar_bitmask(
+            scheduler_output.grammar_bitmask, failed = grammar_bitmask(
                 scheduler_output.requests, self.scheduler.guided, self.model_info["vocab_size"]
             )
             if not scheduler_output.requests and self.scheduler.compiling:  # only grammars to wait for: no spin
                 wait_for_any([r.grammar for r in self.scheduler.compiling], timeout=GRAMMAR_WAIT_S)
         runner_output = self.executor.execute_model(scheduler_output)
-        updated = self.scheduler.update_from_output(scheduler_output, runner_output)
-        return self._outputs(updated, runner_output)
+        runner_output.failed.update(failed)
+        return runner_output
+
+    def is_fatal(self, error: Exception) -> bool:
+        """True when `error` leaves the engine unable to run another step.
+
+        A dead worker or failed collective (EngineDeadError, from the executor), a device error (the
+        device's context is lost), and any error while several workers run one step: a rank that raised
+        may leave the others inside a collective, out of step for good.
+        """
+        import torch
+
+        if isinstance(error, (EngineDeadError, torch.AcceleratorError)):
+            return True
+        parallel = self.config.parallel
+        return parallel.tensor_parallel_size * parallel.pipeline_parallel_size > 1
+
+    def _fail_step(self, scheduler_output: SchedulerOutput, error: Exception) -> list[EngineCoreOutput]:
+        """End the step's requests (not the engine) after an exception from the step as a whole."""
+        logger.error("an engine step failed; aborting its %d requests", len(scheduler_output.requests), exc_info=error)
+        why = f"the engine step failed: {error!r}"
+        self._abandon_step(scheduler_output, why)
+        # every request of the step ends here, also one a half-applied update had finished already
+        return [
+            EngineCoreOutput(req_id=r.req_id, new_token_ids=[], finish_reason="abort", error=why)
+            for r in scheduler_output.requests
+        ]
+
+    def _abandon_step(self, scheduler_output: SchedulerOutput, why: str = "the engine step was interrupted") -> None:
+        """Abort the step's unfinished requests and take back the block names the step gave."""
+        self.kv_cache_manager.abandon_step()
+        self.scheduler.fail_requests([r.req_id for r in scheduler_output.requests], why)
+
+    def _die(self, scheduler_output: SchedulerOutput, error: Exception) -> None:
+        """Remember a fatal error (every later call raises it) and raise it now."""
+        self._abandon_step(scheduler_output, f"the engine failed: {error!r}")
+        self.dead_error = error if isinstance(error, EngineDeadError) else EngineDeadError(
+            f"the engine failed and cannot serve requests: {error!r}"
+        )
+        raise self.dead_error from error
+
+    def _check_alive(self) -> None:
+        if self.dead_error is not None:
+            raise self.dead_error
 
     def _outputs(self, updated: list[Request], runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """One output per request with news: tokens, an end, or prompt logprobs (of a chunk that sampled nothing)."""
         row_of = {req_id: i for i, req_id in enumerate(runner_output.req_ids)}
         logprobs = runner_output.logprobs
         outputs = []
-        # a prompt chunk that ends before the prompt does samples nothing, but its prompt logprobs go out too
-        names = {req.request_id for req in updated}
-        chunks = [self.scheduler.requests.get(r) for r in runner_output.prompt_logprobs if r not in names]
-        for req in updated + [r for r in chunks if r is not None]:
-            row = None if req.request_id in runner_output.failed else row_of.get(req.request_id)  # failed: no token
+        for req in updated:
+            row = None if req.error is not None else row_of.get(req.request_id)  # failed: no token
             new_tokens = runner_output.sampled_token_ids[row] if row is not None else []
             outputs.append(
                 EngineCoreOutput(
@@ -129,8 +195,16 @@ class EngineCore:
                     new_logprobs=logprobs.row(row) if (logprobs is not None and row is not None) else None,
                     prompt_logprobs=runner_output.prompt_logprobs.get(req.request_id),
                     num_cached_tokens=req.num_cached_tokens,
+                    error=req.error,
                 )
             )
+        # a prompt chunk that ends before the prompt does samples nothing, but its prompt logprobs go out too
+        reported = {req.request_id for req in updated} if runner_output.prompt_logprobs else set()
+        for req_id, chunk in runner_output.prompt_logprobs.items():
+            if req_id not in reported and (req := self.scheduler.get_request(req_id)) is not None:
+                outputs.append(
+                    EngineCoreOutput(req_id, [], prompt_logprobs=chunk, num_cached_tokens=req.num_cached_tokens)
+                )
         return outputs
 
     # ---- between generations: new weights, prefix cache, sleep mode (RL) -------------------------

@@ -227,32 +227,41 @@ class GuidedDecodingManager:
 
 def grammar_bitmask(
     scheduled: Sequence["ScheduledRequest"], guided: Mapping[str, "Request"], vocab_size: int
-) -> torch.Tensor | None:
-    """The step's bitmask [num_sampling_requests, ceil(V / 32)] int32: -1 (all allowed) except guided rows.
+) -> tuple[torch.Tensor | None, dict[str, str]]:
+    """The step's bitmask [num_sampling_requests, ceil(V / 32)] int32: -1 (all allowed) except guided rows,
+    and the requests whose matcher raised (request id -> why; their rows stay all allowed, they must fail).
 
     Rows follow the order of the scheduled requests that sample, which is the order of the logits.
-    None when no request of this step samples under a grammar that applies yet.
+    The bitmask is None when no request of this step samples under a grammar that applies yet.
     """
     sampling = [s.req_id for s in scheduled if s.samples]
     rows = [(row, guided[req_id]) for row, req_id in enumerate(sampling)
             if req_id in guided and guided[req_id].grammar.active]
     if not rows:
-        return None
+        return None, {}
     bitmask = torch.full((len(sampling), (vocab_size + 31) // 32), -1, dtype=torch.int32)
+    failed: dict[str, str] = {}
     for row, request in rows:
-        request.grammar.matcher.fill_bitmask(bitmask, row)
+        try:
+            request.grammar.matcher.fill_bitmask(bitmask, row)
+        except Exception as error:  # a backend's bug or limit: this request cannot go on, the batch can
+            failed[request.request_id] = f"its grammar failed to give the allowed tokens: {error!r}"
+            bitmask[row] = -1
+    rows = [(row, request) for row, request in rows if request.request_id not in failed]
+    if not rows:
+        return bitmask, failed
     guided_rows = torch.tensor([row for row, _ in rows])
     stuck = guided_rows[~bitmask[guided_rows].any(dim=-1)].tolist()  # the grammar allows no token of the vocabulary
     if stuck:
         by_row = dict(rows)
         for row in stuck:
             _allow_end(bitmask, row, by_row[row])
-    return bitmask
+    return bitmask, failed
 
 
 def _allow_end(bitmask: torch.Tensor, row: int, request: "Request") -> None:
     """Let a request whose grammar allows no token of the vocabulary sample the end token (and so stop),
     rather than a row with every logit at -inf."""
     logger.warning("request %s: its grammar allows no token of the vocabulary here; ending it", request.request_id)
-    eos = request.eos_token_id
+    eos = request.eos_token_ids[0]  # the tokenizer's: the one the grammar backends know
     bitmask[row, eos // 32] = torch.tensor(1 << (eos % 32), dtype=torch.int64).to(torch.int32)  # bit 31 wraps

@@ -2,36 +2,72 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Union
 
 from llmplug.core.errors import InvalidRequestError
 from llmplug.core.params import SamplingParams
+from llmplug.engine.request_limits import RequestLimits, check_params
 
 # A prompt is text, or a dict with "prompt" (text) or "prompt_token_ids".
 PromptType = Union[str, dict[str, Any]]
 
 
 class InputProcessor:
-    """Tokenizes and validates prompts against the model's vocabulary and context length."""
+    """Tokenizes prompts and checks prompts and sampling parameters against the model and the engine's limits."""
 
-    def __init__(self, tokenizer: Any | None, vocab_size: int, max_model_len: int):
+    def __init__(self, tokenizer: Any | None, limits: RequestLimits):
         self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
-        self.max_model_len = max_model_len
+        self.limits = limits
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids run from 0 to vocab_size - 1."""
+        return self.limits.vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        """The context length: prompt plus generated tokens."""
+        return self.limits.max_model_len
 
     def process(self, prompt: PromptType, params: SamplingParams) -> tuple[str | None, list[int], SamplingParams]:
-        """Return (prompt text, prompt token ids, params with max_tokens resolved)."""
+        """Return (prompt text, prompt token ids, params with max_tokens and bad words resolved).
+
+        Raises InvalidRequestError, naming the field, for anything that would fail once the request runs.
+        """
         text, token_ids = self._tokenize(prompt)
         self._validate(token_ids)
-        room = self.max_model_len - len(token_ids)
-        if params.max_tokens is None or params.max_tokens > room:
-            params = params.clone()
-            params.max_tokens = max(room, 1) if params.max_tokens is None else min(params.max_tokens, room)
+        params = params.clone()
+        if params.max_tokens is None:  # all the room the context leaves
+            params.max_tokens = self.max_model_len - len(token_ids)
+        params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words) if params.bad_words else None
+        check_params(params, len(token_ids), self.limits)
         return text, token_ids, params
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word's token sequences: alone and after a space, as it would appear mid-text (as vLLM)."""
+        if self.tokenizer is None:
+            raise InvalidRequestError(
+                "bad_words need a tokenizer; the engine runs with skip_tokenizer_init", param="bad_words"
+            )
+        sequences: list[list[int]] = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+                bad = [t for t in ids if not 0 <= t < self.vocab_size]
+                if bad:
+                    raise InvalidRequestError(
+                        f"SamplingParams.bad_words: {word!r} is spelled with token ids {bad} outside the model's "
+                        f"vocabulary [0, {self.vocab_size}) (the tokenizer has more tokens than the model)",
+                        param="bad_words",
+                    )
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return sequences
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            return prompt.get("prompt"), _token_ids(prompt["prompt_token_ids"])
         text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
         if not isinstance(text, str):
             raise InvalidRequestError(
@@ -43,14 +79,16 @@ class InputProcessor:
 
     def _validate(self, token_ids: list[int]) -> None:
         if not token_ids:
-            raise InvalidRequestError("the prompt is empty")
-        bad = [t for t in token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise InvalidRequestError(f"prompt token ids out of the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+            raise InvalidRequestError(
+                f"prompt token ids out of the vocabulary [0, {self.vocab_size}): {bad[:5]}", param="prompt"
+            )
         if len(token_ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"the prompt has {len(token_ids)} tokens, but the context length is {self.max_model_len}: "
-                "shorten the prompt (it must leave room for at least one generated token)"
+                "shorten the prompt (it must leave room for at least one generated token)", param="prompt"
             )
 
     def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
@@ -61,3 +99,17 @@ class InputProcessor:
             raise InvalidRequestError("the model's tokenizer has no chat template")
         kwargs.setdefault("add_generation_prompt", True)
         return self.tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+
+
+def _token_ids(values: Any) -> list[int]:
+    """Prompt token ids as Python ints (numpy's too); InvalidRequestError for anything else."""
+    items = values.tolist() if hasattr(values, "tolist") else list(values) if isinstance(values, (list, tuple)) else 0
+    if not isinstance(items, list) or not all(map(_is_token_id, items)):
+        raise InvalidRequestError(
+            f"prompt_token_ids must be a list of integers, got {str(values)[:80]}", param="prompt"
+        )
+    return [int(t) for t in items]
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)

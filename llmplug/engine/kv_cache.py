@@ -143,15 +143,21 @@ class BlockPool:
         """The block holding the K/V of the prefix named by `block_hash`, if still cached."""
         return self.cached_block_ids.get(block_hash)
 
-    def cache_block(self, block_id: int, block_hash: int) -> None:
-        """Register a full block under its hash so later requests can reuse it."""
+    def cache_block(self, block_id: int, block_hash: int) -> bool:
+        """Register a full block under its hash so later requests can reuse it; False if it stays anonymous."""
         if not self.enable_prefix_caching:
-            return
+            return False
         # An equal block already cached (computed twice, e.g. the last block of a fully-cached prompt)
         # keeps the name; this copy stays anonymous and is simply reused as a plain block once freed.
-        if block_hash not in self.cached_block_ids:
-            self.blocks[block_id].block_hash = block_hash
-            self.cached_block_ids[block_hash] = block_id
+        if block_hash in self.cached_block_ids:
+            return False
+        self.blocks[block_id].block_hash = block_hash
+        self.cached_block_ids[block_hash] = block_id
+        return True
+
+    def uncache_block(self, block_id: int) -> None:
+        """Drop a block's hash: its K/V must never be reused (they may not have been written)."""
+        self._evict(self.blocks[block_id])
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only possible while no block is in use."""
@@ -209,6 +215,10 @@ class KVCacheManager:
         # Requests whose lookup was counted but not yet allocated: a request that waits for blocks is
         # looked up every step, and counting each lookup would skew the hit rate towards it.
         self._counted_req_ids: set[str] = set()
+        # Blocks named since the last finished step, by the request they were allocated to. They are named
+        # when allocated (so a request of the same step can hit them), before their K/V are written; a step
+        # that fails takes their names back, so no later prompt can hit a block holding garbage.
+        self._named_this_step: dict[str, list[int]] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -294,9 +304,27 @@ class KVCacheManager:
             return
         hashes = self._hash_full_blocks(request, num_full_blocks)
         block_table = self.block_tables[request.request_id]
+        named = self._named_this_step.setdefault(request.request_id, [])
         for i in range(num_cached, num_full_blocks):
-            self.pool.cache_block(block_table[i], hashes[i])
+            if self.pool.cache_block(block_table[i], hashes[i]):
+                named.append(block_table[i])
         self.num_cached_blocks[request.request_id] = num_full_blocks
+
+    def finish_step(self, failed_req_ids: Iterable[str] = ()) -> None:
+        """The step ran: keep the names of the blocks it wrote, except those of requests that failed in it."""
+        for req_id in failed_req_ids:
+            self._unname(self._named_this_step.get(req_id, ()))
+        self._named_this_step.clear()
+
+    def abandon_step(self) -> None:
+        """The step failed: take back every name given to blocks this step, whose K/V may be missing."""
+        for block_ids in self._named_this_step.values():
+            self._unname(block_ids)
+        self._named_this_step.clear()
+
+    def _unname(self, block_ids: Iterable[int]) -> None:
+        for block_id in block_ids:
+            self.pool.uncache_block(block_id)
 
     def _hash_full_blocks(self, request: Request, num_full_blocks: int) -> list[int]:
         """request.block_hashes extended to cover its first `num_full_blocks` blocks."""

@@ -160,15 +160,21 @@ class LLM:
         return ids
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        """Step until every request finished; whatever escapes (an error, Ctrl-C) first aborts the unfinished ones,
+        so the engine holds none of their blocks and the next call starts clean."""
         pending = set(request_ids)
         finished: dict[str, RequestOutput] = {}
-        with tqdm(total=len(request_ids), desc="Generating", disable=not use_tqdm, unit="req") as bar:
-            while pending:
-                if not self.llm_engine.has_unfinished_requests():
-                    raise RuntimeError(f"engine went idle with requests {sorted(pending)} unfinished")
-                for out in self.llm_engine.step():
-                    if out.finished and out.request_id in pending:
-                        finished[out.request_id] = out
-                        pending.discard(out.request_id)
-                        bar.update(1)
+        try:
+            with tqdm(total=len(request_ids), desc="Generating", disable=not use_tqdm, unit="req") as bar:
+                while pending:
+                    if not self.llm_engine.has_unfinished_requests():
+                        raise RuntimeError(f"engine went idle with requests {sorted(pending)} unfinished")
+                    for out in self.llm_engine.step():
+                        if out.finished and out.request_id in pending:
+                            finished[out.request_id] = out
+                            pending.discard(out.request_id)
+                            bar.update(1)
+        except BaseException:
+            self.llm_engine.abort_request(sorted(pending))
+            raise
         return [finished[i] for i in request_ids]

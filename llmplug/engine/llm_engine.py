@@ -14,6 +14,7 @@ from llmplug.engine.engine_core import EngineCore
 from llmplug.engine.guided_decoding import GuidedDecodingManager, RequestGrammar
 from llmplug.engine.input_processor import InputProcessor, PromptType
 from llmplug.engine.output_processor import OutputProcessor
+from llmplug.engine.request_limits import RequestLimits
 from llmplug.engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -39,11 +40,14 @@ def prepare_config(config: EngineConfig) -> EngineConfig:
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """The params of completion `index` of an n > 1 request: one sequence each, distinct seeds."""
+    """The params of completion `index` of an n > 1 request: one sequence each, distinct seeds; only the first
+    computes the prompt's logprobs (the prompt is shared), so the others may take its blocks from the cache."""
     child = params.clone()
     child.n = 1
     if params.seed is not None:
         child.seed = params.seed + index
+    if index > 0:
+        child.prompt_logprobs = None
     return child
 
 
@@ -57,17 +61,22 @@ class LLMEngine:
         self.tokenizer = None if self.config.model.skip_tokenizer_init else loader.load_tokenizer(self.config.model)
         self.engine_core = EngineCore(self.config)
         info = self.engine_core.model_info
-        self.processor = InputProcessor(self.tokenizer, info["vocab_size"], self.engine_core.max_model_len)
+        limits = RequestLimits.of(info["vocab_size"], self.engine_core.max_model_len, self.config.decoding)
+        self.processor = InputProcessor(self.tokenizer, limits)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.eos_token_id = self._eos_token_id()
+        self.eos_token_ids = self._eos_token_ids(loader.load_generation_config(self.config.model))
+        self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None  # the tokenizer's, if it has one
         self.guided = GuidedDecodingManager(self.tokenizer, info["vocab_size"], self.eos_token_id, self.config.decoding)
         self.hooks = get_registry().hook_manager().hook
 
-    def _eos_token_id(self) -> int | None:
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            return int(self.tokenizer.eos_token_id)
-        eos = self.engine_core.model_info.get("eos_token_id")
-        return eos[0] if isinstance(eos, list) else eos
+    def _eos_token_ids(self, generation_config: dict[str, Any]) -> tuple[int, ...]:
+        """Every end-of-sequence id the model declares (as vLLM): the tokenizer's, the model config's and the
+        generation config's (Llama 3 lists several there), the tokenizer's first; ids past the vocabulary dropped."""
+        declared = [self.tokenizer.eos_token_id if self.tokenizer is not None else None]
+        for eos in (self.engine_core.model_info.get("eos_token_id"), generation_config.get("eos_token_id")):
+            declared += eos if isinstance(eos, list) else [eos]
+        vocab_size = self.engine_core.model_info["vocab_size"]
+        return tuple(dict.fromkeys(int(t) for t in declared if t is not None and 0 <= t < vocab_size))
 
     def add_request(
         self,
@@ -88,7 +97,7 @@ class LLMEngine:
         for i, child_id in enumerate(child_ids):
             child = params if params.n == 1 else child_params(params, i)
             request = Request(
-                child_id, token_ids, child, self.eos_token_id, arrival_time, priority,
+                child_id, token_ids, child, self.eos_token_ids, arrival_time, priority,
                 # one matcher per child; it waits for the end of the reasoning when the constraint says so
                 grammar=RequestGrammar(grammar, child.guided_decoding.start_after_token_ids) if grammar else None,
             )

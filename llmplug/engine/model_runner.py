@@ -30,6 +30,8 @@ from llmplug.loaders import resolve_load_format
 
 logger = logging.getLogger(__name__)
 
+UNSAMPLEABLE = "no token can be sampled: the logits hold NaN or +inf, or every token is masked"
+
 
 @dataclass(slots=True, frozen=True)
 class KVCacheSpec:
@@ -166,7 +168,7 @@ class ModelRunner:
             if req.new is not None:
                 new = req.new
                 self.sampling_state.add_request(
-                    new.req_id, new.sampling_params, new.prompt_token_ids, new.output_token_ids, new.eos_token_id
+                    new.req_id, new.sampling_params, new.prompt_token_ids, new.output_token_ids, new.eos_token_ids
                 )
                 self.prompt_token_ids[new.req_id] = new.prompt_token_ids
 
@@ -236,16 +238,22 @@ class ModelRunner:
         if not batch.sample_req_ids:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden_states[batch.sample_indices])
-        out = self.sampler(logits, self.sampling_state.metadata(batch.sample_req_ids), scheduler_output.grammar_bitmask)
-        sampled = out.sampled_token_ids.tolist()
-        for req_id, token in zip(batch.sample_req_ids, sampled):
+        req_ids = batch.sample_req_ids
+        out = self.sampler(logits, self.sampling_state.metadata(req_ids), scheduler_output.grammar_bitmask)
+        # one device-to-host copy for the tokens and the rows that could not be sampled
+        sampled, unsampleable = torch.stack((out.sampled_token_ids, out.unsampleable.long())).tolist()
+        for req_id, token in zip(req_ids, sampled):
             self.sampling_state.append_output(req_id, [token])
+        failed = {}
+        if any(unsampleable):
+            failed = {req_ids[row]: UNSAMPLEABLE for row, bad in enumerate(unsampleable) if bad}
+        failed.update((req_ids[row], why) for row, why in out.failed_rows.items())
         return ModelRunnerOutput(
-            req_ids=batch.sample_req_ids,
+            req_ids=req_ids,
             sampled_token_ids=[[t] for t in sampled],
             logprobs=out.logprobs,
             prompt_logprobs=prompt_logprobs,
-            failed={batch.sample_req_ids[row]: why for row, why in out.failed_rows.items()},
+            failed=failed,
         )
 
     def _prompt_logprobs(

@@ -50,6 +50,7 @@ class CompletionState:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    error: str | None = None  # set when a failure in a step aborted it
 
     @property
     def finished(self) -> bool:
@@ -175,6 +176,7 @@ class OutputProcessor:
         stopped_here = self._detokenize(completion, update, params)
         if update.finish_reason is not None and not completion.finished:
             completion.finish_reason, completion.stop_reason = update.finish_reason, update.stop_reason
+            completion.error = update.error
         if completion.finished and completion.detokenizer is not None:
             completion.detokenizer.flush()
         if request.finished:
@@ -274,6 +276,7 @@ class OutputProcessor:
             logprobs=logprobs,
             finish_reason=completion.finish_reason,
             stop_reason=completion.stop_reason,
+            error=completion.error,
         )
 
     def _prompt_logprobs(self, request: RequestState, delta: bool) -> list[PositionLogprobs | None] | None:

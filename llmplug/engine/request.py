@@ -42,7 +42,7 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    eos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()  # every token that ends the sequence (the tokenizer's first), unless ignore_eos
     arrival_time: float = field(default_factory=time.time)
     priority: int = 0
     status: RequestStatus = RequestStatus.WAITING
@@ -52,6 +52,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first scheduling
     num_preemptions: int = 0
     stop_reason: int | str | None = None
+    error: str | None = None  # why a step failed for this request (finished FINISHED_ABORTED)
     block_hashes: list[int] = field(default_factory=list)  # one per full block of all_token_ids
     grammar: RequestGrammar | None = None  # guided decoding: its compiled grammar and matcher
 

@@ -1,9 +1,10 @@
 """The vectorized sampler: logits of a batch -> one token per request (and logprobs when asked).
 
 Order of one step (as vLLM): per-request logits processors, the batched token bitmask of guided
-decoding, logit_bias, min_tokens, repetition / frequency / presence penalties, the engine-wide
-processors of the `llmplug_logits_processors` hook, logprobs, then greedy rows take the argmax and
-random rows go through temperature, top-k, top-p, min-p and sampling.
+decoding, allowed_token_ids, logit_bias, banned tokens (min_tokens, bad_words), repetition /
+frequency / presence penalties, the engine-wide processors of the `llmplug_logits_processors` hook,
+logprobs, then greedy rows take the argmax and random rows go through temperature, top-k, top-p,
+min-p and sampling.
 
 Logprobs (a choice): the log-softmax of the logits after everything above (processors, bitmask,
 bias, min_tokens, penalties) and before temperature and the top-k/top-p/min-p filters, i.e. the
@@ -34,6 +35,7 @@ import torch
 from llmplug.core.protocols import LogitsProcessor
 from llmplug.engine.core_outputs import LogprobsLists
 from llmplug.engine.sampling_state import (
+    AllowedTokens,
     LogitBias,
     PenaltyTensors,
     RandomSampling,
@@ -77,7 +79,9 @@ class SamplerOutput:
 
     sampled_token_ids: torch.Tensor  # [B] int64
     logprobs: LogprobsTensors | None  # None when no request asked for logprobs
-    # rows that cannot be sampled (a logits processor raised, or left no token): why; their token is junk
+    # [B] bool, on the logits' device: the row's shaped logits hold NaN or +inf, or mask every token (its token is junk)
+    unsampleable: torch.Tensor
+    # rows whose logits processor raised: why (their token is junk too)
     failed_rows: dict[int, str] = field(default_factory=dict)
 
 
@@ -94,20 +98,21 @@ class Sampler:
     ) -> SamplerOutput:
         """Sample one token per row of `logits` [B, V] float32 (modified in place).
 
-        A row that a request's own shaping leaves unsampleable (its logits processor raised, or every token
-        is masked) fails alone: it is reported in `failed_rows` and the batch's other rows sample as usual.
+        A row that cannot be sampled fails alone and the batch's other rows sample as usual: a row whose
+        logits processor raised is reported in `failed_rows`; a row whose logits (as the request shaped
+        them) hold NaN or +inf, or mask every token, in `unsampleable`. That check costs no extra pass
+        over the logits: it reads the block maxima the argmax computes anyway (and, for random rows, the
+        total weight their sampling computes), and sampling is safe on such rows, so no host sync is needed.
         """
         failed: dict[int, str] = {}
         logits = self._shape_logits(logits, metadata, bitmask, failed)
-        if metadata.logits_processors or self.logits_processors or bitmask is not None:
-            fail_unsampleable_rows(logits, failed)
         logprobs = None
         if metadata.max_num_logprobs is not None:  # [B, V], before temperature
             logprobs = torch.ops.aten._log_softmax.out(logits, -1, False, out=self._buffer("lp", len(logits), logits))
-        sampled = self._sample(logits, metadata)
-        if logprobs is None:
-            return SamplerOutput(sampled, None, failed)
-        return SamplerOutput(sampled, gather_logprobs(logprobs, sampled, metadata.max_num_logprobs), failed)
+        sampled, sampleable = self._sample(logits, metadata)
+        if logprobs is not None:
+            logprobs = gather_logprobs(logprobs, sampled, metadata.max_num_logprobs)
+        return SamplerOutput(sampled, logprobs, ~sampleable, failed)
 
     def _shape_logits(
         self, logits: torch.Tensor, metadata: SamplingMetadata, bitmask: torch.Tensor | None, failed: dict[int, str]
@@ -118,10 +123,12 @@ class Sampler:
         apply_logits_processors(logits, metadata.logits_processors, failed)
         if bitmask is not None:
             apply_token_bitmask(logits, bitmask)
+        if metadata.allowed_tokens is not None:
+            apply_allowed_tokens(logits, metadata.allowed_tokens)
         if metadata.logit_bias is not None:
             apply_logit_bias(logits, metadata.logit_bias)
-        if metadata.min_tokens_mask is not None:
-            apply_token_mask(logits, metadata.min_tokens_mask)
+        if metadata.banned_tokens is not None:
+            apply_token_mask(logits, metadata.banned_tokens)
         if metadata.penalties is not None:
             apply_penalties(logits, metadata.penalties)
         if self.logits_processors:
@@ -129,20 +136,24 @@ class Sampler:
             apply_logits_processors(logits, every_row, failed)
         return logits
 
-    def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """Greedy rows take the argmax, random rows sample: [B] int64."""
+    def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy rows take the argmax, random rows sample: tokens [B] int64, and which rows could be [B] bool."""
         random = metadata.random
-        if random is None:
-            return argmax(logits)
         if metadata.all_random:
             return self._sample_random(logits, random)
-        sampled = argmax(logits)  # [B]; cheaper than gathering the greedy rows first
-        x = torch.index_select(logits, 0, random.rows, out=self._buffer("x", random.num_rows, logits))
-        sampled[random.rows] = self._sample_random(x, random)
-        return sampled
+        maxima = _block_reduce(logits, "amax")  # [B, NB]; NaN propagates through max
+        sampled = argmax(logits, maxima)  # [B]; for every row: cheaper than gathering the greedy rows first
+        sampleable = torch.isfinite(maxima.amax(dim=-1))  # [B]: no NaN, no +inf, not every token -inf
+        if random is not None:
+            x = torch.index_select(logits, 0, random.rows, out=self._buffer("x", random.num_rows, logits))
+            random_tokens, random_ok = self._sample_random(x, random)
+            sampled[random.rows] = random_tokens
+            sampleable[random.rows] &= random_ok
+        return sampled, sampleable
 
-    def _sample_random(self, x: torch.Tensor, random: RandomSampling) -> torch.Tensor:
-        """Sample each row of x [R, V] (modified in place) after temperature and filters: [R] int64."""
+    def _sample_random(self, x: torch.Tensor, random: RandomSampling) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample each row of x [R, V] (modified in place) after temperature and filters: [R] int64, and
+        whether each row's sampling weights were finite and positive [R] bool."""
         x.div_(random.temperature)
         if random.top_k is not None:
             apply_top_k(x, random.top_k_rows, random.top_k)
@@ -150,29 +161,31 @@ class Sampler:
         proposal = probs
         if random.min_p is not None:
             proposal = min_p_weights(probs, random.min_p, out=self._buffer("p", random.num_rows, x))
-        tokens = inverse_cdf_sample(proposal, draw_uniforms(random, list(range(random.num_rows)), x.device))
+        uniforms = draw_uniforms(random, list(range(random.num_rows)), x.device)
+        tokens, weight = inverse_cdf_sample(proposal, uniforms)
+        ok = torch.isfinite(weight) & (weight > 0)  # softmax of a NaN, +inf or all -inf row is all NaN
         if random.top_p is None:
-            return tokens
-        return self._resample_outside_nucleus(probs, tokens, random)
+            return tokens, ok
+        return self._resample_outside_nucleus(probs, tokens, random, ok), ok
 
     def _resample_outside_nucleus(
-        self, probs: torch.Tensor, tokens: torch.Tensor, random: RandomSampling
+        self, probs: torch.Tensor, tokens: torch.Tensor, random: RandomSampling, ok: torch.Tensor
     ) -> torch.Tensor:
-        """Redraw the rows whose token lies outside their nucleus until none does: [R] int64."""
+        """Redraw the rows whose token lies outside their nucleus until none does (rows not `ok` never): [R] int64."""
         rows = torch.arange(random.num_rows, device=probs.device)  # [A], sub-batch rows still drawing
-        top_p, total = random.top_p, probs.sum(dim=-1)  # [A]
+        top_p, total, done = random.top_p, probs.sum(dim=-1), ~ok | (random.top_p >= 1.0)  # [A]
         while True:
             above = mass_above(probs, tokens[rows], out=self._buffer("a", rows.numel(), probs))  # [A, V]
             chosen = probs.gather(1, tokens[rows, None]).squeeze(1)  # [A]
-            inside = (above.sum(dim=-1) * chosen < top_p * total) | (top_p >= 1.0)
+            inside = (above.sum(dim=-1) * chosen < top_p * total) | done
             if bool(inside.all()):
                 return tokens
             redraw = (~inside).nonzero().squeeze(1)  # [A']
             # Every nucleus token is more likely than the rejected one, so the next proposal keeps only
             # the tokens strictly above it (min-p and top-k hold there too): exactly `above`.
             proposal, probs = above[redraw], probs[redraw]
-            rows, top_p, total = rows[redraw], top_p[redraw], total[redraw]
-            tokens[rows] = inverse_cdf_sample(proposal, draw_uniforms(random, rows.tolist(), probs.device))
+            rows, top_p, total, done = rows[redraw], top_p[redraw], total[redraw], done[redraw]
+            tokens[rows] = inverse_cdf_sample(proposal, draw_uniforms(random, rows.tolist(), probs.device))[0]
 
     def _buffer(
         self, name: str, rows: int, like: torch.Tensor, dtype: torch.dtype | None = None
@@ -206,14 +219,6 @@ def apply_logits_processors(
         except Exception as error:  # user code: whatever it raises must not take the batch down
             failed[row] = f"logits processor {getattr(proc, '__name__', type(proc).__name__)} raised {error!r}"
             logits[row] = 0.0
-
-
-def fail_unsampleable_rows(logits: torch.Tensor, failed: dict[int, str]) -> None:
-    """Record rows whose every logit is -inf or NaN in `failed`, and neutralize them so the batch can sample."""
-    dead = ~(logits.amax(dim=-1) > _NEG_INF)  # NaN compares False too
-    for row in dead.nonzero().flatten().tolist():
-        failed.setdefault(row, "no token can be sampled: every logit is -inf or NaN after the logits processors")
-        logits[row] = 0.0
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
@@ -255,6 +260,15 @@ def _byte_bits(device: torch.device) -> torch.Tensor:
     return ((values.unsqueeze(1) >> torch.arange(8, dtype=torch.int32)) & 1).bool().to(device)
 
 
+def apply_allowed_tokens(logits: torch.Tensor, allowed: AllowedTokens) -> None:
+    """Set to -inf every token outside each restricted row's allowed_token_ids."""
+    forbidden, vocab = allowed.forbidden, logits.shape[1]
+    if forbidden.shape[1] < vocab:  # the vocabulary size was unknown: ids past the widest are not allowed either
+        forbidden = torch.nn.functional.pad(forbidden, (0, vocab - forbidden.shape[1]), value=True)
+    rows = logits[allowed.rows]  # [A, V]
+    logits[allowed.rows] = rows.masked_fill_(forbidden, _NEG_INF)
+
+
 def apply_logit_bias(logits: torch.Tensor, bias: LogitBias) -> None:
     """Add each request's logit_bias values."""
     logits.index_put_((bias.rows, bias.token_ids), bias.values, accumulate=True)
@@ -282,13 +296,14 @@ def apply_penalties(logits: torch.Tensor, penalties: PenaltyTensors) -> None:
 # --- sampling ---
 
 
-def argmax(logits: torch.Tensor) -> torch.Tensor:
+def argmax(logits: torch.Tensor, maxima: torch.Tensor | None = None) -> torch.Tensor:
     """Row-wise argmax (first index of the maximum) of logits [B, V]: [B] int64.
 
-    Two levels, block maxima then the winning block, because a plain argmax over the vocabulary is
-    several times slower on CPU than the vectorized max reduction.
+    Two levels, block maxima (`maxima` [B, NB] if the caller has them) then the winning block, because a
+    plain argmax over the vocabulary is several times slower on CPU than the vectorized max reduction.
+    A row holding NaN gets some index in range.
     """
-    maxima = _block_reduce(logits, "amax")  # [B, NB]
+    maxima = _block_reduce(logits, "amax") if maxima is None else maxima  # [B, NB]
     block = maxima.argmax(dim=-1)  # [B]
     cols, _ = _block_columns(block, logits.shape[1])  # [B, BLOCK]; repeats of V - 1 never win first
     return cols.gather(1, logits.gather(1, cols).argmax(dim=-1, keepdim=True)).squeeze(1)
@@ -345,8 +360,9 @@ def draw_uniforms(random: RandomSampling, rows: list[int], device: torch.device)
     return uniforms
 
 
-def inverse_cdf_sample(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Sample a token per row with probability proportional to weights [R, V] (>= 0): [R] int64."""
+def inverse_cdf_sample(weights: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample a token per row with probability proportional to weights [R, V] (>= 0): tokens [R] int64 and each
+    row's total weight [R]. A row of NaN weights gets some token in range (and a NaN total)."""
     block_mass = _block_reduce(weights, "sum")  # [R, NB]
     block_cdf = block_mass.cumsum(dim=-1)  # [R, NB]
     total = block_cdf[:, -1:]  # [R, 1]
@@ -359,8 +375,8 @@ def inverse_cdf_sample(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.T
     inner_total = inner_cdf[:, -1:]
     inner_target = (target - before).clamp(min=0.0)
     inner_target = torch.minimum(inner_target, torch.nextafter(inner_total, torch.zeros_like(inner_total)))
-    token = torch.searchsorted(inner_cdf, inner_target, right=True)  # [R, 1]
-    return cols.gather(1, token).squeeze(1)
+    token = torch.searchsorted(inner_cdf, inner_target, right=True).clamp_(max=BLOCK - 1)  # [R, 1]; NaN: past the end
+    return cols.gather(1, token).squeeze(1), total.squeeze(1)
 
 
 def _block_reduce(x: torch.Tensor, op: str) -> torch.Tensor:

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 
-from llmplug.core.errors import InvalidRequestError
 from llmplug.core.params import SamplingParams
 from llmplug.core.protocols import LogitsProcessor
 
@@ -58,6 +57,14 @@ class TokenMask:
 
     rows: torch.Tensor  # [N] int64, batch rows
     token_ids: torch.Tensor  # [N] int64
+
+
+@dataclass(slots=True)
+class AllowedTokens:
+    """Rows that may only sample their allowed_token_ids."""
+
+    rows: torch.Tensor  # [A] int64, batch rows
+    forbidden: torch.Tensor  # [A, W] bool, True: not allowed; W = V (or the largest allowed id + 1 if V is unknown)
 
 
 @dataclass(slots=True)
@@ -146,6 +153,16 @@ class TokenOccurrences:
             setattr(self, name, grown)
 
 
+def _bad_word_ends(state: RequestSamplingState) -> list[int]:
+    """The last token of each bad word whose other tokens the output ends with (so it must not come next)."""
+    output = state.output_token_ids
+    return [
+        seq[-1]
+        for seq in state.params.bad_words_token_ids
+        if len(seq) <= len(output) + 1 and (len(seq) == 1 or output[len(output) - len(seq) + 1 :] == seq[:-1])
+    ]
+
+
 def _flatten(token_lists: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(row, token) of every token of every list: rows [M], token_ids [M]."""
     rows = [row for row, tokens in enumerate(token_lists) for _ in tokens]
@@ -194,8 +211,10 @@ class SamplingMetadata:
     all_random: bool  # no row is greedy, so the sampler need not take any argmax
     output_token_ids: list[list[int]]  # each row's live output list (for engine-wide processors)
     logits_processors: list[tuple[int, list[LogitsProcessor], list[int]]]  # (row, processors, output ids)
+    allowed_tokens: AllowedTokens | None  # rows with allowed_token_ids
     logit_bias: LogitBias | None
-    min_tokens_mask: TokenMask | None  # refreshed every step
+    # refreshed every step: stop tokens of rows short of min_tokens, the next token of a bad word begun
+    banned_tokens: TokenMask | None
     penalties: PenaltyTensors | None  # its occurrences grow with the tokens append_output reports
     max_num_logprobs: int | None  # None: no row wants logprobs
 
@@ -209,7 +228,7 @@ class SamplingState:
     """The worker's persistent per-request sampling state; builds batched SamplingMetadata."""
 
     def __init__(self, vocab_size: int | None = None, device: torch.device | str = "cpu") -> None:
-        self.vocab_size = vocab_size  # None: unknown; token ids are then only checked to be >= 0
+        self.vocab_size = vocab_size  # None: unknown (penalties then grow their token map as ids arrive)
         self.device = torch.device(device)
         self.requests: dict[str, RequestSamplingState] = {}
         self._cached: SamplingMetadata | None = None
@@ -222,13 +241,15 @@ class SamplingState:
         params: SamplingParams,
         prompt_token_ids: list[int],
         output_token_ids: list[int],
-        eos_token_id: int | None = None,
+        eos_token_ids: tuple[int, ...] = (),
     ) -> None:
-        """Start tracking a request that is new or resumed after preemption (replaces any old state)."""
-        self._check_token_ids(req_id, params)
+        """Start tracking a request that is new or resumed after preemption (replaces any old state).
+
+        Its token ids (stop_token_ids, logit_bias, ...) were checked against the vocabulary when it was added.
+        """
         stop_ids = list(params.stop_token_ids or [])
-        if eos_token_id is not None and not params.ignore_eos:
-            stop_ids.append(eos_token_id)
+        if not params.ignore_eos:
+            stop_ids += eos_token_ids
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device)
@@ -261,7 +282,7 @@ class SamplingState:
             self._cached = self._build(key)
         states = [self.requests[r] for r in key]
         self._flush_occurrences()
-        self._cached.min_tokens_mask = self._min_tokens_mask(states)
+        self._cached.banned_tokens = self._banned_tokens(states)
         if self._cached.random is not None:
             self._reseed(states, self._cached.random)
         return self._cached
@@ -283,8 +304,9 @@ class SamplingState:
                 for i, s in enumerate(states)
                 if s.params.logits_processors
             ],
+            allowed_tokens=self._allowed_tokens(states),
             logit_bias=self._logit_bias(states),
-            min_tokens_mask=None,
+            banned_tokens=None,
             penalties=self._penalties(req_ids, states),
             max_num_logprobs=max(logprobs) if logprobs else None,
         )
@@ -306,6 +328,18 @@ class SamplingState:
             min_p=self._float([p.min_p for p in params]).unsqueeze(1) if any(p.min_p > 0 for p in params) else None,
             generators=[(j, states[rows[j]].generator) for j in seeded],
         )
+
+    def _allowed_tokens(self, states: list[RequestSamplingState]) -> AllowedTokens | None:
+        """The rows restricted to their allowed_token_ids, with what each forbids; None when no row is."""
+        rows = [i for i, s in enumerate(states) if s.params.allowed_token_ids]
+        if not rows:
+            return None
+        allowed = [states[i].params.allowed_token_ids for i in rows]
+        width = self.vocab_size or 1 + max(max(ids) for ids in allowed)
+        forbidden = torch.ones(len(rows), width, dtype=torch.bool, device=self.device)  # [A, V]
+        for j, ids in enumerate(allowed):
+            forbidden[j, self._long(ids)] = False
+        return AllowedTokens(self._long(rows), forbidden)
 
     def _logit_bias(self, states: list[RequestSamplingState]) -> LogitBias | None:
         """The logit_bias entries of every row, flattened; None when no row has any."""
@@ -335,14 +369,14 @@ class SamplingState:
 
     # --- refreshing, every step ---
 
-    def _min_tokens_mask(self, states: list[RequestSamplingState]) -> TokenMask | None:
-        """Stop tokens of the rows that have generated fewer than min_tokens; None when none has."""
-        pairs = [
-            (i, t)
-            for i, s in enumerate(states)
-            if len(s.output_token_ids) < s.params.min_tokens
-            for t in s.stop_ids
-        ]
+    def _banned_tokens(self, states: list[RequestSamplingState]) -> TokenMask | None:
+        """The (row, token) pairs no row may sample this step; None when there are none."""
+        pairs: list[tuple[int, int]] = []
+        for i, s in enumerate(states):
+            if len(s.output_token_ids) < s.params.min_tokens:
+                pairs += [(i, t) for t in s.stop_ids]
+            if s.params.bad_words_token_ids:
+                pairs += [(i, t) for t in _bad_word_ends(s)]
         if not pairs:
             return None
         rows, token_ids = zip(*pairs)
@@ -370,16 +404,6 @@ class SamplingState:
             self._cached = None
             self._penalty_rows = {}
             self._pending_occurrences = []
-
-    def _check_token_ids(self, req_id: str, params: SamplingParams) -> None:
-        """Reject token ids outside the vocabulary, which would index past the logits."""
-        ids = list(params.logit_bias or {}) + list(params.stop_token_ids or [])
-        bad = [t for t in ids if t < 0 or (self.vocab_size is not None and t >= self.vocab_size)]
-        if bad:
-            raise InvalidRequestError(
-                f"request {req_id}: token ids {bad[:5]} in logit_bias/stop_token_ids are outside "
-                f"the vocabulary [0, {self.vocab_size or 'vocab size'})"
-            )
 
     def _long(self, values) -> torch.Tensor:
         """An int64 tensor on this state's device."""

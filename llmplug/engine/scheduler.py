@@ -235,8 +235,7 @@ class Scheduler:
             if not request.grammar.ready:
                 self.compiling.append(request)
             elif request.grammar.error is not None:
-                logger.error("request %s: its grammar failed to compile: %s", request.request_id, request.grammar.error)
-                self._free(request, RequestStatus.FINISHED_ABORTED)
+                self._fail(request, f"its grammar failed to compile: {request.grammar.error}")
                 self._failed.append(request)
             else:
                 self.waiting.push(request)
@@ -299,7 +298,7 @@ class Scheduler:
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=list(request.output_token_ids),
             sampling_params=request.sampling_params,
-            eos_token_id=request.eos_token_id,
+            eos_token_ids=request.eos_token_ids,
         )
         return self._scheduled_request(request, num_new_tokens, new)
 
@@ -330,35 +329,62 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
         """Advance computed tokens, append sampled ones, apply stop checks; returns the requests with new tokens."""
         sampled = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids))
-        updated, self._failed = self._failed, []  # finished without a token: they still need an output
+        updated = list(self._failed)  # finished without a token: they still need an output
         for scheduled in scheduler_output.requests:
             request = self.requests.get(scheduled.req_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # finished (aborted) after it was scheduled
             request.num_computed_tokens += len(scheduled.token_ids)
             if scheduled.req_id in runner_output.failed:  # this request alone ends; the batch goes on
-                logger.error("request %s aborted: %s", scheduled.req_id, runner_output.failed[scheduled.req_id])
-                self._free(request, RequestStatus.FINISHED_ABORTED)
+                self._fail(request, runner_output.failed[scheduled.req_id])
                 updated.append(request)
                 continue
             token_ids = sampled.get(scheduled.req_id)
             if scheduled.samples and token_ids:
                 self._append_tokens(request, token_ids)
                 updated.append(request)
+        self._failed = []
         if any(request.is_finished for request in updated):
             self.running = [request for request in self.running if not request.is_finished]
         return updated
+
+    def fail_requests(self, req_ids: Iterable[str], error: str) -> None:
+        """End the unfinished ones of `req_ids` because a step failed for them (their blocks are freed)."""
+        # a half-applied update may have finished requests without taking them out of `running` yet
+        self.running = [request for request in self.running if not request.is_finished]
+        for req_id in req_ids:
+            request = self.requests.get(req_id)
+            if request is not None:
+                logger.error("request %s aborted: %s", req_id, error)
+                request.error = error
+                self.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
+
+    def _fail(self, request: Request, error: str) -> None:
+        """End one request because something failed for it alone (the batch goes on)."""
+        logger.error("request %s aborted: %s", request.request_id, error)
+        request.error = error
+        self._free(request, RequestStatus.FINISHED_ABORTED)
 
     def _append_tokens(self, request: Request, token_ids: list[int]) -> None:
         """Append sampled tokens up to the first stop; a stopped request is freed."""
         for token_id in token_ids:
             request.append_output_token(token_id)
-            if request.grammar is not None:
-                request.grammar.accept(token_id)
-            status = self._check_stop(request)
+            status = self._advance_grammar(request, token_id) or self._check_stop(request)
             if status is not None:
                 self._free(request, status)
                 return
+
+    def _advance_grammar(self, request: Request, token_id: int) -> RequestStatus | None:
+        """Feed the token to the request's grammar; a matcher that raises fails this request only."""
+        if request.grammar is None:
+            return None
+        try:
+            request.grammar.accept(token_id)
+        except Exception as error:  # a backend's bug or limit: the request cannot go on, the others can
+            request.error = f"its grammar failed on token {token_id}: {error!r}"
+            logger.error("request %s aborted: %s", request.request_id, request.error)
+            return RequestStatus.FINISHED_ABORTED
+        return None
 
     def _check_stop(self, request: Request) -> RequestStatus | None:
         """The finished status the last appended token causes, if any."""
@@ -366,7 +392,7 @@ class Scheduler:
         last = request.output_token_ids[-1]
         # Stop tokens count as a stop even on the last allowed token: "stop" says more than "length".
         if request.num_output_tokens >= params.min_tokens:
-            if last == request.eos_token_id and not params.ignore_eos:
+            if last in request.eos_token_ids and not params.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED
             if last in params.stop_token_ids:
                 request.stop_reason = last

@@ -19,7 +19,7 @@ class NewRequestData:
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # generated before a preemption; [] for a fresh request
     sampling_params: SamplingParams
-    eos_token_id: int | None = None  # masked while fewer than min_tokens are generated
+    eos_token_ids: tuple[int, ...] = ()  # masked while fewer than min_tokens are generated
 
 
 @dataclass(slots=True, frozen=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import json
 import logging
 import os
 import time
@@ -119,6 +120,17 @@ class BaseModelLoader(abc.ABC):
             )
         except (OSError, ValueError) as error:
             raise ModelLoadError(f"cannot load the tokenizer from {path}: {error}") from error
+
+    def load_generation_config(self, model_config: "ModelConfig") -> dict[str, Any]:
+        """The model's generation_config.json as a dict (eos_token_id, default sampling values); {} without one."""
+        path = os.path.join(self.model_path(model_config.model), "generation_config.json")
+        if not os.path.isfile(path):
+            return {}
+        try:
+            with open(path, encoding="utf-8") as file:
+                return json.load(file)
+        except (OSError, ValueError) as error:
+            raise ModelLoadError(f"cannot read {path}: {error}") from error
 
     def get_model_class(self, hf_config: "PretrainedConfig") -> type:
         """The `llmplug.models` plugin registered under the config's first architecture."""

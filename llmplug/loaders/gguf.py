@@ -25,7 +25,13 @@ from llmplug.core.errors import ModelLoadError
 from llmplug.layers.quantization import INT4_GROUP_SIZE, Int4Groups, attach_int4_groups
 from llmplug.loaders.base import BaseModelLoader, model_dtype
 from llmplug.loaders.default_model import resolve_model_path
-from llmplug.loaders.gguf_config import ROPE_FREQS_TENSOR, architecture_of, build_hf_config, field_value
+from llmplug.loaders.gguf_config import (
+    ROPE_FREQS_TENSOR,
+    architecture_of,
+    build_hf_config,
+    field_value,
+    gguf_generation_config,
+)
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -366,6 +372,10 @@ class GGUFLoader(BaseModelLoader):
         if model_config.tokenizer is not None:
             return super().load_tokenizer(model_config)
         return load_gguf_tokenizer(self.gguf_path(model_config))
+
+    def load_generation_config(self, model_config: ModelConfig) -> dict[str, Any]:
+        """The end-of-sequence ids llama.cpp stops at: the file's eos, end-of-turn and end-of-message tokens."""
+        return gguf_generation_config(open_gguf(self.gguf_path(model_config)))
 
     def iter_weights(self, model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
         """HF-named weights in the model dtype, dequantized lazily (the base class shows the progress bar)."""

@@ -110,6 +110,17 @@ def build_hf_config(reader: gguf.GGUFReader, path: str) -> PretrainedConfig:
     return config
 
 
+# The tokens that end a generation, as llama.cpp reads them (end of sequence, of a turn, of a message).
+EOS_TOKEN_KEYS = (gguf.Keys.Tokenizer.EOS_ID, gguf.Keys.Tokenizer.EOT_ID, gguf.Keys.Tokenizer.EOM_ID)
+
+
+def gguf_generation_config(reader: gguf.GGUFReader) -> dict[str, Any]:
+    """The generation config a GGUF file implies: its end-of-generation token ids (primary eos first)."""
+    eos = [field_value(reader, key) for key in EOS_TOKEN_KEYS]
+    eos = list(dict.fromkeys(t for t in eos if t is not None))
+    return {"eos_token_id": eos} if eos else {}
+
+
 class _ArchMetadata:
     """Reads `{arch}.`-prefixed metadata of one file, naming the file and key when one is missing."""
 

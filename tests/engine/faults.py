@@ -1,15 +1,79 @@
-"""Faults injected into a running engine, for the tests of how it fails."""
+"""Faults injected into a running engine (an `LLM` or `AsyncLLM`), for the tests of how it fails.
+
+Each fault acts where a real one would: in the model's forward pass or in the logits the sampler
+gets, inside an engine step, on the engine's only (in-process) worker.
+"""
 
 from __future__ import annotations
 
-from llmplug import AsyncLLM
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from llmplug.layers.vocab_embedding import VocabParallelEmbedding
 
 
-def break_forward(engine: AsyncLLM, message: str) -> None:
-    """Make the model's forward pass raise, as a real fault in a step would (a failing kernel, out of memory)."""
-    model = engine.llm_engine.engine_core.executor.worker.model_runner.model
+def model_runner(engine: Any) -> Any:
+    """The ModelRunner of an LLM's or AsyncLLM's in-process worker."""
+    return engine.llm_engine.engine_core.executor.worker.model_runner
 
-    def forward(*args, **kwargs):
-        raise RuntimeError(message)
 
-    model.forward = forward
+def break_forward(engine: Any, message: str, *, error: type[BaseException] = RuntimeError, after: int = 0) -> None:
+    """Make every forward pass after the first `after` raise `error(message)`, as a real fault in a step would
+    (a failing kernel, out of memory). Before raising, the pass writes NaN K/V into the cache slots of the
+    step, as a pass that failed half-way leaves them: a block named for that step must never be reused."""
+    model = model_runner(engine).model
+    forward = model.forward
+    calls = iter(range(after))
+
+    def broken(*args, **kwargs):
+        if next(calls, None) is not None:
+            return forward(*args, **kwargs)
+        with nan_embeddings(model):
+            forward(*args, **kwargs)
+        raise error(message)
+
+    model.forward = broken  # an instance attribute over the class's method; `heal` removes it
+
+
+@contextlib.contextmanager
+def nan_embeddings(model: torch.nn.Module) -> Iterator[None]:
+    """Within the block, the model's token embeddings are NaN, so every K/V it computes is NaN."""
+    hooks = [
+        m.register_forward_hook(lambda module, args, out: torch.full_like(out, float("nan")))
+        for m in model.modules()
+        if type(m) is VocabParallelEmbedding
+    ]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+class _PoisonedSampler:
+    """The engine's sampler, after setting to NaN the logits of the rows `poisoned(prompt_token_ids)` selects."""
+
+    def __init__(self, sampler: Any, state: Any, poisoned: Callable[[list[int]], bool]) -> None:
+        self.sampler, self.state, self.poisoned = sampler, state, poisoned
+
+    def __call__(self, logits: torch.Tensor, metadata: Any, bitmask: torch.Tensor | None = None) -> Any:
+        rows = [i for i, r in enumerate(metadata.req_ids) if self.poisoned(self.state.requests[r].prompt_token_ids)]
+        logits[rows] = float("nan")
+        return self.sampler(logits, metadata, bitmask)
+
+
+def nan_logits(engine: Any, prompt_token_ids: list[int]) -> None:
+    """From now on, the logits of every request whose prompt is `prompt_token_ids` are NaN (bad numerics in one row)."""
+    runner = model_runner(engine)
+    runner.sampler = _PoisonedSampler(runner.sampler, runner.sampling_state, lambda p: p == prompt_token_ids)
+
+
+def heal(engine: Any) -> None:
+    """Undo `nan_logits` and `break_forward`."""
+    runner = model_runner(engine)
+    if isinstance(runner.sampler, _PoisonedSampler):
+        runner.sampler = runner.sampler.sampler
+    runner.model.__dict__.pop("forward", None)

@@ -7,11 +7,12 @@ import threading
 import time
 
 import pytest
+import torch
 
 from llmplug import LLM, AsyncLLM, SamplingParams
 from llmplug.core.errors import EngineDeadError, InvalidRequestError
 from llmplug.core.params import RequestOutputKind
-from tests.engine.faults import break_forward
+from tests.engine.faults import break_forward, heal
 from tests.models.tiny_models import make_tiny
 
 KWARGS = {"dtype": "float32", "skip_tokenizer_init": True, "block_size": 4}
@@ -183,9 +184,32 @@ def test_a_step_does_not_block_the_event_loop(engine):
     assert engine._thread is not threading.current_thread()
 
 
-def test_engine_failure_fails_every_request_and_health(tiny_llama):
+def test_a_failed_step_ends_its_requests_and_the_engine_goes_on(tiny_llama, expected):
     engine = AsyncLLM(str(tiny_llama.path), **KWARGS)
     break_forward(engine, "boom")
+
+    async def run():
+        params = SamplingParams(max_tokens=100, ignore_eos=True)
+        return await asyncio.gather(collect(engine, {"prompt_token_ids": [1, 2]}, params, "first"),
+                                    collect(engine, {"prompt_token_ids": [3]}, params, "second"))
+
+    try:
+        for outs in asyncio.run(run()):
+            last = outs[-1].outputs[0]
+            assert outs[-1].finished and last.finish_reason == "abort" and "boom" in last.error
+        engine.check_health()  # not dead
+        assert_all_blocks_free(engine)
+        heal(engine)
+        greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        outs = asyncio.run(collect(engine, _token_prompts()[0], greedy, "after"))
+        assert outs[-1].outputs[0].token_ids == expected["greedy"][0]
+    finally:
+        engine.shutdown()
+
+
+def test_a_fatal_failure_fails_every_request_and_health(tiny_llama):
+    engine = AsyncLLM(str(tiny_llama.path), **KWARGS)
+    break_forward(engine, "device lost", error=torch.AcceleratorError)
 
     async def run():
         params = SamplingParams(max_tokens=100, ignore_eos=True)
@@ -195,7 +219,7 @@ def test_engine_failure_fails_every_request_and_health(tiny_llama):
     try:
         results = asyncio.run(run())
         assert all(isinstance(r, EngineDeadError) for r in results)
-        assert "boom" in str(results[0]) and engine.is_dead
+        assert "device lost" in str(results[0]) and engine.is_dead
         with pytest.raises(EngineDeadError):
             engine.check_health()
         with pytest.raises(EngineDeadError):  # later requests fail at once instead of hanging

@@ -1,4 +1,5 @@
-"""Incremental detokenization equals a full decode; stop strings truncate and are never streamed."""
+"""Incremental detokenization equals a full decode of prompt and output (the output's part of it); stop strings
+truncate and are never streamed."""
 
 from __future__ import annotations
 
@@ -60,9 +61,21 @@ def smollm2():
     return load_smollm2_tokenizer()
 
 
-def stream(tokenizer, token_ids: list[int], params: SamplingParams, rng: random.Random | None = None) -> list[str]:
+PROMPT = [1, 2, 3]
+
+
+def after_prompt(tokenizer, prompt: list[int], token_ids: list[int], skip_special_tokens: bool = True) -> str:
+    """The reference: what `token_ids` add to the decoded text when they follow `prompt`."""
+    head = tokenizer.decode(prompt, skip_special_tokens=skip_special_tokens)
+    full = tokenizer.decode(prompt + token_ids, skip_special_tokens=skip_special_tokens)
+    assert full.startswith(head)
+    return full[len(head) :]
+
+
+def stream(tokenizer, token_ids: list[int], params: SamplingParams, rng: random.Random | None = None,
+           prompt: list[int] = PROMPT) -> list[str]:
     """Feed token_ids in chunks of 1-3 (random) or 1; return every delta, the flush last."""
-    detok = IncrementalDetokenizer(tokenizer, [1, 2, 3], params)
+    detok = IncrementalDetokenizer(tokenizer, prompt, params)
     deltas, i = [], 0
     while i < len(token_ids):
         size = rng.randint(1, 3) if rng else 1
@@ -97,7 +110,7 @@ def test_random_sequences_decode_like_the_full_decode(smollm2, skip_special_toke
     for _ in range(400):
         ids = random_ids(rng, len(smollm2), 17, range(20, 400))
         deltas = stream(smollm2, ids, params, rng)
-        assert "".join(deltas) == smollm2.decode(ids, skip_special_tokens=skip_special_tokens), ids
+        assert "".join(deltas) == after_prompt(smollm2, PROMPT, ids, skip_special_tokens), ids
 
 
 @pytest.mark.parametrize("text", TRICKY_TEXTS)
@@ -134,9 +147,10 @@ def test_offset_decoder_matches_the_full_decode(smollm2, skip_special_tokens):
 @pytest.mark.parametrize("text", ["hello world", "hello 🤖 世界 é!", " hello", "wé世🚀 hello"])
 def test_byte_fallback_tokenizer_streams_valid_text_exactly(text):
     tokenizer = byte_fallback_tokenizer()
-    ids = tokenizer.encode(text).ids
-    deltas = stream(tokenizer, ids, SamplingParams())
-    assert "".join(deltas) == tokenizer.decode(ids)
+    prompt, ids = tokenizer.encode("hello").ids, tokenizer.encode(text).ids
+    deltas = stream(tokenizer, ids, SamplingParams(), prompt=prompt)
+    assert "".join(deltas) == after_prompt(tokenizer, prompt, ids)
+    assert "".join(deltas).startswith(" ")  # the first piece's space, which a decode of the output alone drops
     assert not any("\ufffd" in d for d in deltas)
 
 
@@ -226,3 +240,90 @@ def test_held_back_text_is_released_when_it_is_not_a_stop(smollm2):
     new = detok.update(smollm2.encode("AY", add_special_tokens=False))
     assert detok.check_stop(len(new)) is None
     assert detok.get_next_output_text(finished=False, delta=True) == "STAY"
+
+
+def naive_stream_with_stops(text: str, chunks: list[str], stops: list[str]) -> tuple[list[str], str | None, str]:
+    """The obvious reference: after each chunk look for every stop string anywhere, and hold back every
+    tail that some stop string starts with."""
+    deltas, sent, grown = [], 0, ""
+    for chunk in chunks:
+        grown += chunk
+        hits = [(grown.find(s), -len(s), s) for s in stops if s in grown]
+        if hits:
+            index, _, stop = min(hits)
+            deltas.append(grown[sent:index])
+            return deltas, stop, grown[:index]
+        held = max((n for n in range(1, len(grown) + 1) if any(s.startswith(grown[-n:]) for s in stops)), default=0)
+        end = max(sent, len(grown) - held)
+        deltas.append(grown[sent:end])
+        sent = end
+    deltas.append(grown[sent:])
+    return deltas, None, grown
+
+
+def test_many_stop_strings_behave_like_the_naive_search(smollm2):
+    rng = random.Random(5)
+    words = ["the", " end", " ending", " en", "d", " END", "!", " 世界", "🤖", " e", "nd", "!!", " ab", "ba"]
+    for _ in range(60):
+        text = "".join(rng.choice(words) for _ in range(16))
+        stops = list({text[i : i + rng.randint(2, 8)] for i in rng.sample(range(len(text) - 2), 3)})
+        stops += ["".join(rng.choice("abdn!e ") for _ in range(rng.randint(2, 6))) for _ in range(61)]
+        detok = IncrementalDetokenizer(smollm2, [], SamplingParams(stop=stops))
+        chunks, deltas, stop = [], [], None
+        for token_id in smollm2.encode(text, add_special_tokens=False):
+            new = detok.update([token_id])
+            chunks.append(new)
+            stop = detok.check_stop(len(new))
+            deltas.append(detok.get_next_output_text(finished=False, delta=True))
+            if stop is not None:
+                break
+        else:
+            deltas.append(detok.get_next_output_text(finished=True, delta=True))
+        expected = naive_stream_with_stops(text, chunks, stops)
+        assert (deltas, stop, detok.output_text) == expected
+
+
+# --- a real sentencepiece (Llama 2 style) tokenizer: the output is decoded after the prompt ---
+
+
+@pytest.fixture(scope="session")
+def llama_tokenizer(tmp_path_factory):
+    from tests.models.tiny_models import train_llama_tokenizer
+
+    return train_llama_tokenizer(tmp_path_factory.mktemp("sp") / "tokenizer")
+
+
+SP_TEXTS = ["Hello world! The robot said hello.", "Once upon a time, the cat replied: 12345 über 世界.",
+            "The end of the story came when the sun set over the hills."]
+
+
+def sentencepiece_decode(tokenizer, token_ids: list[int]) -> str:
+    """An independent decoder: sentencepiece's own, over the tokenizer's model file."""
+    import sentencepiece
+
+    return sentencepiece.SentencePieceProcessor(model_file=tokenizer.vocab_file).decode(token_ids)
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["decode_stream", "offset_decoder"])
+def test_sentencepiece_output_reads_as_it_does_after_the_prompt(llama_tokenizer, fast):
+    for text in SP_TEXTS:
+        ids = llama_tokenizer.encode(text, add_special_tokens=False)
+        for cut in range(1, len(ids)):  # every split of every text
+            prompt, output = ids[:cut], ids[cut:]
+            detok = IncrementalDetokenizer(llama_tokenizer, prompt, SamplingParams())
+            if not fast:
+                detok._decoder = OffsetDecoder(llama_tokenizer, SamplingParams(), detok._context)
+            deltas = [detok.update(output[i : i + 2]) for i in range(0, len(output), 2)] + [detok.flush()]
+            expected = after_prompt(llama_tokenizer, prompt, output)
+            assert "".join(deltas) == detok.output_text == expected
+            # what a client gets by gluing prompt and answer together (echo) is the text itself
+            assert sentencepiece_decode(llama_tokenizer, prompt) + expected == text
+
+
+def test_sentencepiece_first_output_piece_keeps_its_space(llama_tokenizer):
+    prompt = llama_tokenizer.encode("Hello", add_special_tokens=False)
+    output = llama_tokenizer.encode("world", add_special_tokens=False)  # "▁world": the space is in the token
+    detok = IncrementalDetokenizer(llama_tokenizer, prompt, SamplingParams())
+    detok.update(output)
+    assert llama_tokenizer.decode(output) == "world"  # alone, sentencepiece drops it
+    assert detok.output_text == " world" == sentencepiece_decode(llama_tokenizer, prompt + output)[len("Hello"):]

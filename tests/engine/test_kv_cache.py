@@ -201,3 +201,29 @@ def test_a_request_without_blocks_takes_no_state_slot():
     kv = KVCacheManager(num_blocks=1, block_size=BS, num_state_slots=1)
     assert not kv.allocate_slots(req("a", [1] * 9), 9)
     assert kv.num_free_state_slots == 1
+
+
+def test_a_failed_step_takes_back_the_names_it_gave():
+    kv = KVCacheManager(num_blocks=8, block_size=BS)
+    done = req("done", list(range(8)))
+    prefill(kv, done)
+    kv.finish_step()  # the step that wrote done's two blocks ran
+    failing = req("failing", list(range(8)) + [50, 51, 52, 53, 54])
+    assert prefill(kv, failing)  # hits done's two blocks, names its third
+    assert len(kv.pool.cached_block_ids) == 3
+    kv.abandon_step()
+    kv.free(failing)
+    # done's names stay (their K/V were written); the failed step's block has no name left
+    assert sorted(kv.pool.cached_block_ids) == sorted(done.block_hashes)
+    again = req("again", list(range(8)) + [50, 51, 52, 53, 54])
+    assert kv.get_computed_blocks(again)[1] == 8
+
+
+def test_a_request_failing_alone_loses_the_names_its_step_gave_it():
+    kv = KVCacheManager(num_blocks=8, block_size=BS)
+    ok, bad = req("ok", [1, 2, 3, 4, 5]), req("bad", [9, 8, 7, 6, 5])
+    prefill(kv, ok), prefill(kv, bad)
+    kv.finish_step(failed_req_ids=["bad"])
+    kv.free(bad)
+    assert list(kv.pool.cached_block_ids) == ok.block_hashes[:1]
+    assert kv.get_computed_blocks(req("bad2", [9, 8, 7, 6, 5]))[1] == 0

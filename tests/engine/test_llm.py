@@ -219,3 +219,80 @@ def test_llm_reads_a_config_file_and_keywords_override_it(tiny_llama, tmp_path):
     llm = LLM(config=path, max_num_seqs=5)
     assert llm.config.cache.block_size == 8 and llm.config.scheduler.max_num_seqs == 5
     assert generate_ids(llm, [[4, 5, 6]], GREEDY) == [hf_greedy(tiny_llama.hf_model, [4, 5, 6])]
+
+
+def test_every_eos_id_of_the_generation_config_stops_the_request(tiny_llama, tmp_path):
+    import json
+    import shutil
+
+    prompt = [3, 1, 4, 1, 5]
+    reference = hf_greedy(tiny_llama.hf_model, prompt)
+    eos = reference[4]  # a token the model will generate, declared as the second of several eos ids
+    path = shutil.copytree(tiny_llama.path, tmp_path / "model")
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [255, eos]}))
+    llm = LLM(str(path), dtype="float32", skip_tokenizer_init=True, block_size=4)
+    assert llm.llm_engine.eos_token_ids == (255, eos)
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
+                       use_tqdm=False)[0].outputs[0]
+    stop_at = reference.index(eos) + 1
+    assert out.token_ids == reference[:stop_at] and out.finish_reason == "stop"
+    ignore = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    assert generate_ids(llm, [prompt], ignore) == [reference]
+    held = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, min_tokens=stop_at + 1)  # eos masked till then
+    assert eos not in generate_ids(llm, [prompt], held)[0][: stop_at + 1]
+
+
+@pytest.mark.parametrize("engine_kwargs", [
+    {"max_num_batched_tokens": 8},  # the prompt is computed in chunks of 8
+    {"max_num_batched_tokens": 8, "num_gpu_blocks_override": 12, "max_num_seqs": 4},  # and preempted, recomputed
+], ids=["chunked_prefill", "chunked_and_preempted"])
+def test_prompt_logprobs_come_once_per_request_with_n_completions(tiny_llama, engine_kwargs):
+    llm = make_llm(tiny_llama, **engine_kwargs)
+    prompt = prompts(3, (30,))[0]
+    with torch.inference_mode():
+        top = torch.log_softmax(tiny_llama.hf_model(torch.tensor([prompt])).logits[0], -1).topk(3, dim=-1)
+    params = SamplingParams(temperature=0.8, seed=1, n=2, max_tokens=20, ignore_eos=True, prompt_logprobs=3)
+    for out in llm.generate([{"prompt_token_ids": prompt}] * 3, params, use_tqdm=False):
+        assert_prompt_logprobs_match_hf(tiny_llama.hf_model, prompt, out)  # every position once, not n times
+        for pos in range(1, len(prompt)):  # and the top 3 of each, with their ranks
+            for rank, (token, value) in enumerate(zip(top.indices[pos - 1].tolist(), top.values[pos - 1].tolist()), 1):
+                assert out.prompt_logprobs[pos][token].logprob == pytest.approx(value, abs=1e-4)
+                assert token == prompt[pos] or out.prompt_logprobs[pos][token].rank == rank
+    if "num_gpu_blocks_override" in engine_kwargs:
+        assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
+    assert_no_leak(llm)
+
+
+# --- text, through a real sentencepiece (Llama 2 style) tokenizer ---
+
+
+def test_output_text_reads_as_it_does_after_the_prompt(sentencepiece_llama):
+    llm = LLM(str(sentencepiece_llama), dtype="float32", block_size=4)
+    tokenizer = llm.get_tokenizer()
+    texts = ["Once upon a time", "The quick brown fox", "Hello world! The robot said", "über 世界"]
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True)
+    for out in llm.generate(texts, params, use_tqdm=False):
+        prompt, completion = out.prompt_token_ids, out.outputs[0]
+        head = tokenizer.decode(prompt, skip_special_tokens=True)
+        full = tokenizer.decode(prompt + completion.token_ids, skip_special_tokens=True)
+        assert completion.text == full[len(head) :]
+        assert out.prompt + completion.text == full  # what `echo` sends
+    llm.shutdown()
+
+
+def test_allowed_token_ids_and_bad_words_shape_the_output(sentencepiece_llama):
+    llm = LLM(str(sentencepiece_llama), dtype="float32", block_size=4)
+    tokenizer = llm.get_tokenizer()
+    free = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    allowed = sorted(set(free.token_ids[1:]) - {free.token_ids[0]})  # not the first token the model would pick
+    out = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=16, allowed_token_ids=allowed),
+                       use_tqdm=False)[0].outputs[0]
+    assert set(out.token_ids) <= set(allowed) and out.token_ids[0] != free.token_ids[0]
+    word = tokenizer.decode(free.token_ids[:2]).strip()  # the model's own first word(s): it wants to say them
+    banned = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, bad_words=[word])
+    out = llm.generate("Once upon a time", banned, use_tqdm=False)[0].outputs[0]
+    for sequence in (tokenizer.encode(word, add_special_tokens=False),
+                     tokenizer.encode(" " + word, add_special_tokens=False)):
+        assert not any(out.token_ids[i : i + len(sequence)] == sequence for i in range(len(out.token_ids)))
+    llm.shutdown()

@@ -27,7 +27,7 @@ def make_state(params: list[SamplingParams], vocab: int = V, prompts=None, outpu
     for i, p in enumerate(params):
         prompt = prompts[i] if prompts else [1, 2, 3]
         output = outputs[i] if outputs else []
-        state.add_request(f"r{i}", p, prompt, output, eos_token_id=eos)
+        state.add_request(f"r{i}", p, prompt, output, eos_token_ids=() if eos is None else (eos,))
     return state, [f"r{i}" for i in range(len(params))]
 
 
@@ -158,7 +158,7 @@ def test_inverse_cdf_never_picks_a_zero_weight_token():
     weights[3] = torch.rand(1000) * (torch.rand(1000) > 0.9)
     weights[4, 640] = 2.0
     for uniforms in (torch.zeros(5), torch.full((5,), 1.0 - 2**-24), torch.rand(5)):
-        tokens = inverse_cdf_sample(weights, uniforms)
+        tokens, _ = inverse_cdf_sample(weights, uniforms)
         assert bool((weights.gather(1, tokens[:, None]) > 0).all())
 
 
@@ -439,16 +439,9 @@ def test_metadata_is_cached_until_the_batch_changes():
 def test_features_nobody_uses_are_absent_from_the_metadata():
     md = make_state([SamplingParams(temperature=0.0)] * 3)[0].metadata(["r0", "r1", "r2"])
     assert md.random is None and md.penalties is None and md.logit_bias is None
-    assert md.min_tokens_mask is None and md.max_num_logprobs is None and not md.logits_processors
+    assert md.banned_tokens is None and md.allowed_tokens is None and md.max_num_logprobs is None and not md.logits_processors
     md = make_state([SamplingParams(temperature=0.9)] * 2)[0].metadata(["r0", "r1"])
     assert md.all_random and md.random.top_k is None and md.random.top_p is None and md.random.min_p is None
-
-
-def test_out_of_vocabulary_bias_is_rejected():
-    from llmplug.core.errors import InvalidRequestError
-
-    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
-        SamplingState(V).add_request("r", SamplingParams(logit_bias={V: 1.0}), [1], [])
 
 
 def test_top_k_larger_than_the_allowed_set_keeps_the_allowed_set():
@@ -485,3 +478,59 @@ def test_engine_wide_processors_run_on_every_row_after_penalties():
     state, ids = make_state(params, outputs=[[4], []])
     out = Sampler(logits_processors=[forbid_zero])(logits, state.metadata(ids)).sampled_token_ids
     assert calls == [([4], 6.0), ([], 5.0)] and 0 not in out.tolist()
+
+
+# --- rows that cannot be sampled ---
+
+
+BATCH_OF_EVERY_KIND = [
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.8, seed=1),
+    SamplingParams(temperature=1.0, seed=2, top_p=0.7),
+    SamplingParams(temperature=1.1, seed=3, top_k=20),
+    SamplingParams(temperature=0.9, seed=4, min_p=0.05),
+    SamplingParams(temperature=0.0, logprobs=3),
+    SamplingParams(temperature=1.0, seed=5, top_k=30, top_p=0.8, min_p=0.01),
+    SamplingParams(temperature=0.0, repetition_penalty=1.3),
+]
+
+
+@pytest.mark.parametrize("poison", ["nan", "+inf", "all -inf"])
+@pytest.mark.parametrize("row_index", [0, 2, 6])
+def test_a_non_finite_row_is_flagged_and_the_others_sample_as_in_a_clean_batch(poison, row_index):
+    torch.manual_seed(0)
+    logits = torch.randn(8, V) * 2.0
+    clean_state, ids = make_state(BATCH_OF_EVERY_KIND)
+    clean = Sampler()(logits.clone(), clean_state.metadata(ids))
+    bad = logits.clone()
+    if poison == "all -inf":
+        bad[row_index] = float("-inf")
+    else:
+        bad[row_index, 17] = float(poison.lstrip("+"))
+    state, ids = make_state(BATCH_OF_EVERY_KIND)
+    out = Sampler()(bad, state.metadata(ids))
+    assert out.unsampleable.tolist() == [i == row_index for i in range(8)]
+    others = [i for i in range(8) if i != row_index]
+    assert torch.equal(out.sampled_token_ids[others], clean.sampled_token_ids[others])
+    assert 0 <= int(out.sampled_token_ids[row_index]) < V  # junk, but never out of range
+    assert torch.equal(out.logprobs.logprobs[others], clean.logprobs.logprobs[others])
+
+
+def test_a_clean_batch_has_no_unsampleable_row():
+    torch.manual_seed(1)
+    state, ids = make_state(BATCH_OF_EVERY_KIND)
+    assert not Sampler()(torch.randn(8, V), state.metadata(ids)).unsampleable.any()
+
+
+def test_allowed_token_ids_leave_only_those_tokens():
+    out = shaped_logits([SamplingParams(allowed_token_ids=[3, V - 1]), SamplingParams()], torch.zeros(2, V))
+    assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [3, V - 1]
+    assert torch.isfinite(out[1]).all()
+
+
+def test_bad_words_forbid_a_word_s_last_token_once_the_rest_is_generated():
+    params = SamplingParams(temperature=0.0)
+    params.bad_words_token_ids = [[7], [5, 6], [1, 2, 3]]
+    out = shaped_logits([params] * 3, torch.zeros(3, V), outputs=[[], [9, 5], [1, 2]])
+    banned = [set(torch.isinf(row).nonzero().flatten().tolist()) for row in out]
+    assert banned == [{7}, {7, 6}, {7, 3}]

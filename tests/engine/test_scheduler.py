@@ -38,7 +38,7 @@ def make_request(req_id: str, prompt: list[int] | int, priority: int = 0, **para
         start = next(_prompt_starts)
         prompt = list(range(start, start + prompt))
     params.setdefault("max_tokens", 4)
-    return Request(req_id, prompt, SamplingParams(**params), eos_token_id=EOS, priority=priority)
+    return Request(req_id, prompt, SamplingParams(**params), eos_token_ids=(EOS,), priority=priority)
 
 
 def default_token(request: Request) -> int:

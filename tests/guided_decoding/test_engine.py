@@ -115,6 +115,38 @@ def test_compiled_grammars_are_cached_by_backend_and_constraint(tiny_llm):
     assert a.result() is b.result()
 
 
+class _RaisingMatcher:
+    """A real matcher whose `method` raises from now on (a backend's bug met mid-generation)."""
+
+    def __init__(self, matcher, method: str) -> None:
+        self._matcher, self._method = matcher, method
+
+    def __getattr__(self, name):
+        if name == self._method:
+            raise RuntimeError(f"matcher bug in {name}")
+        return getattr(self._matcher, name)
+
+
+@pytest.mark.parametrize("method", ["fill_bitmask", "accept_token"])
+def test_a_grammar_that_raises_ends_its_request_only(tiny_llm, method):
+    requests = mixed_requests()
+    expected = run(tiny_llm, requests)
+    ids = [tiny_llm.add_request(prompt, params) for prompt, params in requests]
+    grammar = tiny_llm.llm_engine.engine_core.scheduler.requests[ids[0]].grammar
+    finished = {}
+    while not grammar.ready:
+        finished.update({o.request_id: o for o in tiny_llm.step() if o.finished})
+    grammar._matcher = _RaisingMatcher(grammar.matcher, method)
+    while tiny_llm.llm_engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in tiny_llm.step() if o.finished})
+    broken = finished[ids[0]].outputs[0]
+    assert broken.finish_reason == "abort" and f"matcher bug in {method}" in broken.error
+    others = [(finished[i].outputs[0].text, list(finished[i].outputs[0].token_ids)) for i in ids[1:]]
+    assert others == expected[1:]
+    kv = tiny_llm.llm_engine.engine_core.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_blocks
+
+
 def test_grammar_applies_only_after_the_reasoning_end_sequence(tiny_llm):
     """A constraint with start_after_token_ids leaves the reasoning free and constrains only what follows it."""
     tokenizer = tiny_llm.get_tokenizer()

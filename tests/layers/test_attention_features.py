@@ -3,7 +3,7 @@ plain masked softmax attention over each request's whole history, itself checked
 own eager attention functions and mask functions — through every path a request takes: batched and
 single prompts, chunked prefill across block boundaries, prefix-cache hits, and decode (mirror appends,
 rings, regathers), for GQA ratios 1, 4 and 8, block sizes 4 and 16, and windows smaller than, equal to
-and larger than a block."""
+and larger than a block. The triton backend is held to the same reference."""
 
 from __future__ import annotations
 
@@ -33,7 +33,9 @@ class Features:
     sinks: bool = False
 
 
-def make_layer(heads: int, kv_heads: int, block: int, features: Features, num_blocks: int = 256) -> Attention:
+def make_layer(
+    heads: int, kv_heads: int, block: int, features: Features, num_blocks: int = 256, backend=TorchSDPABackend
+) -> Attention:
     layer = Attention(
         heads, D, D**-0.5, kv_heads, prefix="layers.0.attn", sliding_window=features.window,
         logit_softcap=features.softcap, alibi_slopes=alibi_slopes(heads) if features.alibi else None,
@@ -42,8 +44,8 @@ def make_layer(heads: int, kv_heads: int, block: int, features: Features, num_bl
     if features.sinks:
         with torch.no_grad():
             layer.sinks.copy_(torch.randn(heads, generator=torch.Generator().manual_seed(7)) * 2)
-    cache = torch.zeros(TorchSDPABackend.kv_cache_shape(num_blocks, block, kv_heads, D))
-    bind_kv_cache(layer, [cache], TorchSDPABackend)
+    cache = torch.zeros(backend.kv_cache_shape(num_blocks, block, kv_heads, D))
+    bind_kv_cache(layer, [cache], backend)
     return layer
 
 
@@ -114,7 +116,7 @@ def step(
     q, k, v = (torch.cat([getattr(r, name)[a:b] for r, (a, b) in zip(reqs, spans)]) for name in "qkv")
     qkv = torch.cat([q, k, v], dim=1)  # k and v as views of one projection output, as the decoder passes them
     q, k, v = qkv.to(dtype).split([q.shape[1], k.shape[1], v.shape[1]], dim=1)
-    with torch.inference_mode(), forward_context(TorchSDPABackend.build_metadata(common)):
+    with torch.inference_mode(), forward_context(layer.backend.build_metadata(common)):
         out = layer(q, k, v)
     expected = torch.cat([reference(layer, r, a, b) for r, (a, b) in zip(reqs, spans)])
     torch.testing.assert_close(out.float(), expected, rtol=0, atol=atol)
@@ -122,8 +124,8 @@ def step(
         r.computed = b
 
 
-def requests(n: int, layer: Attention, block: int, length: int = 96, seed: int = 0) -> list[History]:
-    gen, free = torch.Generator().manual_seed(seed), list(range(1, layer.kv_cache.shape[2]))
+def requests(n: int, layer: Attention, block: int, length: int = 96, seed: int = 0, num_blocks: int = 256):
+    gen, free = torch.Generator().manual_seed(seed), list(range(1, num_blocks))
     random.Random(seed).shuffle(free)  # blocks out of order, as after reuse
     return [History(length, layer.num_heads, layer.num_kv_heads, gen, free, block) for _ in range(n)]
 
@@ -306,3 +308,19 @@ def test_bfloat16_features_stay_close_to_float32() -> None:
     step(layer, reqs, [13, 4, 9], dtype=torch.bfloat16, atol=5e-2)
     for _ in range(5):
         step(layer, reqs, [1, 1, 1], dtype=torch.bfloat16, atol=5e-2)
+
+
+@pytest.mark.parametrize("heads,kv_heads", GQA)
+def test_the_triton_backend_matches_the_dense_reference_with_every_feature(heads: int, kv_heads: int) -> None:
+    """The triton backend's kernel (run by triton's interpreter here) against the same reference."""
+    from llmplug.layers.attention.triton_backend import TritonAttentionBackend
+
+    block, window = 4, 6
+    features = Features(window=window, softcap=SOFTCAP, alibi=True, sinks=True)
+    layer = make_layer(heads, kv_heads, block, features, num_blocks=32, backend=TritonAttentionBackend)
+    r0, r1, r2 = requests(3, layer, block, length=24, num_blocks=32)
+    step(layer, [r0, r1], [11, 3])  # prompts, one longer than the window
+    step(layer, [r0, r2, r1], [1, 5, 1])  # decodes around a fresh prompt
+    step(layer, [r2, r0, r1], [4, 1, 1])  # a chunk across a block boundary between decodes
+    for _ in range(3):
+        step(layer, [r0, r1, r2], [1, 1, 1])

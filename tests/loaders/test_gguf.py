@@ -495,3 +495,10 @@ def test_loader_builds_the_llama_model_with_every_weight_in_place(
     for name in ("model.embed_tokens.weight", "model.layers.0.self_attn.o_proj.weight", "model.norm.weight"):
         assert torch.equal(params[name], expected[name]), name
     assert torch.equal(params["lm_head.weight"], expected["lm_head.weight"])  # untied in the tiny model
+
+
+def test_generation_config_lists_every_end_of_generation_token(tiny_model: torch.nn.Module, tmp_path: Path) -> None:
+    path = write_model_gguf(tmp_path / "eot.gguf", tiny_model,
+                            extra_kv={"tokenizer.ggml.eot_token_id": 7, "tokenizer.ggml.eom_token_id": 9})
+    config = GGUFLoader(LoadConfig()).load_generation_config(ModelConfig(model=str(path)))
+    assert config == {"eos_token_id": [tiny_model.config.eos_token_id, 7, 9]}

@@ -79,3 +79,27 @@ def make_tiny(name: str, path: Path, seed: int = 0, overrides: dict | None = Non
     randomize_(hf_model, seed)
     hf_model.save_pretrained(path, **save_kwargs)
     return TinyModel(name, path, hf_model, cls)
+
+
+SENTENCEPIECE_TEXT = """The quick brown fox jumps over the lazy dog. Hello world! Once upon a time there was a robot.
+It said: "hello, how are you?" and the cat replied with a smile. Numbers like 12345 and 3.14 appear too.
+Café, naïve, über and 世界 are rare here. The end of the story came when the sun set over the hills.
+"""
+
+
+def train_llama_tokenizer(path: Path, vocab_size: int = 420):
+    """A Llama-2-style tokenizer trained here with sentencepiece (BPE, byte fallback, a dummy prefix space),
+    saved in `path` as `tokenizer.model` and loaded by transformers' LlamaTokenizer."""
+    import sentencepiece
+    from transformers import LlamaTokenizer
+
+    path.mkdir(parents=True, exist_ok=True)
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(SENTENCEPIECE_TEXT.splitlines() * 20), model_prefix=str(path / "sp"),
+        vocab_size=vocab_size, model_type="bpe", byte_fallback=True, character_coverage=1.0, unk_id=0, bos_id=1,
+        eos_id=2, pad_id=-1, add_dummy_prefix=True, remove_extra_whitespaces=False,
+        normalization_rule_name="identity", num_threads=1, minloglevel=2,
+    )
+    (path / "sp.model").rename(path / "tokenizer.model")
+    (path / "sp.vocab").unlink()
+    return LlamaTokenizer.from_pretrained(path)

@@ -174,7 +174,7 @@ def _add_exception_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(InvalidRequestError)
     async def invalid_request(_: Request, exc: InvalidRequestError) -> JSONResponse:
-        return JSONResponse(error_body(400, str(exc)), status_code=400)
+        return JSONResponse(error_body(400, str(exc), exc.param), status_code=400)
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:

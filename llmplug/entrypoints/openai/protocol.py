@@ -91,7 +91,7 @@ class SamplingRequest(OpenAIModel):
     """The sampling fields chat and completions requests share (OpenAI's and vLLM's extras)."""
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=128)
+    n: int = Field(1, ge=1)  # the engine's decoding.max_n bounds it
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
@@ -109,6 +109,8 @@ class SamplingRequest(OpenAIModel):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -191,7 +193,7 @@ class ChatCompletionRequest(SamplingRequest):
     max_tokens: int | None = Field(None, ge=1, description="Deprecated by OpenAI for max_completion_tokens.")
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0)  # the engine's decoding.max_logprobs bounds it
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -299,7 +301,7 @@ class CompletionRequest(SamplingRequest):
 
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = Field(None, ge=0)  # the engine's decoding.max_logprobs bounds it
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
@@ -405,7 +407,7 @@ class ResponsesRequest(OpenAIModel):
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0)  # the engine's decoding.max_logprobs bounds it
     stream: bool = False
     store: bool | None = None
     metadata: dict[str, str] | None = None

@@ -127,16 +127,25 @@ class OpenAIServing:
 
     async def generate(self, prompt_text: str | None, prompt_ids: list[int], params: SamplingParams,
                        request_id: str) -> AsyncGenerator[RequestOutput, None]:
-        """The engine's outputs of one request, recorded in the metrics however the request ends."""
+        """The engine's outputs of one request, recorded in the metrics however the request ends.
+
+        When a failure inside the engine aborted a completion (its `error` is set), the outputs still all
+        come (the last with finish_reason "abort"), then a 500 OpenAIError carrying the engine's reason:
+        a stream reports it as an error event, a whole answer as its error body.
+        """
         tracker = self.metrics.track(len(prompt_ids))
         delta = params.output_kind == RequestOutputKind.DELTA
         prompt = {"prompt": prompt_text, "prompt_token_ids": prompt_ids}
         outcome = "abort"  # unless it finishes or fails: the consumer went away
         outputs = self.engine.generate(prompt, params, request_id)
+        failure = None
         try:
             async for output in outputs:
                 tracker.observe(output, delta)
+                failure = failure or next((c.error for c in output.outputs if c.error is not None), None)
                 yield output
+            if failure is not None:
+                raise OpenAIError(500, f"The request failed inside the engine: {failure}", code="request_failed")
             outcome = None
         except Exception:
             outcome = "error"
@@ -173,9 +182,11 @@ def make_sampling_params(request: Any, *, max_tokens: int, logprobs: int | None,
             seed=value("seed", None),
             stop=value("stop", None),
             stop_token_ids=value("stop_token_ids", None),
+            bad_words=value("bad_words", None),
+            allowed_token_ids=value("allowed_token_ids", None),
             include_stop_str_in_output=value("include_stop_str_in_output", False),
             ignore_eos=value("ignore_eos", False),
-            min_tokens=min(value("min_tokens", 0), max_tokens),
+            min_tokens=value("min_tokens", 0),
             max_tokens=max_tokens,
             logprobs=logprobs,
             skip_special_tokens=value("skip_special_tokens", True),
@@ -183,7 +194,7 @@ def make_sampling_params(request: Any, *, max_tokens: int, logprobs: int | None,
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
         ), **overrides})
     except InvalidRequestError as exc:
-        raise OpenAIError(400, str(exc)) from exc
+        raise OpenAIError(400, str(exc), param=exc.param) from exc
 
 
 def logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
@@ -293,6 +304,8 @@ def sse(data: str, event: str | None = None) -> str:
 
 def sse_error(exc: BaseException) -> str:
     """An error in the middle of a stream, as an event whose data is the OpenAI error body."""
+    if isinstance(exc, OpenAIError):
+        return sse(json.dumps(error_body(exc.status, exc.message, exc.param, exc.code)))
     status, message = error_status(exc)
     return sse(json.dumps(error_body(status, message)))
 

@@ -1,4 +1,4 @@
-"""An engine that dies fails its in-flight streams with an error, and the server reports unhealthy."""
+"""An engine that dies (a fatal error) fails its in-flight streams with an error, and the server reports unhealthy."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import threading
 
 import openai
 import pytest
+import torch
 
 from llmplug import AsyncLLM, SamplingParams
 from llmplug.core.errors import EngineDeadError
@@ -19,8 +20,8 @@ from .conftest import ENGINE_KWARGS, serve
 
 
 def crash(engine: AsyncLLM) -> None:
-    """Break the engine: the model's forward pass raises inside a step (a failing kernel, out of memory)."""
-    break_forward(engine, "forward pass exploded")
+    """Break the engine for good: the device fails inside a step (the error a lost CUDA context raises)."""
+    break_forward(engine, "device lost", error=torch.AcceleratorError)
 
     async def run() -> None:
         params = SamplingParams(max_tokens=4)
