@@ -38,20 +38,11 @@ from transformers import (
     XGLMConfig,
 )
 
-from llmplug.testing import ParityCase, tiny_config
+from llmplug.testing import ParityCase
 
+from .case_factory import NO_POSITION_LIMIT, case
 
 WINDOW = 8  # sliding windows far shorter than prompt + generation (up to 29 + 24 tokens)
-NO_POSITION_LIMIT = {"max_model_len": 256}  # ALiBi models: the config has no max_position_embeddings
-
-
-def case(
-    name: str, config_class: type, engine_kwargs: dict | None = None, hf_attn: str = "eager", **fields
-) -> ParityCase:
-    """A ParityCase over `tiny_config(config_class, **fields)`."""
-    make = lambda: tiny_config(config_class, **fields)  # noqa: E731
-    return ParityCase(name, make, engine_kwargs=engine_kwargs or {}, hf_attn_implementation=hf_attn)
-
 
 CASES: list[ParityCase] = [
     # the Llama family: biases, tying, q/k norm, explicit head_dim, scaled rope

@@ -24,9 +24,8 @@ from transformers import (
     Zamba2Config,
 )
 
-from .cases import case
+from .case_factory import NO_POSITION_LIMIT, case
 
-NO_POSITION_LIMIT = {"max_model_len": 256}  # state-space models: the config has no max_position_embeddings
 MAMBA2_SIZES = dict(num_heads=8, head_dim=16, expand=2, n_groups=2, state_size=8, chunk_size=8)
 BAMBA_SIZES = dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8, mamba_chunk_size=8)
 GDN_SIZES = dict(
@@ -41,7 +40,6 @@ GDN_SIZES = dict(
 MOE_SIZES = dict(num_experts=4, num_experts_per_tok=2)
 LFM2_LAYERS = dict(layer_types=["conv", "full_attention", "conv"], num_hidden_layers=3)
 GRANITE_HYBRID = dict(layer_types=["mamba", "attention"], shared_intermediate_size=96, **BAMBA_SIZES)
-
 ZAMBA2 = dict(
     num_hidden_layers=5,
     layers_block_type=["mamba", "hybrid", "mamba", "hybrid", "hybrid"],
@@ -115,9 +113,7 @@ RECURRENT_CASES = [
     # Mamba 2 layers and two transformer blocks shared by three hybrid layers, with per-use adapters on q, k, v
     # and the MLP, on [hidden | embeddings] (Zamba 2; transformers' k/v adapters need as many kv heads as
     # heads); with rotary and grouped kv heads, without the attention adapters
-    case(
-        "Zamba2ForCausalLM", Zamba2Config, use_shared_attention_adapter=True, num_key_value_heads=4, **ZAMBA2
-    ),
+    case("Zamba2ForCausalLM", Zamba2Config, use_shared_attention_adapter=True, num_key_value_heads=4, **ZAMBA2),
     case("Zamba2ForCausalLM-rope", Zamba2Config, use_mem_rope=True, hidden_act="silu", **ZAMBA2),
     # one sublayer per layer: Mamba 2, attention without rotary, squared-ReLU MLP (NemotronH)
     case(
