@@ -13,6 +13,7 @@ from transformers import (
     FalconMambaConfig,
     GraniteMoeHybridConfig,
     JambaConfig,
+    LaraMiniConfig,
     Lfm2Config,
     Lfm2MoeConfig,
     Mamba2Config,
@@ -149,10 +150,28 @@ RECURRENT_CASES = [
         **MOE_SIZES,
         **GDN_SIZES,
     ),
+    # Qwen3.5's mix with a fused delta-net projection, windowed attention with rotary and full attention
+    # without, experts with an ungated shared expert on every layer (Lara Mini)
+    case(
+        "LaraMiniForCausalLM",
+        LaraMiniConfig,
+        layer_types=["linear_attention", "sliding_attention", "linear_attention", "full_attention"],
+        num_hidden_layers=4,
+        sliding_window=8,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=16,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        **MOE_SIZES,
+    ),
     # Mamba with RMS-normed dt, B, C and attention without rotary; experts on every other layer (Jamba)
     case(
         "JambaForCausalLM",
         JambaConfig,
+    LaraMiniConfig,
         attn_layer_period=2,
         attn_layer_offset=1,
         expert_layer_period=2,

@@ -8,8 +8,9 @@ value heads. Per-request state: the conv window [conv_dim, kernel - 1] and the d
 [value_heads, key_head_dim, value_head_dim] (float32).
 
 Checkpoint layouts (`projection_layout`): "grouped" (Qwen3-Next: `in_proj_qkvz` and `in_proj_ba`,
-their rows interleaved per key head) or "split" (Qwen3.5: `in_proj_qkv`, `in_proj_z`, `in_proj_b`,
-`in_proj_a`). Every rank holds the whole mixer.
+their rows interleaved per key head), "split" (Qwen3.5: `in_proj_qkv`, `in_proj_z`, `in_proj_b`,
+`in_proj_a`) or "fused" (Lara Mini: one `in_proj`, rows [q | k | v | z | b | a]). Every rank holds the
+whole mixer.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class GatedDeltaNetConfig:
     conv_kernel: int
     norm_eps: float = 1e-6
     activation: str = "silu"  # after the conv
-    projection_layout: Literal["grouped", "split"] = "split"
+    projection_layout: Literal["grouped", "split", "fused"] = "split"
 
     @property
     def key_dim(self) -> int:
@@ -72,6 +73,8 @@ class GatedDeltaNet(RecurrentMixer):
         if c.projection_layout == "grouped":
             self.in_proj_qkvz = linear("in_proj_qkvz", c.conv_dim + c.value_dim)
             self.in_proj_ba = linear("in_proj_ba", 2 * c.num_value_heads)
+        elif c.projection_layout == "fused":
+            self.in_proj = linear("in_proj", c.conv_dim + c.value_dim + 2 * c.num_value_heads)
         else:
             self.in_proj_qkv = linear("in_proj_qkv", c.conv_dim)
             self.in_proj_z = linear("in_proj_z", c.value_dim)
@@ -90,6 +93,8 @@ class GatedDeltaNet(RecurrentMixer):
 
     def project_in(self, hidden: torch.Tensor) -> torch.Tensor:
         """[T, hidden] -> [T, q | k | v | z | b | a], heads in order whatever the checkpoint layout."""
+        if self.config.projection_layout == "fused":
+            return self.in_proj(hidden)
         if self.config.projection_layout == "split":
             parts = (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
             return torch.cat([proj(hidden) for proj in parts], dim=-1)

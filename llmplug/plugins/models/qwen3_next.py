@@ -28,7 +28,7 @@ __all__ = ["Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"
 QWEN3_NEXT_NAMES = CheckpointNames(renames={"linear_attn": "mixer", "shared_expert": "shared_experts"})
 
 
-def gated_delta_net_config_of(hf: PretrainedConfig, layout: Literal["grouped", "split"]) -> GatedDeltaNetConfig:
+def gated_delta_net_config_of(hf: PretrainedConfig, layout: Literal["grouped", "split", "fused"]) -> GatedDeltaNetConfig:
     """The delta net of a config with `linear_*` fields."""
     return GatedDeltaNetConfig(
         num_key_heads=hf.linear_num_key_heads,
