@@ -19,6 +19,7 @@ from transformers import (
     Mamba2Config,
     MambaConfig,
     NemotronHConfig,
+    OlmoHybridConfig,
     Qwen3_5MoeTextConfig,
     Qwen3_5TextConfig,
     Qwen3NextConfig,
@@ -41,6 +42,10 @@ GDN_SIZES = dict(
 MOE_SIZES = dict(num_experts=4, num_experts_per_tok=2)
 LFM2_LAYERS = dict(layer_types=["conv", "full_attention", "conv"], num_hidden_layers=3)
 GRANITE_HYBRID = dict(layer_types=["mamba", "attention"], shared_intermediate_size=96, **BAMBA_SIZES)
+# transformers saves the q, k, v convs by cutting the conv in three equal parts: q, k and v equally wide
+OLMO_HYBRID = {k: v for k, v in GDN_SIZES.items() if k != "head_dim"} | dict(
+    linear_key_head_dim=16, linear_value_head_dim=8
+)
 ZAMBA2 = dict(
     num_hidden_layers=5,
     layers_block_type=["mamba", "hybrid", "mamba", "hybrid", "hybrid"],
@@ -120,6 +125,7 @@ RECURRENT_CASES = [
     case(
         "NemotronHForCausalLM",
         NemotronHConfig,
+    OlmoHybridConfig,
         layers_block_type=["linear_attention", "mlp", "full_attention", "mlp"],
         head_dim=16,
         mamba_num_heads=8,
@@ -167,6 +173,11 @@ RECURRENT_CASES = [
         shared_expert_intermediate_size=48,
         **MOE_SIZES,
     ),
+    # pre-norm delta-net layers (separate projections, beta doubled) beside post-norm OLMo 3 attention layers
+    # (OLMo hybrid); with rotary, and without it (its released checkpoints) and with plain beta
+    case("OlmoHybridForCausalLM", OlmoHybridConfig, **OLMO_HYBRID),
+    case("OlmoHybridForCausalLM-nope", OlmoHybridConfig, rope_parameters=None, linear_allow_neg_eigval=False,
+         **OLMO_HYBRID),
     # Mamba with RMS-normed dt, B, C and attention without rotary; experts on every other layer (Jamba)
     case(
         "JambaForCausalLM",

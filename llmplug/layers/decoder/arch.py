@@ -50,6 +50,8 @@ class LayerConfig:
     parallel_mixer: MixerKind | None = None
     mlp: bool = True  # False: the layer is its mixer alone (Mamba, NemotronH's mixer layers)
     moe: bool = False  # the MLP is the arch's mixture of experts (DecoderArchConfig.moe), else the dense one
+    # this attention + MLP layer is post-norm (OLMo 2's placement) in a pre-norm model (OLMo hybrid)
+    post_norm: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +155,11 @@ class DecoderArchConfig:
                 raise ValueError(f"{self.architecture}: layer {i}: a parallel mixer is recurrent, beside attention")
             if layer.mixer is None and not layer.mlp:
                 raise ValueError(f"{self.architecture}: layer {i} has neither a mixer nor an MLP")
+            plain_layer = layer.mixer == "attention" and layer.mlp and layer.parallel_mixer is None
+            if layer.post_norm and not (plain_layer and self.pre_norm and not self.post_norm):
+                raise ValueError(
+                    f"{self.architecture}: layer {i}: a post-norm layer is attention + MLP in a pre-norm model"
+                )
         plain = all(layer.mixer == "attention" and layer.mlp for layer in self.layers)
         if not plain and (self.post_norm or self.parallel_residual or not self.pre_norm):
             raise ValueError(

@@ -17,6 +17,8 @@ Norm placement, with transformers' module names (so most checkpoints need no ren
 | post_norm (OLMo 2)      |                 | post_attn * |                           | post_ffn ** |
 | parallel_residual       | input_layernorm, also the MLP's unless parallel_mlp_norm: post_attention_layernorm |
 
+A layer with `LayerConfig.post_norm` is post_norm in an otherwise pre_norm model (OLMo hybrid).
+
 (* post_attention_layernorm, ** post_feedforward_layernorm)
 """
 
@@ -69,9 +71,9 @@ class DecoderLayer(nn.Module):
             arch.parallel_mixer_out_multiplier,
         )
         self.mlp = _mlp(arch, layer, _join(prefix, "mlp"), reduce) if layer.mlp else None
-        self.residual_multiplier, self.post_norm = arch.residual_multiplier, arch.post_norm
+        pre, post = (False, True) if layer.post_norm else (arch.pre_norm, arch.post_norm)
+        self.residual_multiplier, self.post_norm = arch.residual_multiplier, post
         norm = lambda: make_norm(arch.norm, arch.hidden_size)  # noqa: E731
-        pre, post = arch.pre_norm, arch.post_norm
         self.input_layernorm: Norm | None = norm() if pre and layer.mixer is not None else None
         self.post_attention_layernorm: Norm | None = (
             norm() if layer.mlp and (post or not self.parallel or arch.parallel_mlp_norm) else None

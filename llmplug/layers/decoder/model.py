@@ -41,7 +41,8 @@ def _join(prefix: str, name: str) -> str:
 
 
 def stacked_params(arch: DecoderArchConfig) -> StackedParamsMap:
-    """Checkpoint module -> (our fused module, shard): q/k/v into qkv_proj, gate/up into gate_up_proj."""
+    """Checkpoint module -> (our fused module, shard): q/k/v into qkv_proj, gate/up into gate_up_proj (and
+    separately stored delta-net convs into conv1d)."""
     stacked: dict[str, tuple[str, str | int]] = {
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
@@ -49,6 +50,8 @@ def stacked_params(arch: DecoderArchConfig) -> StackedParamsMap:
     }
     if arch.mlp.gated:
         stacked |= {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    if arch.gated_delta_net is not None and arch.gated_delta_net.projection_layout == "separate":
+        stacked |= {f"{x}_conv1d": ("conv1d", i) for i, x in enumerate("qkv")}  # the delta net's q, k, v convs
     return stacked
 
 

@@ -61,13 +61,28 @@ def causal_conv1d_step(
 
 class CausalConv1d(nn.Module):
     """The weights of a depthwise causal conv, as torch.nn.Conv1d stores them (weight [C, 1, K], bias [C]),
-    and the two ways to run it on a request's window."""
+    and the two ways to run it on a request's window.
 
-    def __init__(self, channels: int, kernel: int, bias: bool, activation: Activation = None) -> None:
+    `parts`: the channel counts of convs a checkpoint stores separately (OLMo hybrid's q, k and v convs);
+    the weight then loads part by part (shard id: the part's index) into consecutive channels.
+    """
+
+    def __init__(
+        self, channels: int, kernel: int, bias: bool, activation: Activation = None, parts: tuple[int, ...] = ()
+    ) -> None:
         super().__init__()
         self.channels, self.kernel, self.activation = channels, kernel, activation
-        self.weight = frozen_parameter(torch.empty(channels, 1, kernel), default_weight_loader)
+        if parts and sum(parts) != channels:
+            raise ValueError(f"conv parts {parts} do not add up to its {channels} channels")
+        self.parts = parts
+        self.weight = frozen_parameter(torch.empty(channels, 1, kernel), self._load_weight)
         self.bias = frozen_parameter(torch.empty(channels), default_weight_loader) if bias else None
+
+    def _load_weight(self, param: torch.nn.Parameter, loaded: torch.Tensor, part: int | None = None) -> None:
+        if part is None:
+            return default_weight_loader(param, loaded)
+        start = sum(self.parts[:part])
+        default_weight_loader(param[start : start + self.parts[part]], loaded)
 
     @property
     def window_shape(self) -> tuple[int, int]:

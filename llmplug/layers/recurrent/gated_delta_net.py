@@ -9,8 +9,9 @@ value heads. Per-request state: the conv window [conv_dim, kernel - 1] and the d
 
 Checkpoint layouts (`projection_layout`): "grouped" (Qwen3-Next: `in_proj_qkvz` and `in_proj_ba`,
 their rows interleaved per key head), "split" (Qwen3.5: `in_proj_qkv`, `in_proj_z`, `in_proj_b`,
-`in_proj_a`) or "fused" (Lara Mini: one `in_proj`, rows [q | k | v | z | b | a]). Every rank holds the
-whole mixer.
+`in_proj_a`), "fused" (Lara Mini: one `in_proj`, rows [q | k | v | z | b | a]) or "separate" (OLMo
+hybrid: `in_proj_q`, `_k`, `_v`, `_z`, `_b`, `_a`, and a conv per q, k, v: `q_conv1d`, ... load as parts of
+`conv1d`; its `beta_scale` of 2). Every rank holds the whole mixer.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from llmplug.layers.recurrent.gated_norm import GatedRMSNorm
 from llmplug.layers.recurrent.state import RecurrentMixer, StateShape
 from llmplug.layers.weight_utils import default_weight_loader, frozen_parameter
 
-__all__ = ["GatedDeltaNet", "GatedDeltaNetConfig"]
+__all__ = ["GatedDeltaNet", "GatedDeltaNetConfig", "ProjectionLayout"]
+
+ProjectionLayout = Literal["grouped", "split", "fused", "separate"]  # how a checkpoint stores the projections
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +46,8 @@ class GatedDeltaNetConfig:
     conv_kernel: int
     norm_eps: float = 1e-6
     activation: str = "silu"  # after the conv
-    projection_layout: Literal["grouped", "split", "fused"] = "split"
+    projection_layout: ProjectionLayout = "split"
+    beta_scale: float = 1.0  # beta = scale * sigmoid(b): 2.0 allows negative eigenvalues (OLMo hybrid)
 
     @property
     def key_dim(self) -> int:
@@ -75,12 +79,18 @@ class GatedDeltaNet(RecurrentMixer):
             self.in_proj_ba = linear("in_proj_ba", 2 * c.num_value_heads)
         elif c.projection_layout == "fused":
             self.in_proj = linear("in_proj", c.conv_dim + c.value_dim + 2 * c.num_value_heads)
+        elif c.projection_layout == "separate":
+            self.in_proj_q, self.in_proj_k = linear("in_proj_q", c.key_dim), linear("in_proj_k", c.key_dim)
+            self.in_proj_v, self.in_proj_z = linear("in_proj_v", c.value_dim), linear("in_proj_z", c.value_dim)
+            self.in_proj_b = linear("in_proj_b", c.num_value_heads)
+            self.in_proj_a = linear("in_proj_a", c.num_value_heads)
         else:
             self.in_proj_qkv = linear("in_proj_qkv", c.conv_dim)
             self.in_proj_z = linear("in_proj_z", c.value_dim)
             self.in_proj_b = linear("in_proj_b", c.num_value_heads)
             self.in_proj_a = linear("in_proj_a", c.num_value_heads)
-        self.conv1d = CausalConv1d(c.conv_dim, c.conv_kernel, False, activation_fn(c.activation))
+        parts = (c.key_dim, c.key_dim, c.value_dim) if c.projection_layout == "separate" else ()  # q, k, v convs
+        self.conv1d = CausalConv1d(c.conv_dim, c.conv_kernel, False, activation_fn(c.activation), parts)
         self.dt_bias = frozen_parameter(torch.empty(c.num_value_heads), default_weight_loader)
         self.A_log = frozen_parameter(torch.empty(c.num_value_heads), default_weight_loader)
         self.norm = GatedRMSNorm(c.value_head_dim, c.value_head_dim, c.norm_eps, norm_before_gate=True)
@@ -97,6 +107,9 @@ class GatedDeltaNet(RecurrentMixer):
             return self.in_proj(hidden)
         if self.config.projection_layout == "split":
             parts = (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+            return torch.cat([proj(hidden) for proj in parts], dim=-1)
+        if self.config.projection_layout == "separate":
+            parts = (self.in_proj_q, self.in_proj_k, self.in_proj_v, self.in_proj_z, self.in_proj_b, self.in_proj_a)
             return torch.cat([proj(hidden) for proj in parts], dim=-1)
         c = self.config
         per_key_head = c.num_value_heads // c.num_key_heads
@@ -116,7 +129,9 @@ class GatedDeltaNet(RecurrentMixer):
         q, k, v = qkv.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
         q, k = (l2_normalize(t.float().unflatten(-1, (c.num_key_heads, c.key_head_dim))) for t in (q, k))
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        return q, k, v.unflatten(-1, (c.num_value_heads, c.value_head_dim)), g, b.float().sigmoid()
+        beta = b.float().sigmoid()
+        beta = beta * c.beta_scale if c.beta_scale != 1.0 else beta
+        return q, k, v.unflatten(-1, (c.num_value_heads, c.value_head_dim)), g, beta
 
     def _output(self, o: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """o [..., Hv, Dv], z [..., Hv * Dv] -> [..., Hv * Dv]."""

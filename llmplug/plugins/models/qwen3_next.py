@@ -10,8 +10,6 @@ the three position components are equal.
 
 from __future__ import annotations
 
-from typing import Literal
-
 from transformers import PretrainedConfig
 
 from llmplug.layers.checkpoint_names import CheckpointNames
@@ -19,7 +17,7 @@ from llmplug.layers.decoder import DecoderArchConfig, DecoderForCausalLM, MLPCon
 from llmplug.layers.layernorm import NormConfig
 from llmplug.layers.moe import MoEConfig, RouterConfig
 from llmplug.layers.qk_norm import QKNormConfig
-from llmplug.layers.recurrent import GatedDeltaNetConfig
+from llmplug.layers.recurrent.gated_delta_net import GatedDeltaNetConfig, ProjectionLayout
 from llmplug.plugins.models.arch_config import layers_of, moe_layers, sizes_of
 from llmplug.plugins.models.bamba import hybrid_layers
 
@@ -28,7 +26,7 @@ __all__ = ["Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"
 QWEN3_NEXT_NAMES = CheckpointNames(renames={"linear_attn": "mixer", "shared_expert": "shared_experts"})
 
 
-def gated_delta_net_config_of(hf: PretrainedConfig, layout: Literal["grouped", "split", "fused"]) -> GatedDeltaNetConfig:
+def gated_delta_net_config_of(hf: PretrainedConfig, layout: ProjectionLayout) -> GatedDeltaNetConfig:
     """The delta net of a config with `linear_*` fields."""
     return GatedDeltaNetConfig(
         num_key_heads=hf.linear_num_key_heads,
@@ -42,7 +40,7 @@ def gated_delta_net_config_of(hf: PretrainedConfig, layout: Literal["grouped", "
     )
 
 
-def qwen3_next_fields(hf: PretrainedConfig, layout: Literal["grouped", "split"], intermediate_size: int) -> dict:
+def qwen3_next_fields(hf: PretrainedConfig, layout: ProjectionLayout, intermediate_size: int) -> dict:
     """The DecoderArchConfig fields shared by Qwen3-Next and Qwen3.5 (dense MLPs of `intermediate_size`)."""
     norm = NormConfig("rms", hf.rms_norm_eps, weight_offset=1.0)
     bias = bool(hf.attention_bias)
