@@ -196,6 +196,8 @@ CASES += MOE_CASES
 TP_CASES += MOE_TP_CASES
 
 # the state-space and hybrid architectures, in their own module (they use `case` above)
-from .cases_recurrent import RECURRENT_CASES  # noqa: E402
+from .cases_recurrent import RECURRENT_CASES, RECURRENT_PP_CASES, RECURRENT_TP_CASES  # noqa: E402
 
 CASES += RECURRENT_CASES
+TP_CASES += RECURRENT_TP_CASES
+PP_CASES += RECURRENT_PP_CASES

@@ -194,3 +194,7 @@ RECURRENT_CASES = [
     case("JambaForCausalLM-dense", JambaConfig, num_experts=1, attn_layer_period=2, attn_layer_offset=1,
          mamba_d_state=8, mamba_dt_rank=8),
 ]
+
+# the recurrent mixers are replicated over tensor-parallel ranks and built per pipeline stage
+RECURRENT_TP_CASES = ["BambaForCausalLM"]
+RECURRENT_PP_CASES = ["Qwen3NextForCausalLM-dense"]
