@@ -125,7 +125,6 @@ RECURRENT_CASES = [
     case(
         "NemotronHForCausalLM",
         NemotronHConfig,
-    OlmoHybridConfig,
         layers_block_type=["linear_attention", "mlp", "full_attention", "mlp"],
         head_dim=16,
         mamba_num_heads=8,
@@ -182,7 +181,6 @@ RECURRENT_CASES = [
     case(
         "JambaForCausalLM",
         JambaConfig,
-    LaraMiniConfig,
         attn_layer_period=2,
         attn_layer_offset=1,
         expert_layer_period=2,
