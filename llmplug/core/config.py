@@ -74,7 +74,7 @@ class CacheConfig(_Section):
     )
     enable_prefix_caching: bool = Field(
         True,
-        description="Reuse KV blocks of identical prompt prefixes (off for models with recurrent state: docs/models.md).",
+        description="Reuse KV blocks of identical prompt prefixes (off for models with recurrent state).",
     )
 
 
