@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from llmplug.core.config import EngineConfig
-from llmplug.core.plugins import get_registry
+from llmplug.core.plugins import PluginRegistry
 from llmplug.engine.pipeline_stage import PipelineStage
 from llmplug.engine.sampler import Sampler
 from llmplug.engine.sampling_state import SamplingState
@@ -26,7 +26,7 @@ from llmplug.layers.recurrent import (
     build_recurrent_metadata,
     state_bytes_per_slot,
 )
-from llmplug.loaders import resolve_load_format
+from llmplug.loaders import build_loader, resolve_load_format
 
 logger = logging.getLogger(__name__)
 
@@ -72,13 +72,14 @@ class BatchInputs:
 class ModelRunner:
     """Owns the model, its KV cache and the sampler of one worker."""
 
-    def __init__(self, config: EngineConfig, device: torch.device):
+    def __init__(self, config: EngineConfig, device: torch.device, registry: PluginRegistry):
         self.config = config
         self.device = device
+        self.registry = registry
         self.block_size = config.cache.block_size
         self.dtype = getattr(torch, config.model.dtype)
         self.model: torch.nn.Module | None = None
-        self.attn_backend = get_registry().load("llmplug.attention", config.device.attention_backend or "torch_sdpa")
+        self.attn_backend = registry.load("llmplug.attention", config.device.attention_backend or "torch_sdpa")
         self.sampling_state: SamplingState | None = None  # needs the vocabulary size: built by load_model
         self.sampler: Sampler | None = None
         self.num_state_slots = 0  # recurrent-state slots, set with the KV cache
@@ -90,13 +91,13 @@ class ModelRunner:
     def load_model(self) -> None:
         """Build the model with the configured loader and load its weights."""
         fmt = resolve_load_format(self.config.model.model, self.config.load.format)
-        loader = get_registry().load("llmplug.loaders", fmt)(self.config.load)
+        loader = build_loader(self.registry, fmt, self.config.load)
         self.model = loader.load_model(self.config, device=self.device)
         self.stage = PipelineStage(self.model)
         self.hf_config = loader.load_hf_config(self.config.model)
         self.sampling_state = SamplingState(vocab_size=self.hf_config.vocab_size, device=self.device)
         # processors contributed by `llmplug.hooks` plugins apply to every request
-        hook = get_registry().hook_manager().hook
+        hook = self.registry.hook_manager().hook
         global_processors = [p for found in hook.llmplug_logits_processors(config=self.config) for p in found]
         self.sampler = Sampler(logits_processors=global_processors)
 
