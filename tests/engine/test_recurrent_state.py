@@ -11,10 +11,15 @@ import torch
 from transformers import BambaConfig
 
 from llmplug import LLM, SamplingParams
+from llmplug.core.errors import ConfigError
 from llmplug.testing import TinyCheckpoint, save_tiny_checkpoint, tiny_config
 from tests.models.cases_recurrent import BAMBA_SIZES
 
 MAX_NUM_SEQS = 6
+# the tiny hybrid's memory, from its transformers config: one Mamba 2 layer (conv window over x, B, C of
+# 128 + 2 * 2 * 8 channels and kernel 4; SSM state 8 heads x 16 x 8) and one attention layer (2 kv heads of 16)
+SLOT_BYTES = 4 * ((128 + 2 * 2 * 8) * 3 + 8 * 16 * 8)
+BLOCK_BYTES = 4 * 2 * 4 * 2 * 16  # float32, K and V, block_size 4
 
 
 @pytest.fixture(scope="module")
@@ -68,3 +73,18 @@ def test_200_requests_with_aborts_and_preemptions_leak_no_block_and_no_state_slo
     for req_id in sorted(finished, key=int)[-6:]:
         prompt, max_tokens = requests[req_id]
         assert finished[req_id] == hf_greedy(tiny_hybrid.hf_model, prompt, max_tokens), req_id
+
+
+def test_the_state_slots_come_out_of_the_kv_cache_budget_first(tiny_hybrid) -> None:
+    engine_kwargs = dict(dtype="float32", skip_tokenizer_init=True, block_size=4, max_num_seqs=4,
+                         device={"num_threads": 1})
+    with pytest.raises(ConfigError, match="recurrent state of scheduler.max_num_seqs=4 requests needs"):
+        LLM(str(tiny_hybrid.path), kv_cache_memory=4 * SLOT_BYTES - 1, **engine_kwargs)
+    llm = LLM(str(tiny_hybrid.path), kv_cache_memory=4 * SLOT_BYTES + 10 * BLOCK_BYTES, **engine_kwargs)
+    kv = llm.llm_engine.engine_core.kv_cache_manager
+    assert (kv.num_blocks, kv.num_free_state_slots) == (10, 4)
+    prompt = [3, 1, 4, 1, 5]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0].token_ids
+    llm.shutdown()
+    assert list(out) == hf_greedy(tiny_hybrid.hf_model, prompt, 4)
