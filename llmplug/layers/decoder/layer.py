@@ -17,9 +17,9 @@ Norm placement, with transformers' module names (so most checkpoints need no ren
 | post_norm (OLMo 2)      |                 | post_attn * |                           | post_ffn ** |
 | parallel_residual       | input_layernorm, also the MLP's unless parallel_mlp_norm: post_attention_layernorm |
 
-A layer with `LayerConfig.post_norm` is post_norm in an otherwise pre_norm model (OLMo hybrid).
-
 (* post_attention_layernorm, ** post_feedforward_layernorm)
+
+A layer with `LayerConfig.post_norm` is post_norm in an otherwise pre_norm model (OLMo hybrid).
 """
 
 from __future__ import annotations
