@@ -34,16 +34,20 @@ def make_prompts(tokenizer, num_prompts: int) -> list[list[int]]:
     return out
 
 
+# Each bench_* returns output tokens per second of `clock`: wall time by default; benchmarks/moe.py passes
+# time.process_time (CPU seconds of this process, steadier on a shared machine)
+
+
 def bench_llmplug(model: str, prompts: list[list[int]], output_len: int, dtype: str,
-                  quantization: str = "none", **engine) -> float:
+                  quantization: str = "none", clock=time.perf_counter, **engine) -> float:
     from llmplug import LLM, SamplingParams
 
     llm = LLM(model=model, dtype=dtype, max_num_seqs=max(len(prompts), 1), quantization=quantization, **engine)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
-    start = time.perf_counter()
+    start = clock()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
+    elapsed = clock() - start
     llm.shutdown()
     return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
 
@@ -57,7 +61,7 @@ def load_hf(model: str, dtype: str):
     return AutoModelForCausalLM.from_pretrained(model, **kwargs)
 
 
-def bench_hf_generate(hf, prompts: list[list[int]], output_len: int, pad_id: int) -> float:
+def bench_hf_generate(hf, prompts: list[list[int]], output_len: int, pad_id: int, clock=time.perf_counter) -> float:
     width = max(map(len, prompts))
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])  # left padding
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
@@ -65,22 +69,35 @@ def bench_hf_generate(hf, prompts: list[list[int]], output_len: int, pad_id: int
     kw = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False, pad_token_id=pad_id)
     with torch.inference_mode():
         hf.generate(ids[:1, -8:], attention_mask=mask[:1, -8:], **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
-        start = time.perf_counter()
+        start = clock()
         out = hf.generate(ids, attention_mask=mask, **kw)
-    elapsed = time.perf_counter() - start
+    elapsed = clock() - start
     return (out.shape[1] - width) * len(prompts) / elapsed
 
 
-def bench_hf_generate_batch(hf, prompts: list[list[int]], output_len: int, pad_id: int) -> float:
+def bench_hf_generate_batch(hf, prompts: list[list[int]], output_len: int, pad_id: int, cb_config=None,
+                            clock=time.perf_counter) -> float:
+    """HF's continuous batching; `cb_config` (a ContinuousBatchingConfig) sizes its cache, else 90 % of free memory."""
     from transformers import GenerationConfig
 
     cfg = GenerationConfig(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
                            pad_token_id=pad_id, eos_token_id=None)
     with torch.inference_mode():
-        start = time.perf_counter()
-        results = hf.generate_batch(inputs=prompts, generation_config=cfg, progress_bar=False)
-    elapsed = time.perf_counter() - start
+        start = clock()
+        results = hf.generate_batch(
+            inputs=prompts, generation_config=cfg, continuous_batching_config=cb_config, progress_bar=False
+        )
+    elapsed = clock() - start
     return sum(len(r.generated_tokens) for r in results.values()) / elapsed
+
+
+def report(rows: dict[str, float], ratios: dict[str, float], args: argparse.Namespace) -> None:
+    """Print the ratios; write the arguments, throughputs and ratios to `args.json` when given."""
+    for name, r in ratios.items():
+        print(f"{name:40s} {r:6.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "tok_per_s": rows, "ratios": ratios}, f, indent=2)
 
 
 def main() -> int:
@@ -129,11 +146,7 @@ def main() -> int:
     }
     if "hf generate_batch batch" in rows:
         ratios["batch: llmplug / hf generate_batch"] = rows["llmplug batch"] / rows["hf generate_batch batch"]
-    for name, r in ratios.items():
-        print(f"{name:40s} {r:6.2f}x")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "tok_per_s": rows, "ratios": ratios}, f, indent=2)
+    report(rows, ratios, args)
     return 0
 
 

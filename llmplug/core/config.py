@@ -101,6 +101,13 @@ class ParallelConfig(_Section):
     tensor_parallel_size: int = Field(1, gt=0, description="Ranks that split each layer.")
     pipeline_parallel_size: int = Field(1, gt=0, description="Ranks that split the layer stack.")
     data_parallel_size: int = Field(1, gt=0, description="Independent engine replicas.")
+    enable_expert_parallel: bool = Field(
+        False,
+        description=(
+            "Mixture-of-experts layers: each tensor-parallel rank holds whole experts (a share of them) instead of "
+            "a slice of every expert; the same one all-reduce per layer either way."
+        ),
+    )
     executor: str | None = Field(
         None,
         description=(
@@ -268,6 +275,7 @@ ALIASES: dict[str, str] = {
     "tensor_parallel_size": "parallel.tensor_parallel_size",
     "pipeline_parallel_size": "parallel.pipeline_parallel_size",
     "data_parallel_size": "parallel.data_parallel_size",
+    "enable_expert_parallel": "parallel.enable_expert_parallel",
     "distributed_executor_backend": "parallel.executor",
     "load_format": "load.format",
     "download_dir": "load.download_dir",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -38,8 +39,7 @@ class KVCacheSpec:
     """What one KV block costs and how many layers hold one; and the recurrent-state slots beside them."""
 
     num_layers: int  # attention layers (0 for a pure state-space model: blocks then only count tokens)
-    num_kv_heads: int
-    head_dim: int
+    block_elements: int  # cache elements of one block summed over the layers (layers may differ: MLA's latent)
     dtype: torch.dtype
     block_size: int
     num_state_slots: int = 0  # one per request that can run at once, for a model with recurrent mixers
@@ -47,9 +47,8 @@ class KVCacheSpec:
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block across all layers (K and V)."""
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+        """Bytes of one block across all layers (K and V, or a latent layer's keys only)."""
+        return self.block_elements * torch.empty((), dtype=self.dtype).element_size()
 
     @property
     def state_bytes(self) -> int:
@@ -104,11 +103,12 @@ class ModelRunner:
     def kv_cache_spec(self) -> KVCacheSpec:
         """The shape of this worker's share of the KV cache and recurrent state."""
         attn_layers = self._attention_layers()
-        heads, head_dim = (attn_layers[0].num_kv_heads, attn_layers[0].head_dim) if attn_layers else (0, 0)
+        shapes = [self.attn_backend.layer_kv_cache_shape(layer, 1, self.block_size) for layer in attn_layers]
         slot_bytes = state_bytes_per_slot(self.model, self.dtype)
         # every request that can run at once holds a slot, so a slot never has to be waited for
         num_slots = self.config.scheduler.max_num_seqs if slot_bytes else 0
-        return KVCacheSpec(len(attn_layers), heads, head_dim, self.dtype, self.block_size, num_slots, slot_bytes)
+        block_elements = sum(math.prod(shape) for shape in shapes)
+        return KVCacheSpec(len(attn_layers), block_elements, self.dtype, self.block_size, num_slots, slot_bytes)
 
     def _attention_layers(self) -> list[torch.nn.Module]:
         from llmplug.layers.attention import Attention
@@ -117,12 +117,14 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate one cache tensor per attention layer (and the state slots of each recurrent layer) and bind them."""
-        spec = self.kv_cache_spec()
-        shape = self.attn_backend.kv_cache_shape(num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
-        caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(spec.num_layers)]
+        shapes = [
+            self.attn_backend.layer_kv_cache_shape(layer, num_blocks, self.block_size)
+            for layer in self._attention_layers()
+        ]
+        caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for shape in shapes]
         bind_kv_cache(self.model, caches, self.attn_backend)
-        self.num_state_slots = spec.num_state_slots
-        bind_state_cache(self.model, allocate_state_cache(self.model, spec.num_state_slots, self.dtype, self.device))
+        self.num_state_slots = self.kv_cache_spec().num_state_slots
+        bind_state_cache(self.model, allocate_state_cache(self.model, self.num_state_slots, self.dtype, self.device))
         self.num_blocks = num_blocks
 
     @contextlib.contextmanager

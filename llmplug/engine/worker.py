@@ -73,7 +73,10 @@ class Worker:
         )
         parallel = self.config.parallel
         initialize_model_parallel(
-            parallel.tensor_parallel_size, parallel.pipeline_parallel_size, parallel.data_parallel_size
+            parallel.tensor_parallel_size,
+            parallel.pipeline_parallel_size,
+            parallel.data_parallel_size,
+            parallel.enable_expert_parallel,
         )
 
     def load_model(self) -> None:

@@ -19,7 +19,9 @@ Llama) and some store several projections as one tensor. A `CheckpointNames` say
   (`experts.gate_up_proj`, `experts.down_proj`, ...) into per-expert tensors `experts.<e>.gate_proj`,
   `experts.<e>.up_proj`, `experts.<e>.down_proj` (views, no copies), which load like a checkpoint
   that stores them one by one;
-- `ignored`: checkpoint name suffixes the model knowingly drops (e.g. GPT-2's causal-mask buffers).
+- `ignored`: checkpoint name suffixes the model knowingly drops (e.g. GPT-2's causal-mask buffers);
+  `ignored_prefixes`: leading paths it knowingly drops, whole components (e.g. the multi-token-prediction
+  layer DeepSeek V3 checkpoints store after the model's own layers).
 
 `translate(weights, heads)` applies all of it lazily, tensor by tensor; the generic loading loop
 (`load_mapped_weights`) does the rest. No name is guessed: whatever the declaration does not cover
@@ -173,6 +175,7 @@ class CheckpointNames:
     transposed: frozenset[str] = frozenset()
     fused: Mapping[str, str] = field(default_factory=dict)
     ignored: tuple[str, ...] = ()
+    ignored_prefixes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         unknown = {name: layout for name, layout in self.fused.items() if layout not in _LAYOUTS}
@@ -211,7 +214,7 @@ class CheckpointNames:
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """(checkpoint name, tensor) -> (model name, tensor), fused tensors split into their parts."""
         for name, tensor in weights:
-            if _has_suffix(name, self.ignored):
+            if _has_suffix(name, self.ignored) or _has_prefix(name, self.ignored_prefixes):
                 continue
             name = self.rename(name)
             module, _, leaf = name.rpartition(".")
@@ -234,6 +237,11 @@ def _longest_first(rules: Mapping[str, str]) -> tuple[tuple[list[str], str], ...
 def _has_suffix(name: str, suffixes: Iterable[str]) -> bool:
     """True when `name` ends with one of `suffixes` at a dot boundary."""
     return any(name == s or name.endswith("." + s) for s in suffixes)
+
+
+def _has_prefix(name: str, prefixes: Iterable[str]) -> bool:
+    """True when `name` starts with one of `prefixes` at a dot boundary."""
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
 def _matching(module: str, fused: Mapping[str, str]) -> str | None:

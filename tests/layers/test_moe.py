@@ -41,6 +41,8 @@ from llmplug.layers.checkpoint_names import (
     HeadLayout,
 )
 from llmplug.layers.moe import EXPERT_PARAMS, MoEConfig, RouterConfig, SparseMoeBlock
+from llmplug.layers.packed_linear import prepack_supported
+from llmplug.layers.quantization import LinearOptions, process_weights_after_loading
 from llmplug.layers.weight_utils import load_mapped_weights, missing_parameters
 
 H, I, E = 32, 16, 8
@@ -227,3 +229,18 @@ def test_router_config_refuses_impossible_routing() -> None:
         RouterConfig(8, 2, num_groups=3)
     with pytest.raises(ValueError, match="sparsemixer"):
         RouterConfig(8, 3, "sparsemixer")
+
+
+
+@pytest.mark.skipif(not prepack_supported("cpu", torch.bfloat16), reason="oneDNN bf16 packed linear not available")
+def test_packed_expert_weights_compute_what_the_dense_ones_do_and_never_go_stale() -> None:
+    theirs = randomized_(MixtralSparseMoeBlock(MixtralConfig(**SIZES, num_local_experts=E, intermediate_size=I)))
+    weights = [(n, t.bfloat16()) for n, t in checkpoint(theirs, STACKED)]
+    block = ours(MoEConfig(RouterConfig(E, 2, topk_norm=1.0), I), weights).bfloat16()
+    x = torch.randn(9, H).bfloat16()
+    dense = block(x)
+    process_weights_after_loading(block, LinearOptions(int4=False))
+    assert block.experts.packed is not None and torch.equal(block(x), dense)
+    name, tensor = next((n, t) for n, t in weights if n.startswith("mlp.experts.1.down_proj"))
+    load_mapped_weights(Wrapper(block), [(name, tensor * 2)], experts=EXPERT_PARAMS)
+    assert block.experts.packed is None and not torch.equal(block(x), dense)

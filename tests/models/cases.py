@@ -190,7 +190,7 @@ def architecture(case: ParityCase) -> str:
 
 
 # the mixture-of-experts and latent-attention architectures, in their own module (they use `case` above)
-from .cases_moe import MOE_CASES, MOE_TP_CASES  # noqa: E402
+from .cases_moe import EP_CASES, MOE_CASES, MOE_TP_CASES  # noqa: E402
 
 CASES += MOE_CASES
 TP_CASES += MOE_TP_CASES

@@ -8,21 +8,27 @@ from __future__ import annotations
 
 from transformers import (
     DbrxConfig,
+    DeepseekV2Config,
+    DeepseekV3Config,
+    Dots1Config,
     Ernie4_5_MoeConfig,
-    HunYuanMoEV1Config,
     FlexOlmoConfig,
+    Glm4MoeConfig,
+    Glm4MoeLiteConfig,
+    GptOssConfig,
     GraniteMoeConfig,
     GraniteMoeSharedConfig,
     GraniteMoeSWAConfig,
-    Dots1Config,
-    Glm4MoeConfig,
-    GptOssConfig,
+    HunYuanMoEV1Config,
+    MiniCPM3Config,
     MiniMaxM2Config,
     MixtralConfig,
     OlmoeConfig,
     PhimoeConfig,
     Qwen2MoeConfig,
     Qwen3MoeConfig,
+    SolarOpenConfig,
+    YoutuConfig,
 )
 
 from .cases import case
@@ -40,6 +46,17 @@ DEEPSEEK_V3_MOE = dict(
     routed_scaling_factor=2.5,
     first_k_dense_replace=1,
 )
+DEEPSEEK_V2_MOE = DEEPSEEK_V3_MOE | {"norm_topk_prob": False}
+DEEPSEEK_YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 0.707,
+    "mscale_all_dim": 0.707,
+}
 GRANITE_MULTIPLIERS = dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=4.0)
 
 MOE_CASES = [
@@ -146,7 +163,6 @@ MOE_CASES = [
         moe_num_shared_experts=1,
         use_bias=True,
     ),
-    # q/k norms after the rotary, a shared MLP beside the experts, float32 router
     # fused Wqkv clamped, bias-free LayerNorm, flat expert tensors, weights divided by their 2-norm
     case(
         "DbrxForCausalLM",
@@ -158,8 +174,94 @@ MOE_CASES = [
         attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 0.3},
         ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2, "moe_normalize_expert_weights": 2.0},
     ),
+    # latent attention with a q LoRA, YaRN with mscale, interleaved rotary; V2 group-limited softmax routing
+    case(
+        "DeepseekV2ForCausalLM",
+        DeepseekV2Config,
+        num_key_value_heads=4,  # transformers expands the latent to every head
+        kv_lora_rank=32,
+        q_lora_rank=48,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=24,
+        topk_method="group_limited_greedy",
+        rope_parameters=DEEPSEEK_YARN,
+        **DEEPSEEK_V2_MOE,
+    ),
+    # latent attention without a q LoRA, V3 routing, rotate-half rotary (rope_interleave off)
+    case(
+        "DeepseekV3ForCausalLM",
+        DeepseekV3Config,
+        num_key_value_heads=4,  # transformers expands the latent to every head
+        kv_lora_rank=32,
+        q_lora_rank=None,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=24,
+        rope_interleave=False,
+        **DEEPSEEK_V3_MOE,
+    ),
+    # latent attention with rotate-half rotary and a dense MLP; embedding, residual and logits scalings
+    case(
+        "MiniCPM3ForCausalLM",
+        MiniCPM3Config,
+        num_key_value_heads=4,  # transformers expands the latent to every head
+        kv_lora_rank=32,
+        q_lora_rank=48,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=24,
+        scale_emb=4.0,
+        scale_depth=1.4,
+        dim_model_base=32,
+    ),
+    # DeepSeek V3 with its MoE layers by type: the dense one last, interleaved rotary, a q LoRA
+    case(
+        "Glm4MoeLiteForCausalLM",
+        Glm4MoeLiteConfig,
+        num_key_value_heads=4,  # transformers expands the latent to every head
+        kv_lora_rank=32,
+        q_lora_rank=48,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=24,
+        mlp_layer_types=["sparse", "dense"],
+        **DEEPSEEK_V3_MOE | {"first_k_dense_replace": None},
+    ),
+    # latent attention with interleaved rotary in the Llama decoder, a dense MLP, latent biases
+    case(
+        "YoutuForCausalLM",
+        YoutuConfig,
+        num_key_value_heads=4,  # transformers expands the latent to every head
+        kv_lora_rank=32,
+        q_lora_rank=48,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=24,
+        attention_bias=True,
+    ),
+    # Llama attention with q/k/v biases, DeepSeek V3 routing on every layer
+    case("SolarOpenForCausalLM", SolarOpenConfig, head_dim=16, attention_bias=True, **DEEPSEEK_V3_MOE),
+    # q/k norms after the rotary, a shared MLP beside the experts, float32 router
     case("HunYuanMoEV1ForCausalLM", HunYuanMoEV1Config, head_dim=16, num_experts=4, moe_topk=2, intermediate_size=32),
 ]
 
-# MoE: experts sharded over the ranks' intermediate features
-MOE_TP_CASES = ["MixtralForCausalLM"]
+# one case per family module: experts sharded by their intermediate features, heads of latent attention
+# sharded with the latent replicated; and what each family shards beside them (expert and router biases,
+# sinks, q/k norms over whole projections, shared experts, fused Wqkv, a q LoRA)
+MOE_TP_CASES = [
+    "MixtralForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "OlmoeForCausalLM",
+    "GraniteMoeSharedForCausalLM",
+    "GptOssForCausalLM",
+    "Glm4MoeForCausalLM",
+    "MiniMaxM2ForCausalLM",
+    "Ernie4_5_MoeForCausalLM",
+    "HunYuanMoEV1ForCausalLM",
+    "DbrxForCausalLM",
+    "DeepseekV3ForCausalLM",
+    "MiniCPM3ForCausalLM",
+]
+# expert parallelism: TP=2 ranks holding 4 of the 8 experts each, a sharded shared expert beside them
+EP_CASES = ["Qwen2MoeForCausalLM"]

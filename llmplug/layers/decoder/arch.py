@@ -20,7 +20,15 @@ from llmplug.layers.recurrent.short_conv import ShortConvConfig
 if TYPE_CHECKING:  # the MoE block builds its shared experts from this package's MLP
     from llmplug.layers.moe.config import MoEConfig
 
-__all__ = ["RECURRENT_MIXERS", "DecoderArchConfig", "LayerConfig", "MLPConfig", "MixerKind", "RopeConfig"]
+__all__ = [
+    "RECURRENT_MIXERS",
+    "DecoderArchConfig",
+    "LayerConfig",
+    "MLAConfig",
+    "MLPConfig",
+    "MixerKind",
+    "RopeConfig",
+]
 
 # the token mixer of a layer: attention, or a recurrent mixer of llmplug.layers.recurrent
 MixerKind = Literal["attention", "mamba", "mamba2", "gated_delta_net", "short_conv"]
@@ -66,6 +74,30 @@ class MLPConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek V2/V3): keys and values come from one compressed latent per token.
+
+    q = q_proj(x), or q_b_proj(norm(q_a_proj(x))) with a `q_lora_rank`; each head is [nope | rope] dims.
+    kv_a_proj_with_mqa(x) = [c_kv (kv_lora_rank) | k_pe (qk_rope_head_dim)]; c_kv is normalized, k_pe
+    rotated (one for all heads); kv_b_proj(c_kv) expands to each head's [k_nope | v]. The KV cache holds
+    [c_kv | k_pe] only; the rotary of the arch (its `head_dim` is qk_rope_head_dim) rotates q_pe, k_pe.
+    """
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None  # None: q projected directly
+    latent_norm_eps: float = 1e-6  # of q_a_layernorm and kv_a_layernorm
+    latent_bias: bool = False  # q_a_proj and kv_a_proj_with_mqa have a bias (DeepSeek V2's attention_bias)
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Dims of each head's query (and expanded key): nope + rope."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True, slots=True)
 class DecoderArchConfig:
     """A decoder-only transformer: sizes, blocks and their placement, positions, multipliers."""
 
@@ -87,6 +119,7 @@ class DecoderArchConfig:
     o_proj_bias: bool = False
     qk_norm: QKNormConfig | None = None  # norm of q and k before rotary
     qk_norm_after_rope: bool = False  # the q/k norm follows the rotary instead (HunYuan)
+    mla: MLAConfig | None = None  # multi-head latent attention instead of q/k/v projections (DeepSeek V2/V3)
     clip_qkv: float | None = None  # q, k, v clamped to [-clip_qkv, clip_qkv] (OLMo, MPT)
     attention_scale: float | None = None  # None: head_dim ** -0.5
     attn_logit_softcap: float | None = None  # scores = cap * tanh(scores / cap) (Gemma 2)

@@ -30,6 +30,7 @@ from torch import nn
 from llmplug.communicators.parallel_state import get_tp_group
 from llmplug.layers.decoder.arch import DecoderArchConfig, LayerConfig, MixerKind
 from llmplug.layers.decoder.attention import DecoderAttention
+from llmplug.layers.decoder.mla import LatentAttention
 from llmplug.layers.decoder.mlp import DecoderMLP
 from llmplug.layers.layernorm import LayerNorm, RMSNorm, make_norm
 from llmplug.layers.recurrent import GatedDeltaNet, Mamba2Mixer, MambaMixer, RecurrentMixer, ShortConv
@@ -60,7 +61,7 @@ class DecoderLayer(nn.Module):
         self.mixer_kind: MixerKind | None = layer.mixer
         self.parallel_mixer = layer.parallel_mixer is not None
         if layer.mixer == "attention":
-            self.self_attn = DecoderAttention(arch, layer, _join(prefix, "self_attn"), reduce_results=reduce)
+            self.self_attn = _attention(arch, layer, _join(prefix, "self_attn"), reduce)
         recurrent = layer.parallel_mixer or (layer.mixer if layer.mixer != "attention" else None)
         if recurrent is not None:
             mixer_cls = RECURRENT_MIXER_CLASSES[recurrent]
@@ -128,6 +129,13 @@ class DecoderLayer(nn.Module):
     def _scaled(self, out: torch.Tensor) -> torch.Tensor:
         """A sublayer's output times the residual multiplier (in place: it is a fresh tensor)."""
         return out.mul_(self.residual_multiplier) if self.residual_multiplier != 1.0 else out
+
+
+def _attention(arch: DecoderArchConfig, layer: LayerConfig, prefix: str, reduce: bool) -> nn.Module:
+    """The layer's attention: multi-head latent attention when the arch has an MLAConfig, else q/k/v heads."""
+    if arch.mla is not None:
+        return LatentAttention(arch, prefix, reduce_results=reduce)
+    return DecoderAttention(arch, layer, prefix, reduce_results=reduce)
 
 
 def _mlp(arch: DecoderArchConfig, layer: LayerConfig, prefix: str, reduce: bool) -> nn.Module:

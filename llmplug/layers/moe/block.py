@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from llmplug.communicators.parallel_state import get_tp_group
+from llmplug.communicators.parallel_state import expert_parallel_enabled, get_tp_group
 from llmplug.layers.decoder.arch import MLPConfig
 from llmplug.layers.decoder.mlp import DecoderMLP
 from llmplug.layers.linear import ReplicatedLinear
@@ -26,8 +26,9 @@ class SparseMoeBlock(nn.Module):
     Modules, with transformers' names (most checkpoints need no renames): `gate` (the Router),
     `experts` (FusedExperts), `shared_experts` (a DecoderMLP) and `shared_expert_gate` (a
     linear layer hidden -> 1). Under tensor parallelism the router and gate are replicated, the experts and
-    shared experts sharded; the summed partial outputs are all-reduced once, unless
-    `reduce_results=False` (the caller reduces, e.g. with a parallel residual).
+    shared experts sharded (by slices of every expert, or whole experts per rank with `expert_parallel`,
+    default: ParallelConfig.enable_expert_parallel); the summed partial outputs are all-reduced once,
+    unless `reduce_results=False` (the caller reduces, e.g. with a parallel residual).
     """
 
     def __init__(
@@ -36,10 +37,12 @@ class SparseMoeBlock(nn.Module):
         hidden_size: int,
         prefix: str = "",
         reduce_results: bool = True,
-        expert_parallel: bool = False,
+        expert_parallel: bool | None = None,
     ) -> None:
         super().__init__()
         self.gate = Router(config.router, hidden_size)
+        if expert_parallel is None:
+            expert_parallel = expert_parallel_enabled()
         self.experts = FusedExperts(config, hidden_size, expert_parallel)
         self.shared_experts = None
         if config.shared_intermediate_size:

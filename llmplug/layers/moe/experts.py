@@ -17,7 +17,10 @@ such pieces before (llmplug.layers.checkpoint_names, EXPERTS*).
 
 Compute: the (token, expert) assignments are sorted by expert, so each expert's tokens are one
 contiguous block of rows; each expert with at least one token runs two matmuls over its block, and
-the weighted rows are summed back per token with one index_add. No Python loop over tokens.
+the weighted rows are summed back per token with one index_add. No Python loop over tokens. On CPU in
+bf16 / fp16 each expert's weights are packed once after loading into oneDNN's layout (as dense layers
+are, llmplug.layers.packed_linear): an expert sees a few rows per step, where F.linear's per-call
+reorder of the weight costs as much as the matmul. A new weight drops the packed copies.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from llmplug.communicators.parallel_state import get_tp_group
 from llmplug.layers.activation import ClampedSwiGLU, gated_activation
 from llmplug.layers.linear import divide
 from llmplug.layers.moe.config import MoEConfig
+from llmplug.layers.packed_linear import PrepackedLinearMethod, prepack_supported
+from llmplug.layers.quantization import LinearOptions
 from llmplug.layers.weight_utils import ExpertParamsMap, ExpertShard, ShardId, check_shape, frozen_parameter
 
 __all__ = ["EXPERT_PARAMS", "FusedExperts"]
@@ -70,6 +75,8 @@ class FusedExperts(nn.Module):
             if config.swiglu_limit is None
             else ClampedSwiGLU(config.swiglu_alpha, config.swiglu_limit)
         )
+        # per local expert (gate_up, down) packed for oneDNN; None: F.linear on the dense weights
+        self.packed: list[tuple[PrepackedLinearMethod, PrepackedLinearMethod]] | None = None
 
     def _stacked(self, data: torch.Tensor, parts: int) -> nn.Parameter:
         param = frozen_parameter(data, self.weight_loader)
@@ -85,6 +92,7 @@ class FusedExperts(nn.Module):
         local = shard_id.expert - self.first_expert
         if not 0 <= local < self.num_local_experts:
             return  # another rank's expert (expert parallelism)
+        self.packed = None  # never compute with a stale copy
         dst = param.data[local]
         if param is self.gate_up_proj or param is self.gate_up_proj_bias:
             size = self.intermediate_size
@@ -94,6 +102,16 @@ class FusedExperts(nn.Module):
         else:  # down_proj_bias: whole (added by one rank only)
             check_shape(dst, loaded, "expert down_proj bias")
             dst.copy_(loaded)
+
+    def process_weights_after_loading(self, options: LinearOptions) -> None:
+        """Pack every local expert's weights for oneDNN where that is supported and wanted (options.prepack)."""
+        weight = self.gate_up_proj
+        self.packed = None
+        if options.prepack and prepack_supported(weight.device.type, weight.dtype):
+            self.packed = [
+                (PrepackedLinearMethod(self.gate_up_proj[e]), PrepackedLinearMethod(self.down_proj[e]))
+                for e in range(self.num_local_experts)
+            ]
 
     def _slice_index(self) -> tuple[int, int]:
         """(this rank's slice, slices) of each expert's intermediate features."""
@@ -129,6 +147,10 @@ class FusedExperts(nn.Module):
         down_bias = None
         if self.down_proj_bias is not None and (self.expert_parallel or self.tp_rank == 0):
             down_bias = self.down_proj_bias[e]
+        if self.packed is not None:
+            gate_up, down = self.packed[e]
+            hidden = self.act_fn(gate_up.apply(self, x, gate_up_bias))  # [n, I_local]
+            return down.apply(self, hidden, down_bias)
         hidden = self.act_fn(F.linear(x, self.gate_up_proj[e], gate_up_bias))  # [n, I_local]
         return F.linear(hidden, self.down_proj[e], down_bias)
 

@@ -4,18 +4,20 @@ V3's router (GLM-4.5, dots.llm1, ...): sigmoid scores, a score-correction bias t
 by their best two experts, renormalised when `norm_topk_prob`, times `routed_scaling_factor`, logits in
 float32. V2's: softmax, greedy or group-limited (groups scored by their best expert), scaled. Both
 add `n_shared_experts` shared experts of `moe_intermediate_size` each, and keep the first
-`first_k_dense_replace` layers dense.
+`first_k_dense_replace` layers dense. Their checkpoints store a multi-token-prediction layer after the
+last one, which is dropped as transformers drops it.
 """
 
 from __future__ import annotations
 
 from transformers import PretrainedConfig
 
+from llmplug.layers.checkpoint_names import CheckpointNames
 from llmplug.layers.decoder import LayerConfig
 from llmplug.layers.moe import MoEConfig, RouterConfig
 from llmplug.plugins.models.arch_config import moe_layers
 
-__all__ = ["deepseek_moe", "deepseek_v2_router", "deepseek_v3_router", "first_k_dense"]
+__all__ = ["deepseek_moe", "deepseek_v2_router", "deepseek_v3_router", "first_k_dense", "next_layer_dropped"]
 
 
 def deepseek_v3_router(hf: PretrainedConfig) -> RouterConfig:
@@ -56,3 +58,9 @@ def deepseek_moe(hf: PretrainedConfig, router: RouterConfig) -> MoEConfig:
 def first_k_dense(hf: PretrainedConfig, layers: tuple[LayerConfig, ...]) -> tuple[LayerConfig, ...]:
     """The mixture of experts on every layer from `first_k_dense_replace` on."""
     return moe_layers(layers, lambda i: i >= hf.first_k_dense_replace)
+
+
+def next_layer_dropped(hf: PretrainedConfig) -> CheckpointNames:
+    """Transformers' names, without the multi-token-prediction layer stored after the last layer (as
+    transformers drops it: `model.layers.<num_hidden_layers>`; speculative decoding would use it)."""
+    return CheckpointNames(ignored_prefixes=(f"model.layers.{hf.num_hidden_layers}",))

@@ -44,4 +44,8 @@ class Ernie4_5_MoeForCausalLM(DecoderForCausalLM):
     """ERNIE 4.5 MoE (HF architecture Ernie4_5_MoeForCausalLM)."""
 
     arch_config_of = staticmethod(ernie4_5_moe_arch_config)
-    checkpoint_names = CheckpointNames(renames={"mlp.moe_statics": "mlp.gate"})
+    checkpoint_names = CheckpointNames(
+        renames={"mlp.moe_statics": "mlp.gate"},
+        # the multi-token-prediction block of ERNIE-4.5-*-PT checkpoints, which transformers drops too
+        ignored_prefixes=("model.mtp_block", "model.mtp_emb_norm", "model.mtp_hidden_norm", "model.mtp_linear_proj"),
+    )
