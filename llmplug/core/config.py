@@ -39,7 +39,12 @@ class ModelConfig(_Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weight and activation dtype; auto: the platform's preferred dtype."
     )
-    max_model_len: int | None = Field(None, gt=0, description="Context length; default: the model's.")
+    max_model_len: int | None = Field(
+        None,
+        gt=0,
+        description="Context length; default: the model's (max_position_embeddings, n_positions, max_seq_len, ...; "
+        "2048 if its config names none).",
+    )
     seed: int = Field(0, description="Seed of the engine's random state (per-request seeds override).")
     skip_tokenizer_init: bool = Field(False, description="Do not load a tokenizer; prompts must be token ids.")
     trust_remote_code: bool = Field(False, description="Allow transformers to run code from the model directory.")

@@ -54,13 +54,11 @@ class EngineCore:
         self.dead_error: EngineDeadError | None = None  # set by a fatal error; every later step raises it
 
     def _resolve_max_model_len(self) -> int:
-        model_len = self.model_info["max_position_embeddings"]
+        model_len = self.model_info["context_length"]
         asked = self.config.model.max_model_len
         if asked is None:
-            if model_len is None:
-                raise ConfigError("model.max_model_len is not set and the model config has no max_position_embeddings")
             return int(model_len)
-        if model_len is not None and asked > model_len:
+        if asked > model_len:
             logger.warning("model.max_model_len=%d exceeds the model's %d positions", asked, model_len)
         return asked
 

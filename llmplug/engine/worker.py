@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
@@ -25,6 +26,25 @@ from llmplug.layers.recurrent import bind_state_cache
 from llmplug.loaders.base import finish_loading
 
 logger = logging.getLogger(__name__)
+
+# config keys that give a model's context length, as vLLM reads them (Bloom has none, MPT max_seq_len, ...)
+CONTEXT_LENGTH_KEYS = (
+    "max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
+    "max_sequence_length", "max_seq_length", "seq_len",
+)
+DEFAULT_CONTEXT_LENGTH = 2048
+
+
+def context_length_of(hf_config: Any) -> int:
+    """The smallest context length the config names under CONTEXT_LENGTH_KEYS; 2048 (warned) when it names none."""
+    lengths = [v for v in (getattr(hf_config, key, None) for key in CONTEXT_LENGTH_KEYS) if isinstance(v, int)]
+    if lengths:
+        return min(lengths)
+    logger.warning(
+        "the model's config has none of %s; assuming a context length of %d (set model.max_model_len to change it)",
+        ", ".join(CONTEXT_LENGTH_KEYS), DEFAULT_CONTEXT_LENGTH,
+    )
+    return DEFAULT_CONTEXT_LENGTH
 
 
 class Worker:
@@ -129,7 +149,7 @@ class Worker:
         and pipeline parallelism inside the dummy step meet.
         """
         platform, device_id = self.platform, self.device.index or 0
-        max_model_len = self.config.model.max_model_len or self.model_runner.hf_config.max_position_embeddings
+        max_model_len = self.config.model.max_model_len or context_length_of(self.model_runner.hf_config)
         num_tokens = self.config.scheduler.token_budget(max_model_len)
         max_num_seqs = self.config.scheduler.max_num_seqs
         with self.model_runner.profile_step(num_tokens, max_num_seqs, max_model_len) as run_step:
@@ -163,7 +183,7 @@ class Worker:
         hf = self.model_runner.hf_config
         spec = self.model_runner.kv_cache_spec()
         return {
-            "max_position_embeddings": getattr(hf, "max_position_embeddings", None),
+            "context_length": context_length_of(hf),
             "vocab_size": hf.vocab_size,
             "eos_token_id": getattr(hf, "eos_token_id", None),
             "block_bytes": spec.block_bytes,

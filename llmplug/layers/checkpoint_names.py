@@ -19,6 +19,8 @@ Llama) and some store several projections as one tensor. A `CheckpointNames` say
   (`experts.gate_up_proj`, `experts.down_proj`, ...) into per-expert tensors `experts.<e>.gate_proj`,
   `experts.<e>.up_proj`, `experts.<e>.down_proj` (views, no copies), which load like a checkpoint
   that stores them one by one;
+- `stacked`: modules the checkpoint stores as one tensor per index (`q_layernorm.norms.{h}`, StableLM 2's
+  per-head norms), gathered in index order into one tensor of the model's module (`q_norm`, [heads, ...]);
 - `ignored`: checkpoint name suffixes the model knowingly drops (e.g. GPT-2's causal-mask buffers);
   `ignored_prefixes`: leading paths it knowingly drops, whole components (e.g. the multi-token-prediction
   layer DeepSeek V3 checkpoints store after the model's own layers).
@@ -45,6 +47,7 @@ __all__ = [
     "EXPERTS_T",
     "EXPERTS_T_INTERLEAVED",
     "GATE_UP",
+    "QKV_CODEGEN",
     "QKV_CONTIGUOUS",
     "QKV_GROUPED",
     "QKV_PER_HEAD",
@@ -57,7 +60,9 @@ __all__ = [
 QKV_CONTIGUOUS = "qkv_contiguous"  # [q heads | k heads | v heads] (Phi-3, GPT-2, MPT, Falcon multi-query)
 QKV_PER_HEAD = "qkv_per_head"  # [heads, (q, k, v), head_dim] (GPT-NeoX, Bloom, Falcon)
 QKV_GROUPED = "qkv_grouped"  # [kv_heads, (q of the group..., k, v), head_dim] (Falcon's new decoder)
+QKV_CODEGEN = "qkv_codegen"  # [4 blocks, (q, v, k), heads / 4 * head_dim] (CodeGen's mp_num = 4 layout)
 GATE_UP = "gate_up"  # [gate | up] (Phi-3)
+CODEGEN_BLOCKS = 4  # CodeGen's `mp_num`, fixed in its code
 # stacked experts (module `...experts.<name>`; `gate_up_proj` holds [gate | up] along its output dim)
 EXPERTS = "experts"  # [E, out, in] (GraniteMoe, JetMoe)
 EXPERTS_T = "experts_t"  # [E, in, out] (Llama 4, GPT-OSS down_proj)
@@ -104,6 +109,13 @@ def _split_qkv_grouped(t: torch.Tensor, h: HeadLayout, name: str) -> Parts:
     parts = t.unflatten(0, (h.num_kv_heads, group + 2, h.head_dim))  # [kv_heads, group + 2, head_dim, ...]
     q, k, v = parts[:, :group], parts[:, group], parts[:, group + 1]
     return list(zip(_QKV_PARTS, [q.flatten(0, 2), k.flatten(0, 1), v.flatten(0, 1)]))
+
+
+def _split_qkv_codegen(t: torch.Tensor, h: HeadLayout, name: str) -> Parts:
+    if h.num_heads != h.num_kv_heads or h.num_heads % CODEGEN_BLOCKS:
+        raise ModelLoadError(f"CodeGen's q/k/v tensor needs as many KV heads as heads, a multiple of 4, got {h}")
+    parts = t.unflatten(0, (CODEGEN_BLOCKS, 3, -1))  # [4, (q, v, k), heads / 4 * head_dim, ...]
+    return list(zip(_QKV_PARTS, [parts[:, i].flatten(0, 1) for i in (0, 2, 1)]))
 
 
 def _split_halves(t: torch.Tensor, h: HeadLayout, name: str) -> Parts:
@@ -157,6 +169,7 @@ _LAYOUTS: dict[str, Callable[[torch.Tensor, HeadLayout, str], Parts]] = {
     QKV_CONTIGUOUS: _split_qkv_contiguous,
     QKV_PER_HEAD: _split_qkv_per_head,
     QKV_GROUPED: _split_qkv_grouped,
+    QKV_CODEGEN: _split_qkv_codegen,
     GATE_UP: _split_halves,
     EXPERTS: _split_experts,
     EXPERTS_T: _split_experts_t,
@@ -174,6 +187,7 @@ class CheckpointNames:
     renames: Mapping[str, str] = field(default_factory=dict)
     transposed: frozenset[str] = frozenset()
     fused: Mapping[str, str] = field(default_factory=dict)
+    stacked: Mapping[str, str] = field(default_factory=dict)
     ignored: tuple[str, ...] = ()
     ignored_prefixes: tuple[str, ...] = ()
 
@@ -212,11 +226,17 @@ class CheckpointNames:
     def translate(
         self, weights: Iterable[tuple[str, torch.Tensor]], heads: HeadLayout
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """(checkpoint name, tensor) -> (model name, tensor), fused tensors split into their parts."""
+        """(checkpoint name, tensor) -> (model name, tensor), fused tensors split into their parts, stacked
+        pieces gathered (yielded once all other tensors are)."""
+        pieces: dict[str, dict[int, torch.Tensor]] = {}
         for name, tensor in weights:
             if _has_suffix(name, self.ignored) or _has_prefix(name, self.ignored_prefixes):
                 continue
             name = self.rename(name)
+            piece = self._stacked_piece(name)
+            if piece is not None:
+                pieces.setdefault(piece[0], {})[piece[1]] = tensor
+                continue
             module, _, leaf = name.rpartition(".")
             if leaf == "weight" and _has_suffix(module, self.transposed):
                 tensor = tensor.t()
@@ -227,6 +247,21 @@ class CheckpointNames:
             owner, _, own_name = module.rpartition(".")
             for part, piece in _LAYOUTS[layout](tensor, heads, own_name):
                 yield _join(owner, part, leaf), piece
+        for name, by_index in pieces.items():
+            if sorted(by_index) != list(range(len(by_index))):
+                raise ModelLoadError(f"{name}: the checkpoint has pieces {sorted(by_index)}, not 0..{len(by_index) - 1}")
+            yield name, torch.stack([by_index[i] for i in range(len(by_index))])
+
+    def _stacked_piece(self, name: str) -> tuple[str, int] | None:
+        """(the model's name, index) of a tensor that is one piece of a `stacked` module, else None."""
+        parts = name.split(".")
+        for source, target in self.stacked.items():
+            src = source.split(".")
+            for i in range(len(parts) - len(src)):
+                index = parts[i + len(src)]
+                if parts[i : i + len(src)] == src and index.isdigit():
+                    return ".".join([*parts[:i], target, *parts[i + len(src) + 1 :]]), int(index)
+        return None
 
 
 def _longest_first(rules: Mapping[str, str]) -> tuple[tuple[list[str], str], ...]:

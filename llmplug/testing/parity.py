@@ -47,6 +47,9 @@ class ParityCase:
     engine_kwargs: Mapping[str, Any] = field(default_factory=dict)  # e.g. max_model_len for ALiBi models
     # transformers' attention for the reference: eager, unless its eager path of the family is wrong
     hf_attn_implementation: str = "eager"
+    # the `architectures` entry config.json gets, when not transformers' class name: hub checkpoints of a
+    # config-only alias (model_type exaone, run by LlamaForCausalLM) name their own class (ExaoneForCausalLM)
+    architecture: str | None = None
 
     def prompts(self, vocab_size: int) -> list[list[int]]:
         """Random prompts of `prompt_lengths` tokens, the same for every run of the case."""
@@ -122,7 +125,7 @@ class ParityRunner:
         """The case's saved tiny checkpoint (built on first use)."""
         if case.name not in self._checkpoints:
             self._checkpoints[case.name] = save_tiny_checkpoint(
-                case.make_config(), self.workdir / case.name, case.seed, case.hf_attn_implementation
+                case.make_config(), self.workdir / case.name, case.seed, case.hf_attn_implementation, case.architecture
             )
         return self._checkpoints[case.name]
 

@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # the MoE block builds its shared experts from this package's
 __all__ = [
     "RECURRENT_MIXERS",
     "DecoderArchConfig",
+    "HeadTransformConfig",
     "LayerConfig",
     "MLAConfig",
     "MLPConfig",
@@ -45,6 +46,7 @@ class RopeConfig:
     scaling: Mapping[str, Any] | None = None  # rope_scaling / rope_parameters without rope_theta; None: plain RoPE
     partial_rotary_factor: float = 1.0  # share of each head's leading dims that are rotated
     is_neox_style: bool = True  # rotate-half pairs (i, i + d/2); False: interleaved pairs (2i, 2i + 1), GPT-J style
+    inverted: bool = False  # rotate by minus the angle (NanoChat's flipped rotate_half)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +59,8 @@ class LayerConfig:
     # a recurrent mixer run beside the attention on the same input, the outputs summed (Falcon-H1)
     parallel_mixer: MixerKind | None = None
     mlp: bool = True  # False: the layer is its mixer alone (Mamba, NemotronH's mixer layers)
+    o_proj_bias: bool = False  # a bias on this layer's output projection alone (GPT-NeoX-Japanese: the last layer)
+    input_norm: bool = True  # False: no norm before this layer's attention (ModernBERT's first layer)
     moe: bool = False  # the MLP is the arch's mixture of experts (DecoderArchConfig.moe), else the dense one
     # this attention + MLP layer is post-norm (OLMo 2's placement) in a pre-norm model (OLMo hybrid)
     post_norm: bool = False
@@ -71,6 +75,14 @@ class MLPConfig:
     bias: bool = False
     gate_multiplier: float = 1.0  # act(gate(x) * m) * up(x) (Falcon-H1's muP)
     down_multiplier: float = 1.0  # down(...) * m (Falcon-H1's muP)
+
+
+@dataclass(frozen=True, slots=True)
+class HeadTransformConfig:
+    """dense -> activation -> norm between the final norm and the LM head (ModernBERT's prediction head)."""
+
+    activation: str  # a name of llmplug.layers.activation.ACTIVATIONS
+    bias: bool = False  # on the dense layer
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,9 +130,10 @@ class DecoderArchConfig:
     qkv_bias: bool = False  # bias on q, k, v projections
     o_proj_bias: bool = False
     qk_norm: QKNormConfig | None = None  # norm of q and k before rotary
-    qk_norm_after_rope: bool = False  # the q/k norm follows the rotary instead (HunYuan)
     mla: MLAConfig | None = None  # multi-head latent attention instead of q/k/v projections (DeepSeek V2/V3)
     clip_qkv: float | None = None  # q, k, v clamped to [-clip_qkv, clip_qkv] (OLMo, MPT)
+    # (beta, length): after rotary, q at position p times 1 + beta * log(1 + floor(p / length)) (Ministral 3)
+    query_position_scale: tuple[float, int] | None = None
     attention_scale: float | None = None  # None: head_dim ** -0.5
     attn_logit_softcap: float | None = None  # scores = cap * tanh(scores / cap) (Gemma 2)
     alibi: bool = False  # ALiBi biases instead of positions (Bloom, MPT, Falcon-RW)
@@ -143,6 +156,7 @@ class DecoderArchConfig:
     # layer structure
     pre_norm: bool = True  # norm before each sublayer (input_layernorm, post_attention_layernorm)
     post_norm: bool = False  # norm of each sublayer's output before the residual add (OLMo 2; with pre: Gemma 2)
+    norm_after_residual: bool = False  # x = norm(x + sublayer(x)), no pre-norm (post-LN: GPT-1, OPT-350m)
     parallel_residual: bool = False  # x + attn(norm(x)) + mlp(norm'(x)) (GPT-J, GPT-NeoX, Falcon, Phi, Cohere)
     parallel_mlp_norm: bool = False  # with parallel_residual: the MLP has its own norm' (GPT-NeoX, Falcon-40B)
     residual_multiplier: float = 1.0  # sublayer outputs scaled before the residual add (Granite)
@@ -150,11 +164,15 @@ class DecoderArchConfig:
     # embeddings and positions
     embedding_multiplier: float = 1.0  # token embeddings scaled (Gemma: sqrt(hidden), Granite)
     embedding_norm: bool = False  # a norm right after the embeddings (Bloom)
-    absolute_positions: Literal["learned", "sinusoidal"] | None = None  # added to the token embeddings
+    embedding_dim: int | None = None  # token embeddings (and LM head) of another width, projected in/out (OPT-350m)
+    # added to the token embeddings; sinusoidal: XGLM's table, sinusoidal_paper: the Transformer paper's (CTRL)
+    absolute_positions: Literal["learned", "sinusoidal", "sinusoidal_paper"] | None = None
     position_offset: int = 0  # row of position p in the position table is p + offset (OPT, XGLM: 2)
     max_position: int = 0  # rows of the position table (without the offset)
 
     # output
+    final_norm: bool = True  # False: the last layer's output goes to the head as it is (post-LN models)
+    head_transform: HeadTransformConfig | None = None  # dense, activation and norm before the LM head
     tie_word_embeddings: bool = False
     lm_head_bias: bool = False
     logits_multiplier: float = 1.0  # logits scaled (Cohere's logit_scale, 1 / Granite's logits_scaling)
@@ -167,8 +185,10 @@ class DecoderArchConfig:
             raise ValueError(f"{self.architecture}: parallel_mlp_norm needs parallel_residual")
         if self.parallel_residual and self.post_norm:
             raise ValueError(f"{self.architecture}: a parallel residual with post-sublayer norms is not modelled")
-        if not (self.pre_norm or self.post_norm):
-            raise ValueError(f"{self.architecture}: a layer needs pre_norm, post_norm or both")
+        if self.norm_after_residual and (self.pre_norm or self.post_norm or self.parallel_residual):
+            raise ValueError(f"{self.architecture}: norm_after_residual replaces pre_norm, post_norm and parallel_residual")
+        if not (self.pre_norm or self.post_norm or self.norm_after_residual):
+            raise ValueError(f"{self.architecture}: a layer needs pre_norm, post_norm, both, or norm_after_residual")
         if any(layer.moe for layer in self.layers) and self.moe is None:
             raise ValueError(f"{self.architecture}: layers marked moe need a MoEConfig (DecoderArchConfig.moe)")
         if self.absolute_positions and self.max_position <= 0:

@@ -1,6 +1,6 @@
-"""The self-attention block of the generic decoder: fused q/k/v projection, optional clamp and q/k norms,
-in-place rotary, paged attention (with the layer's window, soft-cap, ALiBi, sinks), optional output gate,
-output projection.
+"""The self-attention block of the generic decoder: fused q/k/v projection, optional clamp and q/k norms
+(before or after rotary), in-place rotary, an optional per-position query scale, paged attention (with the
+layer's window, soft-cap, ALiBi, sinks), optional output gate, output projection.
 
 With `attention_output_gate` (Qwen3-Next) the checkpoint's q_proj gives each head [q | gate]: the fused
 projection holds it as twice the query heads (so a tensor-parallel rank keeps whole pairs), and the
@@ -44,13 +44,13 @@ class DecoderAttention(nn.Module):
         self.o_proj = RowParallelLinear(
             arch.num_heads * d,
             arch.hidden_size,
-            arch.o_proj_bias,
+            arch.o_proj_bias or layer.o_proj_bias,
             reduce_results=reduce_results,
             prefix=_join(prefix, "o_proj"),
         )
-        self.clip_qkv, self.qk_norm_after_rope = arch.clip_qkv, arch.qk_norm_after_rope
-        self.key_multiplier = arch.key_multiplier
+        self.clip_qkv, self.key_multiplier = arch.clip_qkv, arch.key_multiplier
         self.q_norm, self.k_norm = self._qk_norms(arch)
+        self.qk_norm_after_rope = arch.qk_norm is not None and arch.qk_norm.after_rope
         self.attn = Attention(
             self.num_heads,
             d,
@@ -87,13 +87,16 @@ class DecoderAttention(nn.Module):
         slopes = slopes[first : first + self.num_heads]
         return slopes * arch.scale if arch.alibi_scaled else slopes
 
-    def forward(self, hidden: torch.Tensor, rope: RotaryCosSin | None) -> torch.Tensor:
-        """[T, hidden] -> [T, hidden] (this rank's partial sum when reduce_results=False)."""
+    def forward(
+        self, hidden: torch.Tensor, rope: RotaryCosSin | None, query_scale: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """[T, hidden] -> [T, hidden] (this rank's partial sum when reduce_results=False); `query_scale`
+        [T, 1, 1] multiplies q after rotary (the decoder's `query_position_scale`)."""
         qkv = self.qkv_proj(hidden)  # [T, (H + 2 * Hkv) * D]; gated: [T, (2 H + 2 * Hkv) * D]
         if self.gated:
             qkv, gate = self._ungate(qkv)
-            return self.o_proj(self._attend(qkv, rope).mul_(torch.sigmoid(gate)))
-        return self.o_proj(self._attend(qkv, rope))
+            return self.o_proj(self._attend(qkv, rope, query_scale).mul_(torch.sigmoid(gate)))
+        return self.o_proj(self._attend(qkv, rope, query_scale))
 
     def _ungate(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, H * (q | gate) + 2 Hkv * D] -> (qkv [T, (H + 2 Hkv) * D], gate [T, H * D])."""
@@ -101,7 +104,7 @@ class DecoderAttention(nn.Module):
         q, gate = pairs[..., : self.head_dim], pairs[..., self.head_dim :]
         return torch.cat([q.flatten(1), qkv[:, 2 * self.q_size :]], dim=1), gate.flatten(1)
 
-    def _attend(self, qkv: torch.Tensor, rope: RotaryCosSin | None) -> torch.Tensor:
+    def _attend(self, qkv: torch.Tensor, rope: RotaryCosSin | None, query_scale: torch.Tensor | None) -> torch.Tensor:
         """[T, (H + 2 Hkv) * D] -> the attention output [T, H * D]."""
         if self.clip_qkv is not None:
             qkv.clamp_(-self.clip_qkv, self.clip_qkv)
@@ -115,4 +118,6 @@ class DecoderAttention(nn.Module):
             rope.apply_(qk)  # rotates q and k inside qkv
         if self.qk_norm_after_rope:
             self._norm_qk_(qk)
+        if query_scale is not None:
+            qk[:, : self.num_heads].mul_(query_scale)
         return self.attn(qkv[:, :q_end], qkv[:, q_end:k_end], qkv[:, k_end:])  # [T, H * D]

@@ -16,10 +16,14 @@ Norm placement, with transformers' module names (so most checkpoints need no ren
 | pre + post (Gemma 2)    | input_layernorm | post_attn * | pre_feedforward_layernorm | post_ffn ** |
 | post_norm (OLMo 2)      |                 | post_attn * |                           | post_ffn ** |
 | parallel_residual       | input_layernorm, also the MLP's unless parallel_mlp_norm: post_attention_layernorm |
+| norm_after_residual     | x = input_layernorm(x + attn(x)); x = post_attention_layernorm(x + mlp(x))  |
 
 (* post_attention_layernorm, ** post_feedforward_layernorm)
 
 A layer with `LayerConfig.post_norm` is post_norm in an otherwise pre_norm model (OLMo hybrid).
+
+A norm_after_residual (post-LN) layer ends on a norm of the whole stream, so it returns (stream, None):
+the residual None means "nothing to add", as at the first layer.
 """
 
 from __future__ import annotations
@@ -75,7 +79,10 @@ class DecoderLayer(nn.Module):
         pre, post = (False, True) if layer.post_norm else (arch.pre_norm, arch.post_norm)
         self.residual_multiplier, self.post_norm = arch.residual_multiplier, post
         norm = lambda: make_norm(arch.norm, arch.hidden_size)  # noqa: E731
-        self.input_layernorm: Norm | None = norm() if pre and layer.mixer is not None else None
+        self.norm_after_residual = arch.norm_after_residual
+        self.input_layernorm: Norm | None = (
+            norm() if (pre and layer.input_norm and layer.mixer is not None) or self.norm_after_residual else None
+        )
         self.post_attention_layernorm: Norm | None = (
             norm() if layer.mlp and (post or not self.parallel or arch.parallel_mlp_norm) else None
         )
@@ -94,35 +101,58 @@ class DecoderLayer(nn.Module):
         return self.pre_feedforward_layernorm if self.post_norm else self.post_attention_layernorm
 
     def forward(
-        self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: RotaryCosSin | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sublayer output, residual stream) of the previous layer -> the same for this one (residual None
-        at the first layer: `hidden` is the embedding output)."""
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: RotaryCosSin | None,
+        query_scale: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(sublayer output, residual stream) of the previous layer -> the same for this one (residual None:
+        `hidden` is the stream itself, as the embedding output at the first layer)."""
         if self.parallel:
-            return self._parallel(hidden, residual, rope)
+            return self._parallel(hidden, residual, rope, query_scale)
+        if self.norm_after_residual:
+            return self._norm_after_residual(hidden, residual, rope, query_scale)
         if self.mixer_kind is not None:
             hidden, residual = _add_and_norm(self.input_layernorm, hidden, residual)
-            hidden = self._scaled(_norm(self.attn_out_norm, self._mix(hidden, rope)))
+            hidden = self._scaled(_norm(self.attn_out_norm, self._mix(hidden, rope, query_scale)))
         if self.mlp is not None:
             hidden, residual = _add_and_norm(self.mlp_in_norm, hidden, residual)
             hidden = self._scaled(_norm(self.post_feedforward_layernorm, self.mlp(hidden)))
         return hidden, residual
 
-    def _mix(self, hidden: torch.Tensor, rope: RotaryCosSin | None) -> torch.Tensor:
+    def _mix(self, hidden: torch.Tensor, rope: RotaryCosSin | None, query_scale: torch.Tensor | None) -> torch.Tensor:
         """The token mixer: attention (with this layer's rope) or a recurrent mixer, or both side by side."""
         if self.parallel_mixer:
             attn_in, attn_out, mixer_out = self.multipliers
-            attention = self.self_attn(hidden * attn_in if attn_in != 1.0 else hidden, rope)
+            attention = self.self_attn(hidden * attn_in if attn_in != 1.0 else hidden, rope, query_scale)
             return attention.mul_(attn_out).add_(self.mixer(hidden), alpha=mixer_out)
-        return self.self_attn(hidden, rope) if self.mixer_kind == "attention" else self.mixer(hidden)
+        return self.self_attn(hidden, rope, query_scale) if self.mixer_kind == "attention" else self.mixer(hidden)
+
+    def _norm_after_residual(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: RotaryCosSin | None,
+        query_scale: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, None]:
+        """norm'(y + mlp(y)) with y = norm(x + attn(x)): the stream, normalized (post-LN)."""
+        stream = _add_and_norm(None, hidden, residual)[0]
+        attn_out = self._scaled(self.self_attn(stream, rope, query_scale))
+        normed = self.input_layernorm(attn_out, stream)[0]
+        return self.post_attention_layernorm(self._scaled(self.mlp(normed)), normed)[0], None
 
     def _parallel(
-        self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: RotaryCosSin | None
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: RotaryCosSin | None,
+        query_scale: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x + attn(norm(x)) + mlp(norm(x) or norm'(x)), the two outputs summed over the ranks at once."""
         normed, residual = _add_and_norm(self.input_layernorm, hidden, residual)
         mlp_in = normed if self.mlp_in_norm is None else self.mlp_in_norm(residual)
-        out = self.self_attn(normed, rope).add_(self.mlp(mlp_in))  # this rank's partial sums
+        out = self.self_attn(normed, rope, query_scale).add_(self.mlp(mlp_in))  # this rank's partial sums
         tp = get_tp_group()
         return self._scaled(tp.all_reduce(out) if tp.world_size > 1 else out), residual
 

@@ -19,6 +19,7 @@ from llmplug.core.errors import ModelLoadError
 from llmplug.layers.decoder.arch import DecoderArchConfig, LayerConfig, MLPConfig, RopeConfig
 
 __all__ = [
+    "SLIDING",
     "DecoderArchConfig",
     "LayerConfig",
     "MLPConfig",
@@ -32,7 +33,7 @@ __all__ = [
     "sizes_of",
 ]
 
-SLIDING = "sliding_attention"
+SLIDING = "sliding_attention"  # the layer type of windowed layers in `layer_types`
 
 
 def architecture_of(hf: PretrainedConfig) -> str:

@@ -32,8 +32,7 @@ def hunyuan_moe_arch_config(hf: PretrainedConfig) -> DecoderArchConfig:
         moe=MoEConfig(router, size, hf.hidden_act, shared_intermediate_size=size),
         qkv_bias=bias,
         o_proj_bias=bias,
-        qk_norm=QKNormConfig(NormConfig("rms", hf.rms_norm_eps)),
-        qk_norm_after_rope=True,
+        qk_norm=QKNormConfig(NormConfig("rms", hf.rms_norm_eps), after_rope=True),
     )
 
 
