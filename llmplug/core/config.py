@@ -91,13 +91,18 @@ class CacheConfig(_Section):
     memory_fraction: float = Field(
         0.9, gt=0, le=1, description="Fraction of device memory for weights + KV cache when no budget is given."
     )
-    enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of identical prompt prefixes.")
+    enable_prefix_caching: bool = Field(
+        True,
+        description="Reuse KV blocks of identical prompt prefixes (off for models with recurrent state).",
+    )
 
 
 class SchedulerConfig(_Section):
     """Continuous batching."""
 
-    max_num_seqs: int = Field(256, gt=0, description="Most requests in one step.")
+    max_num_seqs: int = Field(
+        256, gt=0, description="Most requests in one step; also the number of recurrent-state slots of a hybrid model."
+    )
     max_num_batched_tokens: int | None = Field(
         None, gt=0,
         description="Token budget of one step; default 2048 with chunked prefill, else max_model_len; "

@@ -44,7 +44,11 @@ class EngineCore:
         self.executor.initialize_cache(num_blocks)
         cache = config.cache
         self.kv_cache_manager = (
-            None if self.pooling else KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+            None
+            if self.pooling
+            else KVCacheManager(
+                num_blocks, cache.block_size, cache.enable_prefix_caching, self.model_info["num_state_slots"]
+            )
         )
         sched = config.scheduler
         budget = sched.token_budget(self.max_model_len)

@@ -21,6 +21,13 @@ from llmplug.engine.sampling_state import SamplingState
 from llmplug.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from llmplug.layers.attention import bind_kv_cache
 from llmplug.layers.forward_context import CommonAttentionMetadata, forward_context
+from llmplug.layers.recurrent import (
+    RecurrentMetadata,
+    allocate_state_cache,
+    bind_state_cache,
+    build_recurrent_metadata,
+    state_bytes_per_slot,
+)
 from llmplug.loaders import build_loader, resolve_load_format
 
 logger = logging.getLogger(__name__)
@@ -30,17 +37,24 @@ UNSAMPLEABLE = "no token can be sampled: the logits hold NaN or +inf, or every t
 
 @dataclass(slots=True, frozen=True)
 class KVCacheSpec:
-    """What one KV block costs and how many layers hold one."""
+    """What one KV block costs and how many layers hold one; and the recurrent-state slots beside them."""
 
-    num_layers: int
+    num_layers: int  # attention layers (0 for a pure state-space model: blocks then only count tokens)
     block_elements: int  # cache elements of one block summed over the layers (layers may differ: MLA's latent)
     dtype: torch.dtype
     block_size: int
+    num_state_slots: int = 0  # one per request that can run at once, for a model with recurrent mixers
+    state_slot_bytes: int = 0  # one request's state across the recurrent layers
 
     @property
     def block_bytes(self) -> int:
         """Bytes of one block across all layers (K and V, or a latent layer's keys only)."""
         return self.block_elements * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of all recurrent-state slots, allocated before the blocks."""
+        return self.num_state_slots * self.state_slot_bytes
 
 
 @dataclass(slots=True)
@@ -52,6 +66,7 @@ class BatchInputs:
     common: CommonAttentionMetadata
     sample_indices: torch.Tensor  # [S] positions in T whose hidden states produce logits
     sample_req_ids: list[str]
+    recurrent: RecurrentMetadata | None = None  # models with recurrent mixers: each request's state slot
 
 
 class ModelRunner:
@@ -67,6 +82,7 @@ class ModelRunner:
         self.attn_backend = registry.load("llmplug.attention", config.device.attention_backend or "torch_sdpa")
         self.sampling_state: SamplingState | None = None  # needs the vocabulary size: built by load_model
         self.sampler: Sampler | None = None
+        self.num_state_slots = 0  # recurrent-state slots, set with the KV cache
         self.prompt_token_ids: dict[str, list[int]] = {}
         # prompt positions whose logprobs were sent, kept across preemption: a recomputed prefill sends none twice
         self.prompt_logprobs_sent: dict[str, int] = {}
@@ -94,10 +110,14 @@ class ModelRunner:
             self.pooling_type = PoolingType(self.pooling_info["pooling_type"])
 
     def kv_cache_spec(self) -> KVCacheSpec:
-        """The shape of this worker's share of the KV cache."""
+        """The shape of this worker's share of the KV cache and recurrent state."""
         attn_layers = self._attention_layers()
         shapes = [self.attn_backend.layer_kv_cache_shape(layer, 1, self.block_size) for layer in attn_layers]
-        return KVCacheSpec(len(attn_layers), sum(math.prod(shape) for shape in shapes), self.dtype, self.block_size)
+        slot_bytes = state_bytes_per_slot(self.model, self.dtype)
+        # every request that can run at once holds a slot, so a slot never has to be waited for
+        num_slots = self.config.scheduler.max_num_seqs if slot_bytes else 0
+        block_elements = sum(math.prod(shape) for shape in shapes)
+        return KVCacheSpec(len(attn_layers), block_elements, self.dtype, self.block_size, num_slots, slot_bytes)
 
     def _attention_layers(self) -> list[torch.nn.Module]:
         from llmplug.layers.attention import Attention
@@ -105,8 +125,8 @@ class ModelRunner:
         return [m for m in self.model.modules() if isinstance(m, Attention)]
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate one cache tensor per attention layer and bind them to the layers (0 blocks: a pooling
-        engine, whose prompts run whole, binds the backend without any cache)."""
+        """Allocate one cache tensor per attention layer (and the state slots of each recurrent layer) and bind
+        them to the layers (0 blocks: a pooling engine, whose prompts run whole, binds the backend without any cache)."""
         self.num_blocks = num_blocks
         if num_blocks == 0:
             bind_kv_cache(self.model, None, self.attn_backend)
@@ -117,6 +137,8 @@ class ModelRunner:
         ]
         caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for shape in shapes]
         bind_kv_cache(self.model, caches, self.attn_backend)
+        self.num_state_slots = self.kv_cache_spec().num_state_slots
+        bind_state_cache(self.model, allocate_state_cache(self.model, self.num_state_slots, self.dtype, self.device))
 
     @contextlib.contextmanager
     def profile_step(self, num_tokens: int, num_seqs: int, max_model_len: int) -> Iterator[Callable[[], None]]:
@@ -134,13 +156,13 @@ class ModelRunner:
         for i, n in enumerate(lens):
             blocks = list(range(next_block, next_block + -(-n // self.block_size)))
             next_block += len(blocks)
-            requests.append(ScheduledRequest(f"profile-{i}", [0] * n, 0, blocks, samples=True, new=None))
+            requests.append(ScheduledRequest(f"profile-{i}", [0] * n, 0, blocks, samples=True, new=None, state_slot=i))
         self.initialize_kv_cache(next_block)
         batch = self.prepare_inputs(SchedulerOutput(requests, num_tokens, set(), set()))
 
         @torch.inference_mode()
         def run() -> None:
-            with forward_context(self.attn_backend.build_metadata(batch.common)):
+            with forward_context(self.attn_backend.build_metadata(batch.common), batch.recurrent):
                 hidden_states = self.stage.run(self.model, batch.input_ids, batch.positions)
             if hidden_states is not None:  # the last pipeline stage
                 torch.softmax(self.model.compute_logits(hidden_states[batch.sample_indices]), dim=-1)
@@ -149,6 +171,7 @@ class ModelRunner:
             yield run
         finally:
             bind_kv_cache(self.model, None, self.attn_backend)  # the layers held the only references
+            bind_state_cache(self.model, None)
 
     # ---- one step -----------------------------------------------------------------------------
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
@@ -209,8 +232,13 @@ class ModelRunner:
             seq_lens_list=tuple(seq_lens.tolist()),
         )
         sample_req_ids = [r.req_id for r in reqs if r.samples]
+        recurrent = None
+        if self.num_state_slots:
+            slots = np.fromiter((r.state_slot for r in reqs), dtype=np.int64, count=len(reqs))
+            recurrent = build_recurrent_metadata(query_lens, computed, slots, self.device)
         return BatchInputs(
-            on_device["input_ids"], on_device["positions"], common, on_device["sample_indices"], sample_req_ids
+            on_device["input_ids"], on_device["positions"], common, on_device["sample_indices"], sample_req_ids,
+            recurrent,
         )
 
     @torch.inference_mode()
@@ -222,7 +250,7 @@ class ModelRunner:
         batch = self.prepare_inputs(scheduler_output)
         attn_metadata = self.attn_backend.build_metadata(batch.common)
         model_kwargs = self._model_kwargs(scheduler_output)
-        with forward_context(attn_metadata):
+        with forward_context(attn_metadata, batch.recurrent):
             hidden_states = self.stage.run(self.model, batch.input_ids, batch.positions, **model_kwargs)
         if hidden_states is None:  # an earlier pipeline stage: the last one samples
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])

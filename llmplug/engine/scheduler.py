@@ -356,6 +356,7 @@ class Scheduler:
             samples=reaches_end and not request.is_pooling,
             new=new,
             pools=request.is_pooling,
+            state_slot=None if request.is_pooling else self.kv_cache_manager.get_state_slot(request),
         )
 
     # -- results of a step ---------------------------------------------------------------------

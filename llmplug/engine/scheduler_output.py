@@ -35,6 +35,7 @@ class ScheduledRequest:
     samples: bool  # the chunk reaches the last known token, so a token is sampled
     new: NewRequestData | None  # set when the worker has no state for the request
     pools: bool = False  # a pooling request's whole prompt: the model's pooler runs on it
+    state_slot: int | None = None  # its recurrent-state slot (models with recurrent mixers only)
 
 
 @dataclass(slots=True)

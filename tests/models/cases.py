@@ -74,28 +74,9 @@ from transformers import (
 
 from llmplug.testing import ParityCase, PoolingParityCase, tiny_config
 
+from .case_factory import NO_POSITION_LIMIT, case
 
 WINDOW = 8  # sliding windows far shorter than prompt + generation (up to 29 + 24 tokens)
-
-
-def case(
-    name: str,
-    config_class: type,
-    engine_kwargs: dict | None = None,
-    hf_attn: str = "eager",
-    architecture: str | None = None,
-    prompt_lengths: tuple[int, ...] | None = None,
-    **fields,
-) -> ParityCase:
-    """A ParityCase over `tiny_config(config_class, **fields)`; `architecture`: the name config.json gets (a
-    config-only alias's hub class), `prompt_lengths`: other prompts than the harness's."""
-    make = lambda: tiny_config(config_class, **fields)  # noqa: E731
-    lengths = {} if prompt_lengths is None else {"prompt_lengths": prompt_lengths}
-    return ParityCase(
-        name, make, engine_kwargs=engine_kwargs or {}, hf_attn_implementation=hf_attn, architecture=architecture,
-        **lengths,
-    )
-
 
 CASES: list[ParityCase] = [
     # the Llama family: biases, tying, q/k norm, explicit head_dim, scaled rope
@@ -371,3 +352,10 @@ from .cases_moe import EP_CASES, MOE_CASES, MOE_TP_CASES  # noqa: E402
 
 CASES += MOE_CASES
 TP_CASES += MOE_TP_CASES
+
+# the state-space and hybrid architectures, in their own module (they use `case` above)
+from .cases_recurrent import RECURRENT_CASES, RECURRENT_PP_CASES, RECURRENT_TP_CASES  # noqa: E402
+
+CASES += RECURRENT_CASES
+TP_CASES += RECURRENT_TP_CASES
+PP_CASES += RECURRENT_PP_CASES

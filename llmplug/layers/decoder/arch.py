@@ -14,11 +14,29 @@ from typing import TYPE_CHECKING, Any, Literal, Mapping
 
 from llmplug.layers.layernorm import NormConfig
 from llmplug.layers.qk_norm import QKNormConfig
+from llmplug.layers.recurrent.gated_delta_net import GatedDeltaNetConfig
+from llmplug.layers.recurrent.mamba import MambaMixerConfig
+from llmplug.layers.recurrent.mamba2 import Mamba2MixerConfig
+from llmplug.layers.recurrent.short_conv import ShortConvConfig
 
 if TYPE_CHECKING:  # the MoE block builds its shared experts from this package's MLP
     from llmplug.layers.moe.config import MoEConfig
 
-__all__ = ["DecoderArchConfig", "HeadTransformConfig", "LayerConfig", "MLAConfig", "MLPConfig", "RopeConfig"]
+__all__ = [
+    "RECURRENT_MIXERS",
+    "DecoderArchConfig",
+    "HeadTransformConfig",
+    "LayerConfig",
+    "MLAConfig",
+    "MLPConfig",
+    "MixerKind",
+    "RopeConfig",
+]
+
+# the token mixer of a layer: attention, or a recurrent mixer of llmplug.layers.recurrent
+MixerKind = Literal["attention", "mamba", "mamba2", "gated_delta_net", "short_conv"]
+# the recurrent mixer kinds; each is also the DecoderArchConfig field holding that mixer's config
+RECURRENT_MIXERS = frozenset({"mamba", "mamba2", "gated_delta_net", "short_conv"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,9 +57,15 @@ class LayerConfig:
 
     rope: RopeConfig | None  # None: no rotary embedding in this layer (NoPE)
     sliding_window: int | None = None  # None: attends to the whole context (bidirectional: keys |i - j| < W)
+    mixer: MixerKind | None = "attention"  # None: no token mixer (NemotronH's MLP-only layers)
+    # a recurrent mixer run beside the attention on the same input, the outputs summed (Falcon-H1)
+    parallel_mixer: MixerKind | None = None
+    mlp: bool = True  # False: the layer is its mixer alone (Mamba, NemotronH's mixer layers)
     o_proj_bias: bool = False  # a bias on this layer's output projection alone (GPT-NeoX-Japanese: the last layer)
     input_norm: bool = True  # False: no norm before this layer's attention (ModernBERT's first layer)
     moe: bool = False  # the MLP is the arch's mixture of experts (DecoderArchConfig.moe), else the dense one
+    # this attention + MLP layer is post-norm (OLMo 2's placement) in a pre-norm model (OLMo hybrid)
+    post_norm: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +76,8 @@ class MLPConfig:
     gated: bool = True
     bias: bool = False
     down_bias: bool | None = None  # None: as `bias` (GTE: only down_proj has one)
+    gate_multiplier: float = 1.0  # act(gate(x) * m) * up(x) (Falcon-H1's muP)
+    down_multiplier: float = 1.0  # down(...) * m (Falcon-H1's muP)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +144,18 @@ class DecoderArchConfig:
     alibi_scaled: bool = False  # the bias is multiplied by the attention scale too (Falcon)
     attention_sinks: bool = False  # a learned per-head sink logit
     causal: bool = True  # False: every token attends to the whole prompt (encoders; no KV cache, never chunked)
+    attention_output_gate: bool = False  # q_proj also gives a gate per head: out * sigmoid(gate) (Qwen3-Next)
+    key_multiplier: float = 1.0  # k scaled before rotary (Falcon-H1)
+    # a layer with a parallel mixer: attn(x * in) * out + mixer(x) * mixer_out (Falcon-H1's muP)
+    attention_in_multiplier: float = 1.0
+    attention_out_multiplier: float = 1.0
+    parallel_mixer_out_multiplier: float = 1.0
+
+    # recurrent mixers (llmplug.layers.recurrent), one config each for the layers whose `mixer` names it
+    mamba: MambaMixerConfig | None = None
+    mamba2: Mamba2MixerConfig | None = None
+    gated_delta_net: GatedDeltaNetConfig | None = None
+    short_conv: ShortConvConfig | None = None
 
     # layer structure
     pre_norm: bool = True  # norm before each sublayer (input_layernorm, post_attention_layernorm)
@@ -160,6 +198,37 @@ class DecoderArchConfig:
             raise ValueError(f"{self.architecture}: layers marked moe need a MoEConfig (DecoderArchConfig.moe)")
         if self.absolute_positions and self.max_position <= 0:
             raise ValueError(f"{self.architecture}: absolute positions need max_position > 0")
+        if self.mlp.gate_multiplier != 1.0 and not self.mlp.gated:
+            raise ValueError(f"{self.architecture}: an MLP gate multiplier needs a gated MLP")
+        self._check_layer_kinds()
+
+    def _check_layer_kinds(self) -> None:
+        """Each recurrent mixer has its config; layers other than attention + MLP are plain pre-norm."""
+        for i, layer in enumerate(self.layers):
+            for kind in (layer.mixer, layer.parallel_mixer):
+                if kind in RECURRENT_MIXERS and getattr(self, kind) is None:
+                    raise ValueError(f"{self.architecture}: layer {i} has a {kind} mixer but `{kind}` is None")
+            beside_attention = layer.mixer == "attention" and layer.parallel_mixer in RECURRENT_MIXERS
+            if layer.parallel_mixer is not None and not beside_attention:
+                raise ValueError(f"{self.architecture}: layer {i}: a parallel mixer is recurrent, beside attention")
+            if layer.mixer is None and not layer.mlp:
+                raise ValueError(f"{self.architecture}: layer {i} has neither a mixer nor an MLP")
+            plain_layer = layer.mixer == "attention" and layer.mlp and layer.parallel_mixer is None
+            if layer.post_norm and not (plain_layer and self.pre_norm and not self.post_norm):
+                raise ValueError(
+                    f"{self.architecture}: layer {i}: a post-norm layer is attention + MLP in a pre-norm model"
+                )
+        plain = all(layer.mixer == "attention" and layer.mlp for layer in self.layers)
+        if not plain and (self.post_norm or self.parallel_residual or not self.pre_norm):
+            raise ValueError(
+                f"{self.architecture}: layers with a recurrent mixer or a single sublayer are pre-norm only "
+                "(no post_norm, no parallel_residual)"
+            )
+
+    @property
+    def has_recurrent_layers(self) -> bool:
+        """Whether any layer's mixer keeps per-request state."""
+        return any({layer.mixer, layer.parallel_mixer} & RECURRENT_MIXERS for layer in self.layers)
 
     @property
     def scale(self) -> float:

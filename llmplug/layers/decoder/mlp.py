@@ -41,8 +41,12 @@ class DecoderMLP(nn.Module):
             inter, hidden_size, down_bias, reduce_results=reduce_results, prefix=_join(prefix, "down_proj")
         )
         self.gated = config.gated
+        self.gate_multiplier, self.down_multiplier = config.gate_multiplier, config.down_multiplier
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[T, hidden] -> [T, hidden]."""
         up = self.gate_up_proj(x) if self.gated else self.up_proj(x)  # [T, (2 *) inter / tp]
-        return self.down_proj(self.act_fn(up))  # [T, inter / tp] -> [T, hidden]
+        if self.gate_multiplier != 1.0:
+            up[:, : up.shape[-1] // 2].mul_(self.gate_multiplier)  # the gate half
+        out = self.down_proj(self.act_fn(up))  # [T, inter / tp] -> [T, hidden]
+        return out.mul_(self.down_multiplier) if self.down_multiplier != 1.0 else out

@@ -45,12 +45,14 @@ def _join(prefix: str, name: str) -> str:
 
 def stacked_params(arch: DecoderArchConfig) -> StackedParamsMap:
     """Checkpoint module -> (our fused module, shard): q/k/v into qkv_proj (not with latent attention, whose
-    q_proj is its own), gate/up into gate_up_proj."""
+    q_proj is its own), gate/up into gate_up_proj, separately stored delta-net convs into conv1d."""
     stacked: dict[str, tuple[str, str | int]] = {}
     if arch.mla is None:
         stacked |= {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v")}
     if arch.mlp.gated:
         stacked |= {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    if arch.gated_delta_net is not None and arch.gated_delta_net.projection_layout == "separate":
+        stacked |= {f"{x}_conv1d": ("conv1d", i) for i, x in enumerate("qkv")}  # the delta net's q, k, v convs
     return stacked
 
 
