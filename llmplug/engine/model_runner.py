@@ -18,6 +18,7 @@ from llmplug.engine.sampler import Sampler
 from llmplug.engine.sampling_state import SamplingState
 from llmplug.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from llmplug.layers.attention import bind_kv_cache
+from llmplug.layers.compiled_forward import CompiledForward
 from llmplug.layers.forward_context import CommonAttentionMetadata, forward_context
 from llmplug.loaders import resolve_load_format
 
@@ -77,12 +78,20 @@ class ModelRunner:
         loader = get_registry().load("llmplug.loaders", fmt)(self.config.load)
         self.model = loader.load_model(self.config, device=self.device)
         self.stage = PipelineStage(self.model)
+        # what a step calls: the model, or its forward captured by torch.compile (device.compile)
+        self.forward: Callable[..., object] = CompiledForward(self.model) if self.config.device.compile else self.model
         self.hf_config = loader.load_hf_config(self.config.model)
         self.sampling_state = SamplingState(vocab_size=self.hf_config.vocab_size, device=self.device)
         # processors contributed by `llmplug.hooks` plugins apply to every request
         hook = get_registry().hook_manager().hook
         global_processors = [p for found in hook.llmplug_logits_processors(config=self.config) for p in found]
         self.sampler = Sampler(logits_processors=global_processors)
+
+    def drop_compiled_forward(self, why: str) -> None:
+        """Run the model eager from now on: a compiled (frozen) forward holds the weights it was compiled with."""
+        if self.forward is not self.model:
+            logger.info("%s: the compiled forward holds the old weights; running the model eager", why)
+            self.forward = self.model
 
     def kv_cache_spec(self) -> KVCacheSpec:
         """The shape of this worker's share of the KV cache."""
@@ -126,7 +135,7 @@ class ModelRunner:
         @torch.inference_mode()
         def run() -> None:
             with forward_context(self.attn_backend.build_metadata(batch.common)):
-                hidden_states = self.stage.run(self.model, batch.input_ids, batch.positions)
+                hidden_states = self.stage.run(self.forward, batch.input_ids, batch.positions)
             if hidden_states is not None:  # the last pipeline stage
                 torch.softmax(self.model.compute_logits(hidden_states[batch.sample_indices]), dim=-1)
 
@@ -204,7 +213,7 @@ class ModelRunner:
         batch = self.prepare_inputs(scheduler_output)
         attn_metadata = self.attn_backend.build_metadata(batch.common)
         with forward_context(attn_metadata):
-            hidden_states = self.stage.run(self.model, batch.input_ids, batch.positions)
+            hidden_states = self.stage.run(self.forward, batch.input_ids, batch.positions)
         if hidden_states is None:  # an earlier pipeline stage: the last one samples
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         prompt_logprobs = self._prompt_logprobs(scheduler_output, batch, hidden_states)
