@@ -39,3 +39,14 @@ def test_tensor_parallel_greedy_tokens_and_logprobs_match_transformers(parity: P
 @pytest.mark.parametrize("name", PP_CASES)
 def test_pipeline_parallel_greedy_tokens_and_logprobs_match_transformers(parity: ParityRunner, name: str) -> None:
     parity.check(BY_NAME[name], "pp2")
+
+
+# torch.compile costs tens of CPU-seconds per model here: a few families that cover the shared blocks
+# (GQA + rotary + gated MLP; window + soft-cap + sandwich norms; ALiBi + LayerNorm + fused qkv)
+COMPILED_CASES = ["LlamaForCausalLM", "Gemma2ForCausalLM", "BloomForCausalLM"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", COMPILED_CASES)
+def test_compiled_forward_greedy_tokens_and_logprobs_match_transformers(parity: ParityRunner, name: str) -> None:
+    parity.check(BY_NAME[name], "compiled")
