@@ -4,7 +4,10 @@
     python benchmarks/throughput.py                       # the embedded default model (GGUF)
     python benchmarks/throughput.py --model DIR --num-prompts 32 --output-len 128
 
-Reports output tokens/s of each engine for a batch of prompts and for one stream, and the ratios.
+Reports output tokens/s of each engine for a batch of prompts and for one stream, llmplug's prefill
+tokens/s (prompt tokens of the batch, one output token each), and the ratios; with --compile also
+llmplug with `device.compile` (its compile is paid in the warm-up, not timed). llmplug's rows also give
+tokens per CPU-second of the process, a measure less swayed by other jobs on a shared machine.
 """
 
 from __future__ import annotations
@@ -35,17 +38,20 @@ def make_prompts(tokenizer, num_prompts: int) -> list[list[int]]:
 
 
 def bench_llmplug(model: str, prompts: list[list[int]], output_len: int, dtype: str,
-                  quantization: str = "none", **engine) -> float:
+                  quantization: str = "none", **engine) -> tuple[float, float]:
+    """Output tok/s of llmplug, by wall clock and by this process's CPU time."""
     from llmplug import LLM, SamplingParams
 
-    llm = LLM(model=model, dtype=dtype, max_num_seqs=max(len(prompts), 1), quantization=quantization, **engine)
+    llm = LLM(model=model, dtype=dtype, max_num_seqs=max(len(prompts), 1), quantization=quantization,
+              enable_prefix_caching=False, **engine)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     llm.shutdown()
-    return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs) if output_len > 1 else sum(map(len, prompts))
+    return tokens / elapsed, tokens / cpu
 
 
 def load_hf(model: str, dtype: str):
@@ -90,6 +96,7 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--skip-hf-batch", action="store_true", help="skip HF generate_batch (continuous batching)")
+    ap.add_argument("--compile", action="store_true", help="also time llmplug with device.compile (torch.compile)")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args()
 
@@ -110,14 +117,21 @@ def main() -> int:
           f"threads={torch.get_num_threads()}", flush=True)
     rows = {}
 
-    def record(name: str, tps: float) -> None:
+    def record(name: str, tps: float, cpu_tps: float | None = None) -> None:
         rows[name] = tps
-        print(f"{name:28s} {tps:8.1f} output tok/s", flush=True)  # as it goes: a later hang loses nothing
+        cpu = "" if cpu_tps is None else f"  ({cpu_tps:8.1f} per CPU-second of this process)"
+        if cpu_tps is not None:
+            rows[name + " (cpu)"] = cpu_tps
+        print(f"{name:28s} {tps:8.1f} tok/s{cpu}", flush=True)  # as it goes: a later hang loses nothing
 
-    record("llmplug batch", bench_llmplug(model, batch, args.output_len, args.dtype))
-    record("llmplug single", bench_llmplug(model, single, args.output_len, args.dtype))
+    variants = {"llmplug": {}} | ({"llmplug compiled": {"device.compile": True}} if args.compile else {})
+    for name, engine in variants.items():
+        # prefill: prompt tokens per second of steps that only prefill (1 output token, cache off)
+        record(f"{name} prefill", *bench_llmplug(model, batch, 1, args.dtype, **engine))
+        record(f"{name} batch", *bench_llmplug(model, batch, args.output_len, args.dtype, **engine))
+        record(f"{name} single", *bench_llmplug(model, single, args.output_len, args.dtype, **engine))
     if model.endswith(".gguf"):  # the GGUF's own 4-bit blocks, as llama.cpp runs them
-        record("llmplug single int4", bench_llmplug(model, single, args.output_len, args.dtype, "auto"))
+        record("llmplug single int4", *bench_llmplug(model, single, args.output_len, args.dtype, "auto"))
     record("hf generate batch", bench_hf_generate(hf, batch, args.output_len, pad_id))
     record("hf generate single", bench_hf_generate(hf, single, args.output_len, pad_id))
     if not args.skip_hf_batch:
@@ -127,6 +141,10 @@ def main() -> int:
         "batch: llmplug / hf generate": rows["llmplug batch"] / rows["hf generate batch"],
         "single: llmplug / hf generate": rows["llmplug single"] / rows["hf generate single"],
     }
+    if args.compile:
+        for kind in ("prefill", "batch", "single"):
+            for clock in ("", " (cpu)"):
+                ratios[f"{kind}: compiled / eager{clock}"] = rows[f"llmplug compiled {kind}{clock}"] / rows[f"llmplug {kind}{clock}"]
     if "hf generate_batch batch" in rows:
         ratios["batch: llmplug / hf generate_batch"] = rows["llmplug batch"] / rows["hf generate_batch batch"]
     for name, r in ratios.items():
