@@ -38,3 +38,19 @@ def run_python(code: str, site: Path, env: dict[str, str] | None = None, timeout
                           env={**inherited, "PYTHONPATH": str(site), **(env or {})}, timeout=timeout)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def use_site(site: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Make the plugins pip-installed into `site` importable and discoverable, with no allow-list from the environment."""
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.delenv(ENABLED_ENV, raising=False)
+    return site
+
+
+def save_as_npz(tiny, folder: Path) -> Path:
+    """A tiny model's config.json and its weights as weights.npz (HF names): what the toy_loader example reads."""
+    import numpy as np
+
+    shutil.copy(tiny.path / "config.json", folder)
+    np.savez(folder / "weights.npz", **{name: t.numpy() for name, t in tiny.hf_model.state_dict().items()})
+    return folder

@@ -96,6 +96,13 @@ class ParallelConfig(_Section):
     tensor_parallel_size: int = Field(1, gt=0, description="Ranks that split each layer.")
     pipeline_parallel_size: int = Field(1, gt=0, description="Ranks that split the layer stack.")
     data_parallel_size: int = Field(1, gt=0, description="Independent engine replicas.")
+    enable_expert_parallel: bool = Field(
+        False,
+        description=(
+            "Mixture-of-experts layers: each tensor-parallel rank holds whole experts (a share of them) instead of "
+            "a slice of every expert; the same one all-reduce per layer either way."
+        ),
+    )
     executor: str | None = Field(
         None,
         description=(
@@ -270,6 +277,7 @@ ALIASES: dict[str, str] = {
     "tensor_parallel_size": "parallel.tensor_parallel_size",
     "pipeline_parallel_size": "parallel.pipeline_parallel_size",
     "data_parallel_size": "parallel.data_parallel_size",
+    "enable_expert_parallel": "parallel.enable_expert_parallel",
     "distributed_executor_backend": "parallel.executor",
     "load_format": "load.format",
     "download_dir": "load.download_dir",
@@ -497,8 +505,12 @@ def _nest(merged: dict[str, _Setting]) -> tuple[dict[str, dict[str, Any]], dict[
 
 
 def _run_hooks(nested: dict[str, Any], sources: dict[str, str]) -> None:
-    """Let `llmplug_adjust_config` hooks edit the merged dict; the fields they change name the hook as source."""
-    from llmplug.core.plugins import PluginRegistry, get_registry, set_registry  # lazy: plugins imports config
+    """Let `llmplug_adjust_config` hooks edit the merged dict; the fields they change name the hook as source.
+
+    The hooks are those of the registry this very config builds (its allow-list), not the process's: two
+    configs loaded in one process never see each other's plugins.
+    """
+    from llmplug.core.plugins import PluginRegistry  # lazy: plugins imports config
 
     # The allow-list decides which plugins' hooks run, so it is validated and applied first.
     plugin_config = _validate(PluginConfig, nested["plugins"], sources, prefix="plugins")
@@ -507,9 +519,8 @@ def _run_hooks(nested: dict[str, Any], sources: dict[str, str]) -> None:
     except PluginError as exc:  # e.g. a malformed plugins.prefer key: say which source set it
         where = ", ".join(sorted({sources["plugins.enabled"], sources["plugins.prefer"]} - {"default"}))
         raise ConfigError(f"{exc} (plugins config from {where or 'default'})") from None
-    set_registry(registry)
     before = copy.deepcopy(nested)
-    get_registry().hook_manager().hook.llmplug_adjust_config(config=nested)
+    registry.hook_manager().hook.llmplug_adjust_config(config=nested)
     _attribute_changes(before, nested, sources)
 
 

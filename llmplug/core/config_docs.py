@@ -32,7 +32,8 @@ applies that order; `order` lists the sources lowest first, so a caller whose ke
 beat its file passes `order=("file", "kwargs", "cli")`. Dict fields (`model.hf_overrides`, `load.extra`,
 `plugins.prefer`) are replaced as a whole, not merged. After merging, the `llmplug_adjust_config` hooks
 of the allowed `llmplug.hooks` plugins may edit the merged dict (the `plugins` section is applied first,
-so the allow-list decides whose hooks run); then the whole config is validated once.
+so the allow-list decides whose hooks run: those of the registry this config builds, never the process's
+or another engine's); then the whole config is validated once.
 `llmplug config` prints the result with the source of every value.
 
 ## Keys

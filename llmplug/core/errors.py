@@ -48,3 +48,8 @@ class EngineDeadError(LlmplugError):
 
 class EngineStateError(LlmplugError, RuntimeError):
     """The engine cannot do this now (it is asleep, or requests are running); the message says what to do."""
+
+
+class StartupError(LlmplugError, RuntimeError):
+    """The engine cannot be started this way (e.g. worker processes from a script's unguarded top level);
+    the message says what to change."""

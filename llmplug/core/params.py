@@ -114,6 +114,9 @@ def _parse_json(text: str, name: str) -> dict | bool:
         raise InvalidRequestError(f"guided_decoding.{name} is not valid JSON: {exc}") from None
 
 
+# Found by fuzzing the server: a penalty of 5e-324 is "positive and finite" yet divides logits into inf.
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+
 @dataclass
 class SamplingParams:
     """How to sample the completion of one prompt (names and defaults follow vLLM)."""
@@ -168,7 +171,9 @@ class SamplingParams:
             (0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]"),
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),
-            (0.0 < self.repetition_penalty < math.inf, "repetition_penalty", "must be positive and finite"),
+            (REPETITION_PENALTY_RANGE[0] <= self.repetition_penalty <= REPETITION_PENALTY_RANGE[1],
+             "repetition_penalty", "must be in [0.01, 100] (1: none); beyond, the logits it divides or multiplies "
+             "leave float32's range and no token can be sampled"),
             (self.min_tokens >= 0, "min_tokens", "must be non-negative"),
             (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be at least 1"),
             (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens", "must not exceed max_tokens"),

@@ -5,8 +5,11 @@ point is loaded with stevedore; the modules of `llmplug.hooks` are all registere
 pluggy PluginManager. Listing reads distribution metadata only and imports no plugin module;
 `load` imports only the plugin asked for.
 
-Every process builds its registry from the same `PluginConfig` (`PluginRegistry.from_config`) and
-installs it with `set_registry`, so the engine and its workers see the same plugins.
+Each engine owns the registry built from its config (`PluginRegistry.from_config`) and passes it
+explicitly to what it builds (executor, workers, loaders, guided decoding, platform choice); worker
+processes get a pickled copy, which carries the allow-list as the engine resolved it, so it means the
+same in every process. Two engines in one process share no plugin state. The process-wide registry
+(`get_registry`) serves what runs outside an engine: `llmplug plugins`, standalone helpers.
 """
 
 from __future__ import annotations
@@ -344,7 +347,8 @@ class PluginRegistry:
         return cls(enabled=enabled, prefer=dict(plugin_config.prefer))
 
     def __reduce__(self) -> tuple[type, tuple[Any, ...]]:
-        # A worker gets the same allow-list and preferences and rediscovers on its own.
+        # A worker gets the same allow-list (as resolved here, LLMPLUG_PLUGINS included) and preferences
+        # and rediscovers on its own.
         return (type(self), (self.enabled, self.prefer))
 
     def __repr__(self) -> str:
@@ -590,7 +594,7 @@ def get_registry() -> PluginRegistry:
 
 
 def set_registry(registry: PluginRegistry) -> None:
-    """Install the registry built from the engine config (engine process and each worker)."""
+    """Replace the process-wide registry (what `get_registry` and `load_plugin` use; engines have their own)."""
     global _registry
     with _registry_lock:
         _registry = registry

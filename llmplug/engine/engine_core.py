@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Iterable
 
 from llmplug.core.config import EngineConfig
 from llmplug.core.errors import ConfigError, EngineDeadError, EngineStateError
-from llmplug.core.plugins import get_registry
+from llmplug.core.plugins import PluginRegistry
 from llmplug.engine.guided_decoding import grammar_bitmask, wait_for_any
 from llmplug.engine.kv_cache import KVCacheManager
 from llmplug.engine.output_processor import EngineCoreOutput
@@ -28,10 +28,10 @@ GRAMMAR_WAIT_S = 0.05  # longest a step with nothing else to do waits for a gram
 class EngineCore:
     """Owns the scheduler, the KV-cache manager and the executor; one `step()` is one forward pass."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, registry: PluginRegistry):
         self.config = config
-        executor_cls = get_registry().load("llmplug.executors", config.parallel.executor)
-        self.executor = executor_cls(config)
+        executor_cls = registry.load("llmplug.executors", config.parallel.executor)
+        self.executor = executor_cls(config, registry=registry)
         self.model_info = self.executor.collective_rpc("model_info")[0]
         self.max_model_len = self._resolve_max_model_len()
         num_blocks = self._num_blocks()

@@ -26,7 +26,7 @@ import torch
 from llmplug.core.config import DecodingConfig
 from llmplug.core.errors import InvalidRequestError, PluginError
 from llmplug.core.params import GuidedDecodingParams
-from llmplug.core.plugins import get_registry
+from llmplug.core.plugins import PluginRegistry, get_registry
 from llmplug.core.protocols import CompiledGrammar, GrammarMatcher, GuidedDecodingBackend
 
 if TYPE_CHECKING:
@@ -107,16 +107,20 @@ def wait_for_any(grammars: Sequence[RequestGrammar], timeout: float) -> None:
 
 
 class GuidedDecodingManager:
-    """Backends, validation, the compile thread pool and the compiled-grammar cache of one engine."""
+    """Backends, validation, the compile thread pool and the compiled-grammar cache of one engine.
+
+    Backends come from `registry`, the engine's (default, outside an engine: the process-wide one).
+    """
 
     def __init__(
         self, tokenizer: Any | None, vocab_size: int, eos_token_id: int | None, config: DecodingConfig,
-        max_workers: int = 2,
+        registry: PluginRegistry | None = None, max_workers: int = 2,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self.config = config
+        self.registry = registry or get_registry()
         self._backends: dict[str, GuidedDecodingBackend] = {}
         self._cache: OrderedDict[tuple, Future[CompiledGrammar]] = OrderedDict()
         self._lock = threading.Lock()  # the cache is also touched by the pool's done-callbacks
@@ -190,7 +194,7 @@ class GuidedDecodingManager:
         """The backend registered as `name`, built on first use (InvalidRequestError when unknown or broken)."""
         if name not in self._backends:
             try:
-                cls = get_registry().load(GROUP, name)
+                cls = self.registry.load(GROUP, name)
             except PluginError as exc:
                 raise InvalidRequestError(f"guided decoding backend {name!r} is not available: {exc}") from exc
             self._backends[name] = cls(self.tokenizer, self.vocab_size, self.eos_token_id)
@@ -198,7 +202,7 @@ class GuidedDecodingManager:
 
     def _installed(self) -> list[GuidedDecodingBackend]:
         """Every backend that loads here, in `auto` order."""
-        names = get_registry().names(GROUP)
+        names = self.registry.names(GROUP)
         ordered = [n for n in AUTO_ORDER if n in names] + sorted(n for n in names if n not in AUTO_ORDER)
         installed = []
         for name in ordered:

@@ -37,7 +37,17 @@ class LLM:
             # keyword arguments given to LLM override the file they come with
             resolved = load_config(kwargs=kwargs, file=config, order=("file", "kwargs", "cli"))
             engine_config = resolved.config
-        self.llm_engine = LLMEngine(engine_config)
+        self._start(LLMEngine(engine_config))
+
+    @classmethod
+    def from_engine(cls, llm_engine: LLMEngine) -> "LLM":
+        """Wrap an existing LLMEngine, e.g. one built with a plugin registry of the caller's making."""
+        self = cls.__new__(cls)
+        self._start(llm_engine)
+        return self
+
+    def _start(self, llm_engine: LLMEngine) -> None:
+        self.llm_engine = llm_engine
         self._ids = itertools.count()
 
     @property

@@ -9,18 +9,19 @@ from typing import Any
 from llmplug.core.config import EngineConfig
 from llmplug.core.outputs import RequestOutput
 from llmplug.core.params import SamplingParams
-from llmplug.core.plugins import get_registry
+from llmplug.core.plugins import PluginRegistry
 from llmplug.engine.engine_core import EngineCore
 from llmplug.engine.guided_decoding import GuidedDecodingManager, RequestGrammar
 from llmplug.engine.input_processor import InputProcessor, PromptType
 from llmplug.engine.output_processor import OutputProcessor
 from llmplug.engine.request_limits import RequestLimits
 from llmplug.engine.request import Request, RequestStatus
+from llmplug.loaders import build_loader
 
 logger = logging.getLogger(__name__)
 
 
-def prepare_config(config: EngineConfig) -> EngineConfig:
+def prepare_config(config: EngineConfig, registry: PluginRegistry) -> EngineConfig:
     """Resolve what the workers must agree on: the model path, the platform's dtype and backends."""
     from llmplug.loaders import resolve_load_format
     from llmplug.loaders.default_model import resolve_model_path
@@ -33,7 +34,7 @@ def prepare_config(config: EngineConfig) -> EngineConfig:
         parallel.executor = "uniproc" if one_worker else "multiproc"
     config.model.model = resolve_model_path(config.model.model)
     config.load.format = resolve_load_format(config.model.model, config.load.format)
-    platform = resolve_platform(config.device.platform)
+    platform = resolve_platform(config.device.platform, registry)
     config.device.platform = platform.name
     platform.check_and_update_config(config)
     return config
@@ -52,22 +53,28 @@ def child_params(params: SamplingParams, index: int) -> SamplingParams:
 
 
 class LLMEngine:
-    """Tokenizes prompts, drives the EngineCore and turns its token updates into RequestOutputs."""
+    """Tokenizes prompts, drives the EngineCore and turns its token updates into RequestOutputs.
 
-    def __init__(self, config: EngineConfig):
-        self.config = prepare_config(config)
-        loader = get_registry().load("llmplug.loaders", self.config.load.format)(self.config.load)
+    The engine owns `registry`, the plugins its config allows (built from `config.plugins` unless given),
+    and hands it to everything it builds; no other engine in the process sees it.
+    """
+
+    def __init__(self, config: EngineConfig, registry: PluginRegistry | None = None):
+        self.registry = registry or PluginRegistry.from_config(config.plugins)
+        self.config = prepare_config(config, self.registry)
+        loader = build_loader(self.registry, self.config.load.format, self.config.load)
         loader.download_model(self.config.model)  # once, here, before any worker starts (ModelLoader protocol)
         self.tokenizer = None if self.config.model.skip_tokenizer_init else loader.load_tokenizer(self.config.model)
-        self.engine_core = EngineCore(self.config)
+        self.engine_core = EngineCore(self.config, self.registry)
         info = self.engine_core.model_info
         limits = RequestLimits.of(info["vocab_size"], self.engine_core.max_model_len, self.config.decoding)
         self.processor = InputProcessor(self.tokenizer, limits)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_ids = self._eos_token_ids(loader.load_generation_config(self.config.model))
         self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None  # the tokenizer's, if it has one
-        self.guided = GuidedDecodingManager(self.tokenizer, info["vocab_size"], self.eos_token_id, self.config.decoding)
-        self.hooks = get_registry().hook_manager().hook
+        self.guided = GuidedDecodingManager(self.tokenizer, info["vocab_size"], self.eos_token_id, self.config.decoding,
+                                            self.registry)
+        self.hooks = self.registry.hook_manager().hook
 
     def _eos_token_ids(self, generation_config: dict[str, Any]) -> tuple[int, ...]:
         """Every end-of-sequence id the model declares (as vLLM): the tokenizer's, the model config's and the

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -12,7 +13,7 @@ import numpy as np
 import torch
 
 from llmplug.core.config import EngineConfig
-from llmplug.core.plugins import get_registry
+from llmplug.core.plugins import PluginRegistry
 from llmplug.engine.pipeline_stage import PipelineStage
 from llmplug.engine.sampler import Sampler
 from llmplug.engine.sampling_state import SamplingState
@@ -20,7 +21,7 @@ from llmplug.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest,
 from llmplug.layers.attention import bind_kv_cache
 from llmplug.layers.compiled_forward import CompiledForward
 from llmplug.layers.forward_context import CommonAttentionMetadata, forward_context
-from llmplug.loaders import resolve_load_format
+from llmplug.loaders import build_loader, resolve_load_format
 
 logger = logging.getLogger(__name__)
 
@@ -32,16 +33,14 @@ class KVCacheSpec:
     """What one KV block costs and how many layers hold one."""
 
     num_layers: int
-    num_kv_heads: int
-    head_dim: int
+    block_elements: int  # cache elements of one block summed over the layers (layers may differ: MLA's latent)
     dtype: torch.dtype
     block_size: int
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block across all layers (K and V)."""
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+        """Bytes of one block across all layers (K and V, or a latent layer's keys only)."""
+        return self.block_elements * torch.empty((), dtype=self.dtype).element_size()
 
 
 @dataclass(slots=True)
@@ -58,13 +57,14 @@ class BatchInputs:
 class ModelRunner:
     """Owns the model, its KV cache and the sampler of one worker."""
 
-    def __init__(self, config: EngineConfig, device: torch.device):
+    def __init__(self, config: EngineConfig, device: torch.device, registry: PluginRegistry):
         self.config = config
         self.device = device
+        self.registry = registry
         self.block_size = config.cache.block_size
         self.dtype = getattr(torch, config.model.dtype)
         self.model: torch.nn.Module | None = None
-        self.attn_backend = get_registry().load("llmplug.attention", config.device.attention_backend or "torch_sdpa")
+        self.attn_backend = registry.load("llmplug.attention", config.device.attention_backend or "torch_sdpa")
         self.sampling_state: SamplingState | None = None  # needs the vocabulary size: built by load_model
         self.sampler: Sampler | None = None
         self.prompt_token_ids: dict[str, list[int]] = {}
@@ -75,7 +75,7 @@ class ModelRunner:
     def load_model(self) -> None:
         """Build the model with the configured loader and load its weights."""
         fmt = resolve_load_format(self.config.model.model, self.config.load.format)
-        loader = get_registry().load("llmplug.loaders", fmt)(self.config.load)
+        loader = build_loader(self.registry, fmt, self.config.load)
         self.model = loader.load_model(self.config, device=self.device)
         self.stage = PipelineStage(self.model)
         # what a step calls: the model, or its forward captured by torch.compile (device.compile)
@@ -83,7 +83,7 @@ class ModelRunner:
         self.hf_config = loader.load_hf_config(self.config.model)
         self.sampling_state = SamplingState(vocab_size=self.hf_config.vocab_size, device=self.device)
         # processors contributed by `llmplug.hooks` plugins apply to every request
-        hook = get_registry().hook_manager().hook
+        hook = self.registry.hook_manager().hook
         global_processors = [p for found in hook.llmplug_logits_processors(config=self.config) for p in found]
         self.sampler = Sampler(logits_processors=global_processors)
 
@@ -96,8 +96,8 @@ class ModelRunner:
     def kv_cache_spec(self) -> KVCacheSpec:
         """The shape of this worker's share of the KV cache."""
         attn_layers = self._attention_layers()
-        first = attn_layers[0]
-        return KVCacheSpec(len(attn_layers), first.num_kv_heads, first.head_dim, self.dtype, self.block_size)
+        shapes = [self.attn_backend.layer_kv_cache_shape(layer, 1, self.block_size) for layer in attn_layers]
+        return KVCacheSpec(len(attn_layers), sum(math.prod(shape) for shape in shapes), self.dtype, self.block_size)
 
     def _attention_layers(self) -> list[torch.nn.Module]:
         from llmplug.layers.attention import Attention
@@ -106,9 +106,11 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate one cache tensor per attention layer and bind them to the layers."""
-        spec = self.kv_cache_spec()
-        shape = self.attn_backend.kv_cache_shape(num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
-        caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(spec.num_layers)]
+        shapes = [
+            self.attn_backend.layer_kv_cache_shape(layer, num_blocks, self.block_size)
+            for layer in self._attention_layers()
+        ]
+        caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for shape in shapes]
         bind_kv_cache(self.model, caches, self.attn_backend)
         self.num_blocks = num_blocks
 

@@ -177,7 +177,9 @@ class Sampler:
         while True:
             above = mass_above(probs, tokens[rows], out=self._buffer("a", rows.numel(), probs))  # [A, V]
             chosen = probs.gather(1, tokens[rows, None]).squeeze(1)  # [A]
-            inside = (above.sum(dim=-1) * chosen < top_p * total) | done
+            mass = above.sum(dim=-1) * chosen  # [A], of the strictly more likely tokens
+            # the most likely token is always inside, also when top_p rounds to 0 in float32 (else: no end)
+            inside = (mass < top_p * total) | (mass == 0) | done
             if bool(inside.all()):
                 return tokens
             redraw = (~inside).nonzero().squeeze(1)  # [A']

@@ -13,7 +13,7 @@ from llmplug.communicators.parallel_state import (
     initialize_model_parallel,
 )
 from llmplug.core.config import EngineConfig
-from llmplug.core.plugins import get_registry
+from llmplug.core.plugins import PluginRegistry
 from llmplug.engine.memory_profiling import MemoryProfile, kv_cache_bytes
 from llmplug.engine.model_runner import ModelRunner
 from llmplug.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -30,11 +30,15 @@ class Worker:
 
     `distributed_env` (rank, world size, how to meet the other ranks) is given when the worker is one
     of several; the worker then joins the world and builds the TP/PP/DP groups before the model.
+    `registry` is the engine's plugin registry (or its copy in this process); default: the one
+    `config.plugins` builds.
     """
 
-    def __init__(self, config: EngineConfig, distributed_env: DistributedEnv | None = None):
+    def __init__(self, config: EngineConfig, distributed_env: DistributedEnv | None = None,
+                 registry: PluginRegistry | None = None):
         self.config = config
         self.distributed_env = distributed_env
+        self.registry = registry or PluginRegistry.from_config(config.plugins)
         self.rank = distributed_env.rank if distributed_env else 0
         self.local_rank = distributed_env.local_rank if distributed_env else 0
         self.model_runner: ModelRunner | None = None
@@ -44,7 +48,7 @@ class Worker:
         """Choose this rank's device from the devices it can see, join the process groups, seed its RNGs."""
         from llmplug.platforms import resolve_platform
 
-        self.platform = resolve_platform(self.config.device.platform)
+        self.platform = resolve_platform(self.config.device.platform, self.registry)
         index = self.platform.visible_device_index(self.local_rank)
         self.platform.set_device(index)
         self.device = self.platform.device(index)
@@ -53,12 +57,12 @@ class Worker:
         if self.distributed_env is not None:
             self._init_distributed()
         self.platform.seed_everything(self.config.model.seed)
-        self.model_runner = ModelRunner(self.config, self.device)
+        self.model_runner = ModelRunner(self.config, self.device, self.registry)
 
     def _init_distributed(self) -> None:
         """Join the world with the platform's backend and communicator, then build the parallel groups."""
         self.platform.prepare_distributed()
-        communicator_cls = get_registry().load("llmplug.communicators", self.platform.get_communicator())
+        communicator_cls = self.registry.load("llmplug.communicators", self.platform.get_communicator())
         init_distributed_environment(
             self.distributed_env,
             backend=self.platform.distributed_backend,
@@ -67,7 +71,10 @@ class Worker:
         )
         parallel = self.config.parallel
         initialize_model_parallel(
-            parallel.tensor_parallel_size, parallel.pipeline_parallel_size, parallel.data_parallel_size
+            parallel.tensor_parallel_size,
+            parallel.pipeline_parallel_size,
+            parallel.data_parallel_size,
+            parallel.enable_expert_parallel,
         )
 
     def load_model(self) -> None:

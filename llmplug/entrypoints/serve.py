@@ -26,6 +26,12 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                         "bursts up to N. Over it: 429 with Retry-After. Default: no limit.")
     g.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, metavar="BYTES",
                    help="Largest request body accepted (413 beyond). Default: 8 MiB.")
+    g.add_argument("--max-waiting-requests", type=_positive, default=1024, metavar="N",
+                   help="Most requests (counted as sequences: n per request) waiting for a place in the running "
+                        "batch; past it: 503 with Retry-After. Default: 1024.")
+    g.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE",
+                   help="Jinja chat template for every chat request: a file, or the template text itself. "
+                        "Clients cannot override it. Default: the model's own.")
     g.add_argument("--served-model-name", action="append", metavar="NAME",
                    help="Name clients use as `model` (repeatable). Default: the model as given.")
     g.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
@@ -45,6 +51,13 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                         "name (in tree: deepseek_r1, qwen3). Structured output then constrains the answer only. "
                         "Default: none.")
     add_engine_args(parser, model_positional=True)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
 
 
 def _run_serve(args: argparse.Namespace) -> int:

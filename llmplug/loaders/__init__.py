@@ -1,16 +1,34 @@
 """Weight loaders, one per `load.format` (the `llmplug.loaders` entry-point group).
 
-Exports `resolve_load_format`, which turns `load.format: auto` into a registered name. The loader
-classes live in their modules (`base.BaseModelLoader`, `default.DefaultLoader`, `dummy.DummyLoader`,
-`gguf`, ...) and are reached through the registry.
+Exports `resolve_load_format`, which turns `load.format: auto` into a registered name, and
+`build_loader`, which makes the loader of a format from an engine's registry. The loader classes live
+in their modules (`base.BaseModelLoader`, `default.DefaultLoader`, `dummy.DummyLoader`, `gguf`, ...)
+and are reached through the registry.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["resolve_load_format"]
+if TYPE_CHECKING:
+    from llmplug.core.config import LoadConfig
+    from llmplug.core.plugins import PluginRegistry
+
+__all__ = ["build_loader", "resolve_load_format"]
+
+
+def build_loader(registry: PluginRegistry, fmt: str, load_config: LoadConfig) -> Any:
+    """The loader registered as `fmt`, constructed with `load_config`; a BaseModelLoader also gets
+    `registry` (where it finds the model class). A loader implementing only the ModelLoader protocol is
+    constructed as the protocol says, with the load config alone."""
+    from llmplug.loaders.base import BaseModelLoader
+
+    cls = registry.load("llmplug.loaders", fmt)
+    if isinstance(cls, type) and issubclass(cls, BaseModelLoader):
+        return cls(load_config, registry=registry)
+    return cls(load_config)
 
 _CHECKPOINT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
     from llmplug.core.config import EngineConfig, LoadConfig, ModelConfig
+    from llmplug.core.plugins import PluginRegistry
 
 __all__ = [
     "BaseModelLoader",
@@ -77,10 +78,15 @@ def hf_cache_snapshot(name: str, cache_dir: str | None) -> str:
 
 
 class BaseModelLoader(abc.ABC):
-    """Shared steps of every loader; constructed with the engine's LoadConfig in each process."""
+    """Shared steps of every loader; constructed with the engine's LoadConfig in each process.
 
-    def __init__(self, load_config: "LoadConfig") -> None:
+    `registry` is the engine's plugin registry, where the model class is looked up; default (a loader
+    used outside an engine): the process-wide one.
+    """
+
+    def __init__(self, load_config: "LoadConfig", registry: "PluginRegistry | None" = None) -> None:
         self.load_config = load_config
+        self.registry = registry
 
     # ---- locating the model -------------------------------------------------------------------
     def model_path(self, name: str) -> str:
@@ -139,7 +145,7 @@ class BaseModelLoader(abc.ABC):
         architectures = getattr(hf_config, "architectures", None) or []
         if not architectures:
             raise ModelLoadError("the model's config.json lists no `architectures`; set it via hf_overrides")
-        return get_registry().load("llmplug.models", architectures[0])
+        return (self.registry or get_registry()).load("llmplug.models", architectures[0])
 
     # ---- weights ---------------------------------------------------------------------------------
     @abc.abstractmethod

@@ -66,13 +66,13 @@ def tensorize_model(config: "EngineConfig", out_dir: str | Path) -> Path:
     from tensorizer import TensorSerializer
     from tensorizer.serialization import TensorType
 
-    from llmplug.core.plugins import get_registry
-    from llmplug.loaders import resolve_load_format
+    from llmplug.core.plugins import PluginRegistry
+    from llmplug.loaders import build_loader, resolve_load_format
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     fmt = resolve_load_format(config.model.model, config.load.format)
-    loader: BaseModelLoader = get_registry().load("llmplug.loaders", fmt)(config.load)
+    loader: BaseModelLoader = build_loader(PluginRegistry.from_config(config.plugins), fmt, config.load)
     loader.load_hf_config(config.model).save_pretrained(out)
     _save_tokenizer(loader, config.model, out)
     serializer = TensorSerializer(str(out / TENSORS_FILE))

@@ -26,14 +26,6 @@ REPO = Path(__file__).resolve().parents[2]
 TOY_HOOKS = REPO / "tests" / "plugins" / "toy_hooks"
 
 
-@pytest.fixture(autouse=True)
-def _keep_registry():
-    """load_config installs a registry built from the config; give the next test the one it had."""
-    before = plugins.get_registry()
-    yield
-    plugins.set_registry(before)
-
-
 def _write(path: Path, text: str) -> Path:
     path.write_text(text, encoding="utf-8")
     return path
@@ -215,15 +207,11 @@ def test_an_unknown_flag_in_cli_suggests_the_closest_flag():
 # --- plugin hooks ----------------------------------------------------------------------------------------
 
 
-def test_the_plugins_section_sets_the_registry_before_hooks():
-    load_config(kwargs={"plugins": {"enabled": ["some-dist"]}})
-    assert plugins.get_registry().enabled == ["some-dist"]
-
-
-def test_without_hooks_the_registry_is_left_alone():
+def test_loading_a_config_leaves_the_process_registry_alone():
     before = plugins.get_registry()
-    load_config(kwargs={"plugins": {"enabled": ["some-dist"]}}, apply_hooks=False)
-    assert plugins.get_registry() is before
+    for apply_hooks in (True, False):
+        load_config(kwargs={"plugins": {"enabled": ["some-dist"]}}, apply_hooks=apply_hooks)
+        assert plugins.get_registry() is before
 
 
 def test_a_malformed_plugins_prefer_key_names_its_source(tmp_path):

@@ -9,8 +9,9 @@ from llmplug import LLM, SamplingParams
 from llmplug.core.config import EngineConfig, ModelConfig
 from llmplug.core.errors import InvalidRequestError
 from llmplug.core.hookspecs import hookimpl
-from llmplug.core.plugins import get_registry
+from llmplug.core.plugins import PluginRegistry
 from llmplug.core.protocols import LogitsProcessor
+from llmplug.engine.llm_engine import LLMEngine
 from tests.models.tiny_models import make_tiny
 
 PROMPTS = [{"prompt_token_ids": [5, 17, 42]}, {"prompt_token_ids": [200, 3]}]
@@ -52,9 +53,12 @@ def generate(llm: LLM, params) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
 
+def tiny_config(tiny) -> EngineConfig:
+    return EngineConfig(model=ModelConfig(model=str(tiny.path), dtype="float32", skip_tokenizer_init=True))
+
+
 def make_llm(tiny) -> LLM:
-    # a ready EngineConfig: loading one from keywords would install a fresh registry (and hook manager)
-    return LLM(config=EngineConfig(model=ModelConfig(model=str(tiny.path), dtype="float32", skip_tokenizer_init=True)))
+    return LLM(config=tiny_config(tiny))
 
 
 def test_per_request_processor_applies_to_its_request_only(tiny):
@@ -68,12 +72,11 @@ def test_hook_processors_apply_to_every_request(tiny):
     greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     before = generate(make_llm(tiny), greedy)
     plugin = BanTokens({ids[0] for ids in before})
-    get_registry().hook_manager().register(plugin)
-    try:
-        after = generate(make_llm(tiny), greedy)  # the hook is asked when the worker loads the model
-    finally:
-        get_registry().hook_manager().unregister(plugin)
+    registry = PluginRegistry()  # the engine's own: the plugin reaches no other engine
+    registry.hook_manager().register(plugin)
+    after = generate(LLM.from_engine(LLMEngine(tiny_config(tiny), registry)), greedy)  # asked at model load
     assert all(not set(plugin.banned) & set(ids) for ids in after)  # every request, not only the first
+    assert generate(make_llm(tiny), greedy) == before  # an engine with its own registry never sees the plugin
 
 
 def test_a_processor_must_be_callable():

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 import llmplug
-from llmplug.core import plugins
 from llmplug.core.config import EngineConfig, load_config
 from llmplug.entrypoints.cli import main
 from llmplug.entrypoints.engine_args import add_engine_args, config_from_args
@@ -27,14 +26,6 @@ parallel:
 decoding:
   guided_backend: xgrammar
 """
-
-
-@pytest.fixture(autouse=True)
-def _keep_registry():
-    """`llmplug config` installs a registry built from the config; restore the previous one."""
-    before = plugins.get_registry()
-    yield
-    plugins.set_registry(before)
 
 
 def _llmplug(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:

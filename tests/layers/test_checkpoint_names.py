@@ -85,6 +85,10 @@ def test_fused_bias_and_gate_up_split_and_conv1d_weights_transpose() -> None:
 def test_ignored_names_are_dropped_and_unknown_layouts_refused() -> None:
     names = CheckpointNames(ignored=("attn.masked_bias",))
     assert translate(names, {"h.0.attn.masked_bias": torch.ones(1)}, HeadLayout(1, 1, 1)) == {}
+    names = CheckpointNames(ignored_prefixes=("model.layers.2",))  # a layer after the model's own
+    kept = {"model.layers.20.mlp.weight": torch.ones(1), "model.layers.1.mlp.weight": torch.ones(1)}
+    weights = {"model.layers.2.mlp.weight": torch.ones(1), "model.layers.2": torch.ones(1), **kept}
+    assert set(translate(names, weights, HeadLayout(1, 1, 1))) == set(kept)  # whole components only
     with pytest.raises(ValueError, match="unknown fused layouts"):
         CheckpointNames(fused={"qkv_proj": "qkv_sideways"})
     with pytest.raises(Exception, match="as many KV heads as heads"):

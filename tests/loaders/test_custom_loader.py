@@ -8,18 +8,15 @@ import os
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 from huggingface_hub import scan_cache_dir
 from huggingface_hub.file_download import repo_folder_name
 
 from llmplug import LLM, SamplingParams
-from llmplug.core import plugins
 from llmplug.core.errors import ModelLoadError
-from llmplug.core.plugins import get_registry
 from tests.engine.test_llm import generate_ids, hf_greedy
 from tests.models.tiny_models import make_tiny
-from tests.plugin_examples import pip_install_examples, run_python
+from tests.plugin_examples import pip_install_examples, run_python, save_as_npz, use_site
 
 MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -38,9 +35,7 @@ def site(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def installed(site, monkeypatch) -> Path:
-    monkeypatch.syspath_prepend(str(site))
-    monkeypatch.delenv(plugins.ENABLED_ENV, raising=False)
-    return site
+    return use_site(site, monkeypatch)
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +46,7 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def npz_model(tiny, tmp_path_factory) -> Path:
     """The tiny Llama as config.json plus weights.npz (HF names), and no safetensors."""
-    folder = tmp_path_factory.mktemp("npz_model")
-    shutil.copy(tiny.path / "config.json", folder)
-    np.savez(folder / "weights.npz", **{name: t.numpy() for name, t in tiny.hf_model.state_dict().items()})
-    return folder
+    return save_as_npz(tiny, tmp_path_factory.mktemp("npz_model"))
 
 
 def expected(tiny) -> list[list[int]]:
@@ -79,7 +71,7 @@ def put_in_hf_cache(cache: Path, repo_id: str, folder: Path) -> Path:
 
 def test_the_installed_loader_is_chosen_by_load_format_and_generates_like_hf(installed, tiny, npz_model):
     llm = LLM(str(npz_model), **ENGINE)
-    [info] = [i for i in get_registry().infos("llmplug.loaders") if i.name == "npz"]
+    [info] = [i for i in llm.llm_engine.registry.infos("llmplug.loaders") if i.name == "npz"]
     assert (info.distribution, info.builtin) == ("llmplug-example-toy-loader", False)
     assert generate_ids(llm, PROMPTS, GREEDY) == expected(tiny)
 

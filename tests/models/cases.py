@@ -196,3 +196,10 @@ PP_CASES: list[str] = ["GPT2LMHeadModel", "Gemma2ForCausalLM", "Olmo2ForCausalLM
 def architecture(case: ParityCase) -> str:
     """The registered architecture a case proves: its name up to the first '-'."""
     return case.name.split("-")[0]
+
+
+# the mixture-of-experts and latent-attention architectures, in their own module (they use `case` above)
+from .cases_moe import EP_CASES, MOE_CASES, MOE_TP_CASES  # noqa: E402
+
+CASES += MOE_CASES
+TP_CASES += MOE_TP_CASES

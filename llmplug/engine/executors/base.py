@@ -8,6 +8,7 @@ from typing import Any, Callable
 
 from llmplug.core.config import EngineConfig, ParallelConfig
 from llmplug.core.errors import ConfigError
+from llmplug.core.plugins import PluginRegistry
 from llmplug.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 # what collective_rpc runs: a Worker method's name, or a picklable function called as fn(worker, ...)
@@ -42,10 +43,15 @@ def free_local_port() -> int:
 
 
 class Executor(abc.ABC):
-    """Runs the same method on every worker; the output rank's result is the engine's."""
+    """Runs the same method on every worker; the output rank's result is the engine's.
 
-    def __init__(self, config: EngineConfig):
+    `registry` is the engine's plugin registry: workers in this process use it as is, workers in other
+    processes get a copy (the same allow-list and preferences). Default: the one `config.plugins` builds.
+    """
+
+    def __init__(self, config: EngineConfig, registry: PluginRegistry | None = None):
         self.config = config
+        self.registry = registry or PluginRegistry.from_config(config.plugins)
         self._init_workers()
 
     @abc.abstractmethod

@@ -26,7 +26,7 @@ class ExternalLauncherExecutor(Executor):
     """One worker in this process, one rank of a world that an outside launcher started."""
 
     def _init_workers(self) -> None:
-        self.worker = Worker(self.config, DistributedEnv.from_environ(os.environ))
+        self.worker = Worker(self.config, DistributedEnv.from_environ(os.environ), self.registry)
         self.worker.init_device()
         self.worker.load_model()
 

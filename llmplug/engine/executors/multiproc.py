@@ -3,6 +3,8 @@
 Each call (every step's scheduler output included) is broadcast to all workers through one
 shared-memory MessageQueue; each worker answers through its own queue. The ranks meet over
 torch.distributed at `parallel.distributed_init_method` (default: a free port on 127.0.0.1).
+Workers are spawned, which re-runs the user's script in each: created from a script's top level
+outside `if __name__ == "__main__":`, the executor refuses at once with StartupError (main_guard.py).
 
 Failure handling: while waiting, the executor checks every 0.1 s that its workers are alive; a dead
 worker fails the call with EngineDeadError naming its rank, pid and exit code, and every later call
@@ -25,6 +27,7 @@ from typing import Any, Collection
 from llmplug.communicators.shm_broadcast import MessageQueue, wait_any
 from llmplug.core.errors import EngineDeadError
 from llmplug.engine.executors.base import Executor, WorkerMethod, check_one_replica, free_local_port
+from llmplug.engine.executors.main_guard import check_main_guard
 from llmplug.engine.executors.multiproc_worker import Reply, RpcCall, Shutdown, WorkerSpec, worker_main
 
 __all__ = ["MultiprocExecutor", "WorkerTraceback"]
@@ -45,6 +48,7 @@ class MultiprocExecutor(Executor):
     def _init_workers(self) -> None:
         parallel = self.config.parallel
         self.world_size = check_one_replica(parallel, "multiproc")
+        check_main_guard(f"{self.world_size} worker processes")  # before any process exists: fail at once
         init_method = parallel.distributed_init_method or f"tcp://127.0.0.1:{free_local_port()}"
         self.calls = MessageQueue.create(num_readers=self.world_size)
         self.replies = [MessageQueue.create(num_readers=1, reader=0) for _ in range(self.world_size)]
@@ -54,7 +58,8 @@ class MultiprocExecutor(Executor):
         for rank in range(self.world_size):
             spec = WorkerSpec(rank, rank, self.world_size, init_method, self.calls.handle, self.replies[rank].handle)
             proc = context.Process(
-                target=worker_main, args=(self.config, spec), name=f"llmplug-worker-{rank}", daemon=True
+                target=worker_main, args=(self.config, spec, self.registry), name=f"llmplug-worker-{rank}",
+                daemon=True,
             )
             proc.start()
             self.procs.append(proc)

@@ -18,6 +18,7 @@ from typing import Any
 from llmplug.communicators.shm_broadcast import MessageQueue, MessageQueueHandle
 from llmplug.core.config import EngineConfig
 from llmplug.core.errors import EngineDeadError
+from llmplug.core.plugins import PluginRegistry
 
 __all__ = ["Reply", "RpcCall", "Shutdown", "WorkerSpec", "worker_main"]
 
@@ -58,7 +59,7 @@ class WorkerSpec:
     replies: MessageQueueHandle
 
 
-def worker_main(config: EngineConfig, spec: WorkerSpec) -> None:
+def worker_main(config: EngineConfig, spec: WorkerSpec, registry: PluginRegistry) -> None:
     """Entry point of a spawned worker: set up, then answer calls until `Shutdown` or the engine dies."""
     from llmplug.platforms.cpu_threads import configure_cpu_threads
 
@@ -75,7 +76,7 @@ def worker_main(config: EngineConfig, spec: WorkerSpec) -> None:
 
     worker = None
     try:
-        worker = _start_worker(config, spec)
+        worker = _start_worker(config, spec, registry)
         replies.enqueue(Reply(value=worker.rank), check_alive=engine_alive)
         _serve(worker, calls, replies, engine_alive)
     except EngineDeadError:
@@ -89,15 +90,13 @@ def worker_main(config: EngineConfig, spec: WorkerSpec) -> None:
         replies.close()
 
 
-def _start_worker(config: EngineConfig, spec: WorkerSpec) -> Any:
+def _start_worker(config: EngineConfig, spec: WorkerSpec, registry: PluginRegistry) -> Any:
     """The Worker of this rank, in its process groups, with the model loaded."""
     from llmplug.communicators.parallel_state import DistributedEnv
-    from llmplug.core.plugins import PluginRegistry, set_registry
     from llmplug.engine.worker import Worker
 
-    set_registry(PluginRegistry.from_config(config.plugins))
     env = DistributedEnv(spec.world_size, spec.rank, spec.local_rank, spec.init_method)
-    worker = Worker(config, env)
+    worker = Worker(config, env, registry)
     worker.init_device()
     worker.load_model()
     return worker

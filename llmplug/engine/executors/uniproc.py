@@ -19,7 +19,7 @@ class UniprocExecutor(Executor):
                 f"parallel.executor 'uniproc' runs one worker, but tensor_parallel_size={tp} x "
                 f"pipeline_parallel_size={pp} needs more: use multiproc or ray"
             )
-        self.worker = Worker(self.config)
+        self.worker = Worker(self.config, registry=self.registry)
         self.worker.init_device()
         self.worker.load_model()
 

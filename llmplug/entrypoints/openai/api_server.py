@@ -1,7 +1,8 @@
 """The OpenAI-compatible server: `build_app(engine, settings)` makes the FastAPI app, `run_server` serves it.
 
 Routes: /v1/models, /v1/completions, /v1/chat/completions, /v1/responses (API key and rate limit apply
-to every /v1 route), /health, /version, /metrics. Every error answers with OpenAI's error body.
+to every /v1 route), /health, /version, /metrics, /openapi.json (the request schemas with their bounds).
+Every error answers with OpenAI's error body.
 Shutdown (SIGTERM or SIGINT): uvicorn stops accepting connections, lets in-flight requests finish for
 up to `shutdown_timeout` seconds, cancels the rest (which aborts them in the engine), then the engine
 thread stops.
@@ -16,7 +17,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,14 +30,21 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from llmplug import __version__
 from llmplug.core.config import EngineConfig
 from llmplug.core.errors import EngineDeadError, InvalidRequestError
+from llmplug.core.plugins import PluginRegistry
 from llmplug.engine.async_llm import AsyncLLM
+from llmplug.entrypoints.openai.admission import AdmissionControl
 from llmplug.entrypoints.openai.errors import OpenAIError, error_body, error_response, status_phrase
 from llmplug.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from llmplug.entrypoints.openai.prompt_renderer import PromptRenderer, load_chat_template
 from llmplug.entrypoints.openai.protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
     ModelCard,
     ModelList,
+    ResponseObject,
     ResponsesRequest,
 )
 from llmplug.entrypoints.openai.reply import ReplyParsers, check_parser_names
@@ -52,7 +60,7 @@ API_KEY_ENV = "LLMPLUG_API_KEY"
 
 # Endpoints named in the HTTP metrics; anything else counts as "other" (unbounded label values otherwise).
 _ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/health", "/version",
-              "/metrics")
+              "/metrics", "/openapi.json")
 
 
 @dataclass
@@ -65,6 +73,8 @@ class ServerSettings:
     allowed_origins: list[str] = field(default_factory=list)  # empty: no CORS headers
     rate_limit: RateLimit | None = None  # per API key or client address
     max_body_bytes: int = 8 * 1024 * 1024
+    max_waiting_requests: int = 1024  # sequences waiting for the running batch; past it: 503 with Retry-After
+    chat_template: str | None = None  # template text; None: the model's own
     served_model_names: list[str] = field(default_factory=list)  # empty: the engine's model
     shutdown_timeout: float = 30.0  # grace period for in-flight requests on SIGTERM
     log_level: str = "info"
@@ -82,7 +92,9 @@ class ServerSettings:
             host=args.host, port=args.port, api_keys=keys,
             allowed_origins=[o.strip() for o in (args.allowed_origins or "").split(",") if o.strip()],
             rate_limit=RateLimit.parse(args.rate_limit) if args.rate_limit else None,
-            max_body_bytes=args.max_body_bytes, served_model_names=list(args.served_model_name or []),
+            max_body_bytes=args.max_body_bytes, max_waiting_requests=args.max_waiting_requests,
+            chat_template=load_chat_template(args.chat_template) if args.chat_template else None,
+            served_model_names=list(args.served_model_name or []),
             shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
             tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
             reasoning_parser=args.reasoning_parser,
@@ -94,13 +106,23 @@ def build_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> FastA
     settings = settings or ServerSettings()
     names = settings.served_model_names or [engine.model_name]
     metrics = ServerMetrics(engine.stats)
-    app = FastAPI(title="llmplug", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    renderer = PromptRenderer(engine.get_tokenizer(), settings.chat_template)
+    admission = AdmissionControl(settings.max_waiting_requests, lambda: engine.stats()["num_running"])
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        renderer.shutdown()
+
+    app = FastAPI(title="llmplug", version=__version__, docs_url=None, redoc_url=None, openapi_url="/openapi.json",
+                  lifespan=lifespan)
     app.state.engine, app.state.metrics, app.state.model_names = engine, metrics, names
     parsers = ReplyParsers.load(settings.tool_call_parser, settings.enable_auto_tool_choice,
-                                settings.reasoning_parser, engine.get_tokenizer())
-    chat = OpenAIServingChat(engine, names, metrics, parsers)
-    completion = OpenAIServingCompletion(engine, names, metrics)
-    responses = OpenAIServingResponses(engine, names, metrics, parsers)
+                                settings.reasoning_parser, engine.get_tokenizer(), engine.llm_engine.registry)
+    shared = (engine, names, metrics, renderer, admission)
+    chat = OpenAIServingChat(*shared, parsers)
+    completion = OpenAIServingCompletion(*shared)
+    responses = OpenAIServingResponses(*shared, parsers)
     started = int(time.time())
 
     @app.get("/health")
@@ -128,27 +150,39 @@ def build_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> FastA
         return _json(ModelCard(id=name, created=started, root=engine.config.model.model,
                                max_model_len=engine.max_model_len))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=_responses(ChatCompletionResponse))
     async def chat_completions(body: ChatCompletionRequest, raw_request: Request) -> Response:
         return await chat.create(body, raw_request)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=_responses(CompletionResponse))
     async def completions(body: CompletionRequest, raw_request: Request) -> Response:
         return await completion.create(body, raw_request)
 
-    @app.post("/v1/responses")
+    @app.post("/v1/responses", responses=_responses(ResponseObject))
     async def create_response(body: ResponsesRequest, raw_request: Request) -> Response:
         return await responses.create(body, raw_request)
 
     _add_exception_handlers(app)
-    # Middleware runs outermost-last-added: CORS, then HTTP metrics, body size, API key and rate limit.
-    app.add_middleware(AccessMiddleware, api_keys=settings.api_keys, rate_limit=settings.rate_limit)
+    # Middleware runs outermost-last-added: CORS, then HTTP metrics, API key and rate limit, body size. The
+    # access check comes before the body is read: an unauthenticated client cannot make the server read 8 MiB.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(AccessMiddleware, api_keys=settings.api_keys, rate_limit=settings.rate_limit)
     app.add_middleware(_HttpMetricsMiddleware, metrics=metrics)
     if settings.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins, allow_methods=["*"],
                            allow_headers=["*"], allow_credentials=False)
     return app
+
+
+def _responses(answer: type) -> dict[int | str, dict[str, Any]]:
+    """What a generation route answers, for the OpenAPI schema: `answer`, a stream, or an error body
+    (400, 401, 404, 413, 429; 503 when the waiting queue is full or the engine is dead)."""
+    return {
+        200: {"model": answer, "description": "The answer, or with `stream` a text/event-stream of chunks.",
+              "content": {"text/event-stream": {}}},
+        "4XX": {"model": ErrorResponse, "description": "The request cannot be served as sent."},
+        503: {"model": ErrorResponse, "description": "Busy (Retry-After says when to retry) or the engine is dead."},
+    }
 
 
 def _json(model: Any) -> Response:
@@ -231,7 +265,8 @@ def run_server(config: EngineConfig, settings: ServerSettings) -> int:
     """Start the engine and serve it until SIGTERM/SIGINT; returns the exit status."""
     import uvicorn
 
-    check_parser_names(settings.tool_call_parser, settings.enable_auto_tool_choice, settings.reasoning_parser)
+    check_parser_names(settings.tool_call_parser, settings.enable_auto_tool_choice, settings.reasoning_parser,
+                       PluginRegistry.from_config(config.plugins))  # the registry the engine will build
     engine = AsyncLLM.from_config(config)
     try:
         app = build_app(engine, settings)

@@ -2,7 +2,7 @@
 
 Per request: outcome counts, prompt and generated tokens, time to first token, time per output token
 and end-to-end latency. Engine gauges (running / waiting requests, KV-cache usage, prefix-cache hit
-rate) are read from `AsyncLLM.stats()` when scraped. Per HTTP response: counts by endpoint and status.
+rate) and the preemption counter are read from `AsyncLLM.stats()` when scraped. Per HTTP response: counts by endpoint and status.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from llmplug.core.outputs import RequestOutput
@@ -34,7 +34,7 @@ class _EngineCollector(Collector):
     def __init__(self, stats: Callable[[], dict[str, Any]]):
         self._stats = stats
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         stats = self._stats()
         yield GaugeMetricFamily("llmplug_num_requests_running", "Requests in the running batch.",
                                 value=stats.get("num_running", 0))
@@ -44,8 +44,9 @@ class _EngineCollector(Collector):
                                 value=stats.get("kv_cache_usage", 0.0))
         yield GaugeMetricFamily("llmplug_prefix_cache_hit_rate", "Prompt tokens found in the prefix cache per token "
                                 "looked up (0-1), since start.", value=stats.get("prefix_cache_hit_rate", 0.0))
-        yield GaugeMetricFamily("llmplug_num_preemptions", "Preemptions since start.",
-                                value=stats.get("num_preemptions", 0))
+        # a counter (exposed as llmplug_num_preemptions_total): rate() over it gives preemptions per second
+        yield CounterMetricFamily("llmplug_num_preemptions", "Requests preempted (KV blocks taken back) since start.",
+                                  value=stats.get("num_preemptions", 0))
 
 
 class ServerMetrics:

@@ -9,9 +9,25 @@ keep working; `ignored_fields` names them, for the log.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+# --- bounds -------------------------------------------------------------------------------------
+# The schema at GET /openapi.json states what the server accepts, so clients (and the fuzz tests) see
+# the real contract: every number fits the engine's integer types, every list and string is finite.
+# Checks that depend on the model (vocabulary, context length) are the engine's, with 400s naming them.
+
+MAX_COUNT = 2**31 - 1  # token counts and token ids
+# token ids: 32-bit here; the engine checks them against the vocabulary, with a 400 naming the field
+TokenId = Annotated[int, Field(ge=-MAX_COUNT - 1, le=MAX_COUNT)]
+Count = Annotated[int, Field(ge=1, le=MAX_COUNT)]
+Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+Name = Annotated[str, Field(max_length=256)]
+# finite, and looser than the engine's own configurable limits (decoding.max_stop_strings, ...), which decide
+StopString = Annotated[str, Field(max_length=4096)]
+Stop = StopString | Annotated[list[StopString], Field(max_length=1024)]
+LogitBias = Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]], Field(max_length=1024)]
 
 # --- common -------------------------------------------------------------------------------------
 
@@ -90,27 +106,27 @@ class StructuredOutputs(OpenAIModel):
 class SamplingRequest(OpenAIModel):
     """The sampling fields chat and completions requests share (OpenAI's and vLLM's extras)."""
 
-    model: str | None = None
-    n: int = Field(1, ge=1)  # the engine's decoding.max_n bounds it
+    model: Name | None = None
+    n: int = Field(1, ge=1, le=MAX_COUNT)  # the engine's decoding.max_n bounds it
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    logit_bias: LogitBias | None = None
+    seed: Seed | None = None
+    stop: Stop | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Name | None = None
     # vLLM's extra sampling fields
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=MAX_COUNT)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)
+    repetition_penalty: float | None = Field(None, ge=0.01, le=100.0)
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
-    stop_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
-    allowed_token_ids: list[int] | None = None
+    min_tokens: int = Field(0, ge=0, le=MAX_COUNT)
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=1024)] | None = None
+    bad_words: Annotated[list[StopString], Field(max_length=1024)] | None = None
+    allowed_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -118,9 +134,9 @@ class SamplingRequest(OpenAIModel):
     response_format: ResponseFormat | None = None
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1, max_length=1024)] | None = None
     guided_grammar: str | None = None
-    guided_decoding_backend: str | None = None
+    guided_decoding_backend: Name | None = None
     structured_outputs: StructuredOutputs | None = None
 
 
@@ -154,7 +170,7 @@ class ChatMessage(OpenAIModel):
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
-    name: str | None = None
+    name: Name | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
 
@@ -190,10 +206,10 @@ class ChatCompletionRequest(SamplingRequest):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1, description="Deprecated by OpenAI for max_completion_tokens.")
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: Count | None = Field(None, description="Deprecated by OpenAI for max_completion_tokens.")
+    max_completion_tokens: Count | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)  # the engine's decoding.max_logprobs bounds it
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_COUNT)  # the engine's decoding.max_logprobs bounds it
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -299,12 +315,12 @@ class ChatCompletionStreamResponse(OpenAIModel):
 class CompletionRequest(SamplingRequest):
     """POST /v1/completions."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0)  # the engine's decoding.max_logprobs bounds it
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    max_tokens: Count | None = 16
+    logprobs: int | None = Field(None, ge=0, le=MAX_COUNT)  # the engine's decoding.max_logprobs bounds it
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = Field(None, ge=1)
+    best_of: int | None = Field(None, ge=1, le=MAX_COUNT)
 
 
 class CompletionLogprobs(OpenAIModel):
@@ -401,32 +417,33 @@ class ResponsesTextConfig(OpenAIModel):
 class ResponsesRequest(OpenAIModel):
     """POST /v1/responses (text in, text out)."""
 
-    model: str | None = None
+    model: Name | None = None
     input: str | list[ResponsesInputMessage | ResponsesFunctionCall | ResponsesFunctionCallOutput]
     instructions: str | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
+    max_output_tokens: Count | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_logprobs: int | None = Field(None, ge=0)  # the engine's decoding.max_logprobs bounds it
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_COUNT)  # the engine's decoding.max_logprobs bounds it
     stream: bool = False
     store: bool | None = None
-    metadata: dict[str, str] | None = None
-    previous_response_id: str | None = None
+    metadata: Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
+                        Field(max_length=16)] | None = None  # OpenAI's limits
+    previous_response_id: Name | None = None
     tools: list[ResponsesTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | ResponsesNamedToolChoice | None = None
     parallel_tool_calls: bool = True
     text: ResponsesTextConfig | None = None
-    user: str | None = None
+    user: Name | None = None
     # vLLM's extra sampling fields
-    seed: int | None = None
-    top_k: int | None = Field(None, ge=-1)
+    seed: Seed | None = None
+    top_k: int | None = Field(None, ge=-1, le=MAX_COUNT)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)
+    repetition_penalty: float | None = Field(None, ge=0.01, le=100.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    stop: str | list[str] | None = None
+    stop: Stop | None = None
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, le=MAX_COUNT)
 
 
 class ResponsesTopLogprob(OpenAIModel):
@@ -510,6 +527,22 @@ class ResponseObject(OpenAIModel):
     store: bool = False
     metadata: dict[str, str] | None = None
     usage: ResponseUsage | None = None
+
+
+# --- errors -------------------------------------------------------------------------------------
+
+
+class ErrorInfo(OpenAIModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(OpenAIModel):
+    """OpenAI's error body, with every 4xx and 5xx answer."""
+
+    error: ErrorInfo
 
 
 # --- /v1/models ---------------------------------------------------------------------------------

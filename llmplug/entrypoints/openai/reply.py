@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmplug.core.errors import ConfigError
-from llmplug.core.plugins import get_registry
+from llmplug.core.plugins import PluginRegistry
 from llmplug.plugins.reasoning_parsers.base import ReasoningParser, ReasoningStart
 from llmplug.plugins.tool_parsers.base import StreamDelta, ToolCall, ToolCallDelta, ToolParser
 
@@ -121,11 +121,10 @@ REASONING_PARSERS = "llmplug.reasoning_parsers"
 
 
 def check_parser_names(tool_call_parser: str | None, enable_auto_tool_choice: bool,
-                       reasoning_parser: str | None) -> None:
+                       reasoning_parser: str | None, registry: PluginRegistry) -> None:
     """Refuse parser flags that cannot work, before the engine loads (PluginNotFoundError lists the names)."""
     if enable_auto_tool_choice and tool_call_parser is None:
         raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser (the format of the model's calls)")
-    registry = get_registry()
     if tool_call_parser:
         registry.resolve(TOOL_PARSERS, tool_call_parser)
     if reasoning_parser:
@@ -142,10 +141,10 @@ class ReplyParsers:
 
     @classmethod
     def load(cls, tool_call_parser: str | None, enable_auto_tool_choice: bool, reasoning_parser: str | None,
-             tokenizer: Any) -> ReplyParsers:
-        """The parsers registered under these names (`llmplug.tool_parsers`, `llmplug.reasoning_parsers`)."""
-        check_parser_names(tool_call_parser, enable_auto_tool_choice, reasoning_parser)
-        registry = get_registry()
+             tokenizer: Any, registry: PluginRegistry) -> ReplyParsers:
+        """The parsers registered under these names (`llmplug.tool_parsers`, `llmplug.reasoning_parsers`) in
+        `registry`, the served engine's."""
+        check_parser_names(tool_call_parser, enable_auto_tool_choice, reasoning_parser, registry)
         tool_parser = registry.load(TOOL_PARSERS, tool_call_parser) if tool_call_parser else None
         reasoning = None
         if reasoning_parser:

@@ -15,9 +15,11 @@ from fastapi.responses import Response, StreamingResponse
 
 from llmplug.core.outputs import CompletionOutput, RequestOutput
 from llmplug.engine.async_llm import AsyncLLM
+from llmplug.entrypoints.openai.admission import AdmissionControl
 from llmplug.entrypoints.openai.errors import OpenAIError
 from llmplug.entrypoints.openai.guided import guided_decoding_params
 from llmplug.entrypoints.openai.metrics import ServerMetrics
+from llmplug.entrypoints.openai.prompt_renderer import PromptRenderer
 from llmplug.entrypoints.openai.protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -60,11 +62,11 @@ from llmplug.entrypoints.openai.serving_engine import (
 class OpenAIServingChat(OpenAIServing):
     """Chat completions."""
 
-    def __init__(self, engine: AsyncLLM, model_names: list[str], metrics: ServerMetrics,
-                 parsers: ReplyParsers | None = None):
-        super().__init__(engine, model_names, metrics)
+    def __init__(self, engine: AsyncLLM, model_names: list[str], metrics: ServerMetrics, renderer: PromptRenderer,
+                 admission: AdmissionControl, parsers: ReplyParsers | None = None):
+        super().__init__(engine, model_names, metrics, renderer, admission)
         self.parsers = parsers or ReplyParsers()
-        self.template_takes_tools = template_takes_tools(getattr(self.tokenizer, "chat_template", None))
+        self.template_takes_tools = template_takes_tools(renderer.template_text())
 
     async def create(self, body: ChatCompletionRequest, raw_request: Request) -> Response:
         """Answer one chat completion request."""
@@ -74,7 +76,7 @@ class OpenAIServingChat(OpenAIServing):
         named = body.tool_choice.function.name if isinstance(body.tool_choice, NamedToolChoice) else None
         choice = tool_choice([t.function for t in body.tools or ()], None if named else body.tool_choice, named,
                              body.parallel_tool_calls, self.parsers.auto_tool_choice)
-        prompt_text, prompt_ids = self._render(body, choice)
+        prompt_text, prompt_ids = await self._render(body, choice)
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.max_tokens(body.max_completion_tokens or body.max_tokens, len(prompt_ids), param, "messages")
         top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -95,15 +97,14 @@ class OpenAIServingChat(OpenAIServing):
         )
         return Response(response.model_dump_json(), media_type="application/json")
 
-    def _render(self, body: ChatCompletionRequest, choice: ToolChoice | None) -> tuple[str, list[int]]:
-        """The prompt: the messages (and tools) through the chat template."""
+    async def _render(self, body: ChatCompletionRequest, choice: ToolChoice | None) -> tuple[str, list[int]]:
+        """The prompt: the messages (and tools) through the server's chat template, off the event loop."""
         hint = self.parsers.tool_parser.format_hint if self.parsers.tool_parser else ""
         messages, tool_kwargs = template_input(chat_messages(body.messages), choice, self.template_takes_tools, hint)
-        template_kwargs = {**(body.chat_template_kwargs or {}), **tool_kwargs,
-                           "add_generation_prompt": body.add_generation_prompt}
+        template_kwargs = {**tool_kwargs, "add_generation_prompt": body.add_generation_prompt}
         if body.continue_final_message:
             template_kwargs.update(continue_final_message=True, add_generation_prompt=False)
-        return self.render_chat(messages, **template_kwargs)
+        return await self.renderer.render_chat(messages, template_kwargs, body.chat_template_kwargs)
 
     def reply_plan(self, body: Any, choice: ToolChoice | None, prompt_text: str) -> tuple[ReplyReader, dict[str, Any]]:
         """How the answers are read, and what that changes in the sampling: the grammar of a forced call (after
@@ -158,6 +159,9 @@ class OpenAIServingChat(OpenAIServing):
 
 
 def _check_supported(body: ChatCompletionRequest) -> None:
+    if "chat_template" in (body.model_extra or {}):
+        raise OpenAIError(400, "chat_template is the server's (--chat-template); a request cannot set it",
+                          param="chat_template")
     if body.top_logprobs is not None and not body.logprobs:
         raise OpenAIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
 

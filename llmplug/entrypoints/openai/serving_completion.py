@@ -63,7 +63,7 @@ class OpenAIServingCompletion(OpenAIServing):
         model = self.check_model(body.model)
         self.log_ignored_fields(body, "/v1/completions")
         _check_supported(body)
-        prompts = self._prompts(body.prompt)
+        prompts = await self._prompts(body.prompt)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = []
         for i, prompt in enumerate(prompts):
@@ -86,7 +86,7 @@ class OpenAIServingCompletion(OpenAIServing):
         response = CompletionResponse(id=request_id, created=now(), model=model, choices=choices, usage=usage)
         return Response(response.model_dump_json(), media_type="application/json")
 
-    def _prompts(self, prompt: str | list[int] | list[str] | list[list[int]]) -> list[_Prompt]:
+    async def _prompts(self, prompt: str | list[int] | list[str] | list[list[int]]) -> list[_Prompt]:
         """Every prompt of the request, tokenized as the offline engine does."""
         if isinstance(prompt, str):
             items: list = [prompt]
@@ -99,7 +99,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = []
         for item in items:
             if isinstance(item, str):
-                prompts.append(_Prompt(item, self.encode(item)))
+                prompts.append(_Prompt(item, await self.renderer.encode(item)))
             else:
                 prompts.append(_Prompt(None, list(item)))
             if not prompts[-1].token_ids:
@@ -109,7 +109,7 @@ class OpenAIServingCompletion(OpenAIServing):
     def _prompt_text(self, prompt: _Prompt) -> str:
         if prompt.text is not None:
             return prompt.text
-        return self.need_tokenizer().decode(prompt.token_ids)
+        return self.renderer.need_tokenizer().decode(prompt.token_ids)
 
     def _choice(self, index: int, prompt: _Prompt, completion: CompletionOutput,
                 body: CompletionRequest) -> CompletionChoice:

@@ -17,9 +17,11 @@ from llmplug.core.errors import EngineDeadError, InvalidRequestError
 from llmplug.core.outputs import PositionLogprobs, RequestOutput
 from llmplug.core.params import RequestOutputKind, SamplingParams
 from llmplug.engine.async_llm import AsyncLLM
+from llmplug.entrypoints.openai.admission import AdmissionControl
 from llmplug.entrypoints.openai.errors import OpenAIError, error_body
 from llmplug.entrypoints.openai.guided import guided_decoding_params
 from llmplug.entrypoints.openai.metrics import ServerMetrics
+from llmplug.entrypoints.openai.prompt_renderer import PromptRenderer
 from llmplug.entrypoints.openai.protocol import (
     ChatLogprob,
     ChatMessage,
@@ -46,11 +48,13 @@ class ClientDisconnected(Exception):
 class OpenAIServing:
     """The parts of serving an OpenAI endpoint that do not depend on the endpoint."""
 
-    def __init__(self, engine: AsyncLLM, model_names: list[str], metrics: ServerMetrics):
+    def __init__(self, engine: AsyncLLM, model_names: list[str], metrics: ServerMetrics, renderer: PromptRenderer,
+                 admission: AdmissionControl):
         self.engine = engine
         self.model_names = model_names
         self.metrics = metrics
-        self.tokenizer = engine.get_tokenizer()
+        self.renderer = renderer  # chat template and tokenization, off the event loop
+        self.admission = admission
         self.max_model_len = engine.max_model_len
 
     # --- request checks ----------------------------------------------------------------------
@@ -63,29 +67,6 @@ class OpenAIServing:
             raise OpenAIError(404, f"The model `{model}` does not exist; this server serves "
                                    f"{', '.join(self.model_names)}.", param="model", code="model_not_found")
         return model
-
-    def need_tokenizer(self) -> Any:
-        """The tokenizer; 400 when the engine runs without one."""
-        if self.tokenizer is None:
-            raise OpenAIError(400, "the server runs without a tokenizer (skip_tokenizer_init): "
-                                   "only token-id prompts on /v1/completions are accepted", param="prompt")
-        return self.tokenizer
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of a completion prompt, as the offline engine tokenizes it."""
-        return list(self.need_tokenizer().encode(text))
-
-    def render_chat(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> tuple[str, list[int]]:
-        """A conversation through the chat template: (prompt text, token ids), as `LLM.chat` does it."""
-        self.need_tokenizer()
-        try:
-            text = self.engine.apply_chat_template(messages, **template_kwargs)
-        except InvalidRequestError:
-            raise
-        except Exception as exc:  # a template that raises (jinja's raise_exception) is the caller's input problem
-            raise OpenAIError(400, f"the chat template failed on these messages: {exc}", param="messages") from exc
-        # the template already holds the special tokens: no second BOS
-        return text, list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def check_prompt_length(self, num_prompt_tokens: int, param: str) -> None:
         """400 when the prompt leaves no room to generate a token."""
@@ -129,31 +110,33 @@ class OpenAIServing:
                        request_id: str) -> AsyncGenerator[RequestOutput, None]:
         """The engine's outputs of one request, recorded in the metrics however the request ends.
 
-        When a failure inside the engine aborted a completion (its `error` is set), the outputs still all
-        come (the last with finish_reason "abort"), then a 500 OpenAIError carrying the engine's reason:
-        a stream reports it as an error event, a whole answer as its error body.
+        503 at once when too many requests wait for the running batch already (admission control). When a
+        failure inside the engine aborted a completion (its `error` is set), the outputs still all come (the
+        last with finish_reason "abort"), then a 500 OpenAIError carrying the engine's reason: a stream
+        reports it as an error event, a whole answer as its error body.
         """
-        tracker = self.metrics.track(len(prompt_ids))
-        delta = params.output_kind == RequestOutputKind.DELTA
-        prompt = {"prompt": prompt_text, "prompt_token_ids": prompt_ids}
-        outcome = "abort"  # unless it finishes or fails: the consumer went away
-        outputs = self.engine.generate(prompt, params, request_id)
-        failure = None
-        try:
-            async for output in outputs:
-                tracker.observe(output, delta)
-                failure = failure or next((c.error for c in output.outputs if c.error is not None), None)
-                yield output
-            if failure is not None:
-                raise OpenAIError(500, f"The request failed inside the engine: {failure}", code="request_failed")
-            outcome = None
-        except Exception:
-            outcome = "error"
-            raise
-        finally:
-            await outputs.aclose()  # now, not at garbage collection: aborts an unfinished request at once
-            if outcome is not None:
-                tracker.finish(outcome)
+        with self.admission.admit(params.n):
+            tracker = self.metrics.track(len(prompt_ids))
+            delta = params.output_kind == RequestOutputKind.DELTA
+            prompt = {"prompt": prompt_text, "prompt_token_ids": prompt_ids}
+            outcome = "abort"  # unless it finishes or fails: the consumer went away
+            outputs = self.engine.generate(prompt, params, request_id)
+            failure = None
+            try:
+                async for output in outputs:
+                    tracker.observe(output, delta)
+                    failure = failure or next((c.error for c in output.outputs if c.error is not None), None)
+                    yield output
+                if failure is not None:
+                    raise OpenAIError(500, f"The request failed inside the engine: {failure}", code="request_failed")
+                outcome = None
+            except Exception:
+                outcome = "error"
+                raise
+            finally:
+                await outputs.aclose()  # now, not at garbage collection: aborts an unfinished request at once
+                if outcome is not None:
+                    tracker.finish(outcome)
 
 
 def make_sampling_params(request: Any, *, max_tokens: int, logprobs: int | None, stream: bool,

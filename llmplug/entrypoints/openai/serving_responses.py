@@ -63,7 +63,8 @@ class OpenAIServingResponses(OpenAIServingChat):
                              self.parsers.auto_tool_choice)
         hint = self.parsers.tool_parser.format_hint if self.parsers.tool_parser else ""
         messages, tool_kwargs = template_input(_messages(body), choice, self.template_takes_tools, hint)
-        prompt_text, prompt_ids = self.render_chat(messages, **tool_kwargs)
+        template_kwargs = {**tool_kwargs, "add_generation_prompt": True}
+        prompt_text, prompt_ids = await self.renderer.render_chat(messages, template_kwargs)
         max_tokens = self.max_tokens(body.max_output_tokens, len(prompt_ids), "max_output_tokens", "input")
         reader, overrides = self.reply_plan(body, choice, prompt_text)
         params = self.sampling_params(body, max_tokens, body.top_logprobs, body.stream, **overrides)

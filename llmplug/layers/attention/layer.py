@@ -29,7 +29,10 @@ class Attention(nn.Module):
     - `logit_softcap` c: scores = c * tanh(scores / c), after `scale`, before masking and ALiBi;
     - `alibi_slopes` [num_heads] (float32): slope_h * (j - i) added to head h's scores;
     - `use_sinks`: a learned logit per head (the `sinks` parameter, float32) joins each softmax's
-      denominator and contributes no value.
+      denominator and contributes no value;
+    - `values_in_keys` Dv: no v is passed or stored: the values are the first Dv dims of each key, and
+      the output has Dv dims per head (multi-head latent attention, whose one KV "head" is the latent;
+      needs num_kv_heads == 1; the cache holds keys only).
     Only `sinks` is a weight; heads are this tensor-parallel rank's (`alibi_slopes` already sliced).
     """
 
@@ -45,6 +48,7 @@ class Attention(nn.Module):
         logit_softcap: float | None = None,
         alibi_slopes: torch.Tensor | None = None,
         use_sinks: bool = False,
+        values_in_keys: int | None = None,
     ) -> None:
         super().__init__()
         self.num_heads, self.head_dim, self.scale = num_heads, head_dim, scale
@@ -54,6 +58,9 @@ class Attention(nn.Module):
         self.num_queries_per_kv = self.num_heads // self.num_kv_heads
         self.layer_name = prefix
         _check_features(prefix, num_heads, sliding_window, logit_softcap, alibi_slopes)
+        _check_values_in_keys(prefix, values_in_keys, head_dim, self.num_kv_heads)
+        self.values_in_keys = values_in_keys
+        self.v_head_dim = values_in_keys or head_dim  # dims of each head's output
         self.sliding_window = sliding_window
         self.logit_softcap = logit_softcap
         # a buffer, so it follows the model to its device; not persistent: no checkpoint holds it
@@ -74,6 +81,7 @@ class Attention(nn.Module):
             "logit_softcap": self.logit_softcap is not None,
             "alibi": self.alibi_slopes is not None,
             "sinks": self.sinks is not None,
+            "values_in_keys": self.values_in_keys is not None,
         }
         return frozenset(name for name, on in used.items() if on)
 
@@ -83,8 +91,16 @@ class Attention(nn.Module):
         check_shape(torch.empty(self.num_heads * tp.world_size, device="meta"), loaded_weight, "sinks")
         param.data.copy_(loaded_weight.narrow(0, tp.rank_in_group * self.num_heads, self.num_heads))
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, H * D], k and v [T, Hkv * D] -> [T, H * D]; k, v are stored in the cache."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, H * D], k and v [T, Hkv * D] -> [T, H * D]; k, v are stored in the cache.
+
+        With `values_in_keys` Dv: v is None, k [T, D] holds the values in its first Dv dims -> [T, H * Dv].
+        """
+        if (v is None) != (self.values_in_keys is not None):
+            raise ValueError(
+                f"Attention {self.layer_name!r}: pass v exactly when the values are not inside the keys "
+                f"(values_in_keys={self.values_in_keys})"
+            )
         if self.backend is None:
             raise RuntimeError(
                 f"Attention layer {self.layer_name!r} has no backend: the model runner calls "
@@ -100,7 +116,20 @@ class Attention(nn.Module):
             text += f", sliding_window={self.sliding_window}"
         if self.logit_softcap is not None:
             text += f", logit_softcap={self.logit_softcap}"
+        if self.values_in_keys is not None:
+            text += f", values_in_keys={self.values_in_keys}"
         return text + "".join(f", {name}" for name in sorted(self.features & {"alibi", "sinks"}))
+
+
+def _check_values_in_keys(prefix: str, values: int | None, head_dim: int, num_kv_heads: int) -> None:
+    """ValueError unless `values` is None or 1..head_dim with a single KV head."""
+    if values is None:
+        return
+    if isinstance(values, bool) or not isinstance(values, int) or not 0 < values <= head_dim or num_kv_heads != 1:
+        raise ValueError(
+            f"Attention {prefix!r}: values_in_keys={values!r} must be in 1..head_dim={head_dim} with one KV head "
+            f"(got {num_kv_heads})"
+        )
 
 
 def _check_features(

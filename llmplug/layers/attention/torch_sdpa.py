@@ -2,7 +2,9 @@
 
 Cache layout: [2 (K, V), num_kv_heads, num_blocks, block_size, head_dim]. One `index_select` of
 whole blocks gathers K and V of the whole batch, and leaves each (request, KV head) matrix
-[seq, head_dim] contiguous, which is what batched matmuls want.
+[seq, head_dim] contiguous, which is what batched matmuls want. A layer whose values are inside its
+keys (`values_in_keys`, multi-head latent attention) has one plane, [1, 1, num_blocks, block_size,
+head_dim]: every path below reads its values as the first v_head_dim dims of the keys' plane.
 
 A step is split into at most two parts:
 
@@ -221,8 +223,12 @@ def _adjacent_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
 
 
 def _scatter_kv(rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor) -> None:
-    """Store k, v [T, Hkv * D] at rows `index` [T] of rows [2 (K, V), Hkv, num_rows, D]."""
+    """Store k, v [T, Hkv * D] at rows `index` [T] of rows [2 (K, V), Hkv, num_rows, D]; a one-plane
+    store [1, ...] holds the keys only (the values are inside them)."""
     num_kv_heads, head_dim = rows.shape[1], rows.shape[-1]
+    if rows.shape[0] == 1:
+        rows[0].index_copy_(1, index, k.view(-1, num_kv_heads, head_dim).transpose(0, 1))
+        return
     kv = _adjacent_kv(k, v)
     if kv is not None:
         rows.index_copy_(2, index, kv.view(-1, 2, num_kv_heads, head_dim).permute(1, 2, 0, 3))
@@ -232,8 +238,8 @@ def _scatter_kv(rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: tor
 
 
 def _write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store this step's k, v [T, Hkv * D] at their slots of cache [2, Hkv, num_blocks, block_size, D]."""
-    _scatter_kv(cache.view(2, cache.shape[1], -1, cache.shape[-1]), k, v, slot_mapping)
+    """Store this step's k, v [T, Hkv * D] at their slots of cache [2 (or 1), Hkv, num_blocks, block_size, D]."""
+    _scatter_kv(cache.view(cache.shape[0], cache.shape[1], -1, cache.shape[-1]), k, v, slot_mapping)
 
 
 def _decode_kv(
@@ -246,13 +252,13 @@ def _decode_kv(
     (append the new k, v [B, Hkv * D]); else gathered from the cache (already holding this step's
     k, v) into the mirror, or into a scratch buffer when a mirror would take too much memory.
     """
-    shape = (2, layer.num_kv_heads, part.num_reqs, keys.kv_len, layer.head_dim)
+    shape = (cache.shape[0], layer.num_kv_heads, part.num_reqs, keys.kv_len, layer.head_dim)
     if not mirror_fits(part.num_reqs, keys.kv_len, cache):
         layer.backend_state = None
         gathered = part.gather_buffer(shape, cache.dtype, cache.device)
         keys.gather(cache, gathered)
-        batched = gathered.view(2, shape[1] * shape[2], shape[3], shape[4])
-        return batched[0].transpose(1, 2), batched[1]
+        batched = gathered.view(shape[0], shape[1] * shape[2], shape[3], shape[4])
+        return batched[0].transpose(1, 2), batched[-1]
     mirror = layer.backend_state
     same_layout = isinstance(mirror, DecodeMirror) and mirror.kv.shape == shape and mirror.ring == keys.ring
     if same_layout and part.rows.extends(mirror.rows):
@@ -278,14 +284,16 @@ def _decode(
     b, hkv, g, d = part.num_reqs, layer.num_kv_heads, layer.num_queries_per_kv, layer.head_dim
     keys = part.keys(layer.sliding_window)
     keys_t, values = _decode_kv(layer, k, v, part, keys, cache)  # [Hkv * B, D, kv_len], [Hkv * B, kv_len, D]
+    values = values[..., : layer.v_head_dim]  # values inside keys: their leading dims
     qh = q.view(b, hkv, g, d).transpose(0, 1).reshape(hkv * b, g, d)  # [Hkv * B, G, D]
     if _plain(layer):
         scores = torch.baddbmm(keys.score_mask(hkv, g, q.dtype), qh, keys_t, alpha=layer.scale)  # [Hkv * B, G, kv_len]
         probs = torch.softmax(scores, dim=-1)
     else:
         probs = _decode_probs(layer, qh, keys_t, keys)
-    out = torch.bmm(probs, values)  # [Hkv * B, G, D]
-    return out.view(hkv, b, g, d).transpose(0, 1).reshape(b, layer.num_heads * d)  # heads in order kv * G + g
+    out = torch.bmm(probs, values)  # [Hkv * B, G, Dv]
+    dv = layer.v_head_dim
+    return out.view(hkv, b, g, dv).transpose(0, 1).reshape(b, layer.num_heads * dv)  # heads in order kv * G + g
 
 
 def _decode_probs(layer: "Attention", qh: torch.Tensor, keys_t: torch.Tensor, keys: DecodeKeys) -> torch.Tensor:
@@ -311,34 +319,34 @@ def _rows(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
 
 def _causal_single(layer: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """One prompt with nothing cached: causal attention over its own q, k, v [T, heads * D] -> [T, H * D]."""
-    t, d = q.shape[0], layer.head_dim
+    t, d, dv = q.shape[0], layer.head_dim, layer.v_head_dim
     qh = q.view(1, t, layer.num_heads, d).transpose(1, 2)  # [1, H, T, D]
     kh = k.view(1, t, layer.num_kv_heads, d).transpose(1, 2)  # [1, Hkv, T, D]
-    vh = v.view(1, t, layer.num_kv_heads, d).transpose(1, 2)
+    vh = v.view(1, t, layer.num_kv_heads, dv).transpose(1, 2)  # [1, Hkv, T, Dv]
     gqa = layer.num_kv_heads != layer.num_heads
     out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=layer.scale, enable_gqa=gqa)
-    return out.transpose(1, 2).reshape(t, layer.num_heads * d)
+    return out.transpose(1, 2).reshape(t, layer.num_heads * dv)
 
 
 def _own_kv(
     layer: "Attention", k: torch.Tensor, v: torch.Tensor, part: PrefillPart
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The part's own k, v padded like the queries -> [B, Hkv, Qm, D] each (nothing cached)."""
-    b, qm, hkv, d = part.num_reqs, part.max_query_len, layer.num_kv_heads, layer.head_dim
+    """The part's own k, v padded like the queries -> [B, Hkv, Qm, D (Dv for v)] (nothing cached)."""
+    b, qm, hkv, d, dv = part.num_reqs, part.max_query_len, layer.num_kv_heads, layer.head_dim, layer.v_head_dim
     kh = _rows(k.view(-1, hkv, d), part.q_pad_index).view(b, qm, hkv, d).transpose(1, 2)
-    vh = _rows(v.view(-1, hkv, d), part.q_pad_index).view(b, qm, hkv, d).transpose(1, 2)
+    vh = _rows(v.view(-1, hkv, dv), part.q_pad_index).view(b, qm, hkv, dv).transpose(1, 2)
     return kh, vh
 
 
 def _cached_kv(
     layer: "Attention", part: PrefillPart, keys: PrefillKeys, cache: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The part's keys and values gathered from the cache -> [B, Hkv, kv_len, D] each (strided views)."""
+    """The part's keys and values gathered from the cache -> [B, Hkv, kv_len, D (Dv for v)] (strided views)."""
     if cache is None:
         raise RuntimeError("a request with cached context was scheduled but the Attention layer has no KV cache")
-    kv = cache.index_select(2, keys.block_index)  # [2, Hkv, B * blocks_per_req, block_size, D]
-    kv = kv.view(2, layer.num_kv_heads, part.num_reqs, keys.kv_len, layer.head_dim)
-    return kv[0].transpose(0, 1), kv[1].transpose(0, 1)
+    kv = cache.index_select(2, keys.block_index)  # [2 (or 1), Hkv, B * blocks_per_req, block_size, D]
+    kv = kv.view(cache.shape[0], layer.num_kv_heads, part.num_reqs, keys.kv_len, layer.head_dim)
+    return kv[0].transpose(0, 1), kv[-1][..., : layer.v_head_dim].transpose(0, 1)
 
 
 def _prefill_padded(
@@ -358,7 +366,7 @@ def _prefill_padded(
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=layer.scale, enable_gqa=gqa)
     else:
         out = _explicit_attention(layer, qh, kh, vh, keys)
-    out = out.transpose(1, 2).reshape(b * qm, layer.num_heads * d)  # [B * Qm, H * D]
+    out = out.transpose(1, 2).reshape(b * qm, layer.num_heads * layer.v_head_dim)  # [B * Qm, H * Dv]
     return _rows(out, part.out_index)
 
 
@@ -376,13 +384,13 @@ def _explicit_attention(
 ) -> torch.Tensor:
     """Scores, cap, mask (+ ALiBi), softmax (with sinks), weighted sum -> [B, H, Qm, D], in query chunks.
 
-    qh [B, H, Qm, D]; kh, vh [B, Hkv, kv_len, D]. The G query heads of a KV head attend as one
-    [G * rows, kv_len] matrix, so keys are not repeated per query head.
+    qh [B, H, Qm, D]; kh [B, Hkv, kv_len, D], vh [B, Hkv, kv_len, Dv]. The G query heads of a KV head
+    attend as one [G * rows, kv_len] matrix, so keys are not repeated per query head.
     """
     b, h, qm, d = qh.shape
-    hkv, g = layer.num_kv_heads, layer.num_queries_per_kv
+    hkv, g, dv = layer.num_kv_heads, layer.num_queries_per_kv, vh.shape[-1]
     sinks = None if layer.sinks is None else layer.sinks.view(1, h, 1, 1)
-    out = qh.new_empty(b, h, qm, d)
+    out = qh.new_empty(b, h, qm, dv)
     chunk = max(1, EXPLICIT_SCORES_PER_CHUNK // (b * h * keys.kv_len))
     for start in range(0, qm, chunk):
         rows = slice(start, min(start + chunk, qm))
@@ -395,7 +403,7 @@ def _explicit_attention(
         if layer.alibi_slopes is not None:
             scores += _alibi(layer, keys, rows)
         probs = softmax_with_sinks(scores, sinks).view(b, hkv, g * n, keys.kv_len)
-        out[:, :, rows] = torch.matmul(probs, vh).view(b, h, n, d)
+        out[:, :, rows] = torch.matmul(probs, vh).view(b, h, n, dv)
     return out
 
 
@@ -421,6 +429,12 @@ class TorchSDPABackend(AttentionBackend):
         return (2, num_kv_heads, num_blocks, block_size, head_dim)
 
     @classmethod
+    def layer_kv_cache_shape(cls, layer: "Attention", num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """kv_cache_shape; one plane [1, Hkv, num_blocks, block_size, D] when the values are inside the keys."""
+        planes = 1 if layer.values_in_keys else 2
+        return (planes, layer.num_kv_heads, num_blocks, block_size, layer.head_dim)
+
+    @classmethod
     def build_metadata(cls, common: CommonAttentionMetadata) -> TorchSDPAMetadata:
         """Split the batch into its decode and prefill parts (their key layouts and masks are built when
         the first layer asks for them, once per sliding window)."""
@@ -438,7 +452,10 @@ class TorchSDPABackend(AttentionBackend):
     def forward(
         cls, layer: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: TorchSDPAMetadata
     ) -> torch.Tensor:
-        """Write k, v [T, Hkv * D] into the layer's cache, attend q [T, H * D] -> [T, H * D]."""
+        """Write k, v [T, Hkv * D] into the layer's cache, attend q [T, H * D] -> [T, H * Dv] (Dv = D unless
+        the values are inside the keys: v is None, and its rows are k's first Dv dims)."""
+        if layer.values_in_keys:
+            v = k[:, : layer.v_head_dim]  # one KV head: [T, Dv], a view of k
         cache = layer.kv_cache
         if cache is not None:  # all of the step's k/v first: requests may read blocks others write now
             _write_kv(cache, k, v, metadata.slot_mapping)
@@ -448,7 +465,7 @@ class TorchSDPABackend(AttentionBackend):
         if decode is None:
             layer.backend_state = None  # a mirror follows consecutive decode passes only
             return _prefill(layer, q, k, v, prefill, cache)
-        out = q.new_empty(q.shape[0], layer.num_heads * layer.head_dim)
+        out = q.new_empty(q.shape[0], layer.num_heads * layer.v_head_dim)
         take = decode.tokens.take
         decode.tokens.put(out, _decode(layer, take(q), take(k), take(v), decode, _require(cache)))
         take = prefill.tokens.take

@@ -8,12 +8,15 @@ choice, so an adapter names only what its family changes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Literal, Mapping
 
 from llmplug.layers.layernorm import NormConfig
 from llmplug.layers.qk_norm import QKNormConfig
 
-__all__ = ["DecoderArchConfig", "LayerConfig", "MLPConfig", "RopeConfig"]
+if TYPE_CHECKING:  # the MoE block builds its shared experts from this package's MLP
+    from llmplug.layers.moe.config import MoEConfig
+
+__all__ = ["DecoderArchConfig", "LayerConfig", "MLAConfig", "MLPConfig", "RopeConfig"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +36,7 @@ class LayerConfig:
 
     rope: RopeConfig | None  # None: no rotary embedding in this layer (NoPE)
     sliding_window: int | None = None  # None: attends to the whole context
+    moe: bool = False  # the MLP is the arch's mixture of experts (DecoderArchConfig.moe), else the dense one
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +46,30 @@ class MLPConfig:
     activation: str = "silu"  # a name of llmplug.layers.activation.ACTIVATIONS, or "xielu"
     gated: bool = True
     bias: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek V2/V3): keys and values come from one compressed latent per token.
+
+    q = q_proj(x), or q_b_proj(norm(q_a_proj(x))) with a `q_lora_rank`; each head is [nope | rope] dims.
+    kv_a_proj_with_mqa(x) = [c_kv (kv_lora_rank) | k_pe (qk_rope_head_dim)]; c_kv is normalized, k_pe
+    rotated (one for all heads); kv_b_proj(c_kv) expands to each head's [k_nope | v]. The KV cache holds
+    [c_kv | k_pe] only; the rotary of the arch (its `head_dim` is qk_rope_head_dim) rotates q_pe, k_pe.
+    """
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None  # None: q projected directly
+    latent_norm_eps: float = 1e-6  # of q_a_layernorm and kv_a_layernorm
+    latent_bias: bool = False  # q_a_proj and kv_a_proj_with_mqa have a bias (DeepSeek V2's attention_bias)
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Dims of each head's query (and expanded key): nope + rope."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,12 +86,15 @@ class DecoderArchConfig:
     head_dim: int
     layers: tuple[LayerConfig, ...]  # one per layer: rotary and attention window
     norm: NormConfig = NormConfig()  # every norm of the model (the q/k norms have their own)
-    mlp: MLPConfig = MLPConfig()
+    mlp: MLPConfig = MLPConfig()  # the dense MLP (of `intermediate_size`)
+    moe: MoEConfig | None = None  # the mixture-of-experts MLP of the layers marked `moe`
 
     # attention
     qkv_bias: bool = False  # bias on q, k, v projections
     o_proj_bias: bool = False
     qk_norm: QKNormConfig | None = None  # norm of q and k before rotary
+    qk_norm_after_rope: bool = False  # the q/k norm follows the rotary instead (HunYuan)
+    mla: MLAConfig | None = None  # multi-head latent attention instead of q/k/v projections (DeepSeek V2/V3)
     clip_qkv: float | None = None  # q, k, v clamped to [-clip_qkv, clip_qkv] (OLMo, MPT)
     attention_scale: float | None = None  # None: head_dim ** -0.5
     attn_logit_softcap: float | None = None  # scores = cap * tanh(scores / cap) (Gemma 2)
@@ -101,6 +132,8 @@ class DecoderArchConfig:
             raise ValueError(f"{self.architecture}: a parallel residual with post-sublayer norms is not modelled")
         if not (self.pre_norm or self.post_norm):
             raise ValueError(f"{self.architecture}: a layer needs pre_norm, post_norm or both")
+        if any(layer.moe for layer in self.layers) and self.moe is None:
+            raise ValueError(f"{self.architecture}: layers marked moe need a MoEConfig (DecoderArchConfig.moe)")
         if self.absolute_positions and self.max_position <= 0:
             raise ValueError(f"{self.architecture}: absolute positions need max_position > 0")
 

@@ -40,7 +40,7 @@ class DecoderAttention(nn.Module):
             reduce_results=reduce_results,
             prefix=_join(prefix, "o_proj"),
         )
-        self.clip_qkv = arch.clip_qkv
+        self.clip_qkv, self.qk_norm_after_rope = arch.clip_qkv, arch.qk_norm_after_rope
         self.q_norm, self.k_norm = self._qk_norms(arch)
         self.attn = Attention(
             self.num_heads,
@@ -65,6 +65,12 @@ class DecoderAttention(nn.Module):
             make_qk_norm(arch.qk_norm, self.num_kv_heads, self.head_dim, first_kv_head),
         )
 
+    def _norm_qk_(self, qk: torch.Tensor) -> None:
+        """Normalize q and k of qk [T, H + Hkv, D] in place (no norm: nothing)."""
+        if self.q_norm is not None:
+            qk[:, : self.num_heads] = self.q_norm(qk[:, : self.num_heads])
+            qk[:, self.num_heads :] = self.k_norm(qk[:, self.num_heads :])
+
     def _alibi_slopes(self, arch: DecoderArchConfig) -> torch.Tensor:
         """[num_heads of this rank] float32 ALiBi slopes (times the attention scale where the family scales them)."""
         slopes = alibi_slopes(arch.num_heads, arch.alibi_max_bias)
@@ -79,10 +85,11 @@ class DecoderAttention(nn.Module):
             qkv.clamp_(-self.clip_qkv, self.clip_qkv)
         q_end, k_end = self.q_size, self.q_size + self.kv_size
         qk = qkv[:, :k_end].view(qkv.shape[0], self.num_heads + self.num_kv_heads, self.head_dim)  # [T, H + Hkv, D]
-        if self.q_norm is not None:  # written back into qkv
-            qk[:, : self.num_heads] = self.q_norm(qk[:, : self.num_heads])
-            qk[:, self.num_heads :] = self.k_norm(qk[:, self.num_heads :])
+        if not self.qk_norm_after_rope:
+            self._norm_qk_(qk)
         if rope is not None:
             rope.apply_(qk)  # rotates q and k inside qkv
+        if self.qk_norm_after_rope:
+            self._norm_qk_(qk)
         out = self.attn(qkv[:, :q_end], qkv[:, q_end:k_end], qkv[:, k_end:])  # [T, H * D]
         return self.o_proj(out)

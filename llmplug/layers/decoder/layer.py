@@ -23,6 +23,7 @@ from torch import nn
 from llmplug.communicators.parallel_state import get_tp_group
 from llmplug.layers.decoder.arch import DecoderArchConfig, LayerConfig
 from llmplug.layers.decoder.attention import DecoderAttention
+from llmplug.layers.decoder.mla import LatentAttention
 from llmplug.layers.decoder.mlp import DecoderMLP
 from llmplug.layers.layernorm import LayerNorm, RMSNorm, make_norm
 from llmplug.layers.rotary import RotaryCosSin
@@ -43,8 +44,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.parallel = arch.parallel_residual
         reduce = not self.parallel  # a parallel layer sums attention and MLP, then all-reduces once
-        self.self_attn = DecoderAttention(arch, layer, _join(prefix, "self_attn"), reduce_results=reduce)
-        self.mlp = DecoderMLP(arch.mlp, arch.hidden_size, arch.intermediate_size, _join(prefix, "mlp"), reduce)
+        self.self_attn = _attention(arch, layer, _join(prefix, "self_attn"), reduce)
+        self.mlp = _mlp(arch, layer, _join(prefix, "mlp"), reduce)
         self.residual_multiplier, self.post_norm = arch.residual_multiplier, arch.post_norm
         norm = lambda: make_norm(arch.norm, arch.hidden_size)  # noqa: E731
         pre, post = arch.pre_norm, arch.post_norm
@@ -91,6 +92,22 @@ class DecoderLayer(nn.Module):
     def _scaled(self, out: torch.Tensor) -> torch.Tensor:
         """A sublayer's output times the residual multiplier (in place: it is a fresh tensor)."""
         return out.mul_(self.residual_multiplier) if self.residual_multiplier != 1.0 else out
+
+
+def _attention(arch: DecoderArchConfig, layer: LayerConfig, prefix: str, reduce: bool) -> nn.Module:
+    """The layer's attention: multi-head latent attention when the arch has an MLAConfig, else q/k/v heads."""
+    if arch.mla is not None:
+        return LatentAttention(arch, prefix, reduce_results=reduce)
+    return DecoderAttention(arch, layer, prefix, reduce_results=reduce)
+
+
+def _mlp(arch: DecoderArchConfig, layer: LayerConfig, prefix: str, reduce: bool) -> nn.Module:
+    """The layer's MLP: the mixture of experts on layers marked `moe`, else the dense one."""
+    if not layer.moe:
+        return DecoderMLP(arch.mlp, arch.hidden_size, arch.intermediate_size, prefix, reduce)
+    from llmplug.layers.moe import SparseMoeBlock  # imported here: the MoE block builds on this package's MLP
+
+    return SparseMoeBlock(arch.moe, arch.hidden_size, prefix, reduce)
 
 
 def _add_and_norm(

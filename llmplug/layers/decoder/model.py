@@ -27,6 +27,7 @@ from llmplug.layers.pipeline import IntermediateTensors, PPMissingLayer, pp_laye
 from llmplug.layers.position_embedding import LearnedPositionEmbedding, SinusoidalPositionEmbedding
 from llmplug.layers.rotary import RotaryCosSin, RotaryEmbedding, get_rope
 from llmplug.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from llmplug.layers.moe.experts import EXPERT_PARAMS
 from llmplug.layers.weight_utils import StackedParamsMap, load_mapped_weights
 
 __all__ = ["DecoderForCausalLM", "DecoderModel", "stacked_params"]
@@ -40,12 +41,11 @@ def _join(prefix: str, name: str) -> str:
 
 
 def stacked_params(arch: DecoderArchConfig) -> StackedParamsMap:
-    """Checkpoint module -> (our fused module, shard): q/k/v into qkv_proj, gate/up into gate_up_proj."""
-    stacked: dict[str, tuple[str, str | int]] = {
-        "q_proj": ("qkv_proj", "q"),
-        "k_proj": ("qkv_proj", "k"),
-        "v_proj": ("qkv_proj", "v"),
-    }
+    """Checkpoint module -> (our fused module, shard): q/k/v into qkv_proj (not with latent attention, whose
+    q_proj is its own), gate/up into gate_up_proj."""
+    stacked: dict[str, tuple[str, str | int]] = {}
+    if arch.mla is None:
+        stacked |= {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v")}
     if arch.mlp.gated:
         stacked |= {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
     return stacked
@@ -182,15 +182,17 @@ class DecoderForCausalLM(nn.Module):
         q/k/v and gate/up map; returns the loaded parameter names."""
         arch, cls = self.arch, type(self)
         names = cls.checkpoint_names if cls.checkpoint_names_of is None else cls.checkpoint_names_of(self.config)
-        weights = names.translate(weights, HeadLayout(arch.num_heads, arch.num_kv_heads, arch.head_dim))
+        num_experts = arch.moe.num_experts if arch.moe is not None else 0
+        weights = names.translate(weights, HeadLayout(arch.num_heads, arch.num_kv_heads, arch.head_dim, num_experts))
         skipped: tuple[str, ...] = ()
         if arch.tie_word_embeddings:
             if self._head_loads_embedding():
                 weights = _embedding_as_head(weights)
             else:
                 skipped = ("lm_head.weight",)
+        experts = EXPERT_PARAMS if arch.moe is not None else None
         return load_mapped_weights(
-            self, skip_missing_layers(self, weights), stacked_params(arch), IGNORED_SUFFIXES, skipped
+            self, skip_missing_layers(self, weights), stacked_params(arch), IGNORED_SUFFIXES, skipped, experts
         )
 
     def _head_loads_embedding(self) -> bool:

@@ -27,6 +27,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from llmplug.core.config import EngineConfig
 from llmplug.core.errors import ConfigError, EngineDeadError
+from llmplug.core.plugins import PluginRegistry
 from llmplug.engine.executors.base import Executor, WorkerMethod, check_one_replica, free_local_port, run_worker_method
 
 __all__ = ["RayExecutor", "RayWorkerActor", "worker_resources"]
@@ -41,8 +42,9 @@ _ray_started_here = False  # whether an executor started the local cluster (and 
 class RayWorkerActor:
     """A Worker inside a Ray actor process (`ray.remote` wraps this class at start-up)."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, registry: PluginRegistry) -> None:
         self.config = config
+        self.registry = registry  # a copy of the engine's: the same allow-list and preferences
         self.worker: Any = None
 
     def placement(self) -> tuple[str, str]:
@@ -56,11 +58,10 @@ class RayWorkerActor:
     def start(self, rank: int, local_rank: int, world_size: int, init_method: str) -> None:
         """Build this rank's Worker: join the process groups, load the model."""
         from llmplug.communicators.parallel_state import DistributedEnv
-        from llmplug.core.plugins import PluginRegistry, set_registry
         from llmplug.engine.worker import Worker
 
-        set_registry(PluginRegistry.from_config(self.config.plugins))
-        self.worker = Worker(self.config, DistributedEnv(world_size, rank, local_rank, init_method))
+        env = DistributedEnv(world_size, rank, local_rank, init_method)
+        self.worker = Worker(self.config, env, self.registry)
         self.worker.init_device()
         self.worker.load_model()
 
@@ -75,13 +76,13 @@ class RayWorkerActor:
         return os.getpid()
 
 
-def worker_resources(config: EngineConfig) -> dict[str, float]:
+def worker_resources(config: EngineConfig, registry: PluginRegistry | None = None) -> dict[str, float]:
     """The Ray resources of one worker's bundle: the configured ones, else one of the platform's devices."""
     if config.parallel.worker_resources:
         return dict(config.parallel.worker_resources)
     from llmplug.platforms import resolve_platform
 
-    return {resolve_platform(config.device.platform).ray_device_key: 1.0}
+    return {resolve_platform(config.device.platform, registry).ray_device_key: 1.0}
 
 
 def _actor_options(resources: dict[str, float]) -> dict[str, Any]:
@@ -119,7 +120,7 @@ class RayExecutor(Executor):
         _join_ray(self.config.parallel.ray_address)
         self._joined = True
         try:
-            self._start_actors(worker_resources(self.config))
+            self._start_actors(worker_resources(self.config, self.registry))
         except BaseException:
             self.shutdown()
             raise
@@ -131,7 +132,7 @@ class RayExecutor(Executor):
         actors = [
             actor_cls.options(
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, i), **_actor_options(resources)
-            ).remote(self.config)
+            ).remote(self.config, self.registry)
             for i in range(self.world_size)
         ]
         placements = ray.get([actor.placement.remote() for actor in actors])

@@ -26,6 +26,7 @@ from llmplug.loaders.gguf import load_gguf_tokenizer
 from tests.models.tiny_models import save_tiny_llama
 
 ENGINE_KWARGS = {"dtype": "float32", "max_model_len": 256, "block_size": 16}
+DEFAULT_MODEL_LEN = 256  # of the default-model server: prompts and answers of the fuzz and soak tests fit
 
 
 def free_port() -> int:
@@ -115,6 +116,21 @@ def server(engine) -> Iterator[RunningServer]:
     """A server with default settings (no API key, no rate limit)."""
     with serve(engine) as running:
         yield running
+
+
+@pytest.fixture(scope="session")
+def default_server() -> Iterator[RunningServer]:
+    """A server on the real default model (SmolLM2-135M-Instruct, GGUF), shared by the fuzz and soak tests.
+
+    float32: in bfloat16 a step's matmuls round differently with the size of the batch, so a near-tie
+    between two tokens can flip with the load; the soak test compares greedy answers under load with quiet ones.
+    """
+    engine = AsyncLLM(max_model_len=DEFAULT_MODEL_LEN, dtype="float32")
+    try:
+        with serve(engine) as running:
+            yield running
+    finally:
+        engine.shutdown()
 
 
 @pytest.fixture(scope="session")

@@ -50,6 +50,7 @@ BAD_REQUESTS = {
     "prompt longer than context": (CHAT, {**GOOD_CHAT, "messages": [{"role": "user", "content": TOO_LONG}]}, 400,
                                    "messages"),
     "top_p out of range": (CHAT, {**GOOD_CHAT, "top_p": 1.5}, 400, "top_p"),
+    "subnormal repetition_penalty": (CHAT, {**GOOD_CHAT, "repetition_penalty": 5e-324}, 400, "repetition_penalty"),
     "unknown role": (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),
     "image content": (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
                       400, "messages[0].content"),

@@ -113,3 +113,23 @@ def test_rate_limit_parsing_and_buckets():
     assert buckets.acquire("b") == 0.0
     now[0] = 0.5
     assert buckets.acquire("a") == 0.0
+
+
+
+@pytest.mark.parametrize("framing", [("Content-Length", "2000"), ("Transfer-Encoding", "chunked")])
+def test_the_api_key_is_checked_before_the_body_is_read(guarded, framing):
+    """No body is ever sent: a server that read it before checking the key would wait for it, never answer 401."""
+    conn = http.client.HTTPConnection("127.0.0.1", guarded.port, timeout=30)
+    try:
+        conn.putrequest("POST", "/v1/chat/completions")
+        for name, value in (("Authorization", "Bearer wrong"), ("Content-Type", "application/json"), framing):
+            conn.putheader(name, value)
+        conn.endheaders()  # the headers only
+        response = conn.getresponse()
+        assert response.status == 401
+        assert json.loads(response.read())["error"]["code"] == "invalid_api_key"
+    finally:
+        conn.close()
+    reply = guarded.client(api_key="key-a").chat.completions.create(
+        model=guarded.model, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert reply.choices[0].finish_reason in ("length", "stop")

@@ -20,7 +20,6 @@ import pytest
 from transformers import AutoTokenizer
 
 from llmplug import LLM, AsyncLLM, SamplingParams
-from llmplug.core.plugins import get_registry
 from llmplug.entrypoints.openai.api_server import ServerSettings
 from tests.models.tiny_models import save_tiny_llama
 from tests.plugin_examples import pip_install_examples
@@ -311,8 +310,9 @@ def toy_parser_site(tmp_path_factory):
 
 def test_a_pip_installed_tool_parser_is_used_by_its_entry_point_name(toy_parser_site, engine, monkeypatch):
     monkeypatch.syspath_prepend(str(toy_parser_site))
-    get_registry().refresh()
-    [info] = [i for i in get_registry().infos("llmplug.tool_parsers") if i.name == "toy_arrows"]
+    registry = engine.llm_engine.registry  # the server takes its parsers from the engine's plugins
+    registry.refresh()
+    [info] = [i for i in registry.infos("llmplug.tool_parsers") if i.name == "toy_arrows"]
     assert (info.distribution, info.builtin) == ("llmplug-example-toy-tool-parser", False)
     settings = ServerSettings(tool_call_parser="toy_arrows", enable_auto_tool_choice=True)
     with serve(engine, settings) as running:
