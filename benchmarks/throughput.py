@@ -137,7 +137,7 @@ def main() -> int:
 
     def record(name: str, tps: float) -> None:
         rows[name] = tps
-        print(f"{name:28s} {tps:8.1f} output tok/s", flush=True)  # as it goes: a later hang loses nothing
+        print(f"{name:28s} {tps:8.1f} tok/s", flush=True)  # as it goes: a later hang loses nothing
 
     clock = time.process_time if args.cpu_clock else time.perf_counter
     variants = {"llmplug": {}} | ({"llmplug compiled": {"device.compile": True}} if args.compile else {})
