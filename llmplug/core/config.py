@@ -209,6 +209,13 @@ class DeviceConfig(_Section):
     platform: str = Field("auto", description="`llmplug.platforms` name; auto: the available one with the highest priority.")
     attention_backend: str | None = Field(None, description="`llmplug.attention` name; default: the platform's choice.")
     num_threads: int | None = Field(None, gt=0, description="CPU threads per worker; default: all cores / workers.")
+    compile: bool = Field(
+        False,
+        description=(
+            "Run the model's forward through torch.compile (inductor), attention left as an opaque op; eager where "
+            "capturing fails. Costs a compile at the first steps (cached on disk); see docs/benchmarks.md."
+        ),
+    )
 
 
 class DecodingConfig(_Section):

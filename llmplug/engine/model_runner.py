@@ -20,6 +20,7 @@ from llmplug.engine.sampler import Sampler
 from llmplug.engine.sampling_state import SamplingState
 from llmplug.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from llmplug.layers.attention import bind_kv_cache
+from llmplug.layers.compiled_forward import CompiledForward
 from llmplug.layers.forward_context import CommonAttentionMetadata, forward_context
 from llmplug.layers.recurrent import (
     RecurrentMetadata,
@@ -94,6 +95,8 @@ class ModelRunner:
         loader = build_loader(self.registry, fmt, self.config.load)
         self.model = loader.load_model(self.config, device=self.device)
         self.stage = PipelineStage(self.model)
+        # what a step calls: the model, or its forward captured by torch.compile (device.compile)
+        self.forward: Callable[..., object] = CompiledForward(self.model) if self.config.device.compile else self.model
         self.hf_config = loader.load_hf_config(self.config.model)
         self.sampling_state = SamplingState(vocab_size=self.hf_config.vocab_size, device=self.device)
         # processors contributed by `llmplug.hooks` plugins apply to every request
@@ -108,6 +111,12 @@ class ModelRunner:
             path = loader.model_path(self.config.model.model)
             self.pooling_info = pooling_info(self.model, self.hf_config, self.config, path)
             self.pooling_type = PoolingType(self.pooling_info["pooling_type"])
+
+    def drop_compiled_forward(self, why: str) -> None:
+        """Run the model eager from now on: a compiled (frozen) forward holds the weights it was compiled with."""
+        if self.forward is not self.model:
+            logger.info("%s: the compiled forward holds the old weights; running the model eager", why)
+            self.forward = self.model
 
     def kv_cache_spec(self) -> KVCacheSpec:
         """The shape of this worker's share of the KV cache and recurrent state."""
@@ -163,7 +172,7 @@ class ModelRunner:
         @torch.inference_mode()
         def run() -> None:
             with forward_context(self.attn_backend.build_metadata(batch.common), batch.recurrent):
-                hidden_states = self.stage.run(self.model, batch.input_ids, batch.positions)
+                hidden_states = self.stage.run(self.forward, batch.input_ids, batch.positions)
             if hidden_states is not None:  # the last pipeline stage
                 torch.softmax(self.model.compute_logits(hidden_states[batch.sample_indices]), dim=-1)
 
@@ -251,7 +260,7 @@ class ModelRunner:
         attn_metadata = self.attn_backend.build_metadata(batch.common)
         model_kwargs = self._model_kwargs(scheduler_output)
         with forward_context(attn_metadata, batch.recurrent):
-            hidden_states = self.stage.run(self.model, batch.input_ids, batch.positions, **model_kwargs)
+            hidden_states = self.stage.run(self.forward, batch.input_ids, batch.positions, **model_kwargs)
         if hidden_states is None:  # an earlier pipeline stage: the last one samples
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         if self.pooling_info is not None:  # a pooling engine: every request pools

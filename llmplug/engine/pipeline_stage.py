@@ -8,6 +8,8 @@ hidden states. Without pipeline parallelism `run` is a plain call of the model.
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
 
 from llmplug.communicators.parallel_state import GroupCoordinator, get_pp_group
@@ -29,7 +31,7 @@ class PipelineStage:
             )
 
     def run(
-        self, model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, **model_kwargs: torch.Tensor
+        self, model: Callable[..., Any], input_ids: torch.Tensor, positions: torch.Tensor, **model_kwargs: torch.Tensor
     ) -> torch.Tensor | None:
         """This stage's forward pass: hidden states [T, hidden] on the last stage, None on the others.
 

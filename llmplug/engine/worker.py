@@ -204,6 +204,7 @@ class Worker:
         """After the last batch: redo what derives from the weights (int4 copies of changed layers, decode mirrors)."""
         runner = self.model_runner
         finish_loading(runner.model, self.config.model, only_dense=True)
+        runner.drop_compiled_forward("new weights")
         # rebinding the same caches drops the attention backend's per-layer state, computed with the old weights
         caches = [layer.kv_cache for layer in attention_layers(runner.model)]
         bind_kv_cache(runner.model, caches if all(c is not None for c in caches) else None, runner.attn_backend)
@@ -213,6 +214,7 @@ class Worker:
         runner = self.model_runner
         bind_kv_cache(runner.model, None, runner.attn_backend)  # the layers held the only references
         bind_state_cache(runner.model, None)
+        runner.drop_compiled_forward("sleep")
         self.sleeping_weights = sleep_weights(runner.model, level)
         self.platform.empty_cache()
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from typing import Iterator, Mapping
+
 import torch
 from torch import nn
 
@@ -10,7 +14,7 @@ from llmplug.layers.attention.backend import AttentionBackend
 from llmplug.layers.forward_context import get_forward_context
 from llmplug.layers.weight_utils import check_shape, frozen_parameter
 
-__all__ = ["Attention"]
+__all__ = ["Attention", "opaque_attention"]
 
 
 class Attention(nn.Module):
@@ -112,6 +116,8 @@ class Attention(nn.Module):
                 f"Attention layer {self.layer_name!r} has no backend: the model runner calls "
                 "bind_kv_cache(model, caches, backend) before the first forward"
             )
+        if torch.compiler.is_compiling():  # one opaque call: the traced graph splits around attention
+            return torch.ops.llmplug.attention(q, k, v, self.layer_name)
         return self.backend.forward(self, q, k, v, get_forward_context().attn_metadata)
 
     def extra_repr(self) -> str:
@@ -149,3 +155,38 @@ def _check_features(
             f"Attention {prefix!r}: alibi_slopes has shape {tuple(slopes.shape)}, expected ({num_heads},): "
             "one slope per query head of this tensor-parallel rank"
         )
+
+
+# The layers a compiled forward's opaque attention calls resolve their names in: a context variable, so
+# that two engines in one process (or in two threads) each reach their own model's layers.
+_opaque_layers: contextvars.ContextVar[Mapping[str, Attention] | None] = contextvars.ContextVar(
+    "llmplug_opaque_attention_layers", default=None
+)
+
+
+@contextlib.contextmanager
+def opaque_attention(layers: Mapping[str, Attention]) -> Iterator[None]:
+    """Let `torch.ops.llmplug.attention` find `layers` by `layer_name` while a compiled forward runs."""
+    token = _opaque_layers.set(layers)
+    try:
+        yield
+    finally:
+        _opaque_layers.reset(token)
+
+
+# Under torch.compile the attention call is this custom op, which the compiler does not trace into: the
+# backend reads the step's metadata (Python lists, per-sequence branches) and writes the KV cache, none
+# of which belongs in a graph captured once. The cache is not an argument, so the op declares no mutation;
+# each layer's cache is read and written by that layer's call alone, which data flow already orders.
+@torch.library.custom_op("llmplug::attention", mutates_args=())
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_name: str) -> torch.Tensor:
+    layers = _opaque_layers.get()
+    if layers is None:
+        raise RuntimeError("torch.ops.llmplug.attention called outside `with opaque_attention(layers):`")
+    layer = layers[layer_name]
+    return layer.backend.forward(layer, q, k, v, get_forward_context().attn_metadata)
+
+
+@_attention_op.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_name: str) -> torch.Tensor:
+    return q.new_empty(q.shape)  # [T, H * D], as the backend returns
