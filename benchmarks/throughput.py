@@ -4,7 +4,10 @@
     python benchmarks/throughput.py                       # the embedded default model (GGUF)
     python benchmarks/throughput.py --model DIR --num-prompts 32 --output-len 128
 
-Reports output tokens/s of each engine for a batch of prompts and for one stream, and the ratios.
+Reports output tokens/s of each engine for a batch of prompts and for one stream, llmplug's prefill
+tokens/s (the batch's prompt tokens, one output token each; prefix cache off), and the ratios. With
+--compile also llmplug with `device.compile` (compiled in the warm-up, not timed); with --cpu-clock
+every row is timed in CPU seconds of the process, steadier when other jobs share the machine.
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ def bench_llmplug(model: str, prompts: list[list[int]], output_len: int, dtype: 
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     elapsed = clock() - start
     llm.shutdown()
+    if output_len == 1:  # a prefill measure: the prompts' tokens are the work
+        return sum(map(len, prompts)) / elapsed
     return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
 
 
@@ -107,6 +112,9 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--skip-hf-batch", action="store_true", help="skip HF generate_batch (continuous batching)")
+    ap.add_argument("--compile", action="store_true", help="also time llmplug with device.compile (torch.compile)")
+    ap.add_argument("--cpu-clock", action="store_true",
+                    help="time every row in CPU seconds of this process (steadier on a shared machine)")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args()
 
@@ -129,21 +137,30 @@ def main() -> int:
 
     def record(name: str, tps: float) -> None:
         rows[name] = tps
-        print(f"{name:28s} {tps:8.1f} output tok/s", flush=True)  # as it goes: a later hang loses nothing
+        print(f"{name:28s} {tps:8.1f} tok/s", flush=True)  # as it goes: a later hang loses nothing
 
-    record("llmplug batch", bench_llmplug(model, batch, args.output_len, args.dtype))
-    record("llmplug single", bench_llmplug(model, single, args.output_len, args.dtype))
+    clock = time.process_time if args.cpu_clock else time.perf_counter
+    variants = {"llmplug": {}} | ({"llmplug compiled": {"device.compile": True}} if args.compile else {})
+    for name, engine in variants.items():
+        engine = {**engine, "enable_prefix_caching": False, "clock": clock}  # the aims are stated cache off
+        # prefill: prompt tokens per second of a step that only prefills (one output token each)
+        record(f"{name} prefill", bench_llmplug(model, batch, 1, args.dtype, **engine))
+        record(f"{name} batch", bench_llmplug(model, batch, args.output_len, args.dtype, **engine))
+        record(f"{name} single", bench_llmplug(model, single, args.output_len, args.dtype, **engine))
     if model.endswith(".gguf"):  # the GGUF's own 4-bit blocks, as llama.cpp runs them
-        record("llmplug single int4", bench_llmplug(model, single, args.output_len, args.dtype, "auto"))
-    record("hf generate batch", bench_hf_generate(hf, batch, args.output_len, pad_id))
-    record("hf generate single", bench_hf_generate(hf, single, args.output_len, pad_id))
+        record("llmplug single int4", bench_llmplug(model, single, args.output_len, args.dtype, "auto", clock=clock))
+    record("hf generate batch", bench_hf_generate(hf, batch, args.output_len, pad_id, clock=clock))
+    record("hf generate single", bench_hf_generate(hf, single, args.output_len, pad_id, clock=clock))
     if not args.skip_hf_batch:
-        record("hf generate_batch batch", bench_hf_generate_batch(hf, batch, args.output_len, pad_id))
+        record("hf generate_batch batch", bench_hf_generate_batch(hf, batch, args.output_len, pad_id, clock=clock))
 
     ratios = {
         "batch: llmplug / hf generate": rows["llmplug batch"] / rows["hf generate batch"],
         "single: llmplug / hf generate": rows["llmplug single"] / rows["hf generate single"],
     }
+    if args.compile:
+        for kind in ("prefill", "batch", "single"):
+            ratios[f"{kind}: compiled / eager"] = rows[f"llmplug compiled {kind}"] / rows[f"llmplug {kind}"]
     if "hf generate_batch batch" in rows:
         ratios["batch: llmplug / hf generate_batch"] = rows["llmplug batch"] / rows["hf generate_batch batch"]
     report(rows, ratios, args)

@@ -22,6 +22,10 @@ _EXPORTS = {
     "CompletionOutput": "llmplug.core.outputs",
     "BeamSearchOutput": "llmplug.core.outputs",
     "BeamSearchSequence": "llmplug.core.outputs",
+    "PoolingRequestOutput": "llmplug.core.outputs",
+    "EmbeddingRequestOutput": "llmplug.core.outputs",
+    "ClassificationRequestOutput": "llmplug.core.outputs",
+    "ScoringRequestOutput": "llmplug.core.outputs",
 }
 
 __all__ = [*_EXPORTS, "__version__"]

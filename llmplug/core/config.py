@@ -59,6 +59,20 @@ class ModelConfig(_Section):
             "int4: every linear layer, quantizing the rest (group 32); none: dense only. See docs/quantization.md."
         ),
     )
+    runner: Literal["auto", "generate", "pooling"] = Field(
+        "auto",
+        description=(
+            "What the engine serves: generate (sampling) or pooling (embeddings, classification, scores); auto: pooling "
+            "for a pooling architecture (BertModel, *ForSequenceClassification) or a sentence-transformers folder."
+        ),
+    )
+    convert: Literal["auto", "none", "embed", "classify"] = Field(
+        "auto",
+        description=(
+            "Run a causal LM as a pooling model: embed (last-token embeddings) or classify (a `score` head); auto: "
+            "embed when runner is pooling and the architecture generates, else none."
+        ),
+    )
     prepack_weights: bool = Field(
         True,
         description=(
@@ -77,15 +91,22 @@ class CacheConfig(_Section):
     memory_fraction: float = Field(
         0.9, gt=0, le=1, description="Fraction of device memory for weights + KV cache when no budget is given."
     )
-    enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of identical prompt prefixes.")
+    enable_prefix_caching: bool = Field(
+        True,
+        description="Reuse KV blocks of identical prompt prefixes (off for models with recurrent state).",
+    )
 
 
 class SchedulerConfig(_Section):
     """Continuous batching."""
 
-    max_num_seqs: int = Field(256, gt=0, description="Most requests in one step.")
+    max_num_seqs: int = Field(
+        256, gt=0, description="Most requests in one step; also the number of recurrent-state slots of a hybrid model."
+    )
     max_num_batched_tokens: int | None = Field(
-        None, gt=0, description="Token budget of one step; default 2048 with chunked prefill, else max_model_len."
+        None, gt=0,
+        description="Token budget of one step; default 2048 with chunked prefill, else max_model_len; "
+        "pooling models: 32768, or max_model_len if longer.",
     )
     enable_chunked_prefill: bool = Field(True, description="Split long prompts across steps.")
     policy: Literal["fcfs", "priority"] = Field("fcfs", description="Order of waiting requests.")
@@ -188,6 +209,13 @@ class DeviceConfig(_Section):
     platform: str = Field("auto", description="`llmplug.platforms` name; auto: the available one with the highest priority.")
     attention_backend: str | None = Field(None, description="`llmplug.attention` name; default: the platform's choice.")
     num_threads: int | None = Field(None, gt=0, description="CPU threads per worker; default: all cores / workers.")
+    compile: bool = Field(
+        False,
+        description=(
+            "Run the model's forward through torch.compile (inductor), attention left as an opaque op; eager where "
+            "capturing fails. Costs a compile at the first steps (cached on disk); see docs/benchmarks.md."
+        ),
+    )
 
 
 class DecodingConfig(_Section):
@@ -242,6 +270,23 @@ class SpeculativeConfig(_Section):
         return self
 
 
+class PoolerConfig(_Section):
+    """How a pooling model pools (runner: pooling); unset fields take the model's defaults."""
+
+    pooling_type: Literal["LAST", "CLS", "MEAN", "ALL"] | None = Field(
+        None,
+        description=(
+            "Which hidden states stand for a prompt; default: the sentence-transformers folder's, else the model's."
+        ),
+    )
+    normalize: bool | None = Field(
+        None, description="L2-normalize embeddings; default: as the sentence-transformers folder says, else true."
+    )
+    use_activation: bool | None = Field(
+        None, description="Apply the classifier's activation (softmax / sigmoid) to class scores; default: true."
+    )
+
+
 class PluginConfig(_Section):
     """Which third-party plugins load and who wins a name conflict."""
 
@@ -264,6 +309,7 @@ class EngineConfig(_Section):
     device: DeviceConfig = Field(default_factory=DeviceConfig)
     decoding: DecodingConfig = Field(default_factory=DecodingConfig)
     speculative_config: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
+    pooler: PoolerConfig = Field(default_factory=PoolerConfig)
     plugins: PluginConfig = Field(default_factory=PluginConfig)
 
 
@@ -291,6 +337,8 @@ ALIASES: dict[str, str] = {
     "hf_overrides": "model.hf_overrides",
     "quantization": "model.quantization",
     "prepack_weights": "model.prepack_weights",
+    "runner": "model.runner",
+    "convert": "model.convert",
     "block_size": "cache.block_size",
     "num_gpu_blocks_override": "cache.num_blocks",
     "kv_cache_memory": "cache.kv_cache_memory",

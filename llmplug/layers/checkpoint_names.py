@@ -13,7 +13,7 @@ Llama) and some store several projections as one tensor. A `CheckpointNames` say
   `xattn.c_attn`);
 - `transposed`: modules (model names) whose checkpoint weights are stored [in, out] (GPT-2's Conv1D);
 - `fused`: modules (model names) whose checkpoint tensor holds several projections, with its layout
-  (`QKV_*`, `GATE_UP`); the tensor is split into the parts' own names (`q_proj`, `k_proj`, `v_proj`,
+  (`QKV_*`, `GATE_UP`, `UP_GATE`); the tensor is split into the parts' own names (`q_proj`, `k_proj`, `v_proj`,
   `gate_proj`, `up_proj`), which the model's stacked-parameter map then loads into its fused layers;
   the `EXPERTS*` layouts split a tensor stacking every expert of a mixture-of-experts layer
   (`experts.gate_up_proj`, `experts.down_proj`, ...) into per-expert tensors `experts.<e>.gate_proj`,
@@ -52,6 +52,7 @@ __all__ = [
     "QKV_GROUPED",
     "QKV_PER_HEAD",
     "STACKED_EXPERT_LEAVES",
+    "UP_GATE",
     "CheckpointNames",
     "HeadLayout",
 ]
@@ -63,6 +64,7 @@ QKV_GROUPED = "qkv_grouped"  # [kv_heads, (q of the group..., k, v), head_dim] (
 QKV_CODEGEN = "qkv_codegen"  # [4 blocks, (q, v, k), heads / 4 * head_dim] (CodeGen's mp_num = 4 layout)
 GATE_UP = "gate_up"  # [gate | up] (Phi-3)
 CODEGEN_BLOCKS = 4  # CodeGen's `mp_num`, fixed in its code
+UP_GATE = "up_gate"  # [up | gate] (GTE)
 # stacked experts (module `...experts.<name>`; `gate_up_proj` holds [gate | up] along its output dim)
 EXPERTS = "experts"  # [E, out, in] (GraniteMoe, JetMoe)
 EXPERTS_T = "experts_t"  # [E, in, out] (Llama 4, GPT-OSS down_proj)
@@ -122,6 +124,10 @@ def _split_halves(t: torch.Tensor, h: HeadLayout, name: str) -> Parts:
     return list(zip(("gate_proj", "up_proj"), t.chunk(2, dim=0)))
 
 
+def _split_up_gate(t: torch.Tensor, h: HeadLayout, name: str) -> Parts:
+    return list(zip(("up_proj", "gate_proj"), t.chunk(2, dim=0)))
+
+
 def _per_expert(stacked: torch.Tensor, name: str, interleaved: bool = False) -> Parts:
     """stacked [E, out, (in)] (Linear orientation, a bias without `in`) -> `<e>.<proj>` pieces; a
     `gate_up_proj` is cut into gate_proj and up_proj, its halves or (interleaved) its alternate rows."""
@@ -171,6 +177,7 @@ _LAYOUTS: dict[str, Callable[[torch.Tensor, HeadLayout, str], Parts]] = {
     QKV_GROUPED: _split_qkv_grouped,
     QKV_CODEGEN: _split_qkv_codegen,
     GATE_UP: _split_halves,
+    UP_GATE: _split_up_gate,
     EXPERTS: _split_experts,
     EXPERTS_T: _split_experts_t,
     EXPERTS_T_INTERLEAVED: _split_experts_t_interleaved,

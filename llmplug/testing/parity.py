@@ -74,6 +74,7 @@ VARIANTS: dict[str, Variant] = {
         Variant("preemption", {"num_gpu_blocks_override": 24, "max_num_seqs": 8}, expects_preemption=True),
         Variant("tp2", {"tensor_parallel_size": 2}),
         Variant("pp2", {"pipeline_parallel_size": 2}),
+        Variant("compiled", {"device.compile": True}),  # the forward through torch.compile
     )
 }
 # one CPU thread: a tiny model gains nothing from more, and on a shared machine threads only contend

@@ -11,6 +11,7 @@ from transformers import (
     ApertusConfig,
     ArceeConfig,
     BioGptConfig,
+    BertConfig,
     BloomConfig,
     CodeGenConfig,
     CTRLConfig,
@@ -44,13 +45,16 @@ from transformers import (
     GPTNeoXConfig,
     GPTNeoXJapaneseConfig,
     GraniteConfig,
+    GteConfig,
     LlamaConfig,
     MistralConfig,
     ModernBertDecoderConfig,
+    ModernBertConfig,
     MptConfig,
     NanoChatConfig,
     OpenAIGPTConfig,
     NemotronConfig,
+    NomicBertConfig,
     OlmoConfig,
     Olmo2Config,
     Olmo3Config,
@@ -60,36 +64,19 @@ from transformers import (
     Phi3Config,
     Qwen2Config,
     Qwen3Config,
+    RobertaConfig,
     SmolLM3Config,
     StableLmConfig,
     Starcoder2Config,
     XGLMConfig,
+    XLMRobertaConfig,
 )
 
-from llmplug.testing import ParityCase, tiny_config
+from llmplug.testing import ParityCase, PoolingParityCase, tiny_config
 
+from .case_factory import NO_POSITION_LIMIT, case
 
 WINDOW = 8  # sliding windows far shorter than prompt + generation (up to 29 + 24 tokens)
-
-
-def case(
-    name: str,
-    config_class: type,
-    engine_kwargs: dict | None = None,
-    hf_attn: str = "eager",
-    architecture: str | None = None,
-    prompt_lengths: tuple[int, ...] | None = None,
-    **fields,
-) -> ParityCase:
-    """A ParityCase over `tiny_config(config_class, **fields)`; `architecture`: the name config.json gets (a
-    config-only alias's hub class), `prompt_lengths`: other prompts than the harness's."""
-    make = lambda: tiny_config(config_class, **fields)  # noqa: E731
-    lengths = {} if prompt_lengths is None else {"prompt_lengths": prompt_lengths}
-    return ParityCase(
-        name, make, engine_kwargs=engine_kwargs or {}, hf_attn_implementation=hf_attn, architecture=architecture,
-        **lengths,
-    )
-
 
 CASES: list[ParityCase] = [
     # the Llama family: biases, tying, q/k norm, explicit head_dim, scaled rope
@@ -312,7 +299,50 @@ TP_CASES: list[str] = [
 PP_CASES: list[str] = ["GPT2LMHeadModel", "Gemma2ForCausalLM", "Olmo2ForCausalLM"]
 
 
-def architecture(case: ParityCase) -> str:
+def pooling_case(
+    name: str, config_class: type, engine_kwargs: dict | None = None, token_types: bool = False, **fields
+) -> PoolingParityCase:
+    """A PoolingParityCase over `tiny_config(config_class, architectures=[its architecture], **fields)`."""
+    architecture_name = name.split("-")[0]
+    make = lambda: tiny_config(config_class, architectures=[architecture_name], **fields)  # noqa: E731
+    return PoolingParityCase(name, make, engine_kwargs=engine_kwargs or {}, token_types=token_types)
+
+
+EMBEDDER = {"runner": "pooling"}  # a causal LM run as an embedding model (model.convert: embed)
+
+# every pooling architecture: each encoder family as an embedder and as a classifier, decoder classifiers
+POOLING_CASES: list[PoolingParityCase] = [
+    # post-LN encoder, learned positions, token types; CLS pooling; the classifier on text pairs
+    pooling_case("BertModel", BertConfig),
+    pooling_case("BertForSequenceClassification", BertConfig, token_types=True, num_labels=3),
+    pooling_case("BertForSequenceClassification-one-label", BertConfig, token_types=True, num_labels=1),
+    # positions from pad_token_id + 1, a dense + tanh classification head
+    pooling_case("RobertaModel", RobertaConfig, pad_token_id=1),
+    pooling_case("RobertaForSequenceClassification", RobertaConfig, pad_token_id=1, num_labels=2),
+    pooling_case("XLMRobertaModel", XLMRobertaConfig, pad_token_id=1),
+    pooling_case("XLMRobertaForSequenceClassification", XLMRobertaConfig, pad_token_id=1, num_labels=1),
+    # pre-norm, fused Wqkv and GeGLU, rotary per layer type, bidirectional local windows of 2 keys each way;
+    # the classifier's head norm over the mean of the tokens
+    pooling_case("ModernBertModel", ModernBertConfig, pad_token_id=0, local_attention=4, global_attn_every_n_layers=2),
+    pooling_case(
+        "ModernBertForSequenceClassification", ModernBertConfig, pad_token_id=0, local_attention=4,
+        classifier_pooling="mean", num_labels=2,
+    ),
+    # rotary post-LN encoders: SwiGLU without biases (mean pooling); GeGLU with a down_proj bias
+    pooling_case("NomicBertModel", NomicBertConfig, pad_token_id=0),
+    pooling_case("NomicBertForSequenceClassification", NomicBertConfig, token_types=True, pad_token_id=0, num_labels=2),
+    pooling_case("GteModel", GteConfig, pad_token_id=0),
+    pooling_case("GteForSequenceClassification", GteConfig, pad_token_id=0, type_vocab_size=0, num_labels=2),
+    # decoders: a `score` head on the last token; and a causal LM as a last-token embedder
+    pooling_case("LlamaForSequenceClassification", LlamaConfig, num_labels=1),
+    pooling_case("MistralForSequenceClassification", MistralConfig, sliding_window=None, num_labels=2),
+    pooling_case("Qwen2ForSequenceClassification", Qwen2Config, num_labels=2),
+    pooling_case("Qwen3ForSequenceClassification", Qwen3Config, head_dim=32, num_labels=3),
+    pooling_case("Qwen3ForCausalLM-embed", Qwen3Config, EMBEDDER, head_dim=32),
+]
+
+
+def architecture(case: ParityCase | PoolingParityCase) -> str:
     """The registered architecture a case proves: its name up to the first '-'."""
     return case.name.split("-")[0]
 
@@ -322,3 +352,10 @@ from .cases_moe import EP_CASES, MOE_CASES, MOE_TP_CASES  # noqa: E402
 
 CASES += MOE_CASES
 TP_CASES += MOE_TP_CASES
+
+# the state-space and hybrid architectures, in their own module (they use `case` above)
+from .cases_recurrent import RECURRENT_CASES, RECURRENT_PP_CASES, RECURRENT_TP_CASES  # noqa: E402
+
+CASES += RECURRENT_CASES
+TP_CASES += RECURRENT_TP_CASES
+PP_CASES += RECURRENT_PP_CASES

@@ -14,6 +14,7 @@ from transformers import (
     Qwen2Config,
     SmolLM3Config,
     StableLmConfig,
+    Zamba2Config,
 )
 
 from llmplug.core.errors import ModelLoadError
@@ -25,6 +26,7 @@ from llmplug.plugins.models.gpt2 import GPT2LMHeadModel
 from llmplug.plugins.models.llama import LlamaForCausalLM, SmolLM3ForCausalLM
 from llmplug.plugins.models.mpt import MptForCausalLM
 from llmplug.plugins.models.openai_gpt import OpenAIGPTLMHeadModel
+from llmplug.plugins.models.zamba2 import Zamba2ForCausalLM
 from llmplug.testing import tiny_config
 
 
@@ -119,4 +121,19 @@ def test_the_arch_config_refuses_contradictions() -> None:
         DecoderArchConfig(**base, layers=layers, norm_after_residual=True)
     with pytest.raises(ValueError, match="absolute positions need max_position"):
         DecoderArchConfig(**base, layers=layers, absolute_positions="learned")
+    post_norm_error = "layer 0: a post-norm layer is attention \\+ MLP in a pre-norm model"
+    with pytest.raises(ValueError, match=post_norm_error):
+        DecoderArchConfig(**base, layers=(LayerConfig(None, post_norm=True),), pre_norm=False, post_norm=True)
+    with pytest.raises(ValueError, match=post_norm_error):
+        DecoderArchConfig(**base, layers=(LayerConfig(None, mlp=False, post_norm=True),))
+    assert DecoderArchConfig(**base, layers=(LayerConfig(None, post_norm=True),)).layers[0].post_norm
     assert LlamaForCausalLM.arch_config_of(tiny_config(LlamaConfig)).scale == 16**-0.5
+
+
+def test_zamba2_refuses_attention_adapters_with_grouped_kv_heads() -> None:
+    # transformers' k/v adapters are as wide as the queries: only one kv head per head fits them
+    layers = dict(num_hidden_layers=2, layers_block_type=["mamba", "hybrid"], mamba_headdim=16)
+    config = tiny_config(Zamba2Config, use_shared_attention_adapter=True, num_key_value_heads=2, **layers)
+    config.architectures = ["Zamba2ForCausalLM"]
+    with pytest.raises(ModelLoadError, match="Zamba2ForCausalLM: use_shared_attention_adapter with fewer kv heads"):
+        Zamba2ForCausalLM(config=config)

@@ -45,3 +45,14 @@ def test_pipeline_parallel_greedy_tokens_and_logprobs_match_transformers(parity:
 @pytest.mark.parametrize("name", EP_CASES)
 def test_expert_parallel_greedy_tokens_and_logprobs_match_transformers(parity: ParityRunner, name: str) -> None:
     parity.check(BY_NAME[name], Variant("ep2", {"tensor_parallel_size": 2, "enable_expert_parallel": True}))
+
+
+# torch.compile costs tens of CPU-seconds per model here: a few families that cover the shared blocks
+# (GQA + rotary + gated MLP; window + soft-cap + sandwich norms; ALiBi + LayerNorm + fused qkv)
+COMPILED_CASES = ["LlamaForCausalLM", "Gemma2ForCausalLM", "BloomForCausalLM"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", COMPILED_CASES)
+def test_compiled_forward_greedy_tokens_and_logprobs_match_transformers(parity: ParityRunner, name: str) -> None:
+    parity.check(BY_NAME[name], "compiled")

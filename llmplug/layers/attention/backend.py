@@ -12,7 +12,8 @@ call it, never the model:
   step's k/v into `layer.kv_cache` and returns the attention output. A backend may keep per-layer
   state across steps in `layer.backend_state` (reset by `bind_kv_cache`).
 
-Optional attention features (sliding window, logit soft-capping, ALiBi, sinks; see `Attention`) are
+Optional attention features (sliding window, logit soft-capping, ALiBi, sinks, bidirectional
+attention of encoders; see `Attention`) are
 read from the layer. A backend lists those it implements in `supported_features`; `bind_kv_cache`
 refuses a layer that uses any other, so no backend silently ignores one.
 """
@@ -32,7 +33,9 @@ if TYPE_CHECKING:
 __all__ = ["ATTENTION_FEATURES", "AttentionBackend"]
 
 # names of the optional features an Attention layer may use (`Attention.features`)
-ATTENTION_FEATURES = frozenset({"sliding_window", "logit_softcap", "alibi", "sinks", "values_in_keys"})
+ATTENTION_FEATURES = frozenset(
+    {"sliding_window", "logit_softcap", "alibi", "sinks", "values_in_keys", "bidirectional"}
+)
 
 
 class AttentionBackend(abc.ABC):

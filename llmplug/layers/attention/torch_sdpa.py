@@ -31,6 +31,10 @@ and its mask; ALiBi adds its bias to the mask (decode: the baddbmm addend; prefi
 mask). Soft-capping and sinks change the softmax itself, so such layers compute their scores
 explicitly (decode: bmm, cap, mask, softmax; prefill: the same in chunks of queries). A layer using
 none of them runs exactly the paths above.
+
+Bidirectional layers (encoders, `causal=False`) need each request's whole prompt in the step: one
+SDPA call over the prefill part padded as above, with a key-padding mask (and |i - j| < W for a
+window) instead of the causal one; a single request without a window is plain SDPA, no mask.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ import torch.nn.functional as F
 from llmplug.layers.attention.backend import ATTENTION_FEATURES, AttentionBackend
 from llmplug.layers.attention.decode_mirror import DecodeMirror, DecodeRows, mirror_fits
 from llmplug.layers.attention.features import softcap_, softmax_with_sinks
-from llmplug.layers.attention.key_layout import DecodeKeys, PrefillKeys, decode_keys, prefill_keys
+from llmplug.layers.attention.key_layout import DecodeKeys, PrefillKeys, additive, decode_keys, prefill_keys
 from llmplug.layers.forward_context import CommonAttentionMetadata
 
 if TYPE_CHECKING:
@@ -119,6 +123,7 @@ class PrefillPart:
     q_pad_index: torch.Tensor | None = None  # [B * max_query_len] part-local token of each padded query row
     out_index: torch.Tensor | None = None  # [num_part_tokens] padded row of each part-local token
     _keys: dict[int | None, PrefillKeys] = field(default_factory=dict)
+    _bidirectional_masks: dict[tuple[int | None, torch.dtype], torch.Tensor] = field(default_factory=dict)
 
     def keys(self, window: int | None) -> PrefillKeys:
         """The layout of the keys a layer with this sliding window attends (built once per step)."""
@@ -129,6 +134,19 @@ class PrefillPart:
                 self.tables, self.q_lens, self.seq_lens, self.block_size, window, self.device
             )
         return self._keys[window]
+
+    def bidirectional_mask(self, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+        """Additive mask of bidirectional layers, built once per step and window: query i of a request sees its
+        keys j < q_len (and |i - j| < window) -> [B, 1, 1 or Qm, Qm]."""
+        if window is not None and self.max_query_len <= window:
+            window = None  # the window reaches every key
+        if (window, dtype) not in self._bidirectional_masks:
+            j = torch.arange(self.max_query_len, device=self.device)
+            keep = (j[None, :] < torch.tensor(self.q_lens, device=self.device)[:, None])[:, None, None, :]
+            if window is not None:
+                keep = keep & ((j[:, None] - j[None, :]).abs() < window)[None, None]
+            self._bidirectional_masks[(window, dtype)] = additive(keep, dtype)
+        return self._bidirectional_masks[(window, dtype)]
 
 
 @dataclass(slots=True)
@@ -417,6 +435,28 @@ def _prefill(
     return _prefill_padded(layer, q, k, v, part, cache)
 
 
+def _bidirectional(
+    layer: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: TorchSDPAMetadata
+) -> torch.Tensor:
+    """Each request's queries over all of its own keys (an encoder layer): q [T, H * D] -> [T, H * D]."""
+    part = metadata.prefill
+    if metadata.decode is not None or part.has_context:
+        raise RuntimeError(
+            f"bidirectional Attention {layer.layer_name!r} got a request with tokens from an earlier step: "
+            "an encoder sees each prompt whole, in one step (pooling prompts are never chunked)"
+        )
+    b, qm, d = part.num_reqs, part.max_query_len, layer.head_dim
+    qh = _rows(q, part.q_pad_index).view(b, qm, layer.num_heads, d).transpose(1, 2)  # [B, H, Qm, D]
+    kh, vh = _own_kv(layer, k, v, part)  # [B, Hkv, Qm, D]
+    window = layer.sliding_window
+    mask = None
+    if not part.causal_single or (window is not None and qm > window):
+        mask = part.bidirectional_mask(window, q.dtype)
+    gqa = layer.num_kv_heads != layer.num_heads
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=layer.scale, enable_gqa=gqa)
+    return _rows(out.transpose(1, 2).reshape(b * qm, layer.num_heads * d), part.out_index)
+
+
 class TorchSDPABackend(AttentionBackend):
     """Reference paged attention on any device torch runs on; fast enough on CPU."""
 
@@ -459,6 +499,8 @@ class TorchSDPABackend(AttentionBackend):
         cache = layer.kv_cache
         if cache is not None:  # all of the step's k/v first: requests may read blocks others write now
             _write_kv(cache, k, v, metadata.slot_mapping)
+        if not layer.causal:
+            return _bidirectional(layer, q, k, v, metadata)
         decode, prefill = metadata.decode, metadata.prefill
         if prefill is None:  # pure decode: the decode part is the whole step, in order
             return _decode(layer, q, k, v, decode, _require(cache))

@@ -87,8 +87,13 @@ class LatentAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, mla.qk_nope_head_dim + mla.v_head_dim, mla.kv_lora_rank)
         return w[:, : mla.qk_nope_head_dim], w[:, mla.qk_nope_head_dim :]
 
-    def forward(self, hidden: torch.Tensor, rope: RotaryCosSin | None) -> torch.Tensor:
-        """[T, hidden] -> [T, hidden] (this rank's partial sum when reduce_results=False)."""
+    def forward(
+        self, hidden: torch.Tensor, rope: RotaryCosSin | None, query_scale: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """[T, hidden] -> [T, hidden] (this rank's partial sum when reduce_results=False). The decoder passes
+        every attention its `query_scale`; no latent-attention family scales queries by position."""
+        if query_scale is not None:
+            raise NotImplementedError("query_position_scale with latent attention")
         mla, num_tokens = self.mla, hidden.shape[0]
         nope, rank = mla.qk_nope_head_dim, mla.kv_lora_rank
         q = self._query(hidden)  # [T, H, nope + rope]

@@ -4,8 +4,8 @@ A family plugin subclasses `DecoderForCausalLM` and sets two class attributes: `
 (its HF config -> DecoderArchConfig adapter) and `checkpoint_names` (how its checkpoint names map
 onto the parameters here). Parameter names follow transformers' Llama (`model.embed_tokens`,
 `model.layers.N.self_attn.qkv_proj`, `model.norm`, `lm_head`), plus `model.embed_positions`,
-`model.embed_norm`, `model.project_in` / `model.project_out`, `model.head_transform` and the norms of
-`DecoderLayer`.
+`model.embed_token_types`, `model.embed_norm`, `model.project_in` / `model.project_out`,
+`model.head_transform` and the norms of `DecoderLayer`.
 
 Under pipeline parallelism a stage holds only its layers (the embeddings on the first stage, the
 final norm and the head on the last); the others are `PPMissingLayer` placeholders.
@@ -45,12 +45,14 @@ def _join(prefix: str, name: str) -> str:
 
 def stacked_params(arch: DecoderArchConfig) -> StackedParamsMap:
     """Checkpoint module -> (our fused module, shard): q/k/v into qkv_proj (not with latent attention, whose
-    q_proj is its own), gate/up into gate_up_proj."""
+    q_proj is its own), gate/up into gate_up_proj, separately stored delta-net convs into conv1d."""
     stacked: dict[str, tuple[str, str | int]] = {}
     if arch.mla is None:
         stacked |= {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v")}
     if arch.mlp.gated:
         stacked |= {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    if arch.gated_delta_net is not None and arch.gated_delta_net.projection_layout == "separate":
+        stacked |= {f"{x}_conv1d": ("conv1d", i) for i, x in enumerate("qkv")}  # the delta net's q, k, v convs
     return stacked
 
 
@@ -78,6 +80,11 @@ class DecoderModel(nn.Module):
             )
         if arch.absolute_positions:
             self.embed_positions = _optional(first, lambda: self._position_embedding(_join(prefix, "embed_positions")))
+        if arch.type_vocab_size:
+            types = lambda: VocabParallelEmbedding(  # noqa: E731
+                arch.type_vocab_size, arch.hidden_size, _join(prefix, "embed_token_types")
+            )
+            self.embed_token_types = _optional(first, types)
         if arch.embedding_norm:
             self.embed_norm = _optional(first, lambda: make_norm(arch.norm, arch.hidden_size))
         on_stage = range(self.start_layer, self.end_layer)
@@ -115,24 +122,33 @@ class DecoderModel(nn.Module):
             self.arch.head_dim, dim, rope.max_position, rope.theta, rope.scaling, rope.is_neox_style, rope.inverted
         )
 
-    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions [T] -> the first layer's input [T, hidden]."""
+    def embed(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """input_ids, positions (, token_type_ids: all 0 when None) [T] -> the first layer's input [T, hidden]."""
         arch = self.arch
         hidden = self.embed_tokens(input_ids)  # [T, embedding_dim]
         if arch.embedding_multiplier != 1.0:  # in the activations' dtype, as transformers rounds it (Gemma)
             hidden = hidden * torch.tensor(arch.embedding_multiplier, dtype=hidden.dtype)
         if arch.embedding_dim:
             hidden = self.project_in(hidden)  # [T, hidden]
+        if arch.type_vocab_size:
+            types = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
+            hidden = hidden + self.embed_token_types(types)
         if arch.absolute_positions:
             hidden = hidden + self.embed_positions(positions).to(hidden.dtype)
         return self.embed_norm(hidden) if arch.embedding_norm else hidden
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors: IntermediateTensors | None = None
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+        token_type_ids: torch.Tensor | None = None,
     ) -> torch.Tensor | IntermediateTensors:
         """input_ids, positions [T] -> hidden states [T, hidden] (IntermediateTensors before the last stage)."""
         if intermediate_tensors is None:
-            hidden, residual = self.embed(input_ids, positions), None
+            hidden, residual = self.embed(input_ids, positions, token_type_ids), None
         else:  # no residual: the previous stage ended on a post-LN layer's normalized stream
             hidden, residual = intermediate_tensors["hidden_states"], intermediate_tensors.tensors.get("residual")
         ropes = [emb.cos_sin(positions, hidden.dtype) for emb in self.rotary_embs]  # once per step for all layers

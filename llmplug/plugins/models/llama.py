@@ -6,6 +6,8 @@ query scale; their checkpoints use the decoder's own (transformers' Llama) names
 transformers runs as Llama (model types exaone, internlm3, iquestcoder) are registered under the class names
 their hub checkpoints give; EXAONE 3's checkpoints keep their own tensor names (`EXAONE_NAMES`), also when
 transformers re-saves them as LlamaForCausalLM.
+Their `*ForSequenceClassification` (classifiers, rerankers, reward models: last-token pooling into a
+`score` head) are the causal LMs' pooling twins.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 from transformers import PretrainedConfig
 
 from llmplug.layers.checkpoint_names import CheckpointNames
-from llmplug.layers.decoder import DecoderArchConfig, DecoderForCausalLM, MLPConfig
+from llmplug.layers.decoder import DecoderArchConfig, DecoderForCausalLM, MLPConfig, as_pooling_model
 from llmplug.layers.layernorm import NormConfig
 from llmplug.layers.qk_norm import QKNormConfig
 from llmplug.plugins.models.arch_config import layers_of, sizes_of
@@ -28,9 +30,13 @@ __all__ = [
     "LlamaForCausalLM",
     "Ministral3ForCausalLM",
     "MinistralForCausalLM",
+    "LlamaForSequenceClassification",
     "MistralForCausalLM",
+    "MistralForSequenceClassification",
     "Qwen2ForCausalLM",
+    "Qwen2ForSequenceClassification",
     "Qwen3ForCausalLM",
+    "Qwen3ForSequenceClassification",
     "SmolLM3ForCausalLM",
     "llama_fields",
 ]
@@ -175,3 +181,9 @@ class SmolLM3ForCausalLM(DecoderForCausalLM):
     """SmolLM3 (HF architecture SmolLM3ForCausalLM)."""
 
     arch_config_of = staticmethod(smollm3_arch_config)
+
+
+LlamaForSequenceClassification = as_pooling_model(LlamaForCausalLM, classify=True)
+MistralForSequenceClassification = as_pooling_model(MistralForCausalLM, classify=True)
+Qwen2ForSequenceClassification = as_pooling_model(Qwen2ForCausalLM, classify=True)
+Qwen3ForSequenceClassification = as_pooling_model(Qwen3ForCausalLM, classify=True)
