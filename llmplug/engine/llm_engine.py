@@ -17,6 +17,7 @@ from llmplug.engine.output_processor import OutputProcessor
 from llmplug.engine.request_limits import RequestLimits
 from llmplug.engine.request import Request, RequestStatus
 from llmplug.loaders import build_loader
+from llmplug.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -93,10 +94,16 @@ class LLMEngine:
         *,
         priority: int = 0,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Validate and queue a request; with n > 1 it becomes n sequences sharing the prompt."""
+        """Validate and queue a request; with n > 1 it becomes n sequences sharing the prompt.
+
+        With `lora_request` it runs with that adapter, loaded and checked here first (InvalidRequestError).
+        """
         params = params or SamplingParams()
         text, token_ids, params = self.processor.process(prompt, params)
+        if lora_request is not None:
+            self.engine_core.add_lora(lora_request)
         grammar = self.guided.prepare(params.guided_decoding) if params.guided_decoding is not None else None
         arrival_time = arrival_time or time.time()
         child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
@@ -107,6 +114,7 @@ class LLMEngine:
                 child_id, token_ids, child, self.eos_token_ids, arrival_time, priority,
                 # one matcher per child; it waits for the end of the reasoning when the constraint says so
                 grammar=RequestGrammar(grammar, child.guided_decoding.start_after_token_ids) if grammar else None,
+                lora_request=lora_request,
             )
             try:
                 self.engine_core.add_request(request)

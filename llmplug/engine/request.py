@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from llmplug.core.params import SamplingParams
+from llmplug.lora.request import LoRARequest
 
 if TYPE_CHECKING:
     from llmplug.engine.guided_decoding import RequestGrammar
@@ -55,6 +56,12 @@ class Request:
     error: str | None = None  # why a step failed for this request (finished FINISHED_ABORTED)
     block_hashes: list[int] = field(default_factory=list)  # one per full block of all_token_ids
     grammar: RequestGrammar | None = None  # guided decoding: its compiled grammar and matcher
+    lora_request: LoRARequest | None = None  # the adapter it runs with; None: the base model
+
+    @property
+    def lora_int_id(self) -> int | None:
+        """The id of its adapter, None for the base model."""
+        return None if self.lora_request is None else self.lora_request.lora_int_id
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

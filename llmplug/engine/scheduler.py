@@ -8,6 +8,9 @@ its blocks are freed and it is recomputed from its tokens when it is admitted ag
 A request under a grammar (guided decoding) waits outside the queue until its grammar is compiled,
 while others run; its matcher sees every token appended and ends the request when it terminates.
 Preemption keeps the output tokens, so the matcher's state stays valid across the recompute.
+
+With LoRA, the running requests use at most `max_loras` distinct adapters (the worker's device
+slots): a waiting request of another adapter waits until one of them has no running request left.
 """
 
 from __future__ import annotations
@@ -115,6 +118,7 @@ class Scheduler:
         max_model_len: int,
         enable_chunked_prefill: bool = True,
         policy: Literal["fcfs", "priority"] = "fcfs",
+        max_loras: int | None = None,
     ) -> None:
         if policy not in ("fcfs", "priority"):
             raise ConfigError(f"scheduler.policy={policy!r} is not one of 'fcfs', 'priority'")
@@ -124,6 +128,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
         self.policy = policy
+        self.max_loras = max_loras  # distinct adapters among the running requests; None: LoRA is off
         # A request may not outgrow the whole cache either, or it would preempt itself forever.
         self.max_num_tokens = min(max_model_len, kv_cache_manager.num_blocks * kv_cache_manager.block_size)
         self.requests: dict[str, Request] = {}
@@ -276,6 +281,8 @@ class Scheduler:
         """Admit waiting requests in policy order until one does not fit (no overtaking)."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
+            if not self._adapter_fits(request):
+                break
             computed_blocks, num_computed_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_new_tokens = self._num_new_tokens(request.num_tokens - num_computed_tokens, budget)
             if num_new_tokens == 0 or not self.kv_cache_manager.allocate_slots(
@@ -285,6 +292,13 @@ class Scheduler:
             self.waiting.pop()
             scheduled.append(self._admit(request, num_computed_tokens, num_new_tokens))
             budget -= num_new_tokens
+
+    def _adapter_fits(self, request: Request) -> bool:
+        """True when the request's adapter is running already or a device slot is left for it."""
+        if request.lora_request is None or self.max_loras is None:
+            return True
+        running = {r.lora_int_id for r in self.running if r.lora_request is not None}
+        return request.lora_int_id in running or len(running) < self.max_loras
 
     def _admit(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> ScheduledRequest:
         """Move a request whose blocks are allocated from waiting to running."""
@@ -299,6 +313,7 @@ class Scheduler:
             output_token_ids=list(request.output_token_ids),
             sampling_params=request.sampling_params,
             eos_token_ids=request.eos_token_ids,
+            lora_request=request.lora_request,
         )
         return self._scheduled_request(request, num_new_tokens, new)
 

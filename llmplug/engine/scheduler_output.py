@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from llmplug.core.params import SamplingParams
+from llmplug.lora.request import LoRARequest
 
 if TYPE_CHECKING:
     import torch
@@ -20,6 +21,7 @@ class NewRequestData:
     output_token_ids: list[int]  # generated before a preemption; [] for a fresh request
     sampling_params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()  # masked while fewer than min_tokens are generated
+    lora_request: LoRARequest | None = None  # the adapter the worker applies to its tokens
 
 
 @dataclass(slots=True, frozen=True)

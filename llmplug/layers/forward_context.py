@@ -35,10 +35,12 @@ class CommonAttentionMetadata:
 
 @dataclass(slots=True)
 class ForwardContext:
-    """What the Attention layers of one forward pass see: the backend's metadata for this step."""
+    """What the layers of one forward pass see: the attention backend's metadata for this step and, when
+    some request of the step runs with a LoRA adapter, which adapter slot each token uses."""
 
     attn_metadata: Any  # built once per step by the attention backend's `build`
     virtual_engine: int = 0
+    lora_mapping: Any = None  # llmplug.lora.layers.LoRAMapping; None: no token uses an adapter
 
 
 # A context variable, not a module global: engines stepping in different threads (AsyncLLM runs its
@@ -47,9 +49,9 @@ _current: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar
 
 
 @contextlib.contextmanager
-def forward_context(attn_metadata: Any) -> Iterator[ForwardContext]:
-    """Make `attn_metadata` visible to the Attention layers for the duration of one forward pass."""
-    context = ForwardContext(attn_metadata)
+def forward_context(attn_metadata: Any, lora_mapping: Any = None) -> Iterator[ForwardContext]:
+    """Make `attn_metadata` (and the LoRA mapping) visible to the layers for the duration of one forward pass."""
+    context = ForwardContext(attn_metadata, lora_mapping=lora_mapping)
     token = _current.set(context)
     try:
         yield context
