@@ -5,13 +5,14 @@ adapter's A and B for this layer, padded to `max_lora_rank` and zero where the a
 the layer. A fused layer of n parts (q/k/v: 3, gate/up: 2) stacks its parts' A along the rank and
 keeps B block-diagonal, so one shrink and one expand serve all parts:
 
-    shrink = x @ A_s^T            A_s: [n * R, in]     per active slot s
-    y     += (shrink * mask) @ B^T B:   [out, S * n * R] the active slots side by side
+    shrink = x @ A[:U]^T          A: [max_loras * n * R, in]   slots side by side
+    y     += (shrink * mask) @ B[:, :U]^T    B: [out, max_loras * n * R]
 
-`mask` ([T, S], one-hot) zeroes the columns of every slot but the token's own, so each token gets its
+`mask` ([T, U], one-hot) zeroes the columns of every slot but the token's own, so each token gets its
 own adapter's delta (exactly: the other slots contribute exact zeros) with two matmuls for the whole
-batch and no loop over requests or slots. The work grows with the number of distinct adapters in the
-step (S * n * R extra columns), not with the batch.
+batch and no loop over requests or slots. U is one past the highest slot the step uses (the manager
+fills the lowest free slots first), and both slices are views: no weight is copied per step. The work
+grows with U * n * R extra columns, not with the batch.
 
 Under tensor parallelism the slots are sharded like the base weight, with the layer's own `_place`:
 a column-parallel layer keeps A whole and its rows of B; a row-parallel layer keeps its columns of A
@@ -36,10 +37,9 @@ __all__ = ["LoRAMapping", "LoRASlots", "lora_target"]
 
 @dataclass(frozen=True, slots=True)
 class LoRAMapping:
-    """Which slot each token of a step uses: the step's active slots and a one-hot mask over them."""
+    """Which slot each token of a step uses: a one-hot mask over slots 0 .. U - 1."""
 
-    slots: torch.Tensor  # [S] int64, the slots some token of the step uses
-    mask: torch.Tensor  # [T, S] in the model's dtype; a row of zeros: the base model only
+    mask: torch.Tensor  # [T, U] in the model's dtype; a row of zeros: the base model only
 
 
 def layer_parts(layer: LinearBase) -> tuple[ShardId | None, ...]:
@@ -98,9 +98,9 @@ class LoRASlots:
         mapping: LoRAMapping | None = get_forward_context().lora_mapping
         if mapping is None:
             return y
-        num_slots = mapping.slots.shape[0]
-        a = self.lora_a[mapping.slots].flatten(0, 1)  # [S * n * R, in]
-        b = self.lora_b[:, mapping.slots].flatten(1, 2)  # [out, S * n * R]
-        shrink = F.linear(x, a).view(x.shape[0], num_slots, -1)  # [T, S, n * R]
+        num_slots = mapping.mask.shape[1]
+        a = self.lora_a[:num_slots].flatten(0, 1)  # [U * n * R, in], a view
+        b = self.lora_b.flatten(1, 2)[:, : a.shape[0]]  # [out, U * n * R], a strided view
+        shrink = F.linear(x, a).view(x.shape[0], num_slots, -1)  # [T, U, n * R]
         shrink = shrink * mapping.mask.unsqueeze(-1)
         return y.add_(F.linear(shrink.flatten(1, 2), b))

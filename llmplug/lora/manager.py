@@ -82,15 +82,13 @@ class LoRAManager:
         used = list(dict.fromkeys(r for r in token_loras if r is not None))
         if not used:
             return None
-        slots = self._activate(used)
-        column = {r.lora_int_id: i for i, r in enumerate(used)}
-        req_column = np.array([-1 if r is None else column[r.lora_int_id] for r in token_loras], dtype=np.int64)
-        token_column = torch.from_numpy(np.repeat(req_column, query_lens))  # [T]
-        mask = torch.nn.functional.one_hot(token_column.clamp(min=0), len(used)).mul_((token_column >= 0)[:, None])
-        return LoRAMapping(
-            slots=torch.tensor(slots, dtype=torch.int64, device=self.device),
-            mask=mask.to(device=self.device, dtype=self.dtype),
-        )
+        slot_of = dict(zip((r.lora_int_id for r in used), self._activate(used)))
+        req_slot = np.array([-1 if r is None else slot_of[r.lora_int_id] for r in token_loras], dtype=np.int64)
+        token_slot = np.repeat(req_slot, query_lens)  # [T]; -1: the base model
+        mask = np.zeros((token_slot.shape[0], max(slot_of.values()) + 1), dtype=np.float32)  # [T, U]
+        rows = np.flatnonzero(token_slot >= 0)
+        mask[rows, token_slot[rows]] = 1.0
+        return LoRAMapping(mask=torch.from_numpy(mask).to(device=self.device, dtype=self.dtype))
 
     def _activate(self, used: list[LoRARequest]) -> list[int]:
         """The slot of each adapter in `used`, loading the missing ones into free or least recently used slots."""
