@@ -4,7 +4,10 @@
     python benchmarks/throughput.py                       # the embedded default model (GGUF)
     python benchmarks/throughput.py --model DIR --num-prompts 32 --output-len 128
 
-Reports output tokens/s of each engine for a batch of prompts and for one stream, and the ratios.
+Reports output tokens/s of each engine for a batch of prompts and for one stream, llmplug's prefill
+tokens/s (the batch's prompt tokens, one output token each; prefix cache off), and the ratios. With
+--compile also llmplug with `device.compile` (compiled in the warm-up, not timed); with --cpu-clock
+every row is timed in CPU seconds of the process, steadier when other jobs share the machine.
 """
 
 from __future__ import annotations
@@ -34,17 +37,23 @@ def make_prompts(tokenizer, num_prompts: int) -> list[list[int]]:
     return out
 
 
+# Each bench_* returns output tokens per second of `clock`: wall time by default; benchmarks/moe.py passes
+# time.process_time (CPU seconds of this process, steadier on a shared machine)
+
+
 def bench_llmplug(model: str, prompts: list[list[int]], output_len: int, dtype: str,
-                  quantization: str = "none", **engine) -> float:
+                  quantization: str = "none", clock=time.perf_counter, **engine) -> float:
     from llmplug import LLM, SamplingParams
 
     llm = LLM(model=model, dtype=dtype, max_num_seqs=max(len(prompts), 1), quantization=quantization, **engine)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
-    start = time.perf_counter()
+    start = clock()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
+    elapsed = clock() - start
     llm.shutdown()
+    if output_len == 1:  # a prefill measure: the prompts' tokens are the work
+        return sum(map(len, prompts)) / elapsed
     return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
 
 
@@ -57,7 +66,7 @@ def load_hf(model: str, dtype: str):
     return AutoModelForCausalLM.from_pretrained(model, **kwargs)
 
 
-def bench_hf_generate(hf, prompts: list[list[int]], output_len: int, pad_id: int) -> float:
+def bench_hf_generate(hf, prompts: list[list[int]], output_len: int, pad_id: int, clock=time.perf_counter) -> float:
     width = max(map(len, prompts))
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])  # left padding
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
@@ -65,22 +74,35 @@ def bench_hf_generate(hf, prompts: list[list[int]], output_len: int, pad_id: int
     kw = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False, pad_token_id=pad_id)
     with torch.inference_mode():
         hf.generate(ids[:1, -8:], attention_mask=mask[:1, -8:], **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
-        start = time.perf_counter()
+        start = clock()
         out = hf.generate(ids, attention_mask=mask, **kw)
-    elapsed = time.perf_counter() - start
+    elapsed = clock() - start
     return (out.shape[1] - width) * len(prompts) / elapsed
 
 
-def bench_hf_generate_batch(hf, prompts: list[list[int]], output_len: int, pad_id: int) -> float:
+def bench_hf_generate_batch(hf, prompts: list[list[int]], output_len: int, pad_id: int, cb_config=None,
+                            clock=time.perf_counter) -> float:
+    """HF's continuous batching; `cb_config` (a ContinuousBatchingConfig) sizes its cache, else 90 % of free memory."""
     from transformers import GenerationConfig
 
     cfg = GenerationConfig(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
                            pad_token_id=pad_id, eos_token_id=None)
     with torch.inference_mode():
-        start = time.perf_counter()
-        results = hf.generate_batch(inputs=prompts, generation_config=cfg, progress_bar=False)
-    elapsed = time.perf_counter() - start
+        start = clock()
+        results = hf.generate_batch(
+            inputs=prompts, generation_config=cfg, continuous_batching_config=cb_config, progress_bar=False
+        )
+    elapsed = clock() - start
     return sum(len(r.generated_tokens) for r in results.values()) / elapsed
+
+
+def report(rows: dict[str, float], ratios: dict[str, float], args: argparse.Namespace) -> None:
+    """Print the ratios; write the arguments, throughputs and ratios to `args.json` when given."""
+    for name, r in ratios.items():
+        print(f"{name:40s} {r:6.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "tok_per_s": rows, "ratios": ratios}, f, indent=2)
 
 
 def main() -> int:
@@ -90,6 +112,9 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--skip-hf-batch", action="store_true", help="skip HF generate_batch (continuous batching)")
+    ap.add_argument("--compile", action="store_true", help="also time llmplug with device.compile (torch.compile)")
+    ap.add_argument("--cpu-clock", action="store_true",
+                    help="time every row in CPU seconds of this process (steadier on a shared machine)")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args()
 
@@ -112,28 +137,33 @@ def main() -> int:
 
     def record(name: str, tps: float) -> None:
         rows[name] = tps
-        print(f"{name:28s} {tps:8.1f} output tok/s", flush=True)  # as it goes: a later hang loses nothing
+        print(f"{name:28s} {tps:8.1f} tok/s", flush=True)  # as it goes: a later hang loses nothing
 
-    record("llmplug batch", bench_llmplug(model, batch, args.output_len, args.dtype))
-    record("llmplug single", bench_llmplug(model, single, args.output_len, args.dtype))
+    clock = time.process_time if args.cpu_clock else time.perf_counter
+    variants = {"llmplug": {}} | ({"llmplug compiled": {"device.compile": True}} if args.compile else {})
+    for name, engine in variants.items():
+        engine = {**engine, "enable_prefix_caching": False, "clock": clock}  # the aims are stated cache off
+        # prefill: prompt tokens per second of a step that only prefills (one output token each)
+        record(f"{name} prefill", bench_llmplug(model, batch, 1, args.dtype, **engine))
+        record(f"{name} batch", bench_llmplug(model, batch, args.output_len, args.dtype, **engine))
+        record(f"{name} single", bench_llmplug(model, single, args.output_len, args.dtype, **engine))
     if model.endswith(".gguf"):  # the GGUF's own 4-bit blocks, as llama.cpp runs them
-        record("llmplug single int4", bench_llmplug(model, single, args.output_len, args.dtype, "auto"))
-    record("hf generate batch", bench_hf_generate(hf, batch, args.output_len, pad_id))
-    record("hf generate single", bench_hf_generate(hf, single, args.output_len, pad_id))
+        record("llmplug single int4", bench_llmplug(model, single, args.output_len, args.dtype, "auto", clock=clock))
+    record("hf generate batch", bench_hf_generate(hf, batch, args.output_len, pad_id, clock=clock))
+    record("hf generate single", bench_hf_generate(hf, single, args.output_len, pad_id, clock=clock))
     if not args.skip_hf_batch:
-        record("hf generate_batch batch", bench_hf_generate_batch(hf, batch, args.output_len, pad_id))
+        record("hf generate_batch batch", bench_hf_generate_batch(hf, batch, args.output_len, pad_id, clock=clock))
 
     ratios = {
         "batch: llmplug / hf generate": rows["llmplug batch"] / rows["hf generate batch"],
         "single: llmplug / hf generate": rows["llmplug single"] / rows["hf generate single"],
     }
+    if args.compile:
+        for kind in ("prefill", "batch", "single"):
+            ratios[f"{kind}: compiled / eager"] = rows[f"llmplug compiled {kind}"] / rows[f"llmplug {kind}"]
     if "hf generate_batch batch" in rows:
         ratios["batch: llmplug / hf generate_batch"] = rows["llmplug batch"] / rows["hf generate_batch batch"]
-    for name, r in ratios.items():
-        print(f"{name:40s} {r:6.2f}x")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "tok_per_s": rows, "ratios": ratios}, f, indent=2)
+    report(rows, ratios, args)
     return 0
 
 

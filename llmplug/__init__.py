@@ -19,6 +19,10 @@ _EXPORTS = {
     "PoolingParams": "llmplug.core.params",
     "RequestOutput": "llmplug.core.outputs",
     "CompletionOutput": "llmplug.core.outputs",
+    "PoolingRequestOutput": "llmplug.core.outputs",
+    "EmbeddingRequestOutput": "llmplug.core.outputs",
+    "ClassificationRequestOutput": "llmplug.core.outputs",
+    "ScoringRequestOutput": "llmplug.core.outputs",
     "LoRARequest": "llmplug.lora.request",
 }
 

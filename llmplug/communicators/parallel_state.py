@@ -41,6 +41,7 @@ __all__ = [
     "init_distributed_environment",
     "init_model_parallel_group",
     "init_world_group",
+    "expert_parallel_enabled",
     "initialize_model_parallel",
     "model_parallel_is_initialized",
     "rank_layout",
@@ -279,6 +280,7 @@ _WORLD: GroupCoordinator | None = None
 _TP: GroupCoordinator | None = None
 _PP: GroupCoordinator | None = None
 _DP: GroupCoordinator | None = None
+_EXPERT_PARALLEL = False
 
 
 def init_distributed_environment(
@@ -353,14 +355,24 @@ def init_model_parallel_group(group_ranks: Sequence[Sequence[int]], name: str) -
     return mine
 
 
-def initialize_model_parallel(tp: int = 1, pp: int = 1, dp: int = 1) -> RankLayout:
-    """Build the TP, PP and DP groups of the [outer, DP, PP, TP] layout of the world; returns the layout."""
-    global _TP, _PP, _DP
+def initialize_model_parallel(tp: int = 1, pp: int = 1, dp: int = 1, expert_parallel: bool = False) -> RankLayout:
+    """Build the TP, PP and DP groups of the [outer, DP, PP, TP] layout of the world; returns the layout.
+
+    `expert_parallel`: mixture-of-experts layers built afterwards spread whole experts over the TP group
+    (`expert_parallel_enabled`) instead of slicing every expert.
+    """
+    global _TP, _PP, _DP, _EXPERT_PARALLEL
+    _EXPERT_PARALLEL = expert_parallel
     layout = rank_layout(get_world_group().world_size, tp, pp, dp)
     _TP = init_model_parallel_group(layout.tp, "tp")
     _PP = init_model_parallel_group(layout.pp, "pp")
     _DP = init_model_parallel_group(layout.dp, "dp")
     return layout
+
+
+def expert_parallel_enabled() -> bool:
+    """Whether mixture-of-experts layers place whole experts on the TP ranks (ParallelConfig.enable_expert_parallel)."""
+    return _EXPERT_PARALLEL
 
 
 def model_parallel_is_initialized() -> bool:
@@ -372,11 +384,12 @@ def destroy_distributed_environment() -> None:
     """Drop the groups and leave torch.distributed (safe to call when nothing was initialised)."""
     import torch.distributed as dist
 
-    global _WORLD_ENV, _WORLD, _TP, _PP, _DP
+    global _WORLD_ENV, _WORLD, _TP, _PP, _DP, _EXPERT_PARALLEL
     for group in (_TP, _PP, _DP, _WORLD):
         if group is not None:
             group.destroy()
     _WORLD_ENV = _WORLD = _TP = _PP = _DP = None
+    _EXPERT_PARALLEL = False
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 

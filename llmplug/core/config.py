@@ -39,7 +39,12 @@ class ModelConfig(_Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weight and activation dtype; auto: the platform's preferred dtype."
     )
-    max_model_len: int | None = Field(None, gt=0, description="Context length; default: the model's.")
+    max_model_len: int | None = Field(
+        None,
+        gt=0,
+        description="Context length; default: the model's (max_position_embeddings, n_positions, max_seq_len, ...; "
+        "2048 if its config names none).",
+    )
     seed: int = Field(0, description="Seed of the engine's random state (per-request seeds override).")
     skip_tokenizer_init: bool = Field(False, description="Do not load a tokenizer; prompts must be token ids.")
     trust_remote_code: bool = Field(False, description="Allow transformers to run code from the model directory.")
@@ -52,6 +57,20 @@ class ModelConfig(_Section):
             "Weight-only int4 path for small batches (decode), next to the dense weights. auto: where the "
             "checkpoint's own blocks are exactly int4 (GGUF Q4_0, Q4_1, Q8_0) and the platform runs the kernel; "
             "int4: every linear layer, quantizing the rest (group 32); none: dense only. See docs/quantization.md."
+        ),
+    )
+    runner: Literal["auto", "generate", "pooling"] = Field(
+        "auto",
+        description=(
+            "What the engine serves: generate (sampling) or pooling (embeddings, classification, scores); auto: pooling "
+            "for a pooling architecture (BertModel, *ForSequenceClassification) or a sentence-transformers folder."
+        ),
+    )
+    convert: Literal["auto", "none", "embed", "classify"] = Field(
+        "auto",
+        description=(
+            "Run a causal LM as a pooling model: embed (last-token embeddings) or classify (a `score` head); auto: "
+            "embed when runner is pooling and the architecture generates, else none."
         ),
     )
     prepack_weights: bool = Field(
@@ -72,15 +91,22 @@ class CacheConfig(_Section):
     memory_fraction: float = Field(
         0.9, gt=0, le=1, description="Fraction of device memory for weights + KV cache when no budget is given."
     )
-    enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of identical prompt prefixes.")
+    enable_prefix_caching: bool = Field(
+        True,
+        description="Reuse KV blocks of identical prompt prefixes (off for models with recurrent state).",
+    )
 
 
 class SchedulerConfig(_Section):
     """Continuous batching."""
 
-    max_num_seqs: int = Field(256, gt=0, description="Most requests in one step.")
+    max_num_seqs: int = Field(
+        256, gt=0, description="Most requests in one step; also the number of recurrent-state slots of a hybrid model."
+    )
     max_num_batched_tokens: int | None = Field(
-        None, gt=0, description="Token budget of one step; default 2048 with chunked prefill, else max_model_len."
+        None, gt=0,
+        description="Token budget of one step; default 2048 with chunked prefill, else max_model_len; "
+        "pooling models: 32768, or max_model_len if longer.",
     )
     enable_chunked_prefill: bool = Field(True, description="Split long prompts across steps.")
     policy: Literal["fcfs", "priority"] = Field("fcfs", description="Order of waiting requests.")
@@ -96,6 +122,13 @@ class ParallelConfig(_Section):
     tensor_parallel_size: int = Field(1, gt=0, description="Ranks that split each layer.")
     pipeline_parallel_size: int = Field(1, gt=0, description="Ranks that split the layer stack.")
     data_parallel_size: int = Field(1, gt=0, description="Independent engine replicas.")
+    enable_expert_parallel: bool = Field(
+        False,
+        description=(
+            "Mixture-of-experts layers: each tensor-parallel rank holds whole experts (a share of them) instead of "
+            "a slice of every expert; the same one all-reduce per layer either way."
+        ),
+    )
     executor: str | None = Field(
         None,
         description=(
@@ -176,6 +209,13 @@ class DeviceConfig(_Section):
     platform: str = Field("auto", description="`llmplug.platforms` name; auto: the available one with the highest priority.")
     attention_backend: str | None = Field(None, description="`llmplug.attention` name; default: the platform's choice.")
     num_threads: int | None = Field(None, gt=0, description="CPU threads per worker; default: all cores / workers.")
+    compile: bool = Field(
+        False,
+        description=(
+            "Run the model's forward through torch.compile (inductor), attention left as an opaque op; eager where "
+            "capturing fails. Costs a compile at the first steps (cached on disk); see docs/benchmarks.md."
+        ),
+    )
 
 
 class DecodingConfig(_Section):
@@ -202,6 +242,22 @@ class DecodingConfig(_Section):
     max_stop_strings: int = Field(64, ge=0, description="Most stop strings one request may give.")
     max_stop_string_length: int = Field(256, gt=0, description="Longest stop string, in characters.")
 
+
+class PoolerConfig(_Section):
+    """How a pooling model pools (runner: pooling); unset fields take the model's defaults."""
+
+    pooling_type: Literal["LAST", "CLS", "MEAN", "ALL"] | None = Field(
+        None,
+        description=(
+            "Which hidden states stand for a prompt; default: the sentence-transformers folder's, else the model's."
+        ),
+    )
+    normalize: bool | None = Field(
+        None, description="L2-normalize embeddings; default: as the sentence-transformers folder says, else true."
+    )
+    use_activation: bool | None = Field(
+        None, description="Apply the classifier's activation (softmax / sigmoid) to class scores; default: true."
+    )
 
 class LoRAConfig(_Section):
     """Multi-LoRA serving: PEFT adapters over the base model, mixed in one batch (docs/lora.md)."""
@@ -240,6 +296,7 @@ class EngineConfig(_Section):
     load: LoadConfig = Field(default_factory=LoadConfig)
     device: DeviceConfig = Field(default_factory=DeviceConfig)
     decoding: DecodingConfig = Field(default_factory=DecodingConfig)
+    pooler: PoolerConfig = Field(default_factory=PoolerConfig)
     lora: LoRAConfig = Field(default_factory=LoRAConfig)
     plugins: PluginConfig = Field(default_factory=PluginConfig)
 
@@ -268,6 +325,8 @@ ALIASES: dict[str, str] = {
     "hf_overrides": "model.hf_overrides",
     "quantization": "model.quantization",
     "prepack_weights": "model.prepack_weights",
+    "runner": "model.runner",
+    "convert": "model.convert",
     "block_size": "cache.block_size",
     "num_gpu_blocks_override": "cache.num_blocks",
     "kv_cache_memory": "cache.kv_cache_memory",
@@ -280,6 +339,7 @@ ALIASES: dict[str, str] = {
     "tensor_parallel_size": "parallel.tensor_parallel_size",
     "pipeline_parallel_size": "parallel.pipeline_parallel_size",
     "data_parallel_size": "parallel.data_parallel_size",
+    "enable_expert_parallel": "parallel.enable_expert_parallel",
     "distributed_executor_backend": "parallel.executor",
     "load_format": "load.format",
     "download_dir": "load.download_dir",

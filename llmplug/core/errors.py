@@ -38,6 +38,10 @@ class InvalidRequestError(LlmplugError, ValueError):
         self.param = param
 
 
+class RequestFailedError(LlmplugError, RuntimeError):
+    """A failure inside an engine step ended this request (bad numerics, a failed step); the engine goes on."""
+
+
 class ModelLoadError(LlmplugError):
     """Weights, config or tokenizer of a model could not be loaded."""
 

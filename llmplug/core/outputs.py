@@ -1,4 +1,5 @@
-"""What the engine returns: RequestOutput, CompletionOutput, PoolingRequestOutput."""
+"""What the engine returns: RequestOutput, CompletionOutput; PoolingRequestOutput and its embedding,
+classification and scoring views (vLLM's names)."""
 
 from __future__ import annotations
 
@@ -62,11 +63,87 @@ class RequestOutput:
 
 
 @dataclass
+class PoolingOutput:
+    """A pooled result: a torch.Tensor ([D] per request, or [num_tokens, D] for per-token tasks)."""
+
+    data: Any
+
+
+@dataclass
 class PoolingRequestOutput:
-    """The pooled result (embedding, score) of one request."""
+    """The pooled result of one request (`LLM.encode`); the task-specific outputs below derive from it."""
 
     request_id: str
+    outputs: Any  # PoolingOutput here; EmbeddingOutput, ClassificationOutput or ScoringOutput in subclasses
     prompt_token_ids: list[int]
-    data: Any
     finished: bool = True
     metrics: RequestMetrics | None = field(default=None)
+    error: str | None = None  # why a failure inside a step ended it (then `outputs` is None)
+
+    @classmethod
+    def from_base(cls, base: "PoolingRequestOutput") -> "PoolingRequestOutput":
+        """This task's view of a plain pooling output."""
+        return cls(base.request_id, cls.output_of(base.outputs.data), base.prompt_token_ids, base.finished,
+                   base.metrics)
+
+    @staticmethod
+    def output_of(data: Any) -> Any:
+        return PoolingOutput(data)
+
+
+@dataclass
+class EmbeddingOutput:
+    """One embedding vector."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        """Its number of features."""
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    """`LLM.embed`'s result for one prompt."""
+
+    @staticmethod
+    def output_of(data: Any) -> EmbeddingOutput:
+        return EmbeddingOutput(data.tolist())
+
+
+@dataclass
+class ClassificationOutput:
+    """Class probabilities (or raw logits with use_activation=False)."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        """How many classes."""
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput(PoolingRequestOutput):
+    """`LLM.classify`'s result for one prompt."""
+
+    @staticmethod
+    def output_of(data: Any) -> ClassificationOutput:
+        return ClassificationOutput(data.tolist())
+
+
+@dataclass
+class ScoringOutput:
+    """The relevance score of a text pair."""
+
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput(PoolingRequestOutput):
+    """`LLM.score`'s result for one pair: a cross-encoder's score, or the cosine similarity of two embeddings."""
+
+    @staticmethod
+    def output_of(data: Any) -> ScoringOutput:
+        return ScoringOutput(float(data.reshape(-1)[0]))

@@ -256,9 +256,41 @@ def _is_kind(value: Any, kind: type) -> bool:
     return _is_int(value) if kind is int else isinstance(value, kind)
 
 
+POOLING_TASKS = ("embed", "classify", "score", "token_embed", "token_classify")
+
+
 @dataclass
 class PoolingParams:
-    """Parameters of a pooling (embedding / classification) request."""
+    """How to pool one prompt's hidden states into a result (names follow vLLM).
 
-    normalize: bool = True
+    task: what the result is — "embed" (one vector), "classify" (class probabilities), "score" (a
+    cross-encoder's relevance of a text pair), "token_embed" / "token_classify" (one row per token).
+    `LLM.embed`, `LLM.classify`, `LLM.score` and `LLM.encode` set it; None: the model's first task.
+    dimensions: keep the first `dimensions` features of an embedding (Matryoshka models), then normalize.
+    normalize: L2-normalize embeddings; None: the model's default (its sentence-transformers folder, else True).
+    use_activation: apply the classifier's activation (softmax, or sigmoid for one label); None: True.
+    """
+
+    task: str | None = None
     dimensions: int | None = None
+    normalize: bool | None = None
+    use_activation: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.task is not None and self.task not in POOLING_TASKS:
+            raise InvalidRequestError(
+                f"PoolingParams.task={self.task!r} is not one of {', '.join(POOLING_TASKS)}", param="task"
+            )
+        if self.dimensions is not None and not (_is_int(self.dimensions) and self.dimensions >= 1):
+            raise InvalidRequestError(
+                f"PoolingParams.dimensions={self.dimensions!r} must be a positive integer", param="dimensions"
+            )
+        for name in ("normalize", "use_activation"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(f"PoolingParams.{name}={getattr(self, name)!r} must be a bool", param=name)
+
+    def with_task(self, task: str) -> "PoolingParams":
+        """A copy for `task` (the engine fills defaults into copies, never into the caller's object)."""
+        import dataclasses
+
+        return dataclasses.replace(self, task=task)

@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # no heavy imports at run time
 #      AttentionBackend.supported_features; the generic decoder (llmplug.layers.decoder) and its blocks:
 #      LayerNorm / RMSNorm variants (NormConfig), activations by transformers name, position embeddings,
 #      q/k norms, CheckpointNames; llmplug.testing
-PLUGIN_API_VERSION = "1.3"
+PLUGIN_API_VERSION = "1.4"
 
 
 @runtime_checkable

@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmplug.core.config import EngineConfig, load_config
-from llmplug.core.errors import EngineDeadError, InvalidRequestError
-from llmplug.core.outputs import CompletionOutput, RequestOutput
-from llmplug.core.params import RequestOutputKind, SamplingParams
+from llmplug.core.errors import EngineDeadError, InvalidRequestError, RequestFailedError
+from llmplug.core.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
+from llmplug.core.params import PoolingParams, RequestOutputKind, SamplingParams
 from llmplug.engine.input_processor import PromptType
 from llmplug.engine.llm_engine import LLMEngine
 from llmplug.lora.request import LoRARequest
@@ -50,7 +50,7 @@ __all__ = ["AsyncLLM"]
 class _AddRequest:
     request_id: str
     prompt: PromptType
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     priority: int
     arrival_time: float
     lora_request: LoRARequest | None = None
@@ -152,6 +152,11 @@ class AsyncLLM:
         return self.llm_engine.engine_core.max_model_len
 
     @property
+    def pooling(self) -> Any | None:
+        """A pooling engine's model tasks and defaults (`PoolingInfo`); None when the engine generates."""
+        return self.llm_engine.pooling
+
+    @property
     def vocab_size(self) -> int:
         """Token ids run from 0 to vocab_size - 1."""
         return self.llm_engine.processor.vocab_size
@@ -223,6 +228,31 @@ class AsyncLLM:
         finally:
             self._unregister(request_id)
             if not finished:  # the consumer went away: stop the request
+                self._commands.put(_AbortRequests([request_id]))
+
+    async def encode(
+        self, prompt: PromptType, pooling_params: PoolingParams, request_id: str | None = None, *, priority: int = 0
+    ) -> PoolingRequestOutput:
+        """The pooled result of one prompt (a pooling engine). Cancelling the caller aborts the request;
+        InvalidRequestError for a bad request, RequestFailedError when a failure inside a step ended it,
+        EngineDeadError when the engine died."""
+        request_id = request_id or f"pool-{uuid.uuid4().hex}"
+        stream = self._register(request_id)
+        self._commands.put(_AddRequest(request_id, prompt, pooling_params, priority, time.time()))
+        answered = False
+        try:
+            item = await stream.queue.get()
+            answered = True
+            if isinstance(item, BaseException):
+                raise item
+            if isinstance(item, _Aborted):
+                raise InvalidRequestError(f"pooling request {request_id} was aborted")
+            if item.outputs is None:
+                raise RequestFailedError(f"pooling request {request_id} failed: {item.error}")
+            return item
+        finally:
+            self._unregister(request_id)
+            if not answered:  # the caller went away: stop the request
                 self._commands.put(_AbortRequests([request_id]))
 
     async def abort(self, request_id: str | list[str]) -> None:

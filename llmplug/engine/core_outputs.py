@@ -1,8 +1,10 @@
-"""What the engine core sends the engine process per request and step (plain Python, no torch)."""
+"""What the engine core sends the engine process per request and step (plain Python; a pooled result is
+a CPU tensor)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -38,3 +40,4 @@ class EngineCoreOutput:
     prompt_logprobs: LogprobsLists | None = None  # the next chunk of prompt positions 1.., if requested
     num_cached_tokens: int = 0
     error: str | None = None  # why the request was aborted by a failure in a step
+    pooling_output: Any = None  # a pooling request's result: a CPU torch.Tensor

@@ -23,24 +23,38 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# a pooling step's default token budget (vLLM's): no KV cache to share the memory with, and fewer, larger
+# steps pool a batch faster; at least the context length, so that the longest prompt fits whole
+POOLING_MAX_NUM_BATCHED_TOKENS = 32768
 GRAMMAR_WAIT_S = 0.05  # longest a step with nothing else to do waits for a grammar (new requests wait too)
 
 
 class EngineCore:
-    """Owns the scheduler, the KV-cache manager and the executor; one `step()` is one forward pass."""
+    """Owns the scheduler, the KV-cache manager and the executor; one `step()` is one forward pass.
+
+    A pooling engine (`model_info["pooling"]` set) has no KV cache: its prompts run whole, once."""
 
     def __init__(self, config: EngineConfig, registry: PluginRegistry):
         self.config = config
         executor_cls = registry.load("llmplug.executors", config.parallel.executor)
         self.executor = executor_cls(config, registry=registry)
         self.model_info = self.executor.collective_rpc("model_info")[0]
+        self.pooling = self.model_info.get("pooling")  # the pooling model's tasks and defaults; None: it generates
         self.max_model_len = self._resolve_max_model_len()
-        num_blocks = self._num_blocks()
+        num_blocks = 0 if self.pooling else self._num_blocks()
         self.executor.initialize_cache(num_blocks)
         cache = config.cache
-        self.kv_cache_manager = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.kv_cache_manager = (
+            None
+            if self.pooling
+            else KVCacheManager(
+                num_blocks, cache.block_size, cache.enable_prefix_caching, self.model_info["num_state_slots"]
+            )
+        )
         sched = config.scheduler
         budget = sched.token_budget(self.max_model_len)
+        if self.pooling and sched.max_num_batched_tokens is None:
+            budget = max(POOLING_MAX_NUM_BATCHED_TOKENS, self.max_model_len)
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             max_num_seqs=sched.max_num_seqs,
@@ -55,13 +69,14 @@ class EngineCore:
         self.dead_error: EngineDeadError | None = None  # set by a fatal error; every later step raises it
 
     def _resolve_max_model_len(self) -> int:
-        model_len = self.model_info["max_position_embeddings"]
+        model_len = self.model_info["context_length"]
+        longest_input = (self.pooling or {}).get("max_seq_length")  # a sentence-transformers folder's
+        if longest_input and model_len:
+            model_len = min(model_len, longest_input)
         asked = self.config.model.max_model_len
         if asked is None:
-            if model_len is None:
-                raise ConfigError("model.max_model_len is not set and the model config has no max_position_embeddings")
             return int(model_len)
-        if model_len is not None and asked > model_len:
+        if asked > model_len:
             logger.warning("model.max_model_len=%d exceeds the model's %d positions", asked, model_len)
         return asked
 
@@ -154,7 +169,8 @@ class EngineCore:
         except BaseException:  # KeyboardInterrupt and the like: clean up, then let it through
             self._abandon_step(scheduler_output)
             raise
-        self.kv_cache_manager.finish_step(runner_output.failed)
+        if self.kv_cache_manager is not None:  # a pooling engine keeps no KV cache
+            self.kv_cache_manager.finish_step(runner_output.failed)
         return self._outputs(updated, runner_output)
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -197,7 +213,8 @@ class EngineCore:
 
     def _abandon_step(self, scheduler_output: SchedulerOutput, why: str = "the engine step was interrupted") -> None:
         """Abort the step's unfinished requests and take back the block names the step gave."""
-        self.kv_cache_manager.abandon_step()
+        if self.kv_cache_manager is not None:
+            self.kv_cache_manager.abandon_step()
         self.scheduler.fail_requests([r.req_id for r in scheduler_output.requests], why)
 
     def _die(self, scheduler_output: SchedulerOutput, error: Exception) -> None:
@@ -230,6 +247,7 @@ class EngineCore:
                     prompt_logprobs=runner_output.prompt_logprobs.get(req.request_id),
                     num_cached_tokens=req.num_cached_tokens,
                     error=req.error,
+                    pooling_output=runner_output.pooler_output.get(req.request_id),
                 )
             )
         # a prompt chunk that ends before the prompt does samples nothing, but its prompt logprobs go out too
@@ -258,8 +276,8 @@ class EngineCore:
             self.reset_prefix_cache()  # no block computed with the old weights may be hit again
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix (EngineStateError while requests hold blocks)."""
-        if not self.kv_cache_manager.reset_prefix_cache():
+        """Forget every cached prefix (EngineStateError while requests hold blocks); a pooling engine caches none."""
+        if self.kv_cache_manager is not None and not self.kv_cache_manager.reset_prefix_cache():
             raise EngineStateError("the prefix cache can only be reset while no request is running")
 
     def sleep(self, level: int = 1) -> None:
@@ -288,12 +306,13 @@ class EngineCore:
 
     def stats(self) -> dict:
         """Counters for logging and metrics."""
+        kv = self.kv_cache_manager
         return {
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
             "num_preemptions": self.scheduler.num_preemptions,
-            "kv_cache_usage": self.kv_cache_manager.usage,
-            "prefix_cache_hit_rate": self.kv_cache_manager.prefix_cache_stats.hit_rate,
+            "kv_cache_usage": kv.usage if kv else 0.0,
+            "prefix_cache_hit_rate": kv.prefix_cache_stats.hit_rate if kv else 0.0,
         }
 
     def shutdown(self) -> None:

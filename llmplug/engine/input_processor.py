@@ -44,6 +44,12 @@ class InputProcessor:
         check_params(params, len(token_ids), self.limits)
         return text, token_ids, params
 
+    def process_pooling(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(prompt text, token ids) of a prompt to pool: it may fill the whole context (nothing is generated)."""
+        text, token_ids = self._tokenize(prompt)
+        self._validate(token_ids, generates=False)
+        return text, token_ids
+
     def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each bad word's token sequences: alone and after a space, as it would appear mid-text (as vLLM)."""
         if self.tokenizer is None:
@@ -77,7 +83,7 @@ class InputProcessor:
             raise InvalidRequestError("the engine runs without a tokenizer (skip_tokenizer_init): pass prompt_token_ids")
         return text, self.tokenizer.encode(text)
 
-    def _validate(self, token_ids: list[int]) -> None:
+    def _validate(self, token_ids: list[int], generates: bool = True) -> None:
         if not token_ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
@@ -85,7 +91,12 @@ class InputProcessor:
             raise InvalidRequestError(
                 f"prompt token ids out of the vocabulary [0, {self.vocab_size}): {bad[:5]}", param="prompt"
             )
-        if len(token_ids) >= self.max_model_len:
+        if not generates and len(token_ids) > self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(token_ids)} tokens, but the model's context length is {self.max_model_len}: "
+                "shorten the input", param="prompt"
+            )
+        if generates and len(token_ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"the prompt has {len(token_ids)} tokens, but the context length is {self.max_model_len}: "
                 "shorten the prompt (it must leave room for at least one generated token)", param="prompt"

@@ -5,11 +5,18 @@ A block that is full is named by a hash of its tokens chained to the hash of the
 so equal hashes mean equal prefixes (under the same LoRA adapter: its id is hashed in too). Freed
 blocks keep their hash and stay reusable until the pool needs them again; the least recently freed is
 evicted first.
+
+A model with recurrent mixers (Mamba, gated delta nets, short convs) also keeps a fixed-size state
+per request: each running request owns one state slot (`StateSlotPool`) besides its blocks, taken
+with its first blocks and released with them (finish, abort, preemption: a recomputed request starts
+its state from zero). A state summarizes the whole prefix it has seen and cannot be shared or cut
+back to a block boundary, so prefix caching is off for such models.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, replace
@@ -18,6 +25,7 @@ from typing import Iterable, Sequence
 from llmplug.core.errors import ConfigError
 from llmplug.engine.request import Request
 
+logger = logging.getLogger(__name__)
 
 def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], extra_keys: tuple = ()) -> int:
     """The hash of one full block, chained to its parent's; stable across processes."""
@@ -162,15 +170,46 @@ class BlockPool:
         return True
 
 
-class KVCacheManager:
-    """Block tables of running requests, allocation as they grow, and prefix-cache lookups."""
+class StateSlotPool:
+    """Recurrent-state slots: the index of each running request's state in every recurrent layer's cache."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self.free_slots = list(range(num_slots - 1, -1, -1))  # popped from the end: lowest index first
+
+    @property
+    def num_free_slots(self) -> int:
+        """Slots no request holds."""
+        return len(self.free_slots)
+
+    def allocate(self) -> int:
+        """Take a free slot."""
+        if not self.free_slots:
+            raise ValueError(f"all {self.num_slots} state slots are taken")
+        return self.free_slots.pop()
+
+    def free(self, slot: int) -> None:
+        """Give a slot back."""
+        self.free_slots.append(slot)
+
+
+class KVCacheManager:
+    """Block tables (and recurrent-state slots) of running requests, allocation as they grow, and
+    prefix-cache lookups."""
+
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_state_slots: int = 0
+    ) -> None:
         if block_size <= 0:
             raise ConfigError(f"block_size={block_size} must be positive")
+        if num_state_slots and enable_prefix_caching:
+            logger.info("prefix caching is off: the model keeps recurrent state, which a cached prefix cannot restore")
+            enable_prefix_caching = False
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.state_pool = StateSlotPool(num_state_slots)
+        self.state_slots: dict[str, int] = {}  # request id -> its state slot (models with recurrent mixers)
         self.block_tables: dict[str, list[int]] = {}  # request id -> block ids, in token order
         self.num_cached_blocks: dict[str, int] = {}  # request id -> leading blocks already hashed
         self._stats = PrefixCacheStats()
@@ -239,6 +278,10 @@ class KVCacheManager:
         num_free_hits = sum(1 for b in new_computed_blocks if self.pool.blocks[b].ref_count == 0)
         if max(num_needed, 0) + num_free_hits > self.pool.num_free_blocks:
             return False
+        if self._needs_state_slot(request):
+            if not self.state_pool.num_free_slots:
+                return False
+            self.state_slots[request.request_id] = self.state_pool.allocate()
         self.pool.touch(new_computed_blocks)
         block_table = self.block_tables.setdefault(request.request_id, block_table)
         block_table.extend(new_computed_blocks)
@@ -250,6 +293,9 @@ class KVCacheManager:
             # The token sampled at the last position is not known yet: cache only blocks full of known tokens.
             self._cache_full_blocks(request, min(num_total_tokens, request.num_tokens) // self.block_size)
         return True
+
+    def _needs_state_slot(self, request: Request) -> bool:
+        return self.state_pool.num_slots > 0 and request.request_id not in self.state_slots
 
     def _cache_full_blocks(self, request: Request, num_full_blocks: int) -> None:
         # Blocks are named when allocated, before this step writes their K/V: a request that hits
@@ -293,7 +339,10 @@ class KVCacheManager:
         return hashes
 
     def free(self, request: Request) -> None:
-        """Release the request's blocks; cached ones stay reusable until evicted."""
+        """Release the request's blocks and state slot; cached blocks stay reusable until evicted."""
+        slot = self.state_slots.pop(request.request_id, None)
+        if slot is not None:
+            self.state_pool.free(slot)
         block_table = self.block_tables.pop(request.request_id, [])
         # Tail first: its blocks are the least likely to be shared, so they are evicted first.
         self.pool.free(reversed(block_table))
@@ -303,6 +352,15 @@ class KVCacheManager:
     def get_block_ids(self, request: Request) -> list[int]:
         """A copy of the request's block table."""
         return list(self.block_tables.get(request.request_id, ()))
+
+    def get_state_slot(self, request: Request) -> int | None:
+        """The request's recurrent-state slot (None for a model without recurrent mixers)."""
+        return self.state_slots.get(request.request_id)
+
+    @property
+    def num_free_state_slots(self) -> int:
+        """State slots no request holds."""
+        return self.state_pool.num_free_slots
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix; False (and nothing done) while any block is allocated."""

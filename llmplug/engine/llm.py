@@ -9,10 +9,19 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 from tqdm.auto import tqdm
 
 from llmplug.core.config import EngineConfig, load_config
-from llmplug.core.outputs import RequestOutput
-from llmplug.core.params import SamplingParams
+from llmplug.core.errors import InvalidRequestError, RequestFailedError
+from llmplug.core.outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from llmplug.core.params import PoolingParams, SamplingParams
 from llmplug.engine.input_processor import PromptType
 from llmplug.engine.llm_engine import LLMEngine
+from llmplug.engine.pooling import pair_prompt, score_pairs
 from llmplug.lora.request import LoRARequest
 
 if TYPE_CHECKING:
@@ -102,11 +111,93 @@ class LLM:
         token_ids = self.get_tokenizer().encode(text, add_special_tokens=False)
         return {"prompt": text, "prompt_token_ids": token_ids}
 
+    # ---- pooling models: embeddings, classification, scores (vLLM's names) ------------------------
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        pooling_task: str | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """Pool every prompt (`pooling_task`: embed, classify, score, token_embed, token_classify; None: the
+        model's default); `outputs.data` is a float32 tensor."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params = _pooling_params_per_prompt(pooling_params, len(prompts), pooling_task)
+        ids = self._add_requests(prompts, params, None)
+        outputs = self._run(ids, use_tqdm)
+        failed = [f"{out.request_id}: {out.error}" for out in outputs if out.outputs is None]
+        if failed:  # the others ran to the end; the engine goes on
+            raise RequestFailedError(f"{len(failed)} of {len(outputs)} pooling requests failed: " + "; ".join(failed))
+        return outputs
+
+    def embed(
+        self, prompts: PromptType | Sequence[PromptType], *, use_tqdm: bool = True,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (`outputs.embedding`)."""
+        outputs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, pooling_task="embed")
+        return [EmbeddingRequestOutput.from_base(out) for out in outputs]
+
+    def classify(
+        self, prompts: PromptType | Sequence[PromptType], *, use_tqdm: bool = True,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+    ) -> list[ClassificationRequestOutput]:
+        """Class probabilities per prompt (`outputs.probs`)."""
+        outputs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, pooling_task="classify")
+        return [ClassificationRequestOutput.from_base(out) for out in outputs]
+
+    def reward(
+        self, prompts: PromptType | Sequence[PromptType], *, use_tqdm: bool = True,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """A reward model's score of every token (`outputs.data`: [num_tokens, num_labels])."""
+        return self.encode(prompts, pooling_params, use_tqdm=use_tqdm, pooling_task="token_classify")
+
+    def score(
+        self,
+        data_1: str | Sequence[str],
+        data_2: str | Sequence[str],
+        /,
+        *,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """The relevance of each text pair: a cross-encoder's score of the pair, or the cosine similarity of the
+        two texts' embeddings. One `data_1` text is paired with every `data_2` text; else pairs go by index."""
+        pairs = score_pairs(data_1, data_2)
+        tasks = self.llm_engine.pooling.tasks if self.llm_engine.pooling else ()
+        if "score" in tasks:
+            prompts = [pair_prompt(self.get_tokenizer(), a, b) for a, b in pairs]
+            outputs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, pooling_task="score")
+            return [ScoringRequestOutput.from_base(out) for out in outputs]
+        if "embed" not in tasks:
+            raise InvalidRequestError(
+                f"scoring needs a cross-encoder or an embedding model; this model pools for {tasks}"
+            )
+        return self._embedding_scores(pairs, pooling_params, use_tqdm)
+
+    def _embedding_scores(
+        self, pairs: list[tuple[str, str]], pooling_params: PoolingParams | None, use_tqdm: bool
+    ) -> list[ScoringRequestOutput]:
+        import torch.nn.functional as F
+
+        texts = list(dict.fromkeys(t for pair in pairs for t in pair))  # each distinct text embedded once
+        embedded = dict(zip(texts, self.encode(texts, pooling_params, use_tqdm=use_tqdm, pooling_task="embed")))
+        results = []
+        for i, (a, b) in enumerate(pairs):
+            first, second = embedded[a], embedded[b]
+            score = F.cosine_similarity(first.outputs.data, second.outputs.data, dim=0).item()
+            tokens = first.prompt_token_ids + second.prompt_token_ids
+            results.append(ScoringRequestOutput(str(i), ScoringOutput(score), tokens, True))
+        return results
+
     # ---- step-by-step use -------------------------------------------------------------------
     def add_request(
         self,
         prompt: PromptType,
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         request_id: str | None = None,
         lora_request: LoRARequest | None = None,
     ) -> str:
@@ -194,14 +285,16 @@ class LLM:
         return [value] * n
 
     def _add_requests(
-        self, prompts: Sequence[PromptType], params: list[SamplingParams], priority, loras: list[LoRARequest | None]
+        self, prompts: Sequence[PromptType], params: list[SamplingParams] | list[PoolingParams], priority,
+        loras: list[LoRARequest | None] | None = None,
     ) -> list[str]:
         ids = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 request_id = str(next(self._ids))
                 self.llm_engine.add_request(
-                    request_id, prompt, p, priority=priority[i] if priority else 0, lora_request=loras[i]
+                    request_id, prompt, p, priority=priority[i] if priority else 0,
+                    lora_request=loras[i] if loras else None,
                 )
                 ids.append(request_id)
         except Exception:
@@ -228,3 +321,17 @@ class LLM:
             self.llm_engine.abort_request(sorted(pending))
             raise
         return [finished[i] for i in request_ids]
+
+
+def _pooling_params_per_prompt(
+    pooling_params: PoolingParams | Sequence[PoolingParams] | None, n: int, task: str | None
+) -> list[PoolingParams]:
+    """One PoolingParams per prompt, each for `task` when one is given."""
+    if pooling_params is None or isinstance(pooling_params, PoolingParams):
+        params = [pooling_params or PoolingParams()] * n
+    elif len(pooling_params) != n:
+        raise ValueError(f"got {len(pooling_params)} pooling_params for {n} prompts")
+    else:
+        params = list(pooling_params)
+    return [p.with_task(task) if task else p for p in params]
+

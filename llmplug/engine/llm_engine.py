@@ -7,13 +7,15 @@ import time
 from typing import Any
 
 from llmplug.core.config import EngineConfig
-from llmplug.core.outputs import RequestOutput
-from llmplug.core.params import SamplingParams
+from llmplug.core.errors import InvalidRequestError
+from llmplug.core.outputs import PoolingOutput, PoolingRequestOutput, RequestMetrics, RequestOutput
+from llmplug.core.params import PoolingParams, SamplingParams
 from llmplug.core.plugins import PluginRegistry
 from llmplug.engine.engine_core import EngineCore
 from llmplug.engine.guided_decoding import GuidedDecodingManager, RequestGrammar
 from llmplug.engine.input_processor import InputProcessor, PromptType
-from llmplug.engine.output_processor import OutputProcessor
+from llmplug.engine.output_processor import EngineCoreOutput, OutputProcessor
+from llmplug.engine.pooling import PoolingInfo, resolve_model_kind, resolve_pooling_params
 from llmplug.engine.request_limits import RequestLimits
 from llmplug.engine.request import Request, RequestStatus
 from llmplug.loaders import build_loader
@@ -35,6 +37,7 @@ def prepare_config(config: EngineConfig, registry: PluginRegistry) -> EngineConf
         parallel.executor = "uniproc" if one_worker else "multiproc"
     config.model.model = resolve_model_path(config.model.model)
     config.load.format = resolve_load_format(config.model.model, config.load.format)
+    resolve_model_kind(config, registry)
     platform = resolve_platform(config.device.platform, registry)
     config.device.platform = platform.name
     platform.check_and_update_config(config)
@@ -76,6 +79,9 @@ class LLMEngine:
         self.guided = GuidedDecodingManager(self.tokenizer, info["vocab_size"], self.eos_token_id, self.config.decoding,
                                             self.registry)
         self.hooks = self.registry.hook_manager().hook
+        # a pooling engine: its model's tasks and defaults, and its unfinished requests' prompts and metrics
+        self.pooling = PoolingInfo.from_model_info(info["pooling"]) if info.get("pooling") else None
+        self._pooling_requests: dict[str, tuple[list[int], RequestMetrics]] = {}
 
     def _eos_token_ids(self, generation_config: dict[str, Any]) -> tuple[int, ...]:
         """Every end-of-sequence id the model declares (as vLLM): the tokenizer's, the model config's and the
@@ -90,16 +96,28 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         *,
         priority: int = 0,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
     ) -> None:
-        """Validate and queue a request; with n > 1 it becomes n sequences sharing the prompt.
+        """Validate and queue a request; with n > 1 it becomes n sequences sharing the prompt. PoolingParams
+        make it a pooling request (a pooling engine serves only those).
 
         With `lora_request` it runs with that adapter, loaded and checked here first (InvalidRequestError).
         """
+        if isinstance(params, PoolingParams):
+            if lora_request is not None:
+                raise InvalidRequestError("LoRA adapters apply to generation, not to pooling requests",
+                                          param="lora_request")
+            self._add_pooling_request(request_id, prompt, params, priority, arrival_time or time.time())
+            return
+        if self.pooling is not None:
+            raise InvalidRequestError(
+                f"this engine runs a pooling model (tasks: {', '.join(self.pooling.tasks)}); it does not generate "
+                "text: use LLM.embed / classify / score / encode, or /v1/embeddings, /v1/score, /classify"
+            )
         params = params or SamplingParams()
         text, token_ids, params = self.processor.process(prompt, params)
         if lora_request is not None:
@@ -123,16 +141,70 @@ class LLMEngine:
                 raise
         self.hooks.llmplug_request_event(event="added", request_id=request_id, info={"num_prompt_tokens": len(token_ids)})
 
+    def _add_pooling_request(
+        self, request_id: str, prompt: PromptType, params: PoolingParams, priority: int, arrival_time: float
+    ) -> None:
+        """Validate and queue a pooling request (one sequence, no sampling)."""
+        if self.pooling is None:
+            raise InvalidRequestError(
+                "pooling requests (embeddings, classification, scores) need a pooling model; this engine generates "
+                "text (start it with runner='pooling' to embed with a causal LM)"
+            )
+        if request_id in self._pooling_requests or request_id in self.output_processor.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use; ids must be unique")
+        params = resolve_pooling_params(params, self.pooling)
+        _, token_ids = self.processor.process_pooling(self._pooling_prompt(prompt))
+        token_types = self._token_type_ids(prompt, len(token_ids))
+        request = Request(request_id, token_ids, None, (), arrival_time, priority,
+                          pooling_params=params, token_type_ids=token_types)
+        self.engine_core.add_request(request)
+        self._pooling_requests[request_id] = (token_ids, RequestMetrics(arrival_time))
+        info = {"num_prompt_tokens": len(token_ids)}
+        self.hooks.llmplug_request_event(event="added", request_id=request_id, info=info)
+
+    def _pooling_prompt(self, prompt: PromptType) -> PromptType:
+        """The prompt as the model's sentence-transformers folder feeds it (lowercased text, if it says so)."""
+        if not self.pooling.lowercase:
+            return prompt
+        if isinstance(prompt, str):
+            return prompt.lower()
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str) and "prompt_token_ids" not in prompt:
+            return {**prompt, "prompt": prompt["prompt"].lower()}
+        return prompt
+
+    def _token_type_ids(self, prompt: PromptType, num_tokens: int) -> list[int] | None:
+        """The prompt's token types (segments of a text pair), checked against the model; None when not given."""
+        types = prompt.get("token_type_ids") if isinstance(prompt, dict) else None
+        if types is None:
+            return None
+        types = list(types)
+        limit = self.pooling.type_vocab_size if self.pooling.accepts_token_type_ids else 1
+        if len(types) != num_tokens or not all(isinstance(t, int) and 0 <= t < max(limit, 1) for t in types):
+            raise InvalidRequestError(
+                f"token_type_ids must hold one type in [0, {max(limit, 1)}) per prompt token ({num_tokens}); "
+                f"got {len(types)} values"
+            )
+        return types if self.pooling.accepts_token_type_ids else None
+
     def abort_request(self, request_ids: list[str]) -> None:
         """Stop requests (by the ids the user gave) and free their KV blocks."""
+        pooling = [rid for rid in request_ids if self._pooling_requests.pop(rid, None) is not None]
+        if pooling:
+            self.engine_core.abort_requests(pooling)
         child_ids = self.output_processor.abort_requests(request_ids)
         self.engine_core.abort_requests(child_ids)
         for request_id in request_ids:
             self.hooks.llmplug_request_event(event="aborted", request_id=request_id, info={})
 
-    def step(self) -> list[RequestOutput]:
-        """Run one engine step; return the outputs that changed."""
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
+        """Run one engine step; return the outputs that changed (a pooling request's one, final output)."""
         core_outputs = self.engine_core.step()
+        if self.pooling is not None:  # every request pools: one final output each
+            pooled = [self._pooling_output(o) for o in core_outputs if o.req_id in self._pooling_requests]
+            for out in pooled:
+                self.hooks.llmplug_request_event(event="finished", request_id=out.request_id, info={})
+            self.hooks.llmplug_stats(stats=self.engine_core.stats())
+            return pooled
         processed = self.output_processor.process(core_outputs)
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort, RequestStatus.FINISHED_STOPPED)
@@ -141,6 +213,14 @@ class LLMEngine:
                 self.hooks.llmplug_request_event(event="finished", request_id=out.request_id, info={})
         self.hooks.llmplug_stats(stats=self.engine_core.stats())
         return processed.request_outputs
+
+    def _pooling_output(self, update: EngineCoreOutput) -> PoolingRequestOutput:
+        """A finished pooling request's output; `outputs` is None when it was aborted instead."""
+        prompt_token_ids, metrics = self._pooling_requests.pop(update.req_id)
+        metrics.finished_time = time.time()
+        data = update.pooling_output
+        outputs = None if data is None else PoolingOutput(data)
+        return PoolingRequestOutput(update.req_id, outputs, prompt_token_ids, True, metrics, update.error)
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is still generating."""

@@ -1,10 +1,12 @@
-"""ModelRunner: turns a SchedulerOutput into one flattened forward pass and a sampled token per request."""
+"""ModelRunner: turns a SchedulerOutput into one flattened forward pass and a sampled token per request
+(or, for pooling requests, the model's pooled result: see engine/pooling.py)."""
 
 from __future__ import annotations
 
 import contextlib
 import itertools
 import logging
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator
 
@@ -18,7 +20,15 @@ from llmplug.engine.sampler import Sampler
 from llmplug.engine.sampling_state import SamplingState
 from llmplug.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from llmplug.layers.attention import bind_kv_cache
+from llmplug.layers.compiled_forward import CompiledForward
 from llmplug.layers.forward_context import CommonAttentionMetadata, forward_context
+from llmplug.layers.recurrent import (
+    RecurrentMetadata,
+    allocate_state_cache,
+    bind_state_cache,
+    build_recurrent_metadata,
+    state_bytes_per_slot,
+)
 from llmplug.loaders import build_loader, resolve_load_format
 from llmplug.lora.request import LoRARequest
 
@@ -33,19 +43,24 @@ UNSAMPLEABLE = "no token can be sampled: the logits hold NaN or +inf, or every t
 
 @dataclass(slots=True, frozen=True)
 class KVCacheSpec:
-    """What one KV block costs and how many layers hold one."""
+    """What one KV block costs and how many layers hold one; and the recurrent-state slots beside them."""
 
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
+    num_layers: int  # attention layers (0 for a pure state-space model: blocks then only count tokens)
+    block_elements: int  # cache elements of one block summed over the layers (layers may differ: MLA's latent)
     dtype: torch.dtype
     block_size: int
+    num_state_slots: int = 0  # one per request that can run at once, for a model with recurrent mixers
+    state_slot_bytes: int = 0  # one request's state across the recurrent layers
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block across all layers (K and V)."""
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+        """Bytes of one block across all layers (K and V, or a latent layer's keys only)."""
+        return self.block_elements * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of all recurrent-state slots, allocated before the blocks."""
+        return self.num_state_slots * self.state_slot_bytes
 
 
 @dataclass(slots=True)
@@ -57,6 +72,7 @@ class BatchInputs:
     common: CommonAttentionMetadata
     sample_indices: torch.Tensor  # [S] positions in T whose hidden states produce logits
     sample_req_ids: list[str]
+    recurrent: RecurrentMetadata | None = None  # models with recurrent mixers: each request's state slot
 
 
 class ModelRunner:
@@ -72,6 +88,7 @@ class ModelRunner:
         self.attn_backend = registry.load("llmplug.attention", config.device.attention_backend or "torch_sdpa")
         self.sampling_state: SamplingState | None = None  # needs the vocabulary size: built by load_model
         self.sampler: Sampler | None = None
+        self.num_state_slots = 0  # recurrent-state slots, set with the KV cache
         self.prompt_token_ids: dict[str, list[int]] = {}
         # prompt positions whose logprobs were sent, kept across preemption: a recomputed prefill sends none twice
         self.prompt_logprobs_sent: dict[str, int] = {}
@@ -85,16 +102,34 @@ class ModelRunner:
         loader = build_loader(self.registry, fmt, self.config.load)
         self.model = loader.load_model(self.config, device=self.device)
         self.stage = PipelineStage(self.model)
+        # what a step calls: the model, or its forward captured by torch.compile (device.compile)
+        self.forward: Callable[..., object] = CompiledForward(self.model) if self.config.device.compile else self.model
         self.hf_config = loader.load_hf_config(self.config.model)
         self.sampling_state = SamplingState(vocab_size=self.hf_config.vocab_size, device=self.device)
         # processors contributed by `llmplug.hooks` plugins apply to every request
         hook = self.registry.hook_manager().hook
         global_processors = [p for found in hook.llmplug_logits_processors(config=self.config) for p in found]
         self.sampler = Sampler(logits_processors=global_processors)
+        self.pooling_info: dict | None = None  # a pooling model's tasks and defaults (None: it generates)
+        if getattr(self.model, "is_pooling_model", False):
+            from llmplug.engine.pooling import pooling_info
+            from llmplug.layers.pooler import PoolingType
+
+            path = loader.model_path(self.config.model.model)
+            self.pooling_info = pooling_info(self.model, self.hf_config, self.config, path)
+            self.pooling_type = PoolingType(self.pooling_info["pooling_type"])
         if self.config.lora.enable_lora:
             from llmplug.lora.manager import LoRAManager
 
             self.lora_manager = LoRAManager(self.model, self.config.lora, self.dtype, self.device)
+            # a compiled forward would freeze the per-step LoRA mapping it was traced with
+            self.drop_compiled_forward("lora.enable_lora")
+
+    def drop_compiled_forward(self, why: str) -> None:
+        """Run the model eager from now on: a compiled (frozen) forward holds the weights it was compiled with."""
+        if self.forward is not self.model:
+            logger.info("%s: the compiled forward holds the old weights; running the model eager", why)
+            self.forward = self.model
 
     def require_lora(self) -> LoRAManager:
         """The adapter manager; an error naming the setting when LoRA is off."""
@@ -103,10 +138,14 @@ class ModelRunner:
         return self.lora_manager
 
     def kv_cache_spec(self) -> KVCacheSpec:
-        """The shape of this worker's share of the KV cache."""
+        """The shape of this worker's share of the KV cache and recurrent state."""
         attn_layers = self._attention_layers()
-        first = attn_layers[0]
-        return KVCacheSpec(len(attn_layers), first.num_kv_heads, first.head_dim, self.dtype, self.block_size)
+        shapes = [self.attn_backend.layer_kv_cache_shape(layer, 1, self.block_size) for layer in attn_layers]
+        slot_bytes = state_bytes_per_slot(self.model, self.dtype)
+        # every request that can run at once holds a slot, so a slot never has to be waited for
+        num_slots = self.config.scheduler.max_num_seqs if slot_bytes else 0
+        block_elements = sum(math.prod(shape) for shape in shapes)
+        return KVCacheSpec(len(attn_layers), block_elements, self.dtype, self.block_size, num_slots, slot_bytes)
 
     def _attention_layers(self) -> list[torch.nn.Module]:
         from llmplug.layers.attention import Attention
@@ -114,12 +153,20 @@ class ModelRunner:
         return [m for m in self.model.modules() if isinstance(m, Attention)]
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate one cache tensor per attention layer and bind them to the layers."""
-        spec = self.kv_cache_spec()
-        shape = self.attn_backend.kv_cache_shape(num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
-        caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(spec.num_layers)]
-        bind_kv_cache(self.model, caches, self.attn_backend)
+        """Allocate one cache tensor per attention layer (and the state slots of each recurrent layer) and bind
+        them to the layers (0 blocks: a pooling engine, whose prompts run whole, binds the backend without any cache)."""
         self.num_blocks = num_blocks
+        if num_blocks == 0:
+            bind_kv_cache(self.model, None, self.attn_backend)
+            return
+        shapes = [
+            self.attn_backend.layer_kv_cache_shape(layer, num_blocks, self.block_size)
+            for layer in self._attention_layers()
+        ]
+        caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for shape in shapes]
+        bind_kv_cache(self.model, caches, self.attn_backend)
+        self.num_state_slots = self.kv_cache_spec().num_state_slots
+        bind_state_cache(self.model, allocate_state_cache(self.model, self.num_state_slots, self.dtype, self.device))
 
     @contextlib.contextmanager
     def profile_step(self, num_tokens: int, num_seqs: int, max_model_len: int) -> Iterator[Callable[[], None]]:
@@ -137,14 +184,14 @@ class ModelRunner:
         for i, n in enumerate(lens):
             blocks = list(range(next_block, next_block + -(-n // self.block_size)))
             next_block += len(blocks)
-            requests.append(ScheduledRequest(f"profile-{i}", [0] * n, 0, blocks, samples=True, new=None))
+            requests.append(ScheduledRequest(f"profile-{i}", [0] * n, 0, blocks, samples=True, new=None, state_slot=i))
         self.initialize_kv_cache(next_block)
         batch = self.prepare_inputs(SchedulerOutput(requests, num_tokens, set(), set()))
 
         @torch.inference_mode()
         def run() -> None:
-            with forward_context(self.attn_backend.build_metadata(batch.common)):
-                hidden_states = self.stage.run(self.model, batch.input_ids, batch.positions)
+            with forward_context(self.attn_backend.build_metadata(batch.common), batch.recurrent):
+                hidden_states = self.stage.run(self.forward, batch.input_ids, batch.positions)
             if hidden_states is not None:  # the last pipeline stage
                 torch.softmax(self.model.compute_logits(hidden_states[batch.sample_indices]), dim=-1)
 
@@ -152,6 +199,7 @@ class ModelRunner:
             yield run
         finally:
             bind_kv_cache(self.model, None, self.attn_backend)  # the layers held the only references
+            bind_state_cache(self.model, None)
 
     # ---- one step -----------------------------------------------------------------------------
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
@@ -162,7 +210,7 @@ class ModelRunner:
         for req_id in scheduler_output.finished_req_ids:
             self.prompt_logprobs_sent.pop(req_id, None)
         for req in scheduler_output.requests:
-            if req.new is not None:
+            if req.new is not None and req.new.pooling_params is None:  # pooling requests need no sampling state
                 new = req.new
                 self.sampling_state.add_request(
                     new.req_id, new.sampling_params, new.prompt_token_ids, new.output_token_ids, new.eos_token_ids
@@ -185,11 +233,14 @@ class ModelRunner:
         req_index = np.repeat(np.arange(len(reqs)), query_lens)
         positions = np.arange(num_tokens, dtype=np.int64) - query_start_loc[req_index] + computed[req_index]
         max_blocks = max(len(r.block_ids) for r in reqs)
-        block_tables = np.zeros((len(reqs), max_blocks), dtype=np.int64)
+        block_tables = np.zeros((len(reqs), max(max_blocks, 1)), dtype=np.int64)
         for i, r in enumerate(reqs):
             block_tables[i, : len(r.block_ids)] = r.block_ids
         # slot of each token: its block (from its request's table) * block_size + offset in block
-        slot_mapping = block_tables[req_index, positions // bs] * bs + positions % bs
+        if max_blocks:
+            slot_mapping = block_tables[req_index, positions // bs] * bs + positions % bs
+        else:  # a pooling engine's step: no KV cache, nothing is stored
+            slot_mapping = np.zeros(num_tokens, dtype=np.int64)
         input_ids = np.fromiter((t for r in reqs for t in r.token_ids), dtype=np.int64, count=num_tokens)
         sample_mask = np.fromiter((r.samples for r in reqs), dtype=bool, count=len(reqs))
         sample_indices = query_start_loc[1:][sample_mask] - 1
@@ -212,8 +263,13 @@ class ModelRunner:
             seq_lens_list=tuple(seq_lens.tolist()),
         )
         sample_req_ids = [r.req_id for r in reqs if r.samples]
+        recurrent = None
+        if self.num_state_slots:
+            slots = np.fromiter((r.state_slot for r in reqs), dtype=np.int64, count=len(reqs))
+            recurrent = build_recurrent_metadata(query_lens, computed, slots, self.device)
         return BatchInputs(
-            on_device["input_ids"], on_device["positions"], common, on_device["sample_indices"], sample_req_ids
+            on_device["input_ids"], on_device["positions"], common, on_device["sample_indices"], sample_req_ids,
+            recurrent,
         )
 
     @torch.inference_mode()
@@ -224,10 +280,14 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         batch = self.prepare_inputs(scheduler_output)
         attn_metadata = self.attn_backend.build_metadata(batch.common)
-        with forward_context(attn_metadata, self._lora_mapping(scheduler_output, batch)):
-            hidden_states = self.stage.run(self.model, batch.input_ids, batch.positions)
+        model_kwargs = self._model_kwargs(scheduler_output)
+        with forward_context(attn_metadata, batch.recurrent, self._lora_mapping(scheduler_output, batch)):
+            hidden_states = self.stage.run(self.forward, batch.input_ids, batch.positions, **model_kwargs)
         if hidden_states is None:  # an earlier pipeline stage: the last one samples
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        if self.pooling_info is not None:  # a pooling engine: every request pools
+            pooled, failed = self._pool(scheduler_output, batch, hidden_states)
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], pooler_output=pooled, failed=failed)
         prompt_logprobs = self._prompt_logprobs(scheduler_output, batch, hidden_states)
         if not batch.sample_req_ids:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], prompt_logprobs=prompt_logprobs)
@@ -250,6 +310,21 @@ class ModelRunner:
             failed=failed,
         )
 
+    def _model_kwargs(self, scheduler_output: SchedulerOutput) -> dict[str, torch.Tensor]:
+        """Inputs beyond token ids and positions: token types (segments of text pairs) for models that take them."""
+        if not getattr(self.model, "accepts_token_type_ids", False):
+            return {}
+        requests = scheduler_output.requests
+        types = [t for r in requests for t in ((r.new and r.new.token_type_ids) or [0] * len(r.token_ids))]
+        return {"token_type_ids": torch.tensor(types, dtype=torch.int64, device=self.device)}
+
+    def _pool(
+        self, scheduler_output: SchedulerOutput, batch: BatchInputs, hidden_states: torch.Tensor
+    ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        from llmplug.engine.pooling import pool
+
+        starts = [0, *itertools.accumulate(batch.common.query_lens_list)]
+        return pool(self.model, scheduler_output, starts, hidden_states, self.pooling_type)
     def _lora_mapping(self, scheduler_output: SchedulerOutput, batch: BatchInputs) -> LoRAMapping | None:
         """Which adapter slot each token of the step uses; None when no request of the step has an adapter."""
         if not self.lora_of:

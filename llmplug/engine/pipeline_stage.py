@@ -8,6 +8,8 @@ hidden states. Without pipeline parallelism `run` is a plain call of the model.
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
 
 from llmplug.communicators.parallel_state import GroupCoordinator, get_pp_group
@@ -28,10 +30,14 @@ class PipelineStage:
                 "set parallel.pipeline_parallel_size to 1"
             )
 
-    def run(self, model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
-        """This stage's forward pass: hidden states [T, hidden] on the last stage, None on the others."""
+    def run(
+        self, model: Callable[..., Any], input_ids: torch.Tensor, positions: torch.Tensor, **model_kwargs: torch.Tensor
+    ) -> torch.Tensor | None:
+        """This stage's forward pass: hidden states [T, hidden] on the last stage, None on the others.
+
+        `model_kwargs` (token_type_ids of pooling models) go to a model that runs whole, on one stage."""
         if self.group.world_size == 1:
-            return model(input_ids, positions)
+            return model(input_ids, positions, **model_kwargs)
         received = None if self.group.is_first_rank else self._recv()
         out = model(input_ids, positions, received)
         if self.group.is_last_rank:

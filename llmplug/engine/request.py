@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from llmplug.core.params import SamplingParams
+from llmplug.core.params import PoolingParams, SamplingParams
 from llmplug.lora.request import LoRARequest
 
 if TYPE_CHECKING:
@@ -38,11 +38,14 @@ class RequestStatus(enum.Enum):
 @dataclass(eq=False)
 class Request:
     """One sequence being generated. With `n` > 1 the engine makes one Request per completion,
-    all sharing the prompt (and, through prefix caching, its KV blocks)."""
+    all sharing the prompt (and, through prefix caching, its KV blocks).
+
+    A pooling request (`pooling_params` set, `sampling_params` None) runs its prompt once, whole, and
+    finishes in that step with a pooled result; it holds no KV blocks."""
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams | None
     eos_token_ids: tuple[int, ...] = ()  # every token that ends the sequence (the tokenizer's first), unless ignore_eos
     arrival_time: float = field(default_factory=time.time)
     priority: int = 0
@@ -56,6 +59,8 @@ class Request:
     error: str | None = None  # why a step failed for this request (finished FINISHED_ABORTED)
     block_hashes: list[int] = field(default_factory=list)  # one per full block of all_token_ids
     grammar: RequestGrammar | None = None  # guided decoding: its compiled grammar and matcher
+    pooling_params: PoolingParams | None = None  # set for pooling requests (task and defaults resolved)
+    token_type_ids: list[int] | None = None  # pooling: the segment of each prompt token (text pairs)
     lora_request: LoRARequest | None = None  # the adapter it runs with; None: the base model
 
     @property
@@ -65,6 +70,11 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def is_pooling(self) -> bool:
+        """True for a request that pools its prompt instead of generating."""
+        return self.pooling_params is not None
 
     @property
     def num_prompt_tokens(self) -> int:

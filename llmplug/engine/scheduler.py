@@ -9,6 +9,11 @@ A request under a grammar (guided decoding) waits outside the queue until its gr
 while others run; its matcher sees every token appended and ends the request when it terminates.
 Preemption keeps the output tokens, so the matcher's state stays valid across the recompute.
 
+A pooling request (embeddings, classification) is admitted only when its whole prompt fits the
+step's budget — an encoder sees the prompt at once, and pooling needs every token's hidden state —
+holds no KV blocks, and finishes in the step that ran it. A pooling engine has no KV cache at all
+(`kv_cache_manager` None).
+
 With LoRA, the running requests use at most `max_loras` distinct adapters (the worker's device
 slots): a waiting request of another adapter waits until one of them has no running request left.
 """
@@ -24,7 +29,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Literal
 
 from llmplug.core.errors import ConfigError, InvalidRequestError
-from llmplug.engine.kv_cache import KVCacheManager
+from llmplug.engine.kv_cache import KVCacheManager, PrefixCacheStats
 from llmplug.engine.request import Request, RequestStatus
 from llmplug.engine.scheduler_output import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 
@@ -111,7 +116,7 @@ class Scheduler:
 
     def __init__(
         self,
-        kv_cache_manager: KVCacheManager,
+        kv_cache_manager: KVCacheManager | None,
         *,
         max_num_seqs: int,
         max_num_batched_tokens: int,
@@ -130,7 +135,8 @@ class Scheduler:
         self.policy = policy
         self.max_loras = max_loras  # distinct adapters among the running requests; None: LoRA is off
         # A request may not outgrow the whole cache either, or it would preempt itself forever.
-        self.max_num_tokens = min(max_model_len, kv_cache_manager.num_blocks * kv_cache_manager.block_size)
+        kv = kv_cache_manager
+        self.max_num_tokens = max_model_len if kv is None else min(max_model_len, kv.num_blocks * kv.block_size)
         self.requests: dict[str, Request] = {}
         self.waiting: FcfsQueue | PriorityQueue = FcfsQueue() if policy == "fcfs" else PriorityQueue(self._sort_key)
         self.running: list[Request] = []  # sorted by _sort_key: the preemption victim is last
@@ -166,6 +172,14 @@ class Scheduler:
         where = f"request {request.request_id!r}: prompt of {num_prompt} tokens"
         if num_prompt == 0:
             raise InvalidRequestError(f"request {request.request_id!r}: the prompt is empty")
+        if request.is_pooling != (self.kv_cache_manager is None):
+            kind = "pooling" if request.is_pooling else "generation"
+            raise InvalidRequestError(
+                f"request {request.request_id!r}: a {kind} request in an engine that does not serve it"
+            )
+        if request.is_pooling:
+            self._check_pooling_fits(request, where)
+            return
         if num_prompt + 1 > self.max_model_len:
             raise InvalidRequestError(
                 f"{where} plus one generated token exceeds max_model_len={self.max_model_len}; shorten the prompt"
@@ -181,6 +195,15 @@ class Scheduler:
             raise InvalidRequestError(
                 f"{where} exceeds max_num_batched_tokens={self.max_num_batched_tokens} with chunked prefill "
                 f"disabled; shorten the prompt, raise max_num_batched_tokens or enable chunked prefill"
+            )
+
+    def _check_pooling_fits(self, request: Request, where: str) -> None:
+        if request.num_prompt_tokens > self.max_model_len:
+            raise InvalidRequestError(f"{where} exceeds max_model_len={self.max_model_len}; shorten the prompt")
+        if request.num_prompt_tokens > self.max_num_batched_tokens:
+            raise InvalidRequestError(
+                f"{where} exceeds max_num_batched_tokens={self.max_num_batched_tokens}, and pooling prompts "
+                "run whole in one step; raise max_num_batched_tokens or shorten the prompt"
             )
 
     def finish_requests(self, req_ids: str | Iterable[str], status: RequestStatus) -> None:
@@ -203,7 +226,8 @@ class Scheduler:
     def _free(self, request: Request, status: RequestStatus) -> None:
         """Mark a request finished and release everything the scheduler holds for it."""
         request.status = status
-        self.kv_cache_manager.free(request)
+        if self.kv_cache_manager is not None:
+            self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         del self._sort_keys[request.request_id]
         self.guided.pop(request.request_id, None)
@@ -281,6 +305,13 @@ class Scheduler:
         """Admit waiting requests in policy order until one does not fit (no overtaking)."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
+            if request.is_pooling:  # whole or not at all, and no KV blocks
+                if request.num_tokens > budget:
+                    break
+                self.waiting.pop()
+                scheduled.append(self._admit(request, 0, request.num_tokens))
+                budget -= request.num_tokens
+                continue
             if not self._adapter_fits(request):
                 break
             computed_blocks, num_computed_tokens = self.kv_cache_manager.get_computed_blocks(request)
@@ -314,6 +345,8 @@ class Scheduler:
             sampling_params=request.sampling_params,
             eos_token_ids=request.eos_token_ids,
             lora_request=request.lora_request,
+            pooling_params=request.pooling_params,
+            token_type_ids=request.token_type_ids,
         )
         return self._scheduled_request(request, num_new_tokens, new)
 
@@ -329,13 +362,16 @@ class Scheduler:
 
     def _scheduled_request(self, request: Request, num_new_tokens: int, new: NewRequestData | None) -> ScheduledRequest:
         start = request.num_computed_tokens
+        reaches_end = start + num_new_tokens == request.num_tokens
         return ScheduledRequest(
             req_id=request.request_id,
             token_ids=request.all_token_ids[start : start + num_new_tokens],
             num_computed_tokens=start,
-            block_ids=self.kv_cache_manager.get_block_ids(request),
-            samples=start + num_new_tokens == request.num_tokens,
+            block_ids=[] if request.is_pooling else self.kv_cache_manager.get_block_ids(request),
+            samples=reaches_end and not request.is_pooling,
             new=new,
+            pools=request.is_pooling,
+            state_slot=None if request.is_pooling else self.kv_cache_manager.get_state_slot(request),
         )
 
     # -- results of a step ---------------------------------------------------------------------
@@ -351,6 +387,10 @@ class Scheduler:
             request.num_computed_tokens += len(scheduled.token_ids)
             if scheduled.req_id in runner_output.failed:  # this request alone ends; the batch goes on
                 self._fail(request, runner_output.failed[scheduled.req_id])
+                updated.append(request)
+                continue
+            if scheduled.pools:  # its result is in runner_output.pooler_output
+                self._free(request, RequestStatus.FINISHED_STOPPED)
                 updated.append(request)
                 continue
             token_ids = sampled.get(scheduled.req_id)
@@ -441,11 +481,12 @@ class Scheduler:
 
     def make_stats(self) -> SchedulerStats:
         """A snapshot for stat loggers."""
-        prefix = self.kv_cache_manager.prefix_cache_stats
+        kv = self.kv_cache_manager
+        prefix = kv.prefix_cache_stats if kv is not None else PrefixCacheStats()
         return SchedulerStats(
             num_running=self.num_running,
             num_waiting=self.num_waiting,
-            kv_cache_usage=self.kv_cache_manager.usage,
+            kv_cache_usage=kv.usage if kv is not None else 0.0,
             num_preemptions=self.num_preemptions,
             prefix_cache_queries=prefix.queries,
             prefix_cache_hits=prefix.hits,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from llmplug.core.params import SamplingParams
+from llmplug.core.params import PoolingParams, SamplingParams
 from llmplug.lora.request import LoRARequest
 
 if TYPE_CHECKING:
@@ -19,8 +19,10 @@ class NewRequestData:
     req_id: str
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # generated before a preemption; [] for a fresh request
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams | None  # None for a pooling request
     eos_token_ids: tuple[int, ...] = ()  # masked while fewer than min_tokens are generated
+    pooling_params: PoolingParams | None = None  # a pooling request: its whole prompt is in this step
+    token_type_ids: list[int] | None = None  # pooling: the segment of each prompt token, when given
     lora_request: LoRARequest | None = None  # the adapter the worker applies to its tokens
 
 
@@ -34,6 +36,8 @@ class ScheduledRequest:
     block_ids: list[int]  # the request's whole block table
     samples: bool  # the chunk reaches the last known token, so a token is sampled
     new: NewRequestData | None  # set when the worker has no state for the request
+    pools: bool = False  # a pooling request's whole prompt: the model's pooler runs on it
+    state_slot: int | None = None  # its recurrent-state slot (models with recurrent mixers only)
 
 
 @dataclass(slots=True)
@@ -50,10 +54,11 @@ class SchedulerOutput:
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
-    """The tokens sampled in one step, for the requests that sampled, in order."""
+    """The tokens sampled in one step, for the requests that sampled, in order; and the pooled results."""
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]  # one list per request; usually one token
     logprobs: list | None = None
     prompt_logprobs: dict[str, object] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why it could not be sampled
+    pooler_output: dict[str, torch.Tensor] = field(default_factory=dict)  # request id -> its result (CPU, float32)

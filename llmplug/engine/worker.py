@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
@@ -13,17 +14,38 @@ from llmplug.communicators.parallel_state import (
     initialize_model_parallel,
 )
 from llmplug.core.config import EngineConfig
+from llmplug.core.errors import ConfigError
 from llmplug.core.plugins import PluginRegistry
 from llmplug.engine.memory_profiling import MemoryProfile, kv_cache_bytes
-from llmplug.engine.model_runner import ModelRunner
+from llmplug.engine.model_runner import KVCacheSpec, ModelRunner
 from llmplug.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from llmplug.engine.sleep_mode import SleepingWeights, sleep_weights, wake_weights
 from llmplug.engine.weight_update import WeightBatch, load_weight_batch
 from llmplug.layers.attention import attention_layers, bind_kv_cache
+from llmplug.layers.recurrent import bind_state_cache
 from llmplug.loaders.base import finish_loading
 from llmplug.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
+
+# config keys that give a model's context length, as vLLM reads them (Bloom has none, MPT max_seq_len, ...)
+CONTEXT_LENGTH_KEYS = (
+    "max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
+    "max_sequence_length", "max_seq_length", "seq_len",
+)
+DEFAULT_CONTEXT_LENGTH = 2048
+
+
+def context_length_of(hf_config: Any) -> int:
+    """The smallest context length the config names under CONTEXT_LENGTH_KEYS; 2048 (warned) when it names none."""
+    lengths = [v for v in (getattr(hf_config, key, None) for key in CONTEXT_LENGTH_KEYS) if isinstance(v, int)]
+    if lengths:
+        return min(lengths)
+    logger.warning(
+        "the model's config has none of %s; assuming a context length of %d (set model.max_model_len to change it)",
+        ", ".join(CONTEXT_LENGTH_KEYS), DEFAULT_CONTEXT_LENGTH,
+    )
+    return DEFAULT_CONTEXT_LENGTH
 
 
 class Worker:
@@ -72,7 +94,10 @@ class Worker:
         )
         parallel = self.config.parallel
         initialize_model_parallel(
-            parallel.tensor_parallel_size, parallel.pipeline_parallel_size, parallel.data_parallel_size
+            parallel.tensor_parallel_size,
+            parallel.pipeline_parallel_size,
+            parallel.data_parallel_size,
+            parallel.enable_expert_parallel,
         )
 
     def load_model(self) -> None:
@@ -80,7 +105,8 @@ class Worker:
         self.model_runner.load_model()
 
     def determine_num_blocks(self) -> int:
-        """How many KV blocks this worker can hold: explicit count, memory budget, or free memory."""
+        """How many KV blocks this worker can hold: explicit count, memory budget, or free memory, less the
+        recurrent-state slots (allocated first: every request that runs needs one)."""
         cache = self.config.cache
         spec = self.model_runner.kv_cache_spec()
         if cache.num_blocks is not None:
@@ -91,10 +117,31 @@ class Worker:
             budget = kv_cache_bytes(self.profile_memory(), cache.memory_fraction)
         else:
             budget = self.platform.memory_for_kv_cache(cache.memory_fraction, self.device.index or 0)
+        budget -= self._state_bytes(spec, budget)
+        if not spec.block_bytes:  # no attention layer: blocks hold nothing and only count tokens
+            return self._max_useful_blocks()
         num_blocks = max(budget // spec.block_bytes, 0)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, spec.block_size,
                     num_blocks * spec.block_bytes / 2**20)
         return int(num_blocks)
+
+    def _state_bytes(self, spec: KVCacheSpec, budget: int) -> int:
+        """The recurrent-state slots' bytes; a ConfigError when the budget cannot hold them."""
+        if spec.state_bytes:
+            logger.info("recurrent state: %d slots of %.2f MiB (%.1f MiB)", spec.num_state_slots,
+                        spec.state_slot_bytes / 2**20, spec.state_bytes / 2**20)
+        if spec.state_bytes > budget:
+            raise ConfigError(
+                f"the recurrent state of scheduler.max_num_seqs={spec.num_state_slots} requests needs "
+                f"{spec.state_bytes} bytes but the KV-cache budget is {budget}; lower scheduler.max_num_seqs or "
+                "raise cache.kv_cache_memory / cache.memory_fraction"
+            )
+        return spec.state_bytes
+
+    def _max_useful_blocks(self) -> int:
+        """Blocks for max_num_seqs requests of max_model_len tokens (the engine uses no more)."""
+        max_model_len = self.config.model.max_model_len or self.model_runner.hf_config.max_position_embeddings
+        return self.config.scheduler.max_num_seqs * -(-max_model_len // self.config.cache.block_size)
 
     def profile_memory(self) -> MemoryProfile:
         """Run a dummy step at the engine's limits and measure the device memory around it.
@@ -103,7 +150,7 @@ class Worker:
         and pipeline parallelism inside the dummy step meet.
         """
         platform, device_id = self.platform, self.device.index or 0
-        max_model_len = self.config.model.max_model_len or self.model_runner.hf_config.max_position_embeddings
+        max_model_len = self.config.model.max_model_len or context_length_of(self.model_runner.hf_config)
         num_tokens = self.config.scheduler.token_budget(max_model_len)
         max_num_seqs = self.config.scheduler.max_num_seqs
         with self.model_runner.profile_step(num_tokens, max_num_seqs, max_model_len) as run_step:
@@ -133,14 +180,20 @@ class Worker:
             destroy_distributed_environment()
 
     def model_info(self) -> dict:
-        """Facts about the loaded model the engine needs (context length, vocabulary, layers)."""
-        hf = self.model_runner.hf_config
-        spec = self.model_runner.kv_cache_spec()
+        """Facts about the loaded model the engine needs (context length, vocabulary, layers; a pooling model's
+        tasks and defaults, None for a generating one)."""
+        runner = self.model_runner
+        hf = runner.hf_config
+        spec = runner.kv_cache_spec()
+        # a position table shorter than the config says (RoBERTa's starts at pad_token_id + 1) is the limit
+        positions = getattr(runner.model, "max_positions", None) or context_length_of(hf)
         return {
-            "max_position_embeddings": getattr(hf, "max_position_embeddings", None),
+            "context_length": positions,
             "vocab_size": hf.vocab_size,
             "eos_token_id": getattr(hf, "eos_token_id", None),
             "block_bytes": spec.block_bytes,
+            "pooling": runner.pooling_info,
+            "num_state_slots": spec.num_state_slots,
         }
 
     # ---- LoRA adapters (called through Executor.collective_rpc) ----
@@ -161,6 +214,7 @@ class Worker:
         """After the last batch: redo what derives from the weights (int4 copies of changed layers, decode mirrors)."""
         runner = self.model_runner
         finish_loading(runner.model, self.config.model, only_dense=True)
+        runner.drop_compiled_forward("new weights")
         # rebinding the same caches drops the attention backend's per-layer state, computed with the old weights
         caches = [layer.kv_cache for layer in attention_layers(runner.model)]
         bind_kv_cache(runner.model, caches if all(c is not None for c in caches) else None, runner.attn_backend)
@@ -169,6 +223,8 @@ class Worker:
         """Free the KV cache; level 1 moves the weights to host memory, level 2 frees them (see sleep_mode)."""
         runner = self.model_runner
         bind_kv_cache(runner.model, None, runner.attn_backend)  # the layers held the only references
+        bind_state_cache(runner.model, None)
+        runner.drop_compiled_forward("sleep")
         self.sleeping_weights = sleep_weights(runner.model, level)
         self.platform.empty_cache()
 

@@ -1,4 +1,5 @@
-"""`llmplug models`: every architecture of the `llmplug.models` group, its family and what it supports.
+"""`llmplug models`: every architecture of the `llmplug.models` group, its family, its kind (generate, or
+pooling: embeddings and classifiers) and what it supports.
 
 Kept light at import time (the CLI builds every parser on each call): the model classes are imported
 inside `run`, one module per family. A class that fails to import is listed with the reason.
@@ -26,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def model_rows() -> list[dict[str, Any]]:
-    """{architecture, family, distribution, tp, pp, gguf, int4, error} per name of `llmplug.models` (sorted)."""
+    """{architecture, family, kind, distribution, tp, pp, gguf, int4, error} per name of `llmplug.models` (sorted)."""
     from llmplug.core.errors import PluginError
     from llmplug.core.plugins import get_registry
     from llmplug.loaders.gguf_config import ARCHITECTURES as GGUF_ARCHITECTURES
@@ -38,7 +39,7 @@ def model_rows() -> list[dict[str, Any]]:
         try:
             cls = registry.load("llmplug.models", info.name)
         except PluginError as error:
-            rows.append(row | {"family": "-", **dict.fromkeys(FEATURES, False), "error": str(error)})
+            rows.append(row | {"family": "-", "kind": "-", **dict.fromkeys(FEATURES, False), "error": str(error)})
             continue
         rows.append(row | _features(cls, info.name in gguf))
     return rows
@@ -48,6 +49,7 @@ def _features(cls: type, gguf: bool) -> dict[str, Any]:
     """A model class's family (its own `family`, else its module's name) and feature flags."""
     return {
         "family": getattr(cls, "family", None) or cls.__module__.rsplit(".", 1)[-1],
+        "kind": "pooling" if getattr(cls, "is_pooling_model", False) else "generate",
         "tp": bool(getattr(cls, "supports_tensor_parallel", False)),
         "pp": bool(getattr(cls, "supports_pipeline_parallel", False)),
         "gguf": gguf,
@@ -56,9 +58,9 @@ def _features(cls: type, gguf: bool) -> dict[str, Any]:
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
-    header = ("ARCHITECTURE", "FAMILY", *(f.upper() for f in FEATURES), "DISTRIBUTION")
+    header = ("ARCHITECTURE", "FAMILY", "KIND", *(f.upper() for f in FEATURES), "DISTRIBUTION")
     cells = [header] + [
-        (r["architecture"], r["family"], *("yes" if r[f] else "-" for f in FEATURES), r["distribution"])
+        (r["architecture"], r["family"], r["kind"], *("yes" if r[f] else "-" for f in FEATURES), r["distribution"])
         + ((f"error: {r['error']}",) if r["error"] else ())
         for r in rows
     ]

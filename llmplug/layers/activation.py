@@ -17,7 +17,16 @@ from torch import nn
 from llmplug.layers.kernels import use_triton
 from llmplug.layers.weight_utils import default_weight_loader, frozen_parameter
 
-__all__ = ["ACTIVATIONS", "Activation", "ActivationAndMul", "SiluAndMul", "XIELU", "activation_fn", "gated_activation"]
+__all__ = [
+    "ACTIVATIONS",
+    "Activation",
+    "ActivationAndMul",
+    "ClampedSwiGLU",
+    "SiluAndMul",
+    "XIELU",
+    "activation_fn",
+    "gated_activation",
+]
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -98,6 +107,24 @@ class SiluAndMul(ActivationAndMul):
 def gated_activation(name: str) -> ActivationAndMul:
     """act(gate) * up for transformers' `name`: SiluAndMul (with its GPU kernel) for silu, else ActivationAndMul."""
     return SiluAndMul() if ACTIVATIONS.get(name) is F.silu else ActivationAndMul(name)
+
+
+class ClampedSwiGLU(nn.Module):
+    """GPT-OSS's gated activation of x = [gate | up]: gate clamped above at `limit`, up to [-limit, limit],
+    gate * sigmoid(alpha * gate) * (up + 1)."""
+
+    def __init__(self, alpha: float, limit: float) -> None:
+        super().__init__()
+        self.alpha, self.limit = alpha, limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., 2 * d] -> [..., d]."""
+        d = x.shape[-1] // 2
+        gate, up = x[..., :d].clamp(max=self.limit), x[..., d:].clamp(-self.limit, self.limit)
+        return gate * torch.sigmoid(gate * self.alpha) * (up + 1)
+
+    def extra_repr(self) -> str:
+        return f"alpha={self.alpha}, limit={self.limit}"
 
 
 def _scalar_parameter(value: float) -> nn.Parameter:

@@ -1,4 +1,4 @@
-"""Norms of the query and key projections, applied before rotary embedding.
+"""Norms of the query and key projections, applied before rotary embedding (or after it: `after_rope`).
 
 Three scopes, as families use them (`QKNormConfig.scope`):
 - "head": every head normalized over head_dim with one weight [head_dim] shared by all heads
@@ -37,6 +37,7 @@ class QKNormConfig:
 
     norm: NormConfig
     scope: Literal["head", "per_head", "projection"] = "head"
+    after_rope: bool = False  # normalize the rotated q and k (HunYuan, NanoChat); default: before rotary
 
 
 def make_qk_norm(config: QKNormConfig, num_heads: int, head_dim: int, first_head: int) -> nn.Module:

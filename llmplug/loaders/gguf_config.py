@@ -9,8 +9,8 @@ plugins consume, so a .gguf file needs no config.json beside it. Architectures a
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
 
 import gguf
 import numpy as np
@@ -21,20 +21,90 @@ from llmplug.core.errors import ModelLoadError
 
 @dataclass(frozen=True, slots=True)
 class GGUFArchitecture:
-    """How one `general.architecture` value maps to transformers."""
+    """How one `general.architecture` value maps to transformers, and what llama.cpp changed on the way."""
 
     model_type: str  # transformers config class, via AutoConfig.for_model
     hf_architecture: str  # the `llmplug.models` name
-    permute_qk: bool  # llama.cpp interleaves Q/K rows for its GPT-J-style rope; HF uses rotate-half
-    attention_bias: bool | None  # fixed by the HF class (None: present iff attn_q.bias is in the file)
-    rope_dims_are_head_dim: bool  # rope.dimension_count equals head_dim (no partial rotary)
+    permute_qk: bool = False  # llama.cpp interleaves Q/K rows for its GPT-J-style rope; HF uses rotate-half
+    attention_bias: bool | None = None  # fixed by the HF class (None: present iff attn_q.bias is in the file)
+    rope_dims_are_head_dim: bool = False  # rope.dimension_count equals head_dim (no partial rotary)
+    rope: bool = True  # False: learned positions or ALiBi, no rope fields in the config
+    has_context_length: bool = True  # False: the file's context_length is a placeholder (Bloom writes n_embed)
+    renames: Mapping[str, str] = field(default_factory=dict)  # standard config field -> this class's name
+    extra: Callable[[_ArchMetadata, frozenset[str]], dict[str, Any]] | None = None  # (metadata, tensor names)
+    norm_offset: float = 0.0  # llama.cpp stores `offset + w` norms (Gemma's 1 + w, layernorm1p) as the weight
+    conv1d: bool = False  # GPT-2: llama.cpp stores Conv1D weights transposed to [out, in]
+    qkv_contiguous: bool = False  # Bloom: llama.cpp regroups the per-head fused qkv as [q | k | v]
 
 
-# Mistral GGUFs are written with general.architecture "llama" and load through that row.
+def _partial_rotary(meta: _ArchMetadata, tensors: frozenset[str]) -> dict[str, Any]:
+    """partial_rotary_factor from rope.dimension_count (the rotated dims of a head)."""
+    rope_dims = meta.get("rope.dimension_count")
+    return {} if rope_dims is None else {"partial_rotary_factor": rope_dims / _head_dim_of(meta)}
+
+
+def _gemma_fields(meta: _ArchMetadata, tensors: frozenset[str], layers_27b: int) -> dict[str, Any]:
+    """Window and soft-caps when the file has them; llama.cpp's query scale: hidden / heads for 27B, else head_dim."""
+    fields = {
+        name: meta.get(key)
+        for name, key in (
+            ("sliding_window", "attention.sliding_window"),
+            ("attn_logit_softcapping", "attn_logit_softcapping"),
+            ("final_logit_softcapping", "final_logit_softcapping"),
+        )
+        if meta.get(key) is not None
+    }
+    hidden, heads = meta.require("embedding_length"), meta.require("attention.head_count")
+    is_27b = meta.require("block_count") == layers_27b  # llama.cpp names the model size by its layer count
+    fields["query_pre_attn_scalar"] = hidden // heads if is_27b else _head_dim_of(meta)
+    return fields
+
+
+def _stablelm_fields(meta: _ArchMetadata, tensors: frozenset[str]) -> dict[str, Any]:
+    """Partial rotary; a parallel residual when the blocks have no ffn_norm (transformers reads it the same way)."""
+    if "blk.0.attn_q_norm.weight" in tensors:
+        raise ModelLoadError(f"GGUF file {meta.path}: StableLM per-head q/k norms are not supported in GGUF.")
+    return {**_partial_rotary(meta, tensors), "use_parallel_residual": "blk.0.ffn_norm.weight" not in tensors}
+
+
+def _window(meta: _ArchMetadata, tensors: frozenset[str]) -> dict[str, Any]:
+    """sliding_window when the file has one."""
+    window = meta.get("attention.sliding_window")
+    return {} if window is None else {"sliding_window": window}
+
+
+# Mistral GGUFs are written with general.architecture "llama" and load through that row. Dense architectures
+# transformers' own GGUF loader reads, less those llmplug has no model for (deci, gemma4).
 ARCHITECTURES: dict[str, GGUFArchitecture] = {
-    "llama": GGUFArchitecture("llama", "LlamaForCausalLM", True, None, True),
-    "qwen2": GGUFArchitecture("qwen2", "Qwen2ForCausalLM", False, True, False),
-    "qwen3": GGUFArchitecture("qwen3", "Qwen3ForCausalLM", False, None, False),
+    "llama": GGUFArchitecture("llama", "LlamaForCausalLM", permute_qk=True, rope_dims_are_head_dim=True),
+    "qwen2": GGUFArchitecture("qwen2", "Qwen2ForCausalLM", attention_bias=True),
+    "qwen3": GGUFArchitecture("qwen3", "Qwen3ForCausalLM"),
+    "gemma2": GGUFArchitecture(
+        "gemma2", "Gemma2ForCausalLM", norm_offset=1.0, extra=lambda m, t: _gemma_fields(m, t, layers_27b=46)
+    ),
+    "gemma3": GGUFArchitecture(
+        "gemma3_text", "Gemma3ForCausalLM", norm_offset=1.0, extra=lambda m, t: _gemma_fields(m, t, layers_27b=62)
+    ),
+    "phi3": GGUFArchitecture("phi3", "Phi3ForCausalLM", extra=lambda m, t: {**_partial_rotary(m, t), **_window(m, t)}),
+    "stablelm": GGUFArchitecture(
+        "stablelm", "StableLmForCausalLM", renames={"attention_bias": "use_qkv_bias", "eps": "layer_norm_eps"},
+        extra=_stablelm_fields,
+    ),
+    "starcoder2": GGUFArchitecture(
+        "starcoder2", "Starcoder2ForCausalLM", renames={"attention_bias": "use_bias", "eps": "norm_epsilon"},
+        extra=_window,
+    ),
+    "nemotron": GGUFArchitecture(
+        "nemotron", "NemotronForCausalLM", renames={"eps": "norm_eps"}, norm_offset=1.0, extra=_partial_rotary
+    ),
+    "gpt2": GGUFArchitecture(
+        "gpt2", "GPT2LMHeadModel", rope=False, conv1d=True,
+        renames={"intermediate_size": "n_inner", "eps": "layer_norm_epsilon"},
+    ),
+    "bloom": GGUFArchitecture(
+        "bloom", "BloomForCausalLM", rope=False, has_context_length=False, qkv_contiguous=True,
+        renames={"eps": "layer_norm_epsilon"},
+    ),
 }
 
 # Metadata keys (after the "{arch}." prefix) copied as they are; the rest are derived below.
@@ -43,9 +113,8 @@ _DIRECT_FIELDS = {
     "intermediate_size": "feed_forward_length",
     "num_hidden_layers": "block_count",
     "num_attention_heads": "attention.head_count",
-    "rms_norm_eps": "attention.layer_norm_rms_epsilon",
-    "max_position_embeddings": "context_length",
 }
+_EPS_KEYS = ("attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon")  # RMSNorm, LayerNorm
 _TOKEN_ID_FIELDS = {
     "bos_token_id": "tokenizer.ggml.bos_token_id",
     "eos_token_id": "tokenizer.ggml.eos_token_id",
@@ -98,16 +167,40 @@ def build_hf_config(reader: gguf.GGUFReader, path: str) -> PretrainedConfig:
 
     arch, spec = architecture_of(reader, path)
     meta = _ArchMetadata(reader, arch, path)
+    tensors = frozenset(tensor.name for tensor in reader.tensors)
     fields = {name: meta.require(key) for name, key in _DIRECT_FIELDS.items()}
+    fields["eps"] = _norm_eps(meta)
     fields["num_key_value_heads"] = meta.get("attention.head_count_kv", fields["num_attention_heads"])
     fields["head_dim"] = _head_dim(meta, spec, fields["hidden_size"], fields["num_attention_heads"])
-    fields["rope_theta"] = float(meta.get("rope.freq_base", 10000.0))
-    fields["rope_scaling"] = _rope_scaling(reader, meta, fields["rope_theta"], fields["head_dim"])
+    if spec.has_context_length:
+        fields["max_position_embeddings"] = meta.require("context_length")
+    if spec.rope:
+        fields["rope_theta"] = float(meta.get("rope.freq_base", 10000.0))
+        fields["rope_scaling"] = _rope_scaling(reader, meta, fields["rope_theta"], fields["head_dim"])
     fields.update(_tensor_derived_fields(reader, spec, path))
+    default_names = {"eps": "rms_norm_eps"}
+    fields = {spec.renames.get(name, default_names.get(name, name)): value for name, value in fields.items()}
+    fields.update(spec.extra(meta, tensors) if spec.extra else {})
     fields.update({name: field_value(reader, key) for name, key in _TOKEN_ID_FIELDS.items()})
     config = AutoConfig.for_model(spec.model_type, architectures=[spec.hf_architecture], **fields)
     config.name_or_path = path
     return config
+
+
+def _norm_eps(meta: _ArchMetadata) -> float:
+    """The norm epsilon, under the RMSNorm or the LayerNorm key."""
+    for key in _EPS_KEYS:
+        if (value := meta.get(key)) is not None:
+            return value
+    raise ModelLoadError(f"GGUF file {meta.path}: required metadata {meta.arch}.{_EPS_KEYS[0]} is missing.")
+
+
+def _head_dim_of(meta: _ArchMetadata) -> int:
+    """attention.key_length, else hidden / heads."""
+    key_length = meta.get("attention.key_length")
+    return int(key_length) if key_length is not None else meta.require("embedding_length") // meta.require(
+        "attention.head_count"
+    )
 
 
 # The tokens that end a generation, as llama.cpp reads them (end of sequence, of a turn, of a message).

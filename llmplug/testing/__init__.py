@@ -4,12 +4,15 @@
 - `ParityCase`, `ParityRunner`, `VARIANTS`: greedy generation through the whole engine (plain,
   chunked prefill, preemption, tensor parallel) against transformers' `generate`, tokens and
   log-probabilities;
-- `PagedHarness`: a minimal paged runner for model-level logits checks.
+- `PagedHarness`: a minimal paged runner for model-level logits checks;
+- `PoolingParityCase`, `PoolingParityRunner`: pooling models (embeddings, classifiers) through the
+  engine against transformers' pooled hidden states and logits.
 
 See docs/plugins.md ("Testing a model architecture").
 """
 
 from llmplug.testing.paged import PagedHarness
+from llmplug.testing.pooling import PoolingParityCase, PoolingParityRunner, PoolingReport
 from llmplug.testing.parity import VARIANTS, Completion, ParityCase, ParityReport, ParityRunner, Reference, Variant
 from llmplug.testing.tiny import TINY_SIZES, TinyCheckpoint, randomize_, save_tiny_checkpoint, tiny_config
 
@@ -18,6 +21,9 @@ __all__ = [
     "VARIANTS",
     "Completion",
     "PagedHarness",
+    "PoolingParityCase",
+    "PoolingParityRunner",
+    "PoolingReport",
     "ParityCase",
     "ParityReport",
     "ParityRunner",

@@ -35,10 +35,10 @@ class PagedHarness:
 
     def __init__(self, model: torch.nn.Module, num_blocks: int = 64, block_size: int = 4, seed: int = 0) -> None:
         self.model, self.block_size, self.backend = model, block_size, TorchSDPABackend
-        layer = attention_layers(model)[0]
         dtype = next(model.parameters()).dtype
-        shape = self.backend.kv_cache_shape(num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
-        caches = [torch.zeros(shape, dtype=dtype) for _ in attention_layers(model)]
+        layers = attention_layers(model)
+        caches = [torch.zeros(self.backend.layer_kv_cache_shape(layer, num_blocks, block_size), dtype=dtype)
+                  for layer in layers]
         bind_kv_cache(model, caches, self.backend)
         self.free_blocks = list(range(num_blocks))
         random.Random(seed).shuffle(self.free_blocks)  # non-contiguous block tables on purpose
@@ -89,7 +89,7 @@ class PagedHarness:
             query_lens_list=tuple(q_lens),
             seq_lens_list=tuple(seq_lens),
         )
-        with torch.inference_mode(), forward_context(self.backend.build_metadata(common), lora_mapping):
+        with torch.inference_mode(), forward_context(self.backend.build_metadata(common), lora_mapping=lora_mapping):
             hidden = self.model(torch.tensor(ids), torch.tensor(positions))
             logits = self.model.compute_logits(hidden)
         for name, n in schedule:

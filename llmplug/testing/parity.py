@@ -47,6 +47,9 @@ class ParityCase:
     engine_kwargs: Mapping[str, Any] = field(default_factory=dict)  # e.g. max_model_len for ALiBi models
     # transformers' attention for the reference: eager, unless its eager path of the family is wrong
     hf_attn_implementation: str = "eager"
+    # the `architectures` entry config.json gets, when not transformers' class name: hub checkpoints of a
+    # config-only alias (model_type exaone, run by LlamaForCausalLM) name their own class (ExaoneForCausalLM)
+    architecture: str | None = None
 
     def prompts(self, vocab_size: int) -> list[list[int]]:
         """Random prompts of `prompt_lengths` tokens, the same for every run of the case."""
@@ -71,6 +74,7 @@ VARIANTS: dict[str, Variant] = {
         Variant("preemption", {"num_gpu_blocks_override": 24, "max_num_seqs": 8}, expects_preemption=True),
         Variant("tp2", {"tensor_parallel_size": 2}),
         Variant("pp2", {"pipeline_parallel_size": 2}),
+        Variant("compiled", {"device.compile": True}),  # the forward through torch.compile
     )
 }
 # one CPU thread: a tiny model gains nothing from more, and on a shared machine threads only contend
@@ -122,7 +126,7 @@ class ParityRunner:
         """The case's saved tiny checkpoint (built on first use)."""
         if case.name not in self._checkpoints:
             self._checkpoints[case.name] = save_tiny_checkpoint(
-                case.make_config(), self.workdir / case.name, case.seed, case.hf_attn_implementation
+                case.make_config(), self.workdir / case.name, case.seed, case.hf_attn_implementation, case.architecture
             )
         return self._checkpoints[case.name]
 

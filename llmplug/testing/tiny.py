@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import json
+
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
@@ -41,7 +43,10 @@ def tiny_config(config_class: type[PretrainedConfig], **fields: Any) -> Pretrain
     """`config_class` with the TINY_SIZES it has, no special tokens, then `fields` on top."""
     known = _known_fields(config_class)
     base = {k: v for k, v in {**TINY_SIZES, **NO_SPECIAL_TOKENS}.items() if k in known}
-    return config_class(**{**base, **fields})
+    config = config_class(**{**base, **fields})
+    if "eos_token_id" not in fields:  # some configs fill a default eos in when given None (GLM)
+        config.eos_token_id = None
+    return config
 
 
 def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
@@ -67,12 +72,21 @@ class TinyCheckpoint:
 
 
 def save_tiny_checkpoint(
-    config: PretrainedConfig, path: Path, seed: int = 0, attn_implementation: str = "eager"
+    config: PretrainedConfig,
+    path: Path,
+    seed: int = 0,
+    attn_implementation: str = "eager",
+    architecture: str | None = None,
 ) -> TinyCheckpoint:
-    """Build `config`'s causal LM in float32 (eager attention unless told), randomize it from `seed`, save it."""
+    """Build `config`'s causal LM in float32 (eager attention unless told), randomize it from `seed`, save it;
+    `architecture` replaces the class name transformers writes into config.json's `architectures`."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation)
     model.eval()
     randomize_(model, seed)
     model.save_pretrained(path)
+    if architecture is not None:
+        config_file = Path(path) / "config.json"
+        saved = json.loads(config_file.read_text())
+        config_file.write_text(json.dumps(saved | {"architectures": [architecture]}, indent=2))
     return TinyCheckpoint(Path(path), model)

@@ -71,9 +71,26 @@ def nan_logits(engine: Any, prompt_token_ids: list[int]) -> None:
     runner.sampler = _PoisonedSampler(runner.sampler, runner.sampling_state, lambda p: p == prompt_token_ids)
 
 
+def nan_hidden_states(engine: Any, num_tokens: int) -> None:
+    """From now on, a pooling model's hidden states are NaN for every prompt of `num_tokens` tokens (bad numerics
+    in one request of the batch), as its pooler receives them."""
+    model = model_runner(engine).model
+    pooler = model.pooler
+
+    def poisoned(hidden_states: torch.Tensor, metadata: Any) -> Any:
+        hidden_states = hidden_states.clone()
+        for start, length in zip(metadata.starts, metadata.lens):
+            if length == num_tokens:
+                hidden_states[start : start + length] = float("nan")
+        return pooler(hidden_states, metadata)
+
+    model.pooler = poisoned  # an instance attribute over the class's method; `heal` removes it
+
+
 def heal(engine: Any) -> None:
-    """Undo `nan_logits` and `break_forward`."""
+    """Undo `nan_logits`, `break_forward` and `nan_hidden_states`."""
     runner = model_runner(engine)
     if isinstance(runner.sampler, _PoisonedSampler):
         runner.sampler = runner.sampler.sampler
     runner.model.__dict__.pop("forward", None)
+    runner.model.__dict__.pop("pooler", None)

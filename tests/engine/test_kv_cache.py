@@ -179,6 +179,30 @@ def test_num_blocks_for_budget_rejects_a_budget_below_one_max_length_request():
         num_blocks_for_budget(10 * 2048, 16, 2, 4, 8, 2, max_model_len=161)
 
 
+def test_a_request_takes_one_state_slot_with_its_blocks_and_frees_it_with_them():
+    kv = KVCacheManager(num_blocks=8, block_size=BS, num_state_slots=2)
+    assert not kv.enable_prefix_caching  # off for models with recurrent state
+    a, b, c = req("a", [1] * 5), req("b", [2] * 3), req("c", [3] * 2)
+    assert kv.allocate_slots(a, 5) and kv.allocate_slots(b, 3)
+    assert {kv.get_state_slot(a), kv.get_state_slot(b)} == {0, 1} and kv.num_free_state_slots == 0
+    free_blocks = kv.num_free_blocks
+    assert not kv.allocate_slots(c, 2)  # no slot left: nothing taken
+    assert kv.num_free_blocks == free_blocks and kv.get_state_slot(c) is None
+    slot = kv.get_state_slot(a)
+    assert kv.allocate_slots(a, 4)  # a growing request keeps its slot
+    assert kv.get_state_slot(a) == slot
+    kv.free(a)
+    assert kv.num_free_state_slots == 1 and kv.allocate_slots(c, 2) and kv.get_state_slot(c) == slot
+    kv.free(b), kv.free(c)
+    assert kv.num_free_state_slots == 2 and kv.num_free_blocks == kv.num_blocks
+
+
+def test_a_request_without_blocks_takes_no_state_slot():
+    kv = KVCacheManager(num_blocks=1, block_size=BS, num_state_slots=1)
+    assert not kv.allocate_slots(req("a", [1] * 9), 9)
+    assert kv.num_free_state_slots == 1
+
+
 def test_a_failed_step_takes_back_the_names_it_gave():
     kv = KVCacheManager(num_blocks=8, block_size=BS)
     done = req("done", list(range(8)))

@@ -205,6 +205,8 @@ def test_models_lists_every_registered_architecture_with_family_and_features(cap
     registered = {ep.name for ep in distribution("llmplug").entry_points if ep.group == "llmplug.models"}
     assert registered <= set(rows)
     assert rows["GemmaForCausalLM"]["family"] == "gemma" and rows["Gemma2ForCausalLM"]["family"] == "gemma"
+    assert rows["LlamaForCausalLM"]["kind"] == "generate" and rows["BertModel"]["kind"] == "pooling"
+    assert rows["Qwen3ForSequenceClassification"]["kind"] == "pooling"
     assert {k: rows["LlamaForCausalLM"][k] for k in ("tp", "pp", "gguf", "int4", "error")} == {
         "tp": True, "pp": True, "gguf": True, "int4": True, "error": ""}
     from llmplug.loaders.gguf_config import ARCHITECTURES
@@ -213,4 +215,4 @@ def test_models_lists_every_registered_architecture_with_family_and_features(cap
     assert {name for name, row in rows.items() if row["gguf"]} == gguf & set(rows)
     assert main(["models"]) == 0
     header = capsys.readouterr().out.splitlines()[0].split()
-    assert header == ["ARCHITECTURE", "FAMILY", "TP", "PP", "GGUF", "INT4", "DISTRIBUTION"]
+    assert header == ["ARCHITECTURE", "FAMILY", "KIND", "TP", "PP", "GGUF", "INT4", "DISTRIBUTION"]

@@ -46,6 +46,8 @@ def test_only_sinks_are_a_checkpoint_weight_and_slopes_follow_the_module() -> No
     (dict(sliding_window=4.5), "sliding_window=4.5"),
     (dict(logit_softcap=0.0), "logit_softcap=0.0"),
     (dict(alibi_slopes=torch.ones(3)), r"alibi_slopes has shape \(3,\), expected \(4,\)"),
+    (dict(values_in_keys=D + 1), "values_in_keys=9"),
+    (dict(values_in_keys=4), "values_in_keys=4 .* one KV head"),  # 4 KV heads here
 ])
 def test_bad_feature_values_are_errors_naming_the_layer_and_argument(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field) as info:
@@ -105,3 +107,21 @@ def test_a_backend_refuses_layers_with_features_it_does_not_implement() -> None:
         bind_kv_cache(model, None, PlainOnlyBackend)
     assert bind_kv_cache(model[:1], None, PlainOnlyBackend) == 1  # a plain layer binds to it
     assert bind_kv_cache(model, None, TorchSDPABackend) == 2 and model[1].backend is TorchSDPABackend
+
+
+def test_a_latent_layer_takes_no_v_and_its_cache_holds_keys_only() -> None:
+    layer = Attention(4, D, 0.5, 1, prefix="m.attn", values_in_keys=5)
+    assert layer.features == {"values_in_keys"} and layer.v_head_dim == 5
+    assert TorchSDPABackend.layer_kv_cache_shape(layer, 3, 4) == (1, 1, 3, 4, D)
+    assert TorchSDPABackend.layer_kv_cache_shape(Attention(4, D, 0.5, 2), 3, 4) == (2, 2, 3, 4, D)
+    bind_kv_cache(layer, None, TorchSDPABackend)
+    with pytest.raises(ValueError, match="values_in_keys=5"):
+        layer(torch.zeros(2, 4 * D), torch.zeros(2, D), torch.zeros(2, D))
+
+
+def test_the_triton_backend_refuses_a_latent_layer_naming_the_feature() -> None:
+    from llmplug.layers.attention.triton_backend import TritonAttentionBackend
+
+    layer = Attention(4, D, 0.5, 1, prefix="m.attn", values_in_keys=5)
+    with pytest.raises(ValueError, match=r"does not implement \['values_in_keys'\].*layer 'm.attn'"):
+        bind_kv_cache(layer, None, TritonAttentionBackend)

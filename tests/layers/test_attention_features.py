@@ -1,4 +1,5 @@
-"""Sliding window, logit soft-capping, ALiBi and sinks in TorchSDPABackend equal a dense reference —
+"""Sliding window, logit soft-capping, ALiBi, sinks and values inside the keys (latent attention) in
+TorchSDPABackend equal a dense reference —
 plain masked softmax attention over each request's whole history, itself checked against transformers'
 own eager attention functions and mask functions — through every path a request takes: batched and
 single prompts, chunked prefill across block boundaries, prefix-cache hits, and decode (mirror appends,
@@ -31,6 +32,7 @@ class Features:
     softcap: float | None = None
     alibi: bool = False
     sinks: bool = False
+    latent: int | None = None  # values_in_keys: the values are the keys' first `latent` dims (one KV head)
 
 
 def make_layer(
@@ -39,12 +41,12 @@ def make_layer(
     layer = Attention(
         heads, D, D**-0.5, kv_heads, prefix="layers.0.attn", sliding_window=features.window,
         logit_softcap=features.softcap, alibi_slopes=alibi_slopes(heads) if features.alibi else None,
-        use_sinks=features.sinks,
+        use_sinks=features.sinks, values_in_keys=features.latent,
     )
     if features.sinks:
         with torch.no_grad():
             layer.sinks.copy_(torch.randn(heads, generator=torch.Generator().manual_seed(7)) * 2)
-    cache = torch.zeros(backend.kv_cache_shape(num_blocks, block, kv_heads, D))
+    cache = torch.zeros(backend.layer_kv_cache_shape(layer, num_blocks, block))
     bind_kv_cache(layer, [cache], backend)
     return layer
 
@@ -52,10 +54,13 @@ def make_layer(
 class History:
     """One request: q, k, v of every position, its blocks so far, and how many tokens are cached."""
 
-    def __init__(self, length: int, heads: int, kv_heads: int, gen: torch.Generator, free: list[int], block: int):
+    def __init__(
+        self, length: int, heads: int, kv_heads: int, gen: torch.Generator, free: list[int], block: int,
+        latent: int | None = None,
+    ):
         self.q = torch.randn(length, heads * D, generator=gen)
         self.k = torch.randn(length, kv_heads * D, generator=gen)
-        self.v = torch.randn(length, kv_heads * D, generator=gen)
+        self.v = torch.randn(length, kv_heads * D, generator=gen) if latent is None else self.k[:, :latent]
         self.free, self.block, self.blocks, self.computed = free, block, [], 0
 
     def share_prefix(self, other: "History", num_blocks: int) -> None:
@@ -76,7 +81,7 @@ def reference(layer: Attention, r: History, start: int, stop: int) -> torch.Tens
     heads, g = layer.num_heads, layer.num_queries_per_kv
     q = r.q[start:stop].view(-1, heads, D).transpose(0, 1)  # [H, n, D]
     k = r.k[:stop].view(stop, -1, D).transpose(0, 1).repeat_interleave(g, 0)  # [H, stop, D]
-    v = r.v[:stop].view(stop, -1, D).transpose(0, 1).repeat_interleave(g, 0)
+    v = r.v[:stop].view(stop, layer.num_kv_heads, -1).transpose(0, 1).repeat_interleave(g, 0)
     scores = q @ k.transpose(1, 2) * layer.scale
     if layer.logit_softcap is not None:
         scores = layer.logit_softcap * torch.tanh(scores / layer.logit_softcap)
@@ -117,7 +122,7 @@ def step(
     qkv = torch.cat([q, k, v], dim=1)  # k and v as views of one projection output, as the decoder passes them
     q, k, v = qkv.to(dtype).split([q.shape[1], k.shape[1], v.shape[1]], dim=1)
     with torch.inference_mode(), forward_context(layer.backend.build_metadata(common)):
-        out = layer(q, k, v)
+        out = layer(q, k, None if layer.values_in_keys else v)
     expected = torch.cat([reference(layer, r, a, b) for r, (a, b) in zip(reqs, spans)])
     torch.testing.assert_close(out.float(), expected, rtol=0, atol=atol)
     for r, (_, b) in zip(reqs, spans):
@@ -127,7 +132,9 @@ def step(
 def requests(n: int, layer: Attention, block: int, length: int = 96, seed: int = 0, num_blocks: int = 256):
     gen, free = torch.Generator().manual_seed(seed), list(range(1, num_blocks))
     random.Random(seed).shuffle(free)  # blocks out of order, as after reuse
-    return [History(length, layer.num_heads, layer.num_kv_heads, gen, free, block) for _ in range(n)]
+    return [
+        History(length, layer.num_heads, layer.num_kv_heads, gen, free, block, layer.values_in_keys) for _ in range(n)
+    ]
 
 
 def lifecycle(layer: Attention, block: int, window: int) -> None:
@@ -183,6 +190,15 @@ def test_window_with_each_feature_matches_dense_reference(name: str, block: int,
 @pytest.mark.parametrize("name", sorted(UNWINDOWED))
 def test_features_without_window_match_dense_reference(name: str, heads: int, kv_heads: int, block: int) -> None:
     lifecycle(make_layer(heads, kv_heads, block, UNWINDOWED[name]), block, window=6)
+
+
+@pytest.mark.parametrize("block", [4, 16])
+@pytest.mark.parametrize("features", [Features(latent=5), Features(latent=D), Features(latent=5, window=6, sinks=True)],
+                         ids=["latent", "latent=head_dim", "latent+window+sinks"])
+def test_values_inside_the_keys_match_dense_reference_and_store_one_plane(features: Features, block: int) -> None:
+    layer = make_layer(8, 1, block, features)
+    assert layer.kv_cache.shape[0] == 1  # keys only: the values are read from them
+    lifecycle(layer, block, window=6)
 
 
 def hf_reference(layer: Attention, r: History, start: int, stop: int) -> torch.Tensor:

@@ -7,6 +7,7 @@ import torch
 
 from llmplug.layers.checkpoint_names import (
     GATE_UP,
+    QKV_CODEGEN,
     QKV_CONTIGUOUS,
     QKV_GROUPED,
     QKV_PER_HEAD,
@@ -85,7 +86,32 @@ def test_fused_bias_and_gate_up_split_and_conv1d_weights_transpose() -> None:
 def test_ignored_names_are_dropped_and_unknown_layouts_refused() -> None:
     names = CheckpointNames(ignored=("attn.masked_bias",))
     assert translate(names, {"h.0.attn.masked_bias": torch.ones(1)}, HeadLayout(1, 1, 1)) == {}
+    names = CheckpointNames(ignored_prefixes=("model.layers.2",))  # a layer after the model's own
+    kept = {"model.layers.20.mlp.weight": torch.ones(1), "model.layers.1.mlp.weight": torch.ones(1)}
+    weights = {"model.layers.2.mlp.weight": torch.ones(1), "model.layers.2": torch.ones(1), **kept}
+    assert set(translate(names, weights, HeadLayout(1, 1, 1))) == set(kept)  # whole components only
     with pytest.raises(ValueError, match="unknown fused layouts"):
         CheckpointNames(fused={"qkv_proj": "qkv_sideways"})
     with pytest.raises(Exception, match="as many KV heads as heads"):
         translate(CheckpointNames(fused={"qkv": QKV_PER_HEAD}), {"qkv.weight": torch.ones(8, 2)}, HeadLayout(2, 1, 2))
+
+
+def test_codegen_qkv_is_four_blocks_each_holding_q_v_k_of_a_quarter_of_the_heads() -> None:
+    heads, d, hidden = 8, 2, 3
+    q, k, v = (torch.randn(heads * d, hidden) for _ in range(3))
+    quarter = lambda t: t.view(4, heads // 4 * d, hidden)  # noqa: E731
+    fused = torch.stack([quarter(q), quarter(v), quarter(k)], dim=1).reshape(-1, hidden)  # as CodeGen splits it
+    out = translate(CheckpointNames(fused={"qkv_proj": QKV_CODEGEN}), {"qkv_proj.weight": fused}, HeadLayout(8, 8, d))
+    for name, expected in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
+        torch.testing.assert_close(out[f"{name}.weight"], expected)
+
+
+def test_stacked_pieces_are_gathered_in_index_order_and_a_gap_is_refused() -> None:
+    names = CheckpointNames(stacked={"self_attn.q_layernorm.norms": "self_attn.q_norm"})
+    rows = {f"m.0.self_attn.q_layernorm.norms.{h}.weight": torch.full((3,), float(h)) for h in (2, 0, 1)}
+    out = translate(names, {**rows, "m.0.other.weight": torch.ones(1)}, HeadLayout(3, 3, 3))
+    torch.testing.assert_close(out["m.0.self_attn.q_norm.weight"], torch.arange(3.0)[:, None].expand(3, 3))
+    assert "m.0.other.weight" in out
+    del rows["m.0.self_attn.q_layernorm.norms.1.weight"]
+    with pytest.raises(Exception, match=r"pieces \[0, 2\]"):
+        translate(names, rows, HeadLayout(3, 3, 3))

@@ -5,15 +5,23 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import ModernBertDecoderConfig
 from transformers.activations import ACT2FN, XIELUActivation
 from transformers.models.cohere.modeling_cohere import CohereLayerNorm
+from transformers.models.ctrl.modeling_ctrl import positional_encoding
+from transformers.models.ministral3.modeling_ministral3 import get_llama_4_attn_scale
+from transformers.models.modernbert_decoder.modeling_modernbert_decoder import ModernBertDecoderPredictionHead
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.nemotron.modeling_nemotron import NemotronLayerNorm1P
 from transformers.models.olmo.modeling_olmo import OlmoLayerNorm
 from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+from transformers.models.stablelm.modeling_stablelm import StableLmLayerNormPerHead
 from transformers.models.xglm.modeling_xglm import XGLMSinusoidalPositionalEmbedding
 
 from llmplug.layers.activation import ACTIVATIONS, XIELU, Activation, ActivationAndMul
+from llmplug.layers.checkpoint_names import CheckpointNames, HeadLayout
+from llmplug.layers.decoder import DecoderArchConfig, DecoderModel, HeadTransformConfig, LayerConfig
+from llmplug.layers.decoder.model import HeadTransform
 from llmplug.layers.layernorm import LayerNorm, NormConfig, RMSNorm, make_norm
 from llmplug.layers.position_embedding import LearnedPositionEmbedding, sinusoidal_table
 from llmplug.layers.qk_norm import QKNormConfig, ShardedHeadsNorm, make_qk_norm
@@ -101,6 +109,54 @@ def test_sinusoidal_table_is_xglms_and_learned_positions_read_their_offset_row()
     table = torch.randn(12, 4)
     learned.weight_loader(learned.weight, table)
     torch.testing.assert_close(learned(torch.tensor([0, 9])), table[[2, 11]])
+
+
+def test_paper_sinusoidal_table_is_ctrls() -> None:
+    torch.testing.assert_close(sinusoidal_table(50, H, paper_frequencies=True), positional_encoding(50, H, torch.float))
+
+
+def test_query_position_scale_is_ministral3s_llama4_attention_temperature() -> None:
+    arch = DecoderArchConfig(
+        architecture="X", vocab_size=8, hidden_size=4, intermediate_size=8, num_layers=1, num_heads=1,
+        num_kv_heads=1, head_dim=4, layers=(LayerConfig(None),), query_position_scale=(0.3, 8),
+    )
+    positions = torch.tensor([0, 7, 8, 15, 16, 100, 1000])
+    ours = DecoderModel(arch)._query_scale(positions, torch.float32)  # [T, 1, 1]
+    theirs = get_llama_4_attn_scale(positions[None], 0.3, 8)  # [1, 1, T, 1]
+    torch.testing.assert_close(ours.flatten(), theirs.flatten())
+    assert ours[0].item() == 1.0 and ours[-1].item() > 1.0
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_head_transform_is_modernbert_decoders_prediction_head(bias: bool) -> None:
+    config = ModernBertDecoderConfig(hidden_size=H, classifier_bias=bias, classifier_activation="gelu", norm_bias=True)
+    theirs = randomized(ModernBertDecoderPredictionHead(config))
+    arch = DecoderArchConfig(
+        architecture="X", vocab_size=8, hidden_size=H, intermediate_size=8, num_layers=1, num_heads=1,
+        num_kv_heads=1, head_dim=H, layers=(LayerConfig(None),), norm=NormConfig("layer", config.norm_eps, bias=True),
+        head_transform=HeadTransformConfig("gelu", bias),
+    )
+    ours = HeadTransform(arch)
+    copy_params(ours, theirs)
+    assert (ours.dense.bias is not None) == bias
+    x = torch.randn(5, H)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), theirs(x))
+
+
+def test_stablelm_per_head_norms_load_stacked_into_one_per_head_norm() -> None:
+    heads, d = 4, 8
+    theirs = randomized(StableLmLayerNormPerHead(d, heads, eps=1e-5))
+    names = CheckpointNames(stacked={"q_layernorm.norms": "q_norm"})
+    tensors = {f"q_layernorm.{name}": p.data for name, p in theirs.named_parameters()}
+    ((name, stacked),) = names.translate(tensors.items(), HeadLayout(heads, heads, d))
+    ours = ShardedHeadsNorm(QKNormConfig(NormConfig("layer", 1e-5), scope="per_head"), heads, d, first_head=0)
+    ours.weight_loader(ours.weight, stacked)
+    x = torch.randn(3, heads, d)
+    with torch.no_grad():
+        expected = theirs(x.transpose(0, 1)[None])[0].transpose(0, 1)  # theirs: [1, heads, T, d]
+        torch.testing.assert_close(ours(x), expected)
+    assert name == "q_norm.weight"
 
 
 def test_per_head_qk_norm_matches_coheres_and_loads_its_rank_heads() -> None:

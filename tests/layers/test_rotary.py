@@ -8,6 +8,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+from transformers.models.nanochat.modeling_nanochat import apply_rotary_pos_emb as nanochat_rotary
 
 from llmplug.layers.rotary import get_rope, rope_inv_freq
 
@@ -108,5 +109,33 @@ def test_partial_and_interleaved_rotation() -> None:
 
 
 def test_unknown_scaling_type_is_refused() -> None:
-    with pytest.raises(ValueError, match="longrope"):
-        get_rope(HEAD_DIM, HEAD_DIM, MAX_POS, THETA, {"rope_type": "longrope", "factor": 2.0})
+    with pytest.raises(ValueError, match="made_up"):
+        get_rope(HEAD_DIM, HEAD_DIM, MAX_POS, THETA, {"rope_type": "made_up", "factor": 2.0})
+
+
+@pytest.mark.parametrize("original", [MAX_POS // 4, MAX_POS])
+def test_longrope_uses_the_factors_transformers_uses_for_a_sequence_of_the_whole_context(original: int) -> None:
+    """Long factors when the context exceeds the original one (transformers: for a longer sequence), else short."""
+    half = HEAD_DIM // 2
+    scaling = {
+        "rope_type": "longrope", "original_max_position_embeddings": original,
+        "short_factor": torch.linspace(1.0, 1.5, half).tolist(), "long_factor": torch.linspace(1.0, 9.0, half).tolist(),
+    }
+    expected, expected_factor = ROPE_INIT_FUNCTIONS["longrope"](hf_config(scaling), "cpu", seq_len=MAX_POS)
+    inv_freq, factor = rope_inv_freq(THETA, HEAD_DIM, scaling, MAX_POS)
+    torch.testing.assert_close(inv_freq, expected, rtol=1e-6, atol=0)
+    assert factor == pytest.approx(expected_factor) and (factor > 1.0) == (original < MAX_POS)
+
+
+def test_inverted_rotation_matches_nanochats_flipped_rotate_half() -> None:
+    """NanoChat rotates with rotate_half(x) = [x2, -x1]: by minus the angle."""
+    rope = get_rope(HEAD_DIM, HEAD_DIM, MAX_POS, THETA, inverted=True)
+    positions = torch.tensor([0, 3, 77])
+    q, k = torch.randn(3, 2 * HEAD_DIM), torch.randn(3, HEAD_DIM)
+    q_rot, k_rot = rope(positions, q, k)
+    inv_freq = 1.0 / THETA ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM)
+    angle = torch.cat([positions[:, None].float() * inv_freq] * 2, dim=-1)[None]  # [1, T, D]
+    heads = lambda t: t.view(1, 3, -1, HEAD_DIM).transpose(1, 2)  # noqa: E731
+    hf_q, hf_k = nanochat_rotary(heads(q), heads(k), angle.cos(), angle.sin())
+    torch.testing.assert_close(q_rot, hf_q.transpose(1, 2).reshape(3, -1), rtol=0, atol=1e-5)
+    torch.testing.assert_close(k_rot, hf_k.transpose(1, 2).reshape(3, -1), rtol=0, atol=1e-5)

@@ -4,26 +4,29 @@ from __future__ import annotations
 
 import pytest
 from transformers import (
+    CTRLConfig,
     Gemma2Config,
     Gemma3TextConfig,
     GPT2Config,
     LlamaConfig,
     MptConfig,
-    OPTConfig,
+    OpenAIGPTConfig,
     Qwen2Config,
     SmolLM3Config,
     StableLmConfig,
+    Zamba2Config,
 )
 
 from llmplug.core.errors import ModelLoadError
 from llmplug.layers.decoder import DecoderArchConfig, LayerConfig
 from llmplug.plugins.models.arch_config import layers_of, rope_config_of
+from llmplug.plugins.models.ctrl import CTRLLMHeadModel
 from llmplug.plugins.models.gemma import Gemma2ForCausalLM
 from llmplug.plugins.models.gpt2 import GPT2LMHeadModel
 from llmplug.plugins.models.llama import LlamaForCausalLM, SmolLM3ForCausalLM
 from llmplug.plugins.models.mpt import MptForCausalLM
-from llmplug.plugins.models.opt import OPTForCausalLM
-from llmplug.plugins.models.stablelm import StableLmForCausalLM
+from llmplug.plugins.models.openai_gpt import OpenAIGPTLMHeadModel
+from llmplug.plugins.models.zamba2 import Zamba2ForCausalLM
 from llmplug.testing import tiny_config
 
 
@@ -82,10 +85,9 @@ def test_partial_rotary_and_rope_scaling_are_read_from_either_transformers_gener
 @pytest.mark.parametrize(
     "cls, hf, field",
     [
-        (OPTForCausalLM, lambda: tiny_config(OPTConfig, do_layer_norm_before=False), "do_layer_norm_before=False"),
-        (OPTForCausalLM, lambda: tiny_config(OPTConfig, word_embed_proj_dim=32), "word_embed_proj_dim"),
         (GPT2LMHeadModel, lambda: tiny_config(GPT2Config, scale_attn_by_inverse_layer_idx=True), "inverse_layer_idx"),
-        (StableLmForCausalLM, lambda: tiny_config(StableLmConfig, qk_layernorm=True), "qk_layernorm"),
+        (OpenAIGPTLMHeadModel, lambda: tiny_config(OpenAIGPTConfig, afn="tanh"), "afn='tanh'"),
+        (CTRLLMHeadModel, lambda: tiny_config(CTRLConfig, layer_norm_epsilon=1e-5), "layer_norm_epsilon"),
         (MptForCausalLM, lambda: tiny_config(MptConfig, attn_config={"qk_ln": True}), "qk_ln"),
         (Gemma2ForCausalLM, lambda: tiny_config(Gemma2Config, use_bidirectional_attention=True), "bidirectional"),
     ],
@@ -113,8 +115,25 @@ def test_the_arch_config_refuses_contradictions() -> None:
         DecoderArchConfig(**base, layers=layers * 2)
     with pytest.raises(ValueError, match="parallel_mlp_norm needs parallel_residual"):
         DecoderArchConfig(**base, layers=layers, parallel_mlp_norm=True)
-    with pytest.raises(ValueError, match="needs pre_norm, post_norm or both"):
+    with pytest.raises(ValueError, match="needs pre_norm, post_norm, both, or norm_after_residual"):
         DecoderArchConfig(**base, layers=layers, pre_norm=False)
+    with pytest.raises(ValueError, match="norm_after_residual replaces pre_norm"):
+        DecoderArchConfig(**base, layers=layers, norm_after_residual=True)
     with pytest.raises(ValueError, match="absolute positions need max_position"):
         DecoderArchConfig(**base, layers=layers, absolute_positions="learned")
+    post_norm_error = "layer 0: a post-norm layer is attention \\+ MLP in a pre-norm model"
+    with pytest.raises(ValueError, match=post_norm_error):
+        DecoderArchConfig(**base, layers=(LayerConfig(None, post_norm=True),), pre_norm=False, post_norm=True)
+    with pytest.raises(ValueError, match=post_norm_error):
+        DecoderArchConfig(**base, layers=(LayerConfig(None, mlp=False, post_norm=True),))
+    assert DecoderArchConfig(**base, layers=(LayerConfig(None, post_norm=True),)).layers[0].post_norm
     assert LlamaForCausalLM.arch_config_of(tiny_config(LlamaConfig)).scale == 16**-0.5
+
+
+def test_zamba2_refuses_attention_adapters_with_grouped_kv_heads() -> None:
+    # transformers' k/v adapters are as wide as the queries: only one kv head per head fits them
+    layers = dict(num_hidden_layers=2, layers_block_type=["mamba", "hybrid"], mamba_headdim=16)
+    config = tiny_config(Zamba2Config, use_shared_attention_adapter=True, num_key_value_heads=2, **layers)
+    config.architectures = ["Zamba2ForCausalLM"]
+    with pytest.raises(ModelLoadError, match="Zamba2ForCausalLM: use_shared_attention_adapter with fewer kv heads"):
+        Zamba2ForCausalLM(config=config)

@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from llmplug.testing import ParityCase, ParityRunner
+from llmplug.testing import ParityCase, ParityRunner, Variant
 
-from .cases import CASES, PP_CASES, TP_CASES
+from .cases import CASES, EP_CASES, PP_CASES, TP_CASES
 
 BY_NAME = {c.name: c for c in CASES}
 
@@ -39,3 +39,20 @@ def test_tensor_parallel_greedy_tokens_and_logprobs_match_transformers(parity: P
 @pytest.mark.parametrize("name", PP_CASES)
 def test_pipeline_parallel_greedy_tokens_and_logprobs_match_transformers(parity: ParityRunner, name: str) -> None:
     parity.check(BY_NAME[name], "pp2")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", EP_CASES)
+def test_expert_parallel_greedy_tokens_and_logprobs_match_transformers(parity: ParityRunner, name: str) -> None:
+    parity.check(BY_NAME[name], Variant("ep2", {"tensor_parallel_size": 2, "enable_expert_parallel": True}))
+
+
+# torch.compile costs tens of CPU-seconds per model here: a few families that cover the shared blocks
+# (GQA + rotary + gated MLP; window + soft-cap + sandwich norms; ALiBi + LayerNorm + fused qkv)
+COMPILED_CASES = ["LlamaForCausalLM", "Gemma2ForCausalLM", "BloomForCausalLM"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", COMPILED_CASES)
+def test_compiled_forward_greedy_tokens_and_logprobs_match_transformers(parity: ParityRunner, name: str) -> None:
+    parity.check(BY_NAME[name], "compiled")

@@ -1,11 +1,13 @@
 """The OpenAI-compatible server: `build_app(engine, settings)` makes the FastAPI app, `run_server` serves it.
 
-Routes: /v1/models, /v1/completions, /v1/chat/completions, /v1/responses, with
-`allow_runtime_lora_updating` also /v1/load_lora_adapter and /v1/unload_lora_adapter (API key and rate
-limit apply to every /v1 route), /health, /version, /metrics, /openapi.json (the request schemas with
-their bounds). LoRA adapters (`lora_modules`, loaded at start-up) are models of their own: listed in
-/v1/models and chosen by a request's `model`.
-Every error answers with OpenAI's error body.
+Routes: /v1/models, /v1/completions, /v1/chat/completions, /v1/responses for a generating model; for a
+pooling model (embeddings, classifiers, cross-encoders) /v1/embeddings, /v1/score and /score, /v1/rerank,
+/rerank and /v2/rerank, /classify and /v1/classify, /pooling; the other kind's routes answer 400 naming
+the model's kind. With `allow_runtime_lora_updating` also /v1/load_lora_adapter and
+/v1/unload_lora_adapter; LoRA adapters (`lora_modules`, loaded at start-up) are models of their own:
+listed in /v1/models and chosen by a request's `model`. API key and rate limit apply to every /v1 route.
+/health, /version, /metrics, /openapi.json (the request schemas with their bounds). Every error answers
+with OpenAI's error body.
 Shutdown (SIGTERM or SIGINT): uvicorn stops accepting connections, lets in-flight requests finish for
 up to `shutdown_timeout` seconds, cancels the rest (which aborts them in the engine), then the engine
 thread stops.
@@ -52,12 +54,20 @@ from llmplug.entrypoints.openai.protocol import (
     ResponsesRequest,
     UnloadLoRAAdapterRequest,
 )
+from llmplug.entrypoints.openai.protocol_pooling import (
+    ClassifyRequest,
+    EmbeddingRequest,
+    PoolingRequest,
+    RerankRequest,
+    ScoreRequest,
+)
 from llmplug.entrypoints.openai.reply import ReplyParsers, check_parser_names
 from llmplug.entrypoints.openai.security import AccessMiddleware, BodySizeLimitMiddleware, RateLimit
 from llmplug.entrypoints.openai.serving_chat import OpenAIServingChat
 from llmplug.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from llmplug.entrypoints.openai.serving_engine import ClientDisconnected
 from llmplug.entrypoints.openai.serving_lora import ServedAdapters, parse_lora_modules
+from llmplug.entrypoints.openai.serving_pooling import OpenAIServingPooling
 from llmplug.entrypoints.openai.serving_responses import OpenAIServingResponses
 
 logger = logging.getLogger(__name__)
@@ -66,7 +76,8 @@ API_KEY_ENV = "LLMPLUG_API_KEY"
 
 # Endpoints named in the HTTP metrics; anything else counts as "other" (unbounded label values otherwise).
 _ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/health", "/version",
-              "/metrics", "/openapi.json")
+              "/metrics", "/openapi.json", "/v1/embeddings", "/v1/score", "/score", "/v1/rerank", "/rerank",
+              "/v2/rerank", "/classify", "/v1/classify", "/pooling")
 
 
 @dataclass
@@ -139,6 +150,9 @@ def build_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> FastA
     chat = OpenAIServingChat(*shared, parsers, adapters=adapters)
     completion = OpenAIServingCompletion(*shared, adapters=adapters)
     responses = OpenAIServingResponses(*shared, parsers, adapters=adapters)
+    pooling = OpenAIServingPooling(*shared)
+    generates, pools = _kind_guards(engine)
+    pooling_model = engine.pooling is not None  # /openapi.json lists the routes of the model's kind
     started = int(time.time())
 
     @app.get("/health")
@@ -182,17 +196,49 @@ def build_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> FastA
             await adapters.unload(body.lora_name)
             return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
 
-    @app.post("/v1/chat/completions", responses=_responses(ChatCompletionResponse))
+    @app.post("/v1/chat/completions", responses=_responses(ChatCompletionResponse), include_in_schema=not pooling_model)
     async def chat_completions(body: ChatCompletionRequest, raw_request: Request) -> Response:
+        generates("/v1/chat/completions")
         return await chat.create(body, raw_request)
 
-    @app.post("/v1/completions", responses=_responses(CompletionResponse))
+    @app.post("/v1/completions", responses=_responses(CompletionResponse), include_in_schema=not pooling_model)
     async def completions(body: CompletionRequest, raw_request: Request) -> Response:
+        generates("/v1/completions")
         return await completion.create(body, raw_request)
 
-    @app.post("/v1/responses", responses=_responses(ResponseObject))
+    @app.post("/v1/responses", responses=_responses(ResponseObject), include_in_schema=not pooling_model)
     async def create_response(body: ResponsesRequest, raw_request: Request) -> Response:
+        generates("/v1/responses")
         return await responses.create(body, raw_request)
+
+    @app.post("/v1/embeddings", include_in_schema=pooling_model)
+    async def embeddings(body: EmbeddingRequest, raw_request: Request) -> Response:
+        pools("/v1/embeddings")
+        return await pooling.embeddings(body, raw_request)
+
+    @app.post("/v1/score", include_in_schema=pooling_model)
+    @app.post("/score", include_in_schema=pooling_model)
+    async def score(body: ScoreRequest, raw_request: Request) -> Response:
+        pools("/score")
+        return await pooling.score(body, raw_request)
+
+    @app.post("/v1/rerank", include_in_schema=pooling_model)
+    @app.post("/rerank", include_in_schema=pooling_model)
+    @app.post("/v2/rerank", include_in_schema=pooling_model)
+    async def rerank(body: RerankRequest, raw_request: Request) -> Response:
+        pools("/rerank")
+        return await pooling.rerank(body, raw_request)
+
+    @app.post("/v1/classify", include_in_schema=pooling_model)
+    @app.post("/classify", include_in_schema=pooling_model)
+    async def classify(body: ClassifyRequest, raw_request: Request) -> Response:
+        pools("/classify")
+        return await pooling.classify(body, raw_request)
+
+    @app.post("/pooling", include_in_schema=pooling_model)
+    async def pool(body: PoolingRequest, raw_request: Request) -> Response:
+        pools("/pooling")
+        return await pooling.pooling(body, raw_request)
 
     _add_exception_handlers(app)
     # Middleware runs outermost-last-added: CORS, then HTTP metrics, API key and rate limit, body size. The
@@ -204,6 +250,26 @@ def build_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> FastA
         app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins, allow_methods=["*"],
                            allow_headers=["*"], allow_credentials=False)
     return app
+
+
+def _kind_guards(engine: AsyncLLM) -> tuple[Any, Any]:
+    """(for generation routes, for pooling routes): each raises a 400 naming the model's kind when the route
+    is not for it."""
+    info = engine.pooling
+
+    def generates(route: str) -> None:
+        if info is not None:
+            raise OpenAIError(400, f"{route} generates text, but {engine.model_name} is a pooling model (tasks: "
+                                   f"{', '.join(info.tasks)}); use /v1/embeddings, /v1/score, /v1/rerank, /classify "
+                                   "or /pooling", code="wrong_model_kind")
+
+    def pools(route: str) -> None:
+        if info is None:
+            raise OpenAIError(400, f"{route} needs a pooling model (embeddings, classifier, cross-encoder), but "
+                                   f"{engine.model_name} generates text; serve a pooling model, or this one with "
+                                   "--runner pooling to embed with it", code="wrong_model_kind")
+
+    return generates, pools
 
 
 def _responses(answer: type) -> dict[int | str, dict[str, Any]]:
@@ -306,7 +372,10 @@ def run_server(config: EngineConfig, settings: ServerSettings) -> int:
             app, host=settings.host, port=settings.port, log_level=settings.log_level,
             timeout_graceful_shutdown=settings.shutdown_timeout, timeout_keep_alive=5,
         ))
-        logger.info("serving %s on http://%s:%d", ", ".join(app.state.model_names), settings.host, settings.port)
+        kind = "pooling: /v1/embeddings, /v1/score, /v1/rerank, /classify, /pooling" if engine.pooling else \
+            "generation: /v1/completions, /v1/chat/completions, /v1/responses"
+        logger.info("serving %s (%s) on http://%s:%d", ", ".join(app.state.model_names), kind, settings.host,
+                    settings.port)
         with _absorb_replayed_signals():
             server.run()
     finally:

@@ -3,15 +3,17 @@
 A backend is a class used through its classmethods; the model runner and the `Attention` layers
 call it, never the model:
 
-- model runner, once at start-up: `kv_cache_shape(...)` to allocate one cache tensor per layer,
-  then `bind_kv_cache(model, caches, backend)` hands each `Attention` layer its tensor;
+- model runner, once at start-up: `layer_kv_cache_shape(layer, ...)` (by default `kv_cache_shape` of the
+  layer's heads) to allocate one cache tensor per layer, then `bind_kv_cache(model, caches, backend)`
+  hands each `Attention` layer its tensor;
 - model runner, once per step: `build_metadata(common)`; the result is entered with
   `with forward_context(metadata):` around `model(input_ids, positions)`;
 - each `Attention` layer, once per step: `forward(layer, q, k, v, metadata)`, which writes this
   step's k/v into `layer.kv_cache` and returns the attention output. A backend may keep per-layer
   state across steps in `layer.backend_state` (reset by `bind_kv_cache`).
 
-Optional attention features (sliding window, logit soft-capping, ALiBi, sinks; see `Attention`) are
+Optional attention features (sliding window, logit soft-capping, ALiBi, sinks, bidirectional
+attention of encoders; see `Attention`) are
 read from the layer. A backend lists those it implements in `supported_features`; `bind_kv_cache`
 refuses a layer that uses any other, so no backend silently ignores one.
 """
@@ -31,7 +33,9 @@ if TYPE_CHECKING:
 __all__ = ["ATTENTION_FEATURES", "AttentionBackend"]
 
 # names of the optional features an Attention layer may use (`Attention.features`)
-ATTENTION_FEATURES = frozenset({"sliding_window", "logit_softcap", "alibi", "sinks"})
+ATTENTION_FEATURES = frozenset(
+    {"sliding_window", "logit_softcap", "alibi", "sinks", "values_in_keys", "bidirectional"}
+)
 
 
 class AttentionBackend(abc.ABC):
@@ -45,6 +49,11 @@ class AttentionBackend(abc.ABC):
     @abc.abstractmethod
     def kv_cache_shape(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         """Shape of one layer's cache tensor holding K and V of `num_blocks` blocks."""
+
+    @classmethod
+    def layer_kv_cache_shape(cls, layer: "Attention", num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """Shape of `layer`'s cache tensor (layers may differ: a latent layer stores no values)."""
+        return cls.kv_cache_shape(num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
 
     @classmethod
     @abc.abstractmethod

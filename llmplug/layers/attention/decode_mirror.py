@@ -75,19 +75,20 @@ class DecodeRows:
 class DecodeMirror:
     """One layer's gathered K/V of the decode batch, and the rows it holds (the pass that last wrote it)."""
 
-    kv: torch.Tensor  # [2, Hkv, B, kv_len, D]: K and V of each (KV head, request), padded to kv_len
+    kv: torch.Tensor  # [2, Hkv, B, kv_len, D]: K and V of each (KV head, request), padded to kv_len ([1, ...]: keys
+    # holding the values, see TorchSDPABackend)
     rows: DecodeRows
     ring: int | None  # the window of a sliding-window layer's ring layout; None: keys from position 0
     # views made once, as every decode step reads the mirror through them
     key_rows: torch.Tensor = field(init=False)  # [2, Hkv, B * kv_len, D]: where appended keys/values go
     keys_t: torch.Tensor = field(init=False)  # [Hkv * B, D, kv_len]: keys transposed for q @ k^T
-    values: torch.Tensor = field(init=False)  # [Hkv * B, kv_len, D]
+    values: torch.Tensor = field(init=False)  # [Hkv * B, kv_len, D] (the last plane)
 
     def __post_init__(self) -> None:
-        _, num_kv_heads, num_reqs, kv_len, head_dim = self.kv.shape
-        self.key_rows = self.kv.view(2, num_kv_heads, num_reqs * kv_len, head_dim)
-        batched = self.kv.view(2, num_kv_heads * num_reqs, kv_len, head_dim)
-        self.keys_t, self.values = batched[0].transpose(1, 2), batched[1]
+        planes, num_kv_heads, num_reqs, kv_len, head_dim = self.kv.shape
+        self.key_rows = self.kv.view(planes, num_kv_heads, num_reqs * kv_len, head_dim)
+        batched = self.kv.view(planes, num_kv_heads * num_reqs, kv_len, head_dim)
+        self.keys_t, self.values = batched[0].transpose(1, 2), batched[-1]
 
 
 def mirror_fits(num_reqs: int, kv_len: int, cache: torch.Tensor) -> bool:

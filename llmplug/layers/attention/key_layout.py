@@ -74,12 +74,14 @@ class DecodeKeys:
         return bias.reshape(num_kv_heads * self.num_reqs, group, self.kv_len)
 
     def gather(self, cache: torch.Tensor, out: torch.Tensor) -> None:
-        """Copy the keys and values of cache [2, Hkv, num_blocks, block_size, D] into out [2, Hkv, B, kv_len, D]."""
+        """Copy the keys and values of cache [P, Hkv, num_blocks, block_size, D] into out [P, Hkv, B, kv_len, D]
+        (P = 2 planes, K and V, or 1 when the values are inside the keys)."""
+        planes = cache.shape[0]
         if self.ring is None:
-            torch.index_select(cache, 2, self.gather_index, out=out.view(2, out.shape[1], -1, *cache.shape[3:]))
+            torch.index_select(cache, 2, self.gather_index, out=out.view(planes, out.shape[1], -1, *cache.shape[3:]))
         else:
-            slots = cache.view(2, cache.shape[1], -1, cache.shape[-1])
-            torch.index_select(slots, 2, self.gather_index, out=out.view(2, out.shape[1], -1, out.shape[-1]))
+            slots = cache.view(planes, cache.shape[1], -1, cache.shape[-1])
+            torch.index_select(slots, 2, self.gather_index, out=out.view(planes, out.shape[1], -1, out.shape[-1]))
 
 
 def decode_keys(tables: torch.Tensor, seq_lens: list[int], block_size: int, window: int | None) -> DecodeKeys:

@@ -2,7 +2,9 @@
 
 Cache layout: [2 (K, V), num_kv_heads, num_blocks, block_size, head_dim]. One `index_select` of
 whole blocks gathers K and V of the whole batch, and leaves each (request, KV head) matrix
-[seq, head_dim] contiguous, which is what batched matmuls want.
+[seq, head_dim] contiguous, which is what batched matmuls want. A layer whose values are inside its
+keys (`values_in_keys`, multi-head latent attention) has one plane, [1, 1, num_blocks, block_size,
+head_dim]: every path below reads its values as the first v_head_dim dims of the keys' plane.
 
 A step is split into at most two parts:
 
@@ -29,6 +31,10 @@ and its mask; ALiBi adds its bias to the mask (decode: the baddbmm addend; prefi
 mask). Soft-capping and sinks change the softmax itself, so such layers compute their scores
 explicitly (decode: bmm, cap, mask, softmax; prefill: the same in chunks of queries). A layer using
 none of them runs exactly the paths above.
+
+Bidirectional layers (encoders, `causal=False`) need each request's whole prompt in the step: one
+SDPA call over the prefill part padded as above, with a key-padding mask (and |i - j| < W for a
+window) instead of the causal one; a single request without a window is plain SDPA, no mask.
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ import torch.nn.functional as F
 from llmplug.layers.attention.backend import ATTENTION_FEATURES, AttentionBackend
 from llmplug.layers.attention.decode_mirror import DecodeMirror, DecodeRows, mirror_fits
 from llmplug.layers.attention.features import softcap_, softmax_with_sinks
-from llmplug.layers.attention.key_layout import DecodeKeys, PrefillKeys, decode_keys, prefill_keys
+from llmplug.layers.attention.key_layout import DecodeKeys, PrefillKeys, additive, decode_keys, prefill_keys
 from llmplug.layers.forward_context import CommonAttentionMetadata
 
 if TYPE_CHECKING:
@@ -117,6 +123,7 @@ class PrefillPart:
     q_pad_index: torch.Tensor | None = None  # [B * max_query_len] part-local token of each padded query row
     out_index: torch.Tensor | None = None  # [num_part_tokens] padded row of each part-local token
     _keys: dict[int | None, PrefillKeys] = field(default_factory=dict)
+    _bidirectional_masks: dict[tuple[int | None, torch.dtype], torch.Tensor] = field(default_factory=dict)
 
     def keys(self, window: int | None) -> PrefillKeys:
         """The layout of the keys a layer with this sliding window attends (built once per step)."""
@@ -127,6 +134,19 @@ class PrefillPart:
                 self.tables, self.q_lens, self.seq_lens, self.block_size, window, self.device
             )
         return self._keys[window]
+
+    def bidirectional_mask(self, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+        """Additive mask of bidirectional layers, built once per step and window: query i of a request sees its
+        keys j < q_len (and |i - j| < window) -> [B, 1, 1 or Qm, Qm]."""
+        if window is not None and self.max_query_len <= window:
+            window = None  # the window reaches every key
+        if (window, dtype) not in self._bidirectional_masks:
+            j = torch.arange(self.max_query_len, device=self.device)
+            keep = (j[None, :] < torch.tensor(self.q_lens, device=self.device)[:, None])[:, None, None, :]
+            if window is not None:
+                keep = keep & ((j[:, None] - j[None, :]).abs() < window)[None, None]
+            self._bidirectional_masks[(window, dtype)] = additive(keep, dtype)
+        return self._bidirectional_masks[(window, dtype)]
 
 
 @dataclass(slots=True)
@@ -221,8 +241,12 @@ def _adjacent_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
 
 
 def _scatter_kv(rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor) -> None:
-    """Store k, v [T, Hkv * D] at rows `index` [T] of rows [2 (K, V), Hkv, num_rows, D]."""
+    """Store k, v [T, Hkv * D] at rows `index` [T] of rows [2 (K, V), Hkv, num_rows, D]; a one-plane
+    store [1, ...] holds the keys only (the values are inside them)."""
     num_kv_heads, head_dim = rows.shape[1], rows.shape[-1]
+    if rows.shape[0] == 1:
+        rows[0].index_copy_(1, index, k.view(-1, num_kv_heads, head_dim).transpose(0, 1))
+        return
     kv = _adjacent_kv(k, v)
     if kv is not None:
         rows.index_copy_(2, index, kv.view(-1, 2, num_kv_heads, head_dim).permute(1, 2, 0, 3))
@@ -232,8 +256,8 @@ def _scatter_kv(rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: tor
 
 
 def _write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store this step's k, v [T, Hkv * D] at their slots of cache [2, Hkv, num_blocks, block_size, D]."""
-    _scatter_kv(cache.view(2, cache.shape[1], -1, cache.shape[-1]), k, v, slot_mapping)
+    """Store this step's k, v [T, Hkv * D] at their slots of cache [2 (or 1), Hkv, num_blocks, block_size, D]."""
+    _scatter_kv(cache.view(cache.shape[0], cache.shape[1], -1, cache.shape[-1]), k, v, slot_mapping)
 
 
 def _decode_kv(
@@ -246,13 +270,13 @@ def _decode_kv(
     (append the new k, v [B, Hkv * D]); else gathered from the cache (already holding this step's
     k, v) into the mirror, or into a scratch buffer when a mirror would take too much memory.
     """
-    shape = (2, layer.num_kv_heads, part.num_reqs, keys.kv_len, layer.head_dim)
+    shape = (cache.shape[0], layer.num_kv_heads, part.num_reqs, keys.kv_len, layer.head_dim)
     if not mirror_fits(part.num_reqs, keys.kv_len, cache):
         layer.backend_state = None
         gathered = part.gather_buffer(shape, cache.dtype, cache.device)
         keys.gather(cache, gathered)
-        batched = gathered.view(2, shape[1] * shape[2], shape[3], shape[4])
-        return batched[0].transpose(1, 2), batched[1]
+        batched = gathered.view(shape[0], shape[1] * shape[2], shape[3], shape[4])
+        return batched[0].transpose(1, 2), batched[-1]
     mirror = layer.backend_state
     same_layout = isinstance(mirror, DecodeMirror) and mirror.kv.shape == shape and mirror.ring == keys.ring
     if same_layout and part.rows.extends(mirror.rows):
@@ -278,14 +302,16 @@ def _decode(
     b, hkv, g, d = part.num_reqs, layer.num_kv_heads, layer.num_queries_per_kv, layer.head_dim
     keys = part.keys(layer.sliding_window)
     keys_t, values = _decode_kv(layer, k, v, part, keys, cache)  # [Hkv * B, D, kv_len], [Hkv * B, kv_len, D]
+    values = values[..., : layer.v_head_dim]  # values inside keys: their leading dims
     qh = q.view(b, hkv, g, d).transpose(0, 1).reshape(hkv * b, g, d)  # [Hkv * B, G, D]
     if _plain(layer):
         scores = torch.baddbmm(keys.score_mask(hkv, g, q.dtype), qh, keys_t, alpha=layer.scale)  # [Hkv * B, G, kv_len]
         probs = torch.softmax(scores, dim=-1)
     else:
         probs = _decode_probs(layer, qh, keys_t, keys)
-    out = torch.bmm(probs, values)  # [Hkv * B, G, D]
-    return out.view(hkv, b, g, d).transpose(0, 1).reshape(b, layer.num_heads * d)  # heads in order kv * G + g
+    out = torch.bmm(probs, values)  # [Hkv * B, G, Dv]
+    dv = layer.v_head_dim
+    return out.view(hkv, b, g, dv).transpose(0, 1).reshape(b, layer.num_heads * dv)  # heads in order kv * G + g
 
 
 def _decode_probs(layer: "Attention", qh: torch.Tensor, keys_t: torch.Tensor, keys: DecodeKeys) -> torch.Tensor:
@@ -311,34 +337,34 @@ def _rows(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
 
 def _causal_single(layer: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """One prompt with nothing cached: causal attention over its own q, k, v [T, heads * D] -> [T, H * D]."""
-    t, d = q.shape[0], layer.head_dim
+    t, d, dv = q.shape[0], layer.head_dim, layer.v_head_dim
     qh = q.view(1, t, layer.num_heads, d).transpose(1, 2)  # [1, H, T, D]
     kh = k.view(1, t, layer.num_kv_heads, d).transpose(1, 2)  # [1, Hkv, T, D]
-    vh = v.view(1, t, layer.num_kv_heads, d).transpose(1, 2)
+    vh = v.view(1, t, layer.num_kv_heads, dv).transpose(1, 2)  # [1, Hkv, T, Dv]
     gqa = layer.num_kv_heads != layer.num_heads
     out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=layer.scale, enable_gqa=gqa)
-    return out.transpose(1, 2).reshape(t, layer.num_heads * d)
+    return out.transpose(1, 2).reshape(t, layer.num_heads * dv)
 
 
 def _own_kv(
     layer: "Attention", k: torch.Tensor, v: torch.Tensor, part: PrefillPart
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The part's own k, v padded like the queries -> [B, Hkv, Qm, D] each (nothing cached)."""
-    b, qm, hkv, d = part.num_reqs, part.max_query_len, layer.num_kv_heads, layer.head_dim
+    """The part's own k, v padded like the queries -> [B, Hkv, Qm, D (Dv for v)] (nothing cached)."""
+    b, qm, hkv, d, dv = part.num_reqs, part.max_query_len, layer.num_kv_heads, layer.head_dim, layer.v_head_dim
     kh = _rows(k.view(-1, hkv, d), part.q_pad_index).view(b, qm, hkv, d).transpose(1, 2)
-    vh = _rows(v.view(-1, hkv, d), part.q_pad_index).view(b, qm, hkv, d).transpose(1, 2)
+    vh = _rows(v.view(-1, hkv, dv), part.q_pad_index).view(b, qm, hkv, dv).transpose(1, 2)
     return kh, vh
 
 
 def _cached_kv(
     layer: "Attention", part: PrefillPart, keys: PrefillKeys, cache: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The part's keys and values gathered from the cache -> [B, Hkv, kv_len, D] each (strided views)."""
+    """The part's keys and values gathered from the cache -> [B, Hkv, kv_len, D (Dv for v)] (strided views)."""
     if cache is None:
         raise RuntimeError("a request with cached context was scheduled but the Attention layer has no KV cache")
-    kv = cache.index_select(2, keys.block_index)  # [2, Hkv, B * blocks_per_req, block_size, D]
-    kv = kv.view(2, layer.num_kv_heads, part.num_reqs, keys.kv_len, layer.head_dim)
-    return kv[0].transpose(0, 1), kv[1].transpose(0, 1)
+    kv = cache.index_select(2, keys.block_index)  # [2 (or 1), Hkv, B * blocks_per_req, block_size, D]
+    kv = kv.view(cache.shape[0], layer.num_kv_heads, part.num_reqs, keys.kv_len, layer.head_dim)
+    return kv[0].transpose(0, 1), kv[-1][..., : layer.v_head_dim].transpose(0, 1)
 
 
 def _prefill_padded(
@@ -358,7 +384,7 @@ def _prefill_padded(
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=layer.scale, enable_gqa=gqa)
     else:
         out = _explicit_attention(layer, qh, kh, vh, keys)
-    out = out.transpose(1, 2).reshape(b * qm, layer.num_heads * d)  # [B * Qm, H * D]
+    out = out.transpose(1, 2).reshape(b * qm, layer.num_heads * layer.v_head_dim)  # [B * Qm, H * Dv]
     return _rows(out, part.out_index)
 
 
@@ -376,13 +402,13 @@ def _explicit_attention(
 ) -> torch.Tensor:
     """Scores, cap, mask (+ ALiBi), softmax (with sinks), weighted sum -> [B, H, Qm, D], in query chunks.
 
-    qh [B, H, Qm, D]; kh, vh [B, Hkv, kv_len, D]. The G query heads of a KV head attend as one
-    [G * rows, kv_len] matrix, so keys are not repeated per query head.
+    qh [B, H, Qm, D]; kh [B, Hkv, kv_len, D], vh [B, Hkv, kv_len, Dv]. The G query heads of a KV head
+    attend as one [G * rows, kv_len] matrix, so keys are not repeated per query head.
     """
     b, h, qm, d = qh.shape
-    hkv, g = layer.num_kv_heads, layer.num_queries_per_kv
+    hkv, g, dv = layer.num_kv_heads, layer.num_queries_per_kv, vh.shape[-1]
     sinks = None if layer.sinks is None else layer.sinks.view(1, h, 1, 1)
-    out = qh.new_empty(b, h, qm, d)
+    out = qh.new_empty(b, h, qm, dv)
     chunk = max(1, EXPLICIT_SCORES_PER_CHUNK // (b * h * keys.kv_len))
     for start in range(0, qm, chunk):
         rows = slice(start, min(start + chunk, qm))
@@ -395,7 +421,7 @@ def _explicit_attention(
         if layer.alibi_slopes is not None:
             scores += _alibi(layer, keys, rows)
         probs = softmax_with_sinks(scores, sinks).view(b, hkv, g * n, keys.kv_len)
-        out[:, :, rows] = torch.matmul(probs, vh).view(b, h, n, d)
+        out[:, :, rows] = torch.matmul(probs, vh).view(b, h, n, dv)
     return out
 
 
@@ -409,6 +435,28 @@ def _prefill(
     return _prefill_padded(layer, q, k, v, part, cache)
 
 
+def _bidirectional(
+    layer: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: TorchSDPAMetadata
+) -> torch.Tensor:
+    """Each request's queries over all of its own keys (an encoder layer): q [T, H * D] -> [T, H * D]."""
+    part = metadata.prefill
+    if metadata.decode is not None or part.has_context:
+        raise RuntimeError(
+            f"bidirectional Attention {layer.layer_name!r} got a request with tokens from an earlier step: "
+            "an encoder sees each prompt whole, in one step (pooling prompts are never chunked)"
+        )
+    b, qm, d = part.num_reqs, part.max_query_len, layer.head_dim
+    qh = _rows(q, part.q_pad_index).view(b, qm, layer.num_heads, d).transpose(1, 2)  # [B, H, Qm, D]
+    kh, vh = _own_kv(layer, k, v, part)  # [B, Hkv, Qm, D]
+    window = layer.sliding_window
+    mask = None
+    if not part.causal_single or (window is not None and qm > window):
+        mask = part.bidirectional_mask(window, q.dtype)
+    gqa = layer.num_kv_heads != layer.num_heads
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=layer.scale, enable_gqa=gqa)
+    return _rows(out.transpose(1, 2).reshape(b * qm, layer.num_heads * d), part.out_index)
+
+
 class TorchSDPABackend(AttentionBackend):
     """Reference paged attention on any device torch runs on; fast enough on CPU."""
 
@@ -419,6 +467,12 @@ class TorchSDPABackend(AttentionBackend):
     def kv_cache_shape(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         """[2 (K, V), num_kv_heads, num_blocks, block_size, head_dim]."""
         return (2, num_kv_heads, num_blocks, block_size, head_dim)
+
+    @classmethod
+    def layer_kv_cache_shape(cls, layer: "Attention", num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """kv_cache_shape; one plane [1, Hkv, num_blocks, block_size, D] when the values are inside the keys."""
+        planes = 1 if layer.values_in_keys else 2
+        return (planes, layer.num_kv_heads, num_blocks, block_size, layer.head_dim)
 
     @classmethod
     def build_metadata(cls, common: CommonAttentionMetadata) -> TorchSDPAMetadata:
@@ -438,17 +492,22 @@ class TorchSDPABackend(AttentionBackend):
     def forward(
         cls, layer: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: TorchSDPAMetadata
     ) -> torch.Tensor:
-        """Write k, v [T, Hkv * D] into the layer's cache, attend q [T, H * D] -> [T, H * D]."""
+        """Write k, v [T, Hkv * D] into the layer's cache, attend q [T, H * D] -> [T, H * Dv] (Dv = D unless
+        the values are inside the keys: v is None, and its rows are k's first Dv dims)."""
+        if layer.values_in_keys:
+            v = k[:, : layer.v_head_dim]  # one KV head: [T, Dv], a view of k
         cache = layer.kv_cache
         if cache is not None:  # all of the step's k/v first: requests may read blocks others write now
             _write_kv(cache, k, v, metadata.slot_mapping)
+        if not layer.causal:
+            return _bidirectional(layer, q, k, v, metadata)
         decode, prefill = metadata.decode, metadata.prefill
         if prefill is None:  # pure decode: the decode part is the whole step, in order
             return _decode(layer, q, k, v, decode, _require(cache))
         if decode is None:
             layer.backend_state = None  # a mirror follows consecutive decode passes only
             return _prefill(layer, q, k, v, prefill, cache)
-        out = q.new_empty(q.shape[0], layer.num_heads * layer.head_dim)
+        out = q.new_empty(q.shape[0], layer.num_heads * layer.v_head_dim)
         take = decode.tokens.take
         decode.tokens.put(out, _decode(layer, take(q), take(k), take(v), decode, _require(cache)))
         take = prefill.tokens.take

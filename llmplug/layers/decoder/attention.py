@@ -1,5 +1,10 @@
-"""The self-attention block of the generic decoder: fused q/k/v projection, optional clamp and q/k norms,
-in-place rotary, paged attention (with the layer's window, soft-cap, ALiBi, sinks), output projection."""
+"""The self-attention block of the generic decoder: fused q/k/v projection, optional clamp and q/k norms
+(before or after rotary), in-place rotary, an optional per-position query scale, paged attention (with the
+layer's window, soft-cap, ALiBi, sinks), optional output gate, output projection.
+
+With `attention_output_gate` (Qwen3-Next) the checkpoint's q_proj gives each head [q | gate]: the fused
+projection holds it as twice the query heads (so a tensor-parallel rank keeps whole pairs), and the
+attention output is multiplied by sigmoid(gate) before o_proj."""
 
 from __future__ import annotations
 
@@ -28,20 +33,24 @@ class DecoderAttention(nn.Module):
     ) -> None:
         super().__init__()
         d = arch.head_dim
+        self.gated = arch.attention_output_gate
+        q_heads = 2 * arch.num_heads if self.gated else arch.num_heads  # a gate "head" beside each query head
         self.qkv_proj = QKVParallelLinear(
-            arch.hidden_size, d, arch.num_heads, arch.num_kv_heads, arch.qkv_bias, _join(prefix, "qkv_proj")
+            arch.hidden_size, d, q_heads, arch.num_kv_heads, arch.qkv_bias, _join(prefix, "qkv_proj")
         )
-        self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d
-        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.num_heads = self.qkv_proj.num_heads // 2 if self.gated else self.qkv_proj.num_heads
+        self.num_kv_heads, self.head_dim = self.qkv_proj.num_kv_heads, d
+        self.q_size, self.kv_size = self.num_heads * d, self.qkv_proj.kv_size
         self.o_proj = RowParallelLinear(
             arch.num_heads * d,
             arch.hidden_size,
-            arch.o_proj_bias,
+            arch.o_proj_bias or layer.o_proj_bias,
             reduce_results=reduce_results,
             prefix=_join(prefix, "o_proj"),
         )
-        self.clip_qkv = arch.clip_qkv
+        self.clip_qkv, self.key_multiplier = arch.clip_qkv, arch.key_multiplier
         self.q_norm, self.k_norm = self._qk_norms(arch)
+        self.qk_norm_after_rope = arch.qk_norm is not None and arch.qk_norm.after_rope
         self.attn = Attention(
             self.num_heads,
             d,
@@ -52,6 +61,7 @@ class DecoderAttention(nn.Module):
             logit_softcap=arch.attn_logit_softcap,
             alibi_slopes=self._alibi_slopes(arch) if arch.alibi else None,
             use_sinks=arch.attention_sinks,
+            causal=arch.causal,
         )
 
     def _qk_norms(self, arch: DecoderArchConfig) -> tuple[nn.Module | None, nn.Module | None]:
@@ -65,6 +75,12 @@ class DecoderAttention(nn.Module):
             make_qk_norm(arch.qk_norm, self.num_kv_heads, self.head_dim, first_kv_head),
         )
 
+    def _norm_qk_(self, qk: torch.Tensor) -> None:
+        """Normalize q and k of qk [T, H + Hkv, D] in place (no norm: nothing)."""
+        if self.q_norm is not None:
+            qk[:, : self.num_heads] = self.q_norm(qk[:, : self.num_heads])
+            qk[:, self.num_heads :] = self.k_norm(qk[:, self.num_heads :])
+
     def _alibi_slopes(self, arch: DecoderArchConfig) -> torch.Tensor:
         """[num_heads of this rank] float32 ALiBi slopes (times the attention scale where the family scales them)."""
         slopes = alibi_slopes(arch.num_heads, arch.alibi_max_bias)
@@ -72,17 +88,37 @@ class DecoderAttention(nn.Module):
         slopes = slopes[first : first + self.num_heads]
         return slopes * arch.scale if arch.alibi_scaled else slopes
 
-    def forward(self, hidden: torch.Tensor, rope: RotaryCosSin | None) -> torch.Tensor:
-        """[T, hidden] -> [T, hidden] (this rank's partial sum when reduce_results=False)."""
-        qkv = self.qkv_proj(hidden)  # [T, (H + 2 * Hkv) * D]
+    def forward(
+        self, hidden: torch.Tensor, rope: RotaryCosSin | None, query_scale: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """[T, hidden] -> [T, hidden] (this rank's partial sum when reduce_results=False); `query_scale`
+        [T, 1, 1] multiplies q after rotary (the decoder's `query_position_scale`)."""
+        qkv = self.qkv_proj(hidden)  # [T, (H + 2 * Hkv) * D]; gated: [T, (2 H + 2 * Hkv) * D]
+        if self.gated:
+            qkv, gate = self._ungate(qkv)
+            return self.o_proj(self._attend(qkv, rope, query_scale).mul_(torch.sigmoid(gate)))
+        return self.o_proj(self._attend(qkv, rope, query_scale))
+
+    def _ungate(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, H * (q | gate) + 2 Hkv * D] -> (qkv [T, (H + 2 Hkv) * D], gate [T, H * D])."""
+        pairs = qkv[:, : 2 * self.q_size].unflatten(-1, (self.num_heads, 2 * self.head_dim))
+        q, gate = pairs[..., : self.head_dim], pairs[..., self.head_dim :]
+        return torch.cat([q.flatten(1), qkv[:, 2 * self.q_size :]], dim=1), gate.flatten(1)
+
+    def _attend(self, qkv: torch.Tensor, rope: RotaryCosSin | None, query_scale: torch.Tensor | None) -> torch.Tensor:
+        """[T, (H + 2 Hkv) * D] -> the attention output [T, H * D]."""
         if self.clip_qkv is not None:
             qkv.clamp_(-self.clip_qkv, self.clip_qkv)
         q_end, k_end = self.q_size, self.q_size + self.kv_size
+        if self.key_multiplier != 1.0:
+            qkv[:, q_end:k_end].mul_(self.key_multiplier)
         qk = qkv[:, :k_end].view(qkv.shape[0], self.num_heads + self.num_kv_heads, self.head_dim)  # [T, H + Hkv, D]
-        if self.q_norm is not None:  # written back into qkv
-            qk[:, : self.num_heads] = self.q_norm(qk[:, : self.num_heads])
-            qk[:, self.num_heads :] = self.k_norm(qk[:, self.num_heads :])
+        if not self.qk_norm_after_rope:
+            self._norm_qk_(qk)
         if rope is not None:
             rope.apply_(qk)  # rotates q and k inside qkv
-        out = self.attn(qkv[:, :q_end], qkv[:, q_end:k_end], qkv[:, k_end:])  # [T, H * D]
-        return self.o_proj(out)
+        if self.qk_norm_after_rope:
+            self._norm_qk_(qk)
+        if query_scale is not None:
+            qk[:, : self.num_heads].mul_(query_scale)
+        return self.attn(qkv[:, :q_end], qkv[:, q_end:k_end], qkv[:, k_end:])  # [T, H * D]

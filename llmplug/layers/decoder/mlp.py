@@ -36,12 +36,17 @@ class DecoderMLP(nn.Module):
         else:
             self.up_proj = ColumnParallelLinear(hidden_size, inter, bias, prefix=_join(prefix, "up_proj"))
             self.act_fn = XIELU() if config.activation == "xielu" else Activation(config.activation)
+        down_bias = bias if config.down_bias is None else config.down_bias
         self.down_proj = RowParallelLinear(
-            inter, hidden_size, bias, reduce_results=reduce_results, prefix=_join(prefix, "down_proj")
+            inter, hidden_size, down_bias, reduce_results=reduce_results, prefix=_join(prefix, "down_proj")
         )
         self.gated = config.gated
+        self.gate_multiplier, self.down_multiplier = config.gate_multiplier, config.down_multiplier
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[T, hidden] -> [T, hidden]."""
         up = self.gate_up_proj(x) if self.gated else self.up_proj(x)  # [T, (2 *) inter / tp]
-        return self.down_proj(self.act_fn(up))  # [T, inter / tp] -> [T, hidden]
+        if self.gate_multiplier != 1.0:
+            up[:, : up.shape[-1] // 2].mul_(self.gate_multiplier)  # the gate half
+        out = self.down_proj(self.act_fn(up))  # [T, inter / tp] -> [T, hidden]
+        return out.mul_(self.down_multiplier) if self.down_multiplier != 1.0 else out

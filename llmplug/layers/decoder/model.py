@@ -4,7 +4,8 @@ A family plugin subclasses `DecoderForCausalLM` and sets two class attributes: `
 (its HF config -> DecoderArchConfig adapter) and `checkpoint_names` (how its checkpoint names map
 onto the parameters here). Parameter names follow transformers' Llama (`model.embed_tokens`,
 `model.layers.N.self_attn.qkv_proj`, `model.norm`, `lm_head`), plus `model.embed_positions`,
-`model.embed_norm` and the norms of `DecoderLayer`.
+`model.embed_token_types`, `model.embed_norm`, `model.project_in` / `model.project_out`,
+`model.head_transform` and the norms of `DecoderLayer`.
 
 Under pipeline parallelism a stage holds only its layers (the embeddings on the first stage, the
 final norm and the head on the last); the others are `PPMissingLayer` placeholders.
@@ -19,14 +20,17 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from llmplug.communicators.parallel_state import get_pp_group
+from llmplug.layers.activation import Activation
 from llmplug.layers.checkpoint_names import CheckpointNames, HeadLayout
 from llmplug.layers.decoder.arch import DecoderArchConfig, RopeConfig
 from llmplug.layers.decoder.layer import DecoderLayer
 from llmplug.layers.layernorm import make_norm
+from llmplug.layers.linear import ReplicatedLinear
 from llmplug.layers.pipeline import IntermediateTensors, PPMissingLayer, pp_layer_range, skip_missing_layers
 from llmplug.layers.position_embedding import LearnedPositionEmbedding, SinusoidalPositionEmbedding
 from llmplug.layers.rotary import RotaryCosSin, RotaryEmbedding, get_rope
 from llmplug.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from llmplug.layers.moe.experts import EXPERT_PARAMS
 from llmplug.layers.weight_utils import StackedParamsMap, load_mapped_weights
 
 __all__ = ["DecoderForCausalLM", "DecoderModel", "stacked_params"]
@@ -40,14 +44,15 @@ def _join(prefix: str, name: str) -> str:
 
 
 def stacked_params(arch: DecoderArchConfig) -> StackedParamsMap:
-    """Checkpoint module -> (our fused module, shard): q/k/v into qkv_proj, gate/up into gate_up_proj."""
-    stacked: dict[str, tuple[str, str | int]] = {
-        "q_proj": ("qkv_proj", "q"),
-        "k_proj": ("qkv_proj", "k"),
-        "v_proj": ("qkv_proj", "v"),
-    }
+    """Checkpoint module -> (our fused module, shard): q/k/v into qkv_proj (not with latent attention, whose
+    q_proj is its own), gate/up into gate_up_proj, separately stored delta-net convs into conv1d."""
+    stacked: dict[str, tuple[str, str | int]] = {}
+    if arch.mla is None:
+        stacked |= {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v")}
     if arch.mlp.gated:
         stacked |= {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    if arch.gated_delta_net is not None and arch.gated_delta_net.projection_layout == "separate":
+        stacked |= {f"{x}_conv1d": ("conv1d", i) for i, x in enumerate("qkv")}  # the delta net's q, k, v convs
     return stacked
 
 
@@ -63,12 +68,23 @@ class DecoderModel(nn.Module):
         pp = get_pp_group()
         self.arch, self.is_last_stage = arch, pp.is_last_rank
         self.start_layer, self.end_layer = pp_layer_range(arch.num_layers)
-        first = pp.is_first_rank
+        first, embedding_dim = pp.is_first_rank, arch.embedding_dim or arch.hidden_size
         self.embed_tokens = _optional(
-            first, lambda: VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, _join(prefix, "embed_tokens"))
+            first, lambda: VocabParallelEmbedding(arch.vocab_size, embedding_dim, _join(prefix, "embed_tokens"))
         )
+        if arch.embedding_dim:  # replicated: two small [embedding_dim, hidden] projections
+            project = lambda i, o, name: ReplicatedLinear(i, o, False, _join(prefix, name))  # noqa: E731
+            self.project_in = _optional(first, lambda: project(embedding_dim, arch.hidden_size, "project_in"))
+            self.project_out = _optional(
+                self.is_last_stage, lambda: project(arch.hidden_size, embedding_dim, "project_out")
+            )
         if arch.absolute_positions:
             self.embed_positions = _optional(first, lambda: self._position_embedding(_join(prefix, "embed_positions")))
+        if arch.type_vocab_size:
+            types = lambda: VocabParallelEmbedding(  # noqa: E731
+                arch.type_vocab_size, arch.hidden_size, _join(prefix, "embed_token_types")
+            )
+            self.embed_token_types = _optional(first, types)
         if arch.embedding_norm:
             self.embed_norm = _optional(first, lambda: make_norm(arch.norm, arch.hidden_size))
         on_stage = range(self.start_layer, self.end_layer)
@@ -76,7 +92,10 @@ class DecoderModel(nn.Module):
             DecoderLayer(arch, layer, _join(prefix, f"layers.{i}")) if i in on_stage else PPMissingLayer()
             for i, layer in enumerate(arch.layers)
         )
-        self.norm = _optional(self.is_last_stage, lambda: make_norm(arch.norm, arch.hidden_size))
+        self.norm = _optional(self.is_last_stage and arch.final_norm, lambda: make_norm(arch.norm, arch.hidden_size))
+        if arch.head_transform:
+            transform = lambda: HeadTransform(arch, _join(prefix, "head_transform"))  # noqa: E731
+            self.head_transform = _optional(self.is_last_stage, transform)
         self.ropes: list[RopeConfig] = []  # distinct ropes, in the order of rotary_embs
         self.rotary_embs = nn.ModuleList()
         self.rope_of_layer = [self._rope_index(layer.rope) for layer in arch.layers]  # index into ropes, or None
@@ -85,7 +104,8 @@ class DecoderModel(nn.Module):
         arch = self.arch
         if arch.absolute_positions == "learned":
             return LearnedPositionEmbedding(arch.max_position, arch.hidden_size, arch.position_offset, prefix)
-        return SinusoidalPositionEmbedding(arch.max_position, arch.hidden_size, arch.position_offset)
+        paper = arch.absolute_positions == "sinusoidal_paper"
+        return SinusoidalPositionEmbedding(arch.max_position, arch.hidden_size, arch.position_offset, paper)
 
     def _rope_index(self, rope: RopeConfig | None) -> int | None:
         """The index of `rope`'s table, built the first time a layer uses it."""
@@ -98,36 +118,84 @@ class DecoderModel(nn.Module):
 
     def _rotary(self, rope: RopeConfig) -> RotaryEmbedding:
         dim = self.arch.rotary_dim(rope)
-        return get_rope(self.arch.head_dim, dim, rope.max_position, rope.theta, rope.scaling, rope.is_neox_style)
+        return get_rope(
+            self.arch.head_dim, dim, rope.max_position, rope.theta, rope.scaling, rope.is_neox_style, rope.inverted
+        )
 
-    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions [T] -> the first layer's input [T, hidden]."""
+    def embed(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """input_ids, positions (, token_type_ids: all 0 when None) [T] -> the first layer's input [T, hidden]."""
         arch = self.arch
-        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        hidden = self.embed_tokens(input_ids)  # [T, embedding_dim]
         if arch.embedding_multiplier != 1.0:  # in the activations' dtype, as transformers rounds it (Gemma)
             hidden = hidden * torch.tensor(arch.embedding_multiplier, dtype=hidden.dtype)
+        if arch.embedding_dim:
+            hidden = self.project_in(hidden)  # [T, hidden]
+        if arch.type_vocab_size:
+            types = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
+            hidden = hidden + self.embed_token_types(types)
         if arch.absolute_positions:
             hidden = hidden + self.embed_positions(positions).to(hidden.dtype)
         return self.embed_norm(hidden) if arch.embedding_norm else hidden
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors: IntermediateTensors | None = None
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+        token_type_ids: torch.Tensor | None = None,
     ) -> torch.Tensor | IntermediateTensors:
         """input_ids, positions [T] -> hidden states [T, hidden] (IntermediateTensors before the last stage)."""
         if intermediate_tensors is None:
-            hidden, residual = self.embed(input_ids, positions), None
-        else:
-            hidden, residual = intermediate_tensors["hidden_states"], intermediate_tensors["residual"]
+            hidden, residual = self.embed(input_ids, positions, token_type_ids), None
+        else:  # no residual: the previous stage ended on a post-LN layer's normalized stream
+            hidden, residual = intermediate_tensors["hidden_states"], intermediate_tensors.tensors.get("residual")
         ropes = [emb.cos_sin(positions, hidden.dtype) for emb in self.rotary_embs]  # once per step for all layers
+        query_scale = self._query_scale(positions, hidden.dtype)
         for i in range(self.start_layer, self.end_layer):
-            hidden, residual = self.layers[i](hidden, residual, self._rope(ropes, i))
+            hidden, residual = self.layers[i](hidden, residual, self._rope(ropes, i), query_scale)
         if not self.is_last_stage:
-            return IntermediateTensors({"hidden_states": hidden, "residual": residual})
-        return self.norm(hidden, residual)[0]
+            tensors = {"hidden_states": hidden} | ({} if residual is None else {"residual": residual})
+            return IntermediateTensors(tensors)
+        return self._output(hidden, residual)
+
+    def _query_scale(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        """[T, 1, 1] query multipliers of `query_position_scale` (None when the model has none)."""
+        if self.arch.query_position_scale is None:
+            return None
+        beta, length = self.arch.query_position_scale
+        scale = 1 + beta * torch.log(1 + torch.floor(positions / length))  # as transformers rounds it
+        return scale.to(dtype)[:, None, None]
+
+    def _output(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """The last layer's (output, residual) -> [T, hidden] (or [T, embedding_dim]) for the head."""
+        if self.arch.final_norm:
+            hidden = self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
+        elif residual is not None:
+            hidden = hidden + residual
+        if self.arch.head_transform:
+            hidden = self.head_transform(hidden)
+        return self.project_out(hidden) if self.arch.embedding_dim else hidden
 
     def _rope(self, ropes: list[RotaryCosSin], layer: int) -> RotaryCosSin | None:
         index = self.rope_of_layer[layer]
         return None if index is None else ropes[index]
+
+
+class HeadTransform(nn.Module):
+    """norm(act(dense(x))) before the LM head; every rank holds it whole (one [hidden, hidden] matrix)."""
+
+    def __init__(self, arch: DecoderArchConfig, prefix: str = "") -> None:
+        super().__init__()
+        config = arch.head_transform
+        self.dense = ReplicatedLinear(arch.hidden_size, arch.hidden_size, config.bias, _join(prefix, "dense"))
+        self.act = Activation(config.activation)
+        self.norm = make_norm(arch.norm, arch.hidden_size)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[T, hidden] -> [T, hidden]."""
+        return self.norm(self.act(self.dense(hidden)))
 
 
 class DecoderForCausalLM(nn.Module):
@@ -154,7 +222,8 @@ class DecoderForCausalLM(nn.Module):
         arch = self.arch
         if not get_pp_group().is_last_rank:
             return PPMissingLayer()
-        make = lambda: ParallelLMHead(arch.vocab_size, arch.hidden_size, arch.lm_head_bias, prefix)  # noqa: E731
+        width = arch.embedding_dim or arch.hidden_size
+        make = lambda: ParallelLMHead(arch.vocab_size, width, arch.lm_head_bias, prefix)  # noqa: E731
         if not arch.tie_word_embeddings or isinstance(self.model.embed_tokens, PPMissingLayer):
             return make()
         if arch.lm_head_bias:  # the bias is its own; only the table is shared
@@ -182,15 +251,17 @@ class DecoderForCausalLM(nn.Module):
         q/k/v and gate/up map; returns the loaded parameter names."""
         arch, cls = self.arch, type(self)
         names = cls.checkpoint_names if cls.checkpoint_names_of is None else cls.checkpoint_names_of(self.config)
-        weights = names.translate(weights, HeadLayout(arch.num_heads, arch.num_kv_heads, arch.head_dim))
+        num_experts = arch.moe.num_experts if arch.moe is not None else 0
+        weights = names.translate(weights, HeadLayout(arch.num_heads, arch.num_kv_heads, arch.head_dim, num_experts))
         skipped: tuple[str, ...] = ()
         if arch.tie_word_embeddings:
             if self._head_loads_embedding():
                 weights = _embedding_as_head(weights)
             else:
                 skipped = ("lm_head.weight",)
+        experts = EXPERT_PARAMS if arch.moe is not None else None
         return load_mapped_weights(
-            self, skip_missing_layers(self, weights), stacked_params(arch), IGNORED_SUFFIXES, skipped
+            self, skip_missing_layers(self, weights), stacked_params(arch), IGNORED_SUFFIXES, skipped, experts
         )
 
     def _head_loads_embedding(self) -> bool:

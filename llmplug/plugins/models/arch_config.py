@@ -9,8 +9,9 @@ per-layer attention windows and NoPE layers. The typed config itself lives in
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import MappingProxyType
-from typing import Any, Collection, Mapping
+from typing import Any, Callable, Collection, Mapping
 
 from transformers import PretrainedConfig
 
@@ -18,6 +19,7 @@ from llmplug.core.errors import ModelLoadError
 from llmplug.layers.decoder.arch import DecoderArchConfig, LayerConfig, MLPConfig, RopeConfig
 
 __all__ = [
+    "SLIDING",
     "DecoderArchConfig",
     "LayerConfig",
     "MLPConfig",
@@ -25,12 +27,13 @@ __all__ = [
     "architecture_of",
     "head_dim_of",
     "layers_of",
+    "moe_layers",
     "refuse",
     "rope_config_of",
     "sizes_of",
 ]
 
-SLIDING = "sliding_attention"
+SLIDING = "sliding_attention"  # the layer type of windowed layers in `layer_types`
 
 
 def architecture_of(hf: PretrainedConfig) -> str:
@@ -138,3 +141,8 @@ def _ropes_by_type(
         kind: rope_config_of(hf, params[kind], is_neox_style=is_neox_style, partial_rotary_factor=partial)
         for kind in types
     }
+
+
+def moe_layers(layers: tuple[LayerConfig, ...], is_moe: Callable[[int], bool] = lambda i: True) -> tuple[LayerConfig, ...]:
+    """`layers` with the mixture of experts on every layer index `is_moe` accepts (default: all)."""
+    return tuple(replace(layer, moe=is_moe(i)) for i, layer in enumerate(layers))

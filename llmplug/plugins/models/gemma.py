@@ -1,8 +1,10 @@
-"""The Gemma family: Gemma, Gemma 2, Gemma 3 (text) — RMSNorm with `1 + w`, GeGLU, embeddings scaled by sqrt(hidden).
+"""The Gemma family: Gemma, Gemma 2, Gemma 3 (text), VaultGemma — RMSNorm with `1 + w`, GeGLU, embeddings
+scaled by sqrt(hidden).
 
 Gemma 2 adds sandwich norms (before and after each sublayer), attention and final logit soft-capping,
 `query_pre_attn_scalar` and alternating sliding-window layers; Gemma 3 drops the soft-caps, adds q/k
-norms and a rope per layer type (local and global bases). Checkpoint names are transformers' Llama names.
+norms and a rope per layer type (local and global bases); VaultGemma is Gemma 2 with the norms before each
+sublayer only. Checkpoint names are transformers' Llama names (VaultGemma's MLP norm: `VAULTGEMMA_NAMES`).
 """
 
 from __future__ import annotations
@@ -11,12 +13,16 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
+from llmplug.layers.checkpoint_names import CheckpointNames
 from llmplug.layers.decoder import DecoderArchConfig, DecoderForCausalLM, MLPConfig
 from llmplug.layers.layernorm import NormConfig
 from llmplug.layers.qk_norm import QKNormConfig
 from llmplug.plugins.models.arch_config import layers_of, refuse, sizes_of
 
-__all__ = ["Gemma2ForCausalLM", "Gemma3ForCausalLM", "GemmaForCausalLM"]
+__all__ = ["Gemma2ForCausalLM", "Gemma3ForCausalLM", "GemmaForCausalLM", "VaultGemmaForCausalLM"]
+
+# VaultGemma keeps Gemma 2's name for the norm before the MLP
+VAULTGEMMA_NAMES = CheckpointNames(renames={"pre_feedforward_layernorm": "post_attention_layernorm"})
 
 
 def _gemma_norm(hf: PretrainedConfig) -> NormConfig:
@@ -64,6 +70,11 @@ def gemma3_arch_config(hf: PretrainedConfig) -> DecoderArchConfig:
     return DecoderArchConfig(**gemma2_fields(hf), qk_norm=QKNormConfig(_gemma_norm(hf)))
 
 
+def vaultgemma_arch_config(hf: PretrainedConfig) -> DecoderArchConfig:
+    """VaultGemmaForCausalLM: Gemma 2 without the norms after each sublayer."""
+    return DecoderArchConfig(**gemma2_fields(hf) | {"post_norm": False})
+
+
 class GemmaForCausalLM(DecoderForCausalLM):
     """Gemma 1 (HF architecture GemmaForCausalLM)."""
 
@@ -80,3 +91,10 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
     """Gemma 3 text models (HF architecture Gemma3ForCausalLM, model_type gemma3_text)."""
 
     arch_config_of = staticmethod(gemma3_arch_config)
+
+
+class VaultGemmaForCausalLM(DecoderForCausalLM):
+    """VaultGemma (HF architecture VaultGemmaForCausalLM)."""
+
+    arch_config_of = staticmethod(vaultgemma_arch_config)
+    checkpoint_names = VAULTGEMMA_NAMES

@@ -1,10 +1,13 @@
-"""GPT-NeoX (Pythia, GPT-NeoX-20B, RedPajama-INCITE, ...).
+"""GPT-NeoX (Pythia, GPT-NeoX-20B, RedPajama-INCITE, ...) and GPT-NeoX-Japanese.
 
 LayerNorm, partial rotary, GELU MLP, q/k/v fused per head in the checkpoint; attention and MLP
 read two separate norms of the same input in parallel (`use_parallel_residual`, else sequential).
+GPT-NeoX-Japanese: sequential, no biases but one on the last layer's attention output (`dense_bias`).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from transformers import PretrainedConfig
 
@@ -13,7 +16,7 @@ from llmplug.layers.decoder import DecoderArchConfig, DecoderForCausalLM, MLPCon
 from llmplug.layers.layernorm import NormConfig
 from llmplug.plugins.models.arch_config import layers_of, sizes_of
 
-__all__ = ["GPTNeoXForCausalLM"]
+__all__ = ["GPTNeoXForCausalLM", "GPTNeoXJapaneseForCausalLM"]
 
 GPT_NEOX_NAMES = CheckpointNames(
     prefixes={
@@ -50,8 +53,35 @@ def gpt_neox_arch_config(hf: PretrainedConfig) -> DecoderArchConfig:
     )
 
 
+_JAPANESE_TOP = {"embed_in": "model.embed_tokens", "layers": "model.layers", "final_layer_norm": "model.norm"}
+GPT_NEOX_JAPANESE_NAMES = dataclasses.replace(
+    GPT_NEOX_NAMES,
+    prefixes={**{f"gpt_neox_japanese.{k}": v for k, v in _JAPANESE_TOP.items()}, "embed_out": "lm_head"},
+    renames={**GPT_NEOX_NAMES.renames, "attention.dense_bias": "self_attn.o_proj.bias"},
+)
+
+
+def gpt_neox_japanese_arch_config(hf: PretrainedConfig) -> DecoderArchConfig:
+    """GPTNeoXJapaneseForCausalLM."""
+    layers = layers_of(hf)
+    return DecoderArchConfig(
+        **sizes_of(hf, intermediate_size=int(hf.hidden_size * hf.intermediate_multiple_size)),
+        layers=(*layers[:-1], dataclasses.replace(layers[-1], o_proj_bias=True)),
+        norm=NormConfig("layer", hf.layer_norm_eps, bias=True),
+        mlp=MLPConfig(hf.hidden_act, gated=False),
+        tie_word_embeddings=bool(hf.tie_word_embeddings),
+    )
+
+
 class GPTNeoXForCausalLM(DecoderForCausalLM):
     """GPT-NeoX (HF architecture GPTNeoXForCausalLM)."""
 
     arch_config_of = staticmethod(gpt_neox_arch_config)
     checkpoint_names = GPT_NEOX_NAMES
+
+
+class GPTNeoXJapaneseForCausalLM(DecoderForCausalLM):
+    """GPT-NeoX-Japanese (HF architecture GPTNeoXJapaneseForCausalLM)."""
+
+    arch_config_of = staticmethod(gpt_neox_japanese_arch_config)
+    checkpoint_names = GPT_NEOX_JAPANESE_NAMES

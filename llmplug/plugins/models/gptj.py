@@ -1,16 +1,18 @@
-"""GPT-J: one LayerNorm feeding attention and MLP in parallel, interleaved (GPT-J style) partial rotary,
-GELU MLP, an LM head with a bias."""
+"""GPT-J and CodeGen: one LayerNorm feeding attention and MLP in parallel, interleaved (GPT-J style) partial
+rotary, GELU MLP, an LM head with a bias. CodeGen stores q/k/v in one `qkv_proj` in its own block layout."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from transformers import PretrainedConfig
 
-from llmplug.layers.checkpoint_names import CheckpointNames
+from llmplug.layers.checkpoint_names import QKV_CODEGEN, CheckpointNames
 from llmplug.layers.decoder import DecoderArchConfig, DecoderForCausalLM, MLPConfig
 from llmplug.layers.layernorm import NormConfig
 from llmplug.plugins.models.arch_config import head_dim_of, layers_of, sizes_of
 
-__all__ = ["GPTJForCausalLM"]
+__all__ = ["CodeGenForCausalLM", "GPTJForCausalLM"]
 
 GPTJ_NAMES = CheckpointNames(
     prefixes={
@@ -26,6 +28,9 @@ GPTJ_NAMES = CheckpointNames(
         "mlp.fc_out": "mlp.down_proj",
     },
     ignored=("attn.bias", "attn.masked_bias"),
+)
+CODEGEN_NAMES = dataclasses.replace(
+    GPTJ_NAMES, fused={"self_attn.qkv_proj": QKV_CODEGEN}, ignored=(*GPTJ_NAMES.ignored, "attn.causal_mask")
 )
 
 
@@ -48,3 +53,10 @@ class GPTJForCausalLM(DecoderForCausalLM):
 
     arch_config_of = staticmethod(gptj_arch_config)
     checkpoint_names = GPTJ_NAMES
+
+
+class CodeGenForCausalLM(DecoderForCausalLM):
+    """CodeGen (HF architecture CodeGenForCausalLM): GPT-J with a fused q/k/v projection."""
+
+    arch_config_of = staticmethod(gptj_arch_config)
+    checkpoint_names = CODEGEN_NAMES

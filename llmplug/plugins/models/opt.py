@@ -1,8 +1,9 @@
 """OPT: learned positions read from row `position + 2`, LayerNorm, ReLU MLP (fc1, fc2), biases everywhere.
 
-Hub checkpoints (facebook/opt-*) are saved without the `model.` prefix; both spellings load. Not
-modelled: post-sublayer LayerNorm (`do_layer_norm_before=False`, OPT-350m) and the embedding
-projections of `word_embed_proj_dim != hidden_size` (OPT-350m): refused with a clear error.
+OPT-350m puts the LayerNorm after each residual add (`do_layer_norm_before=False`, post-LN, then no final
+norm) and keeps embeddings narrower than the layers (`word_embed_proj_dim`), projected in after the
+embedding and out before the tied head. Hub checkpoints (facebook/opt-*) are saved without the `model.`
+prefix; both spellings load.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from transformers import PretrainedConfig
 from llmplug.layers.checkpoint_names import CheckpointNames
 from llmplug.layers.decoder import DecoderArchConfig, DecoderForCausalLM, MLPConfig
 from llmplug.layers.layernorm import NormConfig
-from llmplug.plugins.models.arch_config import layers_of, refuse, sizes_of
+from llmplug.plugins.models.arch_config import layers_of, sizes_of
 
 __all__ = ["OPTForCausalLM"]
 
@@ -21,6 +22,8 @@ _TOP = {
     "embed_positions": "model.embed_positions",
     "final_layer_norm": "model.norm",
     "layers": "model.layers",
+    "project_in": "model.project_in",
+    "project_out": "model.project_out",
 }
 # the layer of fairseq's decoders (OPT, XGLM)
 FAIRSEQ_LAYER_RENAMES = {
@@ -39,10 +42,8 @@ POSITION_OFFSET = 2  # OPT's position table keeps two rows for padding
 
 def opt_arch_config(hf: PretrainedConfig) -> DecoderArchConfig:
     """OPTForCausalLM."""
-    refuse(hf, not hf.do_layer_norm_before, "do_layer_norm_before=False (post-sublayer LayerNorm)")
-    refuse(hf, (hf.word_embed_proj_dim or hf.hidden_size) != hf.hidden_size, "word_embed_proj_dim != hidden_size")
-    refuse(hf, bool(hf._remove_final_layer_norm), "_remove_final_layer_norm")
-    bias, affine = bool(hf.enable_bias), bool(hf.layer_norm_elementwise_affine)
+    bias, affine, pre_norm = bool(hf.enable_bias), bool(hf.layer_norm_elementwise_affine), bool(hf.do_layer_norm_before)
+    embedding_dim = hf.word_embed_proj_dim or hf.hidden_size
     return DecoderArchConfig(
         **sizes_of(hf, intermediate_size=hf.ffn_dim),
         layers=layers_of(hf, rope=False),
@@ -50,9 +51,13 @@ def opt_arch_config(hf: PretrainedConfig) -> DecoderArchConfig:
         mlp=MLPConfig(hf.activation_function, gated=False, bias=bias),
         qkv_bias=bias,
         o_proj_bias=bias,
+        pre_norm=pre_norm,
+        norm_after_residual=not pre_norm,
+        embedding_dim=None if embedding_dim == hf.hidden_size else embedding_dim,
         absolute_positions="learned",
         position_offset=POSITION_OFFSET,
         max_position=hf.max_position_embeddings,
+        final_norm=pre_norm and not hf._remove_final_layer_norm,
         tie_word_embeddings=bool(hf.tie_word_embeddings),
     )
 
