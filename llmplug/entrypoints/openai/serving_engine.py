@@ -17,11 +17,13 @@ from llmplug.core.errors import EngineDeadError, InvalidRequestError
 from llmplug.core.outputs import PositionLogprobs, RequestOutput
 from llmplug.core.params import RequestOutputKind, SamplingParams
 from llmplug.engine.async_llm import AsyncLLM
+from llmplug.lora.request import LoRARequest
 from llmplug.entrypoints.openai.admission import AdmissionControl
 from llmplug.entrypoints.openai.errors import OpenAIError, error_body
 from llmplug.entrypoints.openai.guided import guided_decoding_params
 from llmplug.entrypoints.openai.metrics import ServerMetrics
 from llmplug.entrypoints.openai.prompt_renderer import PromptRenderer
+from llmplug.entrypoints.openai.serving_lora import ServedAdapters
 from llmplug.entrypoints.openai.protocol import (
     ChatLogprob,
     ChatMessage,
@@ -49,9 +51,10 @@ class OpenAIServing:
     """The parts of serving an OpenAI endpoint that do not depend on the endpoint."""
 
     def __init__(self, engine: AsyncLLM, model_names: list[str], metrics: ServerMetrics, renderer: PromptRenderer,
-                 admission: AdmissionControl):
+                 admission: AdmissionControl, adapters: ServedAdapters | None = None):
         self.engine = engine
         self.model_names = model_names
+        self.adapters = adapters or ServedAdapters(engine, model_names)
         self.metrics = metrics
         self.renderer = renderer  # chat template and tokenization, off the event loop
         self.admission = admission
@@ -60,13 +63,19 @@ class OpenAIServing:
     # --- request checks ----------------------------------------------------------------------
 
     def check_model(self, model: str | None) -> str:
-        """The model name to answer with; 404 for a model this server does not serve."""
+        """The model name to answer with; 404 for a model (or LoRA adapter) this server does not serve."""
         if model is None or model == "":
             return self.model_names[0]
-        if model not in self.model_names:
+        if model not in self.model_names and self.adapters.get(model) is None:
+            served = [*self.model_names, *self.adapters.by_name]
             raise OpenAIError(404, f"The model `{model}` does not exist; this server serves "
-                                   f"{', '.join(self.model_names)}.", param="model", code="model_not_found")
+                                   f"{', '.join(served)}.", param="model", code="model_not_found")
         return model
+
+    async def resolve_model(self, model: str | None) -> tuple[str, LoRARequest | None]:
+        """The model name to answer with and the LoRA adapter it names (None: the base model); 404 when unknown."""
+        lora = await self.adapters.resolve(model) if model else None
+        return self.check_model(model), lora
 
     def check_prompt_length(self, num_prompt_tokens: int, param: str) -> None:
         """400 when the prompt leaves no room to generate a token."""
@@ -107,7 +116,7 @@ class OpenAIServing:
     # --- generation --------------------------------------------------------------------------
 
     async def generate(self, prompt_text: str | None, prompt_ids: list[int], params: SamplingParams,
-                       request_id: str) -> AsyncGenerator[RequestOutput, None]:
+                       request_id: str, lora: LoRARequest | None = None) -> AsyncGenerator[RequestOutput, None]:
         """The engine's outputs of one request, recorded in the metrics however the request ends.
 
         503 at once when too many requests wait for the running batch already (admission control). When a
@@ -120,7 +129,7 @@ class OpenAIServing:
             delta = params.output_kind == RequestOutputKind.DELTA
             prompt = {"prompt": prompt_text, "prompt_token_ids": prompt_ids}
             outcome = "abort"  # unless it finishes or fails: the consumer went away
-            outputs = self.engine.generate(prompt, params, request_id)
+            outputs = self.engine.generate(prompt, params, request_id, lora_request=lora)
             failure = None
             try:
                 async for output in outputs:
