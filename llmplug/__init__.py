@@ -1,6 +1,6 @@
 """llmplug: an LLM inference and serving engine whose every backend is a plugin.
 
-Exports `LLM`, `SamplingParams` and the output types with vLLM's names, loaded lazily so that
+Exports `LLM`, `SamplingParams`, `LoRARequest` and the output types with vLLM's names, loaded lazily so that
 `import llmplug` stays cheap.
 """
 
@@ -26,6 +26,7 @@ _EXPORTS = {
     "EmbeddingRequestOutput": "llmplug.core.outputs",
     "ClassificationRequestOutput": "llmplug.core.outputs",
     "ScoringRequestOutput": "llmplug.core.outputs",
+    "LoRARequest": "llmplug.lora.request",
 }
 
 __all__ = [*_EXPORTS, "__version__"]

@@ -286,6 +286,21 @@ class PoolerConfig(_Section):
         None, description="Apply the classifier's activation (softmax / sigmoid) to class scores; default: true."
     )
 
+class LoRAConfig(_Section):
+    """Multi-LoRA serving: PEFT adapters over the base model, mixed in one batch (docs/lora.md)."""
+
+    enable_lora: bool = Field(False, description="Serve LoRA adapters (requests name one with a LoRARequest).")
+    max_loras: int = Field(4, gt=0, description="Adapter slots on the device: the most distinct adapters in one step.")
+    max_lora_rank: int = Field(16, gt=0, description="Largest adapter rank accepted; the slots are sized for it.")
+    max_cpu_loras: int | None = Field(
+        None, gt=0, description="Adapters kept loaded in host memory (LRU); default and minimum: max_loras."
+    )
+
+    @property
+    def cpu_capacity(self) -> int:
+        """Adapters the host-side cache holds."""
+        return max(self.max_cpu_loras or 0, self.max_loras)
+
 
 class PluginConfig(_Section):
     """Which third-party plugins load and who wins a name conflict."""
@@ -310,6 +325,7 @@ class EngineConfig(_Section):
     decoding: DecodingConfig = Field(default_factory=DecodingConfig)
     speculative_config: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     pooler: PoolerConfig = Field(default_factory=PoolerConfig)
+    lora: LoRAConfig = Field(default_factory=LoRAConfig)
     plugins: PluginConfig = Field(default_factory=PluginConfig)
 
 
@@ -360,6 +376,10 @@ ALIASES: dict[str, str] = {
     "attention_backend": "device.attention_backend",
     "guided_decoding_backend": "decoding.guided_backend",
     "max_logprobs": "decoding.max_logprobs",
+    "enable_lora": "lora.enable_lora",
+    "max_loras": "lora.max_loras",
+    "max_lora_rank": "lora.max_lora_rank",
+    "max_cpu_loras": "lora.max_cpu_loras",
 }
 
 # Field names that say too little as a bare flag (`--format`: of what?); their flag is the vLLM

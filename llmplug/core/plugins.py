@@ -54,6 +54,7 @@ GROUPS: dict[str, str] = {
     "llmplug.communicators": "device collectives: Platform.get_communicator() name -> communicator class",
     "llmplug.tool_parsers": "tool calls in model output: serve --tool-call-parser name -> ToolParser class",
     "llmplug.reasoning_parsers": "reasoning in model output: serve --reasoning-parser name -> ReasoningParser class",
+    "llmplug.lora_resolvers": "where LoRA adapters come from: serve --lora-resolver name -> LoRAResolver class",
     HOOKS_GROUP: "general plugins: name -> module of pluggy hookimpls, all registered together",
 }
 NAMED_GROUPS: tuple[str, ...] = tuple(group for group in GROUPS if group != HOOKS_GROUP)

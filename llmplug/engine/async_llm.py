@@ -34,6 +34,7 @@ from llmplug.core.params import BeamSearchParams, PoolingParams, RequestOutputKi
 from llmplug.engine.beam_search import next_token_logprobs, start_search, step_params
 from llmplug.engine.input_processor import PromptType
 from llmplug.engine.llm_engine import LLMEngine
+from llmplug.lora.request import LoRARequest
 
 if TYPE_CHECKING:
     import torch
@@ -53,6 +54,7 @@ class _AddRequest:
     params: SamplingParams | PoolingParams
     priority: int
     arrival_time: float
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,8 +198,11 @@ class AsyncLLM:
         request_id: str | None = None,
         *,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as its tokens arrive, the last one with `finished=True`.
+
+        With `lora_request` the request runs with that LoRA adapter (the engine needs enable_lora).
 
         Cancelling the consumer (or closing the generator early) aborts the request and frees its
         KV blocks. Raises InvalidRequestError for a bad request and EngineDeadError when the engine died.
@@ -205,7 +210,7 @@ class AsyncLLM:
         params = sampling_params or SamplingParams()
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         stream = self._register(request_id)
-        self._commands.put(_AddRequest(request_id, prompt, params, priority, time.time()))
+        self._commands.put(_AddRequest(request_id, prompt, params, priority, time.time(), lora_request))
         finished = False
         try:
             last: RequestOutput | None = None
@@ -297,6 +302,18 @@ class AsyncLLM:
         """`LLM.wake_up`: restore "weights", "kv_cache" or both (None)."""
         await self._call(lambda: self.llm_engine.engine_core.wake_up(tags))
 
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load and check an adapter now (InvalidRequestError when it cannot be served)."""
+        await self._call(lambda: self.llm_engine.engine_core.add_lora(lora_request))
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload an adapter; False when none was loaded under that id."""
+        return await self._call(lambda: self.llm_engine.engine_core.remove_lora(lora_int_id))
+
+    async def list_loras(self) -> list[LoRARequest]:
+        """The adapters loaded now."""
+        return await self._call(self.llm_engine.engine_core.list_loras)
+
     async def is_sleeping(self) -> bool:
         """True while anything is asleep."""
         return await self._call(lambda: bool(self.llm_engine.engine_core.asleep))
@@ -380,7 +397,7 @@ class AsyncLLM:
         try:
             self.llm_engine.add_request(
                 command.request_id, command.prompt, command.params,
-                priority=command.priority, arrival_time=command.arrival_time,
+                priority=command.priority, arrival_time=command.arrival_time, lora_request=command.lora_request,
             )
         except Exception as exc:  # noqa: BLE001 - delivered to the one request it concerns
             self._deliver([(command.request_id, exc)])

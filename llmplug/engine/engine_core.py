@@ -6,7 +6,7 @@ import logging
 from typing import TYPE_CHECKING, Iterable
 
 from llmplug.core.config import EngineConfig
-from llmplug.core.errors import ConfigError, EngineDeadError, EngineStateError
+from llmplug.core.errors import ConfigError, EngineDeadError, EngineStateError, InvalidRequestError
 from llmplug.core.plugins import PluginRegistry
 from llmplug.engine.guided_decoding import grammar_bitmask, wait_for_any
 from llmplug.engine.kv_cache import KVCacheManager
@@ -17,6 +17,7 @@ from llmplug.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from llmplug.engine.spec_decode.speculator import Speculator
 from llmplug.engine.sleep_mode import SLEEP_TAGS, check_sleep_level, check_wake_tags
 from llmplug.engine.weight_update import weight_batches
+from llmplug.lora.request import LoRARequest
 
 if TYPE_CHECKING:
     import torch
@@ -63,7 +64,9 @@ class EngineCore:
             enable_chunked_prefill=sched.enable_chunked_prefill,
             policy=sched.policy,
             speculator=self._speculator(),
+            max_loras=config.lora.max_loras if config.lora.enable_lora else None,
         )
+        self.loras: dict[int, LoRARequest] = {}  # adapters loaded on the workers, by lora_int_id
         self.asleep: frozenset[str] = frozenset()  # the SLEEP_TAGS that are asleep now
         self.dead_error: EngineDeadError | None = None  # set by a fatal error; every later step raises it
 
@@ -122,6 +125,39 @@ class EngineCore:
                 f"the engine is asleep ({', '.join(sorted(self.asleep))}); call wake_up() before adding requests"
             )
         self.scheduler.add_request(request)
+
+    # ---- LoRA adapters ------------------------------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load and check an adapter on every worker (InvalidRequestError when it cannot be served)."""
+        if not self.config.lora.enable_lora:
+            raise InvalidRequestError(
+                f"request names LoRA adapter {lora_request.lora_name!r}, but LoRA is off: start the engine "
+                "with enable_lora=True (lora.enable_lora)", param="lora_request",
+            )
+        known = self.loras.get(lora_request.lora_int_id)
+        if known == lora_request:
+            return
+        if known is not None:
+            raise InvalidRequestError(
+                f"lora_int_id={lora_request.lora_int_id} already names adapter {known.lora_name!r} "
+                f"({known.lora_path}); remove it first or use another id", param="lora_request",
+            )
+        self.executor.collective_rpc("add_lora", (lora_request,))
+        self.loras[lora_request.lora_int_id] = lora_request
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload an adapter from every worker; False when none was loaded under that id.
+
+        Requests already using it keep it: the workers read it from its folder again if they need to.
+        """
+        if self.loras.pop(lora_int_id, None) is None:
+            return False
+        self.executor.collective_rpc("remove_lora", (lora_int_id,))
+        return True
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The adapters loaded now, in the order they were added."""
+        return list(self.loras.values())
 
     def abort_requests(self, req_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         """Finish requests early (abort, or a stop string found by the output processor)."""

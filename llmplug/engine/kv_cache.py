@@ -2,8 +2,9 @@
 
 A request's K/V live in fixed-size blocks (`block_size` tokens each) listed in its block table.
 A block that is full is named by a hash of its tokens chained to the hash of the block before it,
-so equal hashes mean equal prefixes. Freed blocks keep their hash and stay reusable until the pool
-needs them again; the least recently freed is evicted first.
+so equal hashes mean equal prefixes (under the same LoRA adapter: its id is hashed in too). Freed
+blocks keep their hash and stay reusable until the pool needs them again; the least recently freed is
+evicted first.
 
 A model with recurrent mixers (Mamba, gated delta nets, short convs) also keeps a fixed-size state
 per request: each running request owns one state slot (`StateSlotPool`) besides its blocks, taken
@@ -330,8 +331,10 @@ class KVCacheManager:
         """request.block_hashes extended to cover its first `num_full_blocks` blocks."""
         hashes, tokens, size = request.block_hashes, request.all_token_ids, self.block_size
         parent = hashes[-1] if hashes else None
+        # K/V computed under an adapter are the adapter's: its id is part of every block's name
+        extra = () if request.lora_request is None else (request.lora_int_id,)
         for i in range(len(hashes), num_full_blocks):
-            parent = hash_block(parent, tuple(tokens[i * size : (i + 1) * size]))
+            parent = hash_block(parent, tuple(tokens[i * size : (i + 1) * size]), extra)
             hashes.append(parent)
         return hashes
 

@@ -24,6 +24,7 @@ from llmplug.engine.beam_search import next_token_logprobs, start_search, step_p
 from llmplug.engine.input_processor import PromptType
 from llmplug.engine.llm_engine import LLMEngine
 from llmplug.engine.pooling import pair_prompt, score_pairs
+from llmplug.lora.request import LoRARequest
 
 if TYPE_CHECKING:
     import torch
@@ -83,12 +84,17 @@ class LLM:
         *,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Complete every prompt; outputs come back in the order of the prompts."""
+        """Complete every prompt; outputs come back in the order of the prompts.
+
+        `lora_request`: one LoRA adapter for every prompt, or one (or None: the base model) per prompt.
+        """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params = self._params_per_prompt(sampling_params, len(prompts))
-        ids = self._add_requests(prompts, params, priority)
+        loras = self._per_prompt(lora_request, len(prompts), "lora_request")
+        ids = self._add_requests(prompts, params, priority, loras)
         return self._run(ids, use_tqdm)
 
     def beam_search(
@@ -121,11 +127,13 @@ class LLM:
         *,
         use_tqdm: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Answer one conversation or a list of them, using the tokenizer's chat template."""
+        """Answer one conversation or a list of them, using the tokenizer's chat template (and, with
+        `lora_request`, a LoRA adapter: one for all, or one per conversation)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.chat_prompt(c, **(chat_template_kwargs or {})) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def chat_prompt(self, conversation: Conversation, **kwargs: Any) -> dict[str, Any]:
         """A conversation rendered by the chat template, as prompt text plus token ids."""
@@ -218,11 +226,15 @@ class LLM:
 
     # ---- step-by-step use -------------------------------------------------------------------
     def add_request(
-        self, prompt: PromptType, params: SamplingParams | PoolingParams | None = None, request_id: str | None = None
+        self,
+        prompt: PromptType,
+        params: SamplingParams | PoolingParams | None = None,
+        request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Queue one request; returns its id."""
         request_id = request_id or str(next(self._ids))
-        self.llm_engine.add_request(request_id, prompt, params)
+        self.llm_engine.add_request(request_id, prompt, params, lora_request=lora_request)
         return request_id
 
     def step(self) -> list[RequestOutput]:
@@ -264,6 +276,19 @@ class LLM:
         """Restore what sleep freed: tags "weights", "kv_cache", or both (None)."""
         self.llm_engine.engine_core.wake_up(tags)
 
+    # ---- LoRA adapters (see docs/lora.md) -------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load and check an adapter ahead of its requests (InvalidRequestError when it cannot be served)."""
+        self.llm_engine.engine_core.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload an adapter; False when none was loaded under that id."""
+        return self.llm_engine.engine_core.remove_lora(lora_int_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The adapters loaded now."""
+        return self.llm_engine.engine_core.list_loras()
+
     def is_sleeping(self) -> bool:
         """True while anything is asleep."""
         return bool(self.llm_engine.engine_core.asleep)
@@ -281,14 +306,27 @@ class LLM:
             raise ValueError(f"got {len(sampling_params)} sampling_params for {n} prompts")
         return list(sampling_params)
 
+    @staticmethod
+    def _per_prompt(value: Any, n: int, name: str) -> list[Any]:
+        """`value` for each of `n` prompts: a sequence of n, or one value for all."""
+        if isinstance(value, (list, tuple)):
+            if len(value) != n:
+                raise ValueError(f"got {len(value)} {name} for {n} prompts")
+            return list(value)
+        return [value] * n
+
     def _add_requests(
-        self, prompts: Sequence[PromptType], params: list[SamplingParams] | list[PoolingParams], priority
+        self, prompts: Sequence[PromptType], params: list[SamplingParams] | list[PoolingParams], priority,
+        loras: list[LoRARequest | None] | None = None,
     ) -> list[str]:
         ids = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 request_id = str(next(self._ids))
-                self.llm_engine.add_request(request_id, prompt, p, priority=priority[i] if priority else 0)
+                self.llm_engine.add_request(
+                    request_id, prompt, p, priority=priority[i] if priority else 0,
+                    lora_request=loras[i] if loras else None,
+                )
                 ids.append(request_id)
         except Exception:
             self.llm_engine.abort_request(ids)  # a bad prompt fails the call, not the engine

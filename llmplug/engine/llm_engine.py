@@ -19,6 +19,7 @@ from llmplug.engine.pooling import PoolingInfo, resolve_model_kind, resolve_pool
 from llmplug.engine.request_limits import RequestLimits
 from llmplug.engine.request import Request, RequestStatus
 from llmplug.loaders import build_loader
+from llmplug.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -99,10 +100,17 @@ class LLMEngine:
         *,
         priority: int = 0,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Validate and queue a request; with n > 1 it becomes n sequences sharing the prompt. PoolingParams
-        make it a pooling request (a pooling engine serves only those)."""
+        make it a pooling request (a pooling engine serves only those).
+
+        With `lora_request` it runs with that adapter, loaded and checked here first (InvalidRequestError).
+        """
         if isinstance(params, PoolingParams):
+            if lora_request is not None:
+                raise InvalidRequestError("LoRA adapters apply to generation, not to pooling requests",
+                                          param="lora_request")
             self._add_pooling_request(request_id, prompt, params, priority, arrival_time or time.time())
             return
         if self.pooling is not None:
@@ -117,6 +125,8 @@ class LLMEngine:
                 "position would need the grammar advanced through the drafts before it", param="guided_decoding",
             )
         text, token_ids, params = self.processor.process(prompt, params)
+        if lora_request is not None:
+            self.engine_core.add_lora(lora_request)
         grammar = self.guided.prepare(params.guided_decoding) if params.guided_decoding is not None else None
         arrival_time = arrival_time or time.time()
         child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
@@ -127,6 +137,7 @@ class LLMEngine:
                 child_id, token_ids, child, self.eos_token_ids, arrival_time, priority,
                 # one matcher per child; it waits for the end of the reasoning when the constraint says so
                 grammar=RequestGrammar(grammar, child.guided_decoding.start_after_token_ids) if grammar else None,
+                lora_request=lora_request,
             )
             try:
                 self.engine_core.add_request(request)

@@ -8,7 +8,7 @@ import itertools
 import logging
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import numpy as np
 import torch
@@ -32,6 +32,11 @@ from llmplug.layers.recurrent import (
     state_bytes_per_slot,
 )
 from llmplug.loaders import build_loader, resolve_load_format
+from llmplug.lora.request import LoRARequest
+
+if TYPE_CHECKING:
+    from llmplug.lora.layers import LoRAMapping
+    from llmplug.lora.manager import LoRAManager
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +94,8 @@ class ModelRunner:
         self.prompt_token_ids: dict[str, list[int]] = {}
         # prompt positions whose logprobs were sent, kept across preemption: a recomputed prefill sends none twice
         self.prompt_logprobs_sent: dict[str, int] = {}
+        self.lora_manager: LoRAManager | None = None  # built by load_model when lora.enable_lora
+        self.lora_of: dict[str, LoRARequest] = {}  # running requests that use an adapter
 
     # ---- set-up -------------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -119,12 +126,24 @@ class ModelRunner:
             path = loader.model_path(self.config.model.model)
             self.pooling_info = pooling_info(self.model, self.hf_config, self.config, path)
             self.pooling_type = PoolingType(self.pooling_info["pooling_type"])
+        if self.config.lora.enable_lora:
+            from llmplug.lora.manager import LoRAManager
+
+            self.lora_manager = LoRAManager(self.model, self.config.lora, self.dtype, self.device)
+            # a compiled forward would freeze the per-step LoRA mapping it was traced with
+            self.drop_compiled_forward("lora.enable_lora")
 
     def drop_compiled_forward(self, why: str) -> None:
         """Run the model eager from now on: a compiled (frozen) forward holds the weights it was compiled with."""
         if self.forward is not self.model:
             logger.info("%s: the compiled forward holds the old weights; running the model eager", why)
             self.forward = self.model
+
+    def require_lora(self) -> LoRAManager:
+        """The adapter manager; an error naming the setting when LoRA is off."""
+        if self.lora_manager is None:
+            raise RuntimeError("LoRA adapters need the engine started with lora.enable_lora=True")
+        return self.lora_manager
 
     def kv_cache_spec(self) -> KVCacheSpec:
         """The shape of this worker's share of the KV cache and recurrent state."""
@@ -195,6 +214,7 @@ class ModelRunner:
         for req_id in scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids:
             self.sampling_state.remove_request(req_id)
             self.prompt_token_ids.pop(req_id, None)
+            self.lora_of.pop(req_id, None)
         for req_id in scheduler_output.finished_req_ids:
             self.prompt_logprobs_sent.pop(req_id, None)
         for req in scheduler_output.requests:
@@ -204,6 +224,8 @@ class ModelRunner:
                     new.req_id, new.sampling_params, new.prompt_token_ids, new.output_token_ids, new.eos_token_ids
                 )
                 self.prompt_token_ids[new.req_id] = new.prompt_token_ids
+                if new.lora_request is not None:
+                    self.lora_of[new.req_id] = new.lora_request
 
     def prepare_inputs(self, scheduler_output: SchedulerOutput) -> BatchInputs:
         """Flatten the scheduled tokens of all requests into one batch (numpy, then one copy to torch)."""
@@ -271,7 +293,7 @@ class ModelRunner:
         batch = self.prepare_inputs(scheduler_output)
         attn_metadata = self.attn_backend.build_metadata(batch.common)
         model_kwargs = self._model_kwargs(scheduler_output)
-        with forward_context(attn_metadata, batch.recurrent):
+        with forward_context(attn_metadata, batch.recurrent, self._lora_mapping(scheduler_output, batch)):
             hidden_states = self.stage.run(self.forward, batch.input_ids, batch.positions, **model_kwargs)
         if hidden_states is None:  # an earlier pipeline stage: the last one samples
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
@@ -321,6 +343,12 @@ class ModelRunner:
 
         starts = [0, *itertools.accumulate(batch.common.query_lens_list)]
         return pool(self.model, scheduler_output, starts, hidden_states, self.pooling_type)
+    def _lora_mapping(self, scheduler_output: SchedulerOutput, batch: BatchInputs) -> LoRAMapping | None:
+        """Which adapter slot each token of the step uses; None when no request of the step has an adapter."""
+        if not self.lora_of:
+            return None
+        loras = [self.lora_of.get(r.req_id) for r in scheduler_output.requests]
+        return self.lora_manager.mapping(loras, np.asarray(batch.common.query_lens_list, dtype=np.int64))
 
     def _prompt_logprobs(
         self, scheduler_output: SchedulerOutput, batch: BatchInputs, hidden_states: torch.Tensor

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from llmplug.core.params import PoolingParams, SamplingParams
+from llmplug.lora.request import LoRARequest
 
 if TYPE_CHECKING:
     from llmplug.engine.guided_decoding import RequestGrammar
@@ -60,6 +61,12 @@ class Request:
     grammar: RequestGrammar | None = None  # guided decoding: its compiled grammar and matcher
     pooling_params: PoolingParams | None = None  # set for pooling requests (task and defaults resolved)
     token_type_ids: list[int] | None = None  # pooling: the segment of each prompt token (text pairs)
+    lora_request: LoRARequest | None = None  # the adapter it runs with; None: the base model
+
+    @property
+    def lora_int_id(self) -> int | None:
+        """The id of its adapter, None for the base model."""
+        return None if self.lora_request is None else self.lora_request.lora_int_id
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

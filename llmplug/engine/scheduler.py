@@ -13,6 +13,9 @@ A pooling request (embeddings, classification) is admitted only when its whole p
 step's budget — an encoder sees the prompt at once, and pooling needs every token's hidden state —
 holds no KV blocks, and finishes in the step that ran it. A pooling engine has no KV cache at all
 (`kv_cache_manager` None).
+
+With LoRA, the running requests use at most `max_loras` distinct adapters (the worker's device
+slots): a waiting request of another adapter waits until one of them has no running request left.
 """
 
 from __future__ import annotations
@@ -124,6 +127,7 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         policy: Literal["fcfs", "priority"] = "fcfs",
         speculator: Speculator | None = None,
+        max_loras: int | None = None,
     ) -> None:
         if policy not in ("fcfs", "priority"):
             raise ConfigError(f"scheduler.policy={policy!r} is not one of 'fcfs', 'priority'")
@@ -134,6 +138,7 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.policy = policy
         self.speculator = speculator  # speculative decoding: draft tokens for decoding requests
+        self.max_loras = max_loras  # distinct adapters among the running requests; None: LoRA is off
         # A request may not outgrow the whole cache either, or it would preempt itself forever.
         kv = kv_cache_manager
         self.max_num_tokens = max_model_len if kv is None else min(max_model_len, kv.num_blocks * kv.block_size)
@@ -324,6 +329,8 @@ class Scheduler:
                 scheduled.append(self._admit(request, 0, request.num_tokens))
                 budget -= request.num_tokens
                 continue
+            if not self._adapter_fits(request):
+                break
             computed_blocks, num_computed_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_new_tokens = self._num_new_tokens(request.num_tokens - num_computed_tokens, budget)
             if num_new_tokens == 0 or not self.kv_cache_manager.allocate_slots(
@@ -333,6 +340,13 @@ class Scheduler:
             self.waiting.pop()
             scheduled.append(self._admit(request, num_computed_tokens, num_new_tokens))
             budget -= num_new_tokens
+
+    def _adapter_fits(self, request: Request) -> bool:
+        """True when the request's adapter is running already or a device slot is left for it."""
+        if request.lora_request is None or self.max_loras is None:
+            return True
+        running = {r.lora_int_id for r in self.running if r.lora_request is not None}
+        return request.lora_int_id in running or len(running) < self.max_loras
 
     def _admit(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> ScheduledRequest:
         """Move a request whose blocks are allocated from waiting to running."""
@@ -347,6 +361,7 @@ class Scheduler:
             output_token_ids=list(request.output_token_ids),
             sampling_params=request.sampling_params,
             eos_token_ids=request.eos_token_ids,
+            lora_request=request.lora_request,
             pooling_params=request.pooling_params,
             token_type_ids=request.token_type_ids,
         )

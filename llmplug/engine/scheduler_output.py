@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from llmplug.core.params import PoolingParams, SamplingParams
+from llmplug.lora.request import LoRARequest
 
 if TYPE_CHECKING:
     import torch
@@ -22,6 +23,7 @@ class NewRequestData:
     eos_token_ids: tuple[int, ...] = ()  # masked while fewer than min_tokens are generated
     pooling_params: PoolingParams | None = None  # a pooling request: its whole prompt is in this step
     token_type_ids: list[int] | None = None  # pooling: the segment of each prompt token, when given
+    lora_request: LoRARequest | None = None  # the adapter the worker applies to its tokens
 
 
 @dataclass(slots=True, frozen=True)

@@ -24,6 +24,7 @@ from llmplug.engine.weight_update import WeightBatch, load_weight_batch
 from llmplug.layers.attention import attention_layers, bind_kv_cache
 from llmplug.layers.recurrent import bind_state_cache
 from llmplug.loaders.base import finish_loading
+from llmplug.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -194,6 +195,15 @@ class Worker:
             "pooling": runner.pooling_info,
             "num_state_slots": spec.num_state_slots,
         }
+
+    # ---- LoRA adapters (called through Executor.collective_rpc) ----
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load and check an adapter into this rank's host cache."""
+        self.model_runner.require_lora().add_adapter(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter on this rank."""
+        return self.model_runner.require_lora().remove_adapter(lora_int_id)
 
     # ---- between generations: new weights, sleep mode (called through Executor.collective_rpc) ----
     def update_weights(self, batch: WeightBatch) -> None:

@@ -38,6 +38,16 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                    help="On SIGTERM, how long in-flight requests may take to finish. Default: 30.")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="Server log level. Default: info.")
+    g = parser.add_argument_group("LoRA adapters (the engine needs --enable-lora; see docs/lora.md)")
+    g.add_argument("--lora-modules", nargs="+", action="extend", metavar="NAME=PATH",
+                   help="PEFT adapter folders served as models NAME (a request's `model` picks one); loaded and "
+                        "checked at start-up.")
+    g.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="Add /v1/load_lora_adapter and /v1/unload_lora_adapter (behind --api-key like every /v1 "
+                        "route). Default: off.")
+    g.add_argument("--lora-resolver", action="append", metavar="NAME",
+                   help="An llmplug.lora_resolvers plugin asked for adapters a request's `model` names that are not "
+                        "loaded (repeatable: asked in order). Default: none.")
     g = parser.add_argument_group("tools and reasoning")
     g.add_argument("--tool-call-parser", metavar="NAME",
                    help="How the model writes tool calls: an llmplug.tool_parsers name (in tree: hermes, llama3_json, "

@@ -35,12 +35,14 @@ class CommonAttentionMetadata:
 
 @dataclass(slots=True)
 class ForwardContext:
-    """What the layers of one forward pass see: the attention backend's metadata for this step and, for
-    models with recurrent mixers, each request's state slot (llmplug.layers.recurrent.RecurrentMetadata)."""
+    """What the layers of one forward pass see: the attention backend's metadata for this step; for
+    models with recurrent mixers, each request's state slot (llmplug.layers.recurrent.RecurrentMetadata);
+    when some request of the step runs with a LoRA adapter, which adapter slot each token uses."""
 
     attn_metadata: Any  # built once per step by the attention backend's `build`
     virtual_engine: int = 0
     recurrent_metadata: Any = None  # RecurrentMetadata; None for models without recurrent mixers
+    lora_mapping: Any = None  # llmplug.lora.layers.LoRAMapping; None: no token uses an adapter
 
 
 # A context variable, not a module global: engines stepping in different threads (AsyncLLM runs its
@@ -49,9 +51,12 @@ _current: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar
 
 
 @contextlib.contextmanager
-def forward_context(attn_metadata: Any, recurrent_metadata: Any = None) -> Iterator[ForwardContext]:
-    """Make `attn_metadata` (and `recurrent_metadata`) visible to the layers for the duration of one forward pass."""
-    context = ForwardContext(attn_metadata, recurrent_metadata=recurrent_metadata)
+def forward_context(
+    attn_metadata: Any, recurrent_metadata: Any = None, lora_mapping: Any = None
+) -> Iterator[ForwardContext]:
+    """Make `attn_metadata` (and `recurrent_metadata`, the LoRA mapping) visible to the layers for the duration
+    of one forward pass."""
+    context = ForwardContext(attn_metadata, recurrent_metadata=recurrent_metadata, lora_mapping=lora_mapping)
     token = _current.set(context)
     try:
         yield context

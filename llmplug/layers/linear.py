@@ -14,7 +14,7 @@ theirs in the same order.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import torch
 from torch import nn
@@ -33,6 +33,14 @@ __all__ = [
     "ReplicatedLinear",
     "RowParallelLinear",
 ]
+
+
+class LoRAHook(Protocol):
+    """Adds the LoRA adapters' delta to a layer's output (llmplug.lora.layers.LoRASlots)."""
+
+    def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y [T, out] plus each token's adapter delta on x [T, in] (this rank's shards of both)."""
+        ...
 
 
 def divide(numerator: int, denominator: int, what: str = "features") -> int:
@@ -56,6 +64,7 @@ class LinearBase(nn.Module):
         self.weight = frozen_parameter(torch.empty(output_size, input_size), self.weight_loader)
         self.bias = frozen_parameter(torch.empty(output_size), self.weight_loader) if bias else None
         self.quant_method: LinearMethod = DENSE
+        self.lora: LoRAHook | None = None  # adapter slots, attached by llmplug.lora when LoRA is enabled
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId | None = None) -> None:
         """Copy this rank's part of checkpoint tensor `loaded_weight` (shard `shard_id` of a fused weight) into `param`.
@@ -85,7 +94,8 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[..., input_size] -> [..., output_size]."""
-        return self.quant_method.apply(self, x, self.bias)
+        y = self.quant_method.apply(self, x, self.bias)
+        return y if self.lora is None else self.lora.apply(x, y)
 
     def extra_repr(self) -> str:
         return (
@@ -115,6 +125,8 @@ class ColumnParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[..., input_size] -> [..., output_size / tp] (or whole with gather_output)."""
         y = self.quant_method.apply(self, x, self.bias)
+        if self.lora is not None:
+            y = self.lora.apply(x, y)
         return get_tp_group().all_gather(y, dim=-1) if self.gather_output else y
 
 
@@ -227,6 +239,8 @@ class RowParallelLinear(LinearBase):
         # the bias is added once, by rank 0, so the all-reduce does not count it tp times
         bias = self.bias if self.tp_rank == 0 else None
         y = self.quant_method.apply(self, x, bias)
+        if self.lora is not None:  # a partial delta of this rank's columns; the all-reduce sums them
+            y = self.lora.apply(x, y)
         return get_tp_group().all_reduce(y) if self.reduce_results and self.tp_size > 1 else y
 
 

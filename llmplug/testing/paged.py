@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -52,8 +53,11 @@ class PagedHarness:
         while len(seq.blocks) * self.block_size < num_tokens:
             seq.blocks.append(self.free_blocks.pop())
 
-    def step(self, schedule: list[tuple[str, int]]) -> dict[str, torch.Tensor]:
-        """Run one step computing `n` new tokens of each (name, n); returns each request's logits [n, vocab]."""
+    def step(self, schedule: list[tuple[str, int]], lora_mapping: Any = None) -> dict[str, torch.Tensor]:
+        """Run one step computing `n` new tokens of each (name, n); returns each request's logits [n, vocab].
+
+        `lora_mapping` (llmplug.lora.layers.LoRAMapping): which adapter slot each token of the step uses.
+        """
         ids, positions, slots, q_lens, seq_lens, computed, tables = [], [], [], [], [], [], []
         for name, n in schedule:
             seq = self.seqs[name]
@@ -85,7 +89,7 @@ class PagedHarness:
             query_lens_list=tuple(q_lens),
             seq_lens_list=tuple(seq_lens),
         )
-        with torch.inference_mode(), forward_context(self.backend.build_metadata(common)):
+        with torch.inference_mode(), forward_context(self.backend.build_metadata(common), lora_mapping=lora_mapping):
             hidden = self.model(torch.tensor(ids), torch.tensor(positions))
             logits = self.model.compute_logits(hidden)
         for name, n in schedule:

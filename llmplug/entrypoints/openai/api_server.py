@@ -3,8 +3,11 @@
 Routes: /v1/models, /v1/completions, /v1/chat/completions, /v1/responses for a generating model; for a
 pooling model (embeddings, classifiers, cross-encoders) /v1/embeddings, /v1/score and /score, /v1/rerank,
 /rerank and /v2/rerank, /classify and /v1/classify, /pooling; the other kind's routes answer 400 naming
-the model's kind. API key and rate limit apply to every /v1 route. /health, /version, /metrics,
-/openapi.json (the request schemas with their bounds). Every error answers with OpenAI's error body.
+the model's kind. With `allow_runtime_lora_updating` also /v1/load_lora_adapter and
+/v1/unload_lora_adapter; LoRA adapters (`lora_modules`, loaded at start-up) are models of their own:
+listed in /v1/models and chosen by a request's `model`. API key and rate limit apply to every /v1 route.
+/health, /version, /metrics, /openapi.json (the request schemas with their bounds). Every error answers
+with OpenAI's error body.
 Shutdown (SIGTERM or SIGINT): uvicorn stops accepting connections, lets in-flight requests finish for
 up to `shutdown_timeout` seconds, cancels the rest (which aborts them in the engine), then the engine
 thread stops.
@@ -44,10 +47,12 @@ from llmplug.entrypoints.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
     ErrorResponse,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     ResponseObject,
     ResponsesRequest,
+    UnloadLoRAAdapterRequest,
 )
 from llmplug.entrypoints.openai.protocol_pooling import (
     ClassifyRequest,
@@ -61,6 +66,7 @@ from llmplug.entrypoints.openai.security import AccessMiddleware, BodySizeLimitM
 from llmplug.entrypoints.openai.serving_chat import OpenAIServingChat
 from llmplug.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from llmplug.entrypoints.openai.serving_engine import ClientDisconnected
+from llmplug.entrypoints.openai.serving_lora import ServedAdapters, parse_lora_modules
 from llmplug.entrypoints.openai.serving_pooling import OpenAIServingPooling
 from llmplug.entrypoints.openai.serving_responses import OpenAIServingResponses
 
@@ -92,6 +98,9 @@ class ServerSettings:
     tool_call_parser: str | None = None  # `llmplug.tool_parsers` name: the format of the model's tool calls
     enable_auto_tool_choice: bool = False  # tool_choice "auto": the model decides, the tool parser reads
     reasoning_parser: str | None = None  # `llmplug.reasoning_parsers` name
+    lora_modules: dict[str, str] = field(default_factory=dict)  # LoRA adapters served at start-up: name -> folder
+    allow_runtime_lora_updating: bool = False  # the /v1/load_lora_adapter and /v1/unload_lora_adapter routes
+    lora_resolvers: list[str] = field(default_factory=list)  # `llmplug.lora_resolvers` names, asked in order
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServerSettings":
@@ -109,6 +118,9 @@ class ServerSettings:
             shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
             tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
             reasoning_parser=args.reasoning_parser,
+            lora_modules=parse_lora_modules(args.lora_modules or []),
+            allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+            lora_resolvers=list(args.lora_resolver or []),
         )
 
 
@@ -119,21 +131,25 @@ def build_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> FastA
     metrics = ServerMetrics(engine.stats)
     renderer = PromptRenderer(engine.get_tokenizer(), settings.chat_template)
     admission = AdmissionControl(settings.max_waiting_requests, lambda: engine.stats()["num_running"])
+    adapters = ServedAdapters.with_resolvers(engine, names, settings.lora_resolvers, engine.llm_engine.registry)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        for name, path in settings.lora_modules.items():  # a start-up adapter that does not fit stops the server
+            await adapters.load(name, path)
         yield
         renderer.shutdown()
 
     app = FastAPI(title="llmplug", version=__version__, docs_url=None, redoc_url=None, openapi_url="/openapi.json",
                   lifespan=lifespan)
     app.state.engine, app.state.metrics, app.state.model_names = engine, metrics, names
+    app.state.adapters = adapters
     parsers = ReplyParsers.load(settings.tool_call_parser, settings.enable_auto_tool_choice,
                                 settings.reasoning_parser, engine.get_tokenizer(), engine.llm_engine.registry)
     shared = (engine, names, metrics, renderer, admission)
-    chat = OpenAIServingChat(*shared, parsers)
-    completion = OpenAIServingCompletion(*shared)
-    responses = OpenAIServingResponses(*shared, parsers)
+    chat = OpenAIServingChat(*shared, parsers, adapters=adapters)
+    completion = OpenAIServingCompletion(*shared, adapters=adapters)
+    responses = OpenAIServingResponses(*shared, parsers, adapters=adapters)
     pooling = OpenAIServingPooling(*shared)
     generates, pools = _kind_guards(engine)
     pooling_model = engine.pooling is not None  # /openapi.json lists the routes of the model's kind
@@ -154,15 +170,31 @@ def build_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> FastA
 
     @app.get("/v1/models")
     async def list_models() -> Response:
-        cards = [ModelCard(id=name, created=started, root=engine.config.model.model,
-                           max_model_len=engine.max_model_len) for name in names]
+        cards = [model_card(name) for name in [*names, *adapters.by_name]]
         return _json(ModelList(data=cards))
 
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str) -> Response:
-        name = chat.check_model(model_id)
-        return _json(ModelCard(id=name, created=started, root=engine.config.model.model,
-                               max_model_len=engine.max_model_len))
+        return _json(model_card(chat.check_model(model_id)))
+
+    def model_card(name: str) -> ModelCard:
+        """The base model's card, or an adapter's: its folder as root, the base model as parent."""
+        lora = adapters.get(name)
+        if lora is None:
+            return ModelCard(id=name, created=started, root=engine.config.model.model, max_model_len=engine.max_model_len)
+        return ModelCard(id=name, created=started, root=lora.lora_path, parent=names[0],
+                         max_model_len=engine.max_model_len)
+
+    if settings.allow_runtime_lora_updating:
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+            await adapters.load(body.lora_name, body.lora_path)
+            return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+            await adapters.unload(body.lora_name)
+            return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
 
     @app.post("/v1/chat/completions", responses=_responses(ChatCompletionResponse), include_in_schema=not pooling_model)
     async def chat_completions(body: ChatCompletionRequest, raw_request: Request) -> Response:

@@ -557,7 +557,22 @@ class ModelCard(OpenAIModel):
     created: int
     owned_by: str = "llmplug"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
+
+
+class LoadLoRAAdapterRequest(OpenAIModel):
+    """POST /v1/load_lora_adapter (vLLM's runtime adapter loading)."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(OpenAIModel):
+    """POST /v1/unload_lora_adapter."""
+
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None  # accepted for vLLM's clients; the name decides
 
 
 class ModelList(OpenAIModel):

@@ -57,20 +57,22 @@ from llmplug.entrypoints.openai.serving_engine import (
     until_disconnected,
     usage_info,
 )
+from llmplug.entrypoints.openai.serving_lora import ServedAdapters
 
 
 class OpenAIServingChat(OpenAIServing):
     """Chat completions."""
 
     def __init__(self, engine: AsyncLLM, model_names: list[str], metrics: ServerMetrics, renderer: PromptRenderer,
-                 admission: AdmissionControl, parsers: ReplyParsers | None = None):
-        super().__init__(engine, model_names, metrics, renderer, admission)
+                 admission: AdmissionControl, parsers: ReplyParsers | None = None,
+                 adapters: ServedAdapters | None = None):
+        super().__init__(engine, model_names, metrics, renderer, admission, adapters)
         self.parsers = parsers or ReplyParsers()
         self.template_takes_tools = template_takes_tools(renderer.template_text())
 
     async def create(self, body: ChatCompletionRequest, raw_request: Request) -> Response:
         """Answer one chat completion request."""
-        model = self.check_model(body.model)
+        model, lora = await self.resolve_model(body.model)
         self.log_ignored_fields(body, "/v1/chat/completions")
         _check_supported(body)
         named = body.tool_choice.function.name if isinstance(body.tool_choice, NamedToolChoice) else None
@@ -83,7 +85,8 @@ class OpenAIServingChat(OpenAIServing):
         reader, overrides = self.reply_plan(body, choice, prompt_text)
         params = self.sampling_params(body, max_tokens, top_logprobs, body.stream, **overrides)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        outputs = self.generate(prompt_text, prompt_ids, params, request_id, self.beam_search_params(body, params))
+        beam = self.beam_search_params(body, params, lora)
+        outputs = self.generate(prompt_text, prompt_ids, params, request_id, lora, beam)
         if body.stream:
             # wait for the first output here, so an error the engine finds gets its status code
             first = await until_disconnected(raw_request, anext(outputs))

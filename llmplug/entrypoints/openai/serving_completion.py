@@ -60,7 +60,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def create(self, body: CompletionRequest, raw_request: Request) -> Response:
         """Answer one completions request (n completions of each of its prompts)."""
-        model = self.check_model(body.model)
+        model, lora = await self.resolve_model(body.model)
         self.log_ignored_fields(body, "/v1/completions")
         _check_supported(body)
         prompts = await self._prompts(body.prompt)
@@ -69,8 +69,8 @@ class OpenAIServingCompletion(OpenAIServing):
         for i, prompt in enumerate(prompts):
             max_tokens = self.max_tokens(body.max_tokens, len(prompt.token_ids), "max_tokens", "prompt")
             params = self.sampling_params(body, max_tokens, body.logprobs, body.stream)
-            beam = self.beam_search_params(body, params)
-            streams.append(self.generate(prompt.text, prompt.token_ids, params, f"{request_id}-{i}", beam))
+            beam = self.beam_search_params(body, params, lora)
+            streams.append(self.generate(prompt.text, prompt.token_ids, params, f"{request_id}-{i}", lora, beam))
         outputs = merge(streams)
         if body.stream:
             first = await until_disconnected(raw_request, anext(outputs))

@@ -17,11 +17,13 @@ from llmplug.core.errors import EngineDeadError, InvalidRequestError
 from llmplug.core.outputs import PositionLogprobs, RequestOutput
 from llmplug.core.params import BeamSearchParams, RequestOutputKind, SamplingParams
 from llmplug.engine.async_llm import AsyncLLM
+from llmplug.lora.request import LoRARequest
 from llmplug.entrypoints.openai.admission import AdmissionControl
 from llmplug.entrypoints.openai.errors import OpenAIError, error_body
 from llmplug.entrypoints.openai.guided import guided_decoding_params
 from llmplug.entrypoints.openai.metrics import ServerMetrics
 from llmplug.entrypoints.openai.prompt_renderer import PromptRenderer
+from llmplug.entrypoints.openai.serving_lora import ServedAdapters
 from llmplug.entrypoints.openai.protocol import (
     ChatLogprob,
     ChatMessage,
@@ -49,9 +51,10 @@ class OpenAIServing:
     """The parts of serving an OpenAI endpoint that do not depend on the endpoint."""
 
     def __init__(self, engine: AsyncLLM, model_names: list[str], metrics: ServerMetrics, renderer: PromptRenderer,
-                 admission: AdmissionControl):
+                 admission: AdmissionControl, adapters: ServedAdapters | None = None):
         self.engine = engine
         self.model_names = model_names
+        self.adapters = adapters or ServedAdapters(engine, model_names)
         self.metrics = metrics
         self.renderer = renderer  # chat template and tokenization, off the event loop
         self.admission = admission
@@ -60,13 +63,19 @@ class OpenAIServing:
     # --- request checks ----------------------------------------------------------------------
 
     def check_model(self, model: str | None) -> str:
-        """The model name to answer with; 404 for a model this server does not serve."""
+        """The model name to answer with; 404 for a model (or LoRA adapter) this server does not serve."""
         if model is None or model == "":
             return self.model_names[0]
-        if model not in self.model_names:
+        if model not in self.model_names and self.adapters.get(model) is None:
+            served = [*self.model_names, *self.adapters.by_name]
             raise OpenAIError(404, f"The model `{model}` does not exist; this server serves "
-                                   f"{', '.join(self.model_names)}.", param="model", code="model_not_found")
+                                   f"{', '.join(served)}.", param="model", code="model_not_found")
         return model
+
+    async def resolve_model(self, model: str | None) -> tuple[str, LoRARequest | None]:
+        """The model name to answer with and the LoRA adapter it names (None: the base model); 404 when unknown."""
+        lora = await self.adapters.resolve(model) if model else None
+        return self.check_model(model), lora
 
     def check_prompt_length(self, num_prompt_tokens: int, param: str) -> None:
         """400 when the prompt leaves no room to generate a token."""
@@ -97,7 +106,8 @@ class OpenAIServing:
             vocab_size=self.engine.vocab_size, **overrides,
         )
 
-    def beam_search_params(self, request: SamplingRequest, params: SamplingParams) -> BeamSearchParams | None:
+    def beam_search_params(self, request: SamplingRequest, params: SamplingParams,
+                           lora: LoRARequest | None = None) -> BeamSearchParams | None:
         """BeamSearchParams when the request asks for beam search (`n` beams); 400 for what it cannot combine with."""
         if not request.use_beam_search:
             return None
@@ -108,6 +118,9 @@ class OpenAIServing:
                 raise OpenAIError(400, f"use_beam_search cannot be combined with {name}: beam search ranks whole "
                                        "beams by their logprobs and returns no per-token logprobs, stop strings "
                                        "or grammars", param=name)
+        if lora is not None:
+            raise OpenAIError(400, f"use_beam_search cannot be combined with a LoRA adapter (model "
+                                   f"{lora.lora_name!r}): beam search runs on the base model only", param="model")
         try:
             return BeamSearchParams(
                 beam_width=params.n, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos,
@@ -127,7 +140,8 @@ class OpenAIServing:
     # --- generation --------------------------------------------------------------------------
 
     async def generate(self, prompt_text: str | None, prompt_ids: list[int], params: SamplingParams,
-                       request_id: str, beam: BeamSearchParams | None = None) -> AsyncGenerator[RequestOutput, None]:
+                       request_id: str, lora: LoRARequest | None = None,
+                       beam: BeamSearchParams | None = None) -> AsyncGenerator[RequestOutput, None]:
         """The engine's outputs of one request, recorded in the metrics however the request ends.
 
         With `beam`, the request is a beam search: one finished output whose completions are the best beams.
@@ -143,7 +157,7 @@ class OpenAIServing:
             prompt = {"prompt": prompt_text, "prompt_token_ids": prompt_ids}
             outcome = "abort"  # unless it finishes or fails: the consumer went away
             if beam is None:
-                outputs = self.engine.generate(prompt, params, request_id)
+                outputs = self.engine.generate(prompt, params, request_id, lora_request=lora)
             else:
                 outputs = self.engine.beam_search(prompt, beam, request_id)
             failure = None

@@ -55,7 +55,7 @@ class OpenAIServingResponses(OpenAIServingChat):
 
     async def create(self, body: ResponsesRequest, raw_request: Request) -> Response:
         """Answer one responses request."""
-        model = self.check_model(body.model)
+        model, lora = await self.resolve_model(body.model)
         self.log_ignored_fields(body, "/v1/responses")
         _check_supported(body)
         named = body.tool_choice.name if isinstance(body.tool_choice, ResponsesNamedToolChoice) else None
@@ -69,7 +69,7 @@ class OpenAIServingResponses(OpenAIServingChat):
         reader, overrides = self.reply_plan(body, choice, prompt_text)
         params = self.sampling_params(body, max_tokens, body.top_logprobs, body.stream, **overrides)
         response_id = f"resp_{uuid.uuid4().hex}"
-        outputs = self.generate(prompt_text, prompt_ids, params, response_id)
+        outputs = self.generate(prompt_text, prompt_ids, params, response_id, lora)
         builder = _ResponseBuilder(response_id, model, body, len(prompt_ids), reader)
         if body.stream:
             first = await until_disconnected(raw_request, anext(outputs))
