@@ -46,7 +46,7 @@ class PluginBackendPlatform(CpuPlatform):
 def test_worker_registers_the_platforms_backend_before_joining_the_world(monkeypatch: pytest.MonkeyPatch) -> None:
     assert BACKEND not in dist.Backend.backend_list
     worker = Worker(EngineConfig(model={"dtype": "float32"}), DistributedEnv(1, 0, 0, f"tcp://127.0.0.1:{free_local_port()}"))
-    monkeypatch.setattr("llmplug.platforms.resolve_platform", lambda name: PluginBackendPlatform)
+    monkeypatch.setattr("llmplug.platforms.resolve_platform", lambda name, registry: PluginBackendPlatform)
     worker.init_device()
     try:
         assert dist.get_backend() == BACKEND
