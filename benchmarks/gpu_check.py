@@ -5,7 +5,8 @@
     python benchmarks/gpu_check.py --cpu-smoke      # reduced sizes on the CPU under TRITON_INTERPRET=1
 
 1. kernels: each Triton kernel against its plain-torch reference (`llmplug/layers/kernels/reference.py`)
-   on the device, float32 and bfloat16, with the time of the kernel and of the torch code it replaces;
+   on the device, float32 and bfloat16 (MoE token grouping: integer ids, once), with the time of the
+   kernel and of the torch code it replaces;
 2. end to end with the triton backend: greedy tokens of the default model (SmolLM2 GGUF, dequantized)
    and of a tiny random Qwen3 (GQA 4, q/k norm) equal transformers' on the same device (float32),
    and the KV-cache size the memory profile chose;
@@ -263,6 +264,24 @@ def check_row_kernels(s: dict, device, dtype, gen) -> None:
         record("kernels", "token bitmask", ok, f"64 x {vocab}, exact; {kernel:.3f} ms vs torch {torch_ms:.3f} ms")
 
 
+def check_moe_align(s: dict, device, gen) -> None:
+    """MoE token grouping (64 experts, top 8, block size 64) exact against its reference; timed against the
+    stable argsort + bincount it replaces."""
+    from llmplug.layers.kernels.moe_align import moe_align_block_size
+    from llmplug.layers.kernels.reference import moe_align_block_size_ref
+
+    t, experts, top_k = s["tokens"], 64, 8
+    ids = torch.rand(t, experts, generator=gen).argsort(dim=1)[:, :top_k].to(device)
+    got = [x.cpu() for x in moe_align_block_size(ids, experts, 64)]
+    ok = all(torch.equal(g, w) for g, w in zip(got, moe_align_block_size_ref(ids.cpu(), experts, 64)))
+    kernel = time_ms(lambda: moe_align_block_size(ids, experts, 1), device, s["timing_iters"])
+    flat = ids.flatten()
+    torch_ms = time_ms(lambda: (flat.argsort(stable=True), torch.bincount(flat, minlength=experts)), device,
+                       s["timing_iters"])
+    record("kernels", "moe_align_block_size", ok, f"{t} x {top_k} of {experts} experts, exact; "
+           f"{kernel:.3f} ms vs torch {torch_ms:.3f} ms")
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -273,6 +292,7 @@ def check_kernels(s: dict, device: torch.device) -> None:
         dtype = getattr(torch, name)
         guarded("kernels", lambda: check_paged_attention(s, device, dtype, gen))
         guarded("kernels", lambda: check_row_kernels(s, device, dtype, gen))
+    guarded("kernels", lambda: check_moe_align(s, device, gen))
 
 
 # ---- 2. models end to end ------------------------------------------------------------------------------

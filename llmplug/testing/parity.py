@@ -50,6 +50,10 @@ class ParityCase:
     # the `architectures` entry config.json gets, when not transformers' class name: hub checkpoints of a
     # config-only alias (model_type exaone, run by LlamaForCausalLM) name their own class (ExaoneForCausalLM)
     architecture: str | None = None
+    # RoBERTa-style learned positions from row pad_token_id + 1: transformers' `generate` passes positions
+    # from 0 that the model uses as rows, while its own forward counts from the offset (a pad token in the
+    # prompt taking the pad row): the reference passes rows from `hf_position_offset` to both
+    hf_position_offset: int | None = None
 
     def prompts(self, vocab_size: int) -> list[list[int]]:
         """Random prompts of `prompt_lengths` tokens, the same for every run of the case."""
@@ -183,20 +187,23 @@ def _hf_reference(hf_model: torch.nn.Module, case: ParityCase) -> Reference:
         raise ValueError(f"{case.name}: a parity config must have eos_token_id=None (tiny_config clears it)")
     prompts = case.prompts(hf_model.config.vocab_size)
     tokens, log_probs = [], []
+    offset = case.hf_position_offset
+    rows = lambda n: {} if offset is None else {"position_ids": torch.arange(offset, offset + n)[None]}  # noqa: E731
     with torch.inference_mode(), _one_thread():
         for prompt in prompts:
             ids = torch.tensor([prompt])
-            out = hf_model.generate(
+            out = hf_model.generate(  # generate extends position_ids by one per token
                 ids,
                 attention_mask=torch.ones_like(ids),
                 max_new_tokens=case.max_new_tokens,
                 do_sample=False,
                 pad_token_id=0,
+                **rows(len(prompt)),
             )
             full = out[0].tolist()
             tokens.append(full[len(prompt) :])
-            logits = hf_model(torch.tensor([full[:-1]])).logits[0].float()  # [P + N - 1, vocab]
-            log_probs.append(torch.log_softmax(logits, dim=-1))
+            logits = hf_model(torch.tensor([full[:-1]]), **rows(len(full) - 1)).logits[0]  # [P + N - 1, vocab]
+            log_probs.append(torch.log_softmax(logits.float(), dim=-1))
     return Reference(prompts, tokens, log_probs)
 
 

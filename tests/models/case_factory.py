@@ -15,13 +15,15 @@ def case(
     hf_attn: str = "eager",
     architecture: str | None = None,
     prompt_lengths: tuple[int, ...] | None = None,
+    hf_position_offset: int | None = None,
     **fields,
 ) -> ParityCase:
     """A ParityCase over `tiny_config(config_class, **fields)`; `architecture`: the name config.json gets (a
-    config-only alias's hub class), `prompt_lengths`: other prompts than the harness's."""
+    config-only alias's hub class), `prompt_lengths`: other prompts than the harness's, `hf_position_offset`: see
+    ParityCase."""
     make = lambda: tiny_config(config_class, **fields)  # noqa: E731
     lengths = {} if prompt_lengths is None else {"prompt_lengths": prompt_lengths}
     return ParityCase(
         name, make, engine_kwargs=engine_kwargs or {}, hf_attn_implementation=hf_attn, architecture=architecture,
-        **lengths,
+        hf_position_offset=hf_position_offset, **lengths,
     )

@@ -13,7 +13,9 @@ from transformers import (
     BioGptConfig,
     BertConfig,
     BloomConfig,
+    CamembertConfig,
     CodeGenConfig,
+    Data2VecTextConfig,
     CTRLConfig,
     Cohere2Config,
     CohereConfig,
@@ -47,6 +49,7 @@ from transformers import (
     GraniteConfig,
     GteConfig,
     LlamaConfig,
+    MegatronBertConfig,
     MistralConfig,
     ModernBertDecoderConfig,
     ModernBertConfig,
@@ -65,11 +68,13 @@ from transformers import (
     Qwen2Config,
     Qwen3Config,
     RobertaConfig,
+    RobertaPreLayerNormConfig,
     SmolLM3Config,
     StableLmConfig,
     Starcoder2Config,
     XGLMConfig,
     XLMRobertaConfig,
+    XLMRobertaXLConfig,
 )
 
 from llmplug.testing import ParityCase, PoolingParityCase, tiny_config
@@ -265,6 +270,18 @@ CASES += [
     # fused GeGLU, the prediction head (dense with bias, GELU, LayerNorm) before the tied decoder with a bias
     case("ModernBertDecoderForCausalLM", ModernBertDecoderConfig, local_attention=2 * WINDOW, classifier_bias=True,
          pad_token_id=0, bos_token_id=0),
+    # the BERT family as causal LMs: post-LN, token types, the masked-LM prediction head before a tied decoder
+    # with a bias; RoBERTa's positions from pad_token_id + 1 and GELU head (BERT's follows hidden_act)
+    case("BertLMHeadModel", BertConfig, is_decoder=True, hidden_act="relu"),
+    case("RobertaForCausalLM", RobertaConfig, is_decoder=True, pad_token_id=1, hf_position_offset=2),
+    case("XLMRobertaForCausalLM", XLMRobertaConfig, is_decoder=True, pad_token_id=1, hf_position_offset=2),
+    case("CamembertForCausalLM", CamembertConfig, is_decoder=True, pad_token_id=1, hf_position_offset=2),
+    case("Data2VecTextForCausalLM", Data2VecTextConfig, is_decoder=True, pad_token_id=1, hf_position_offset=2),
+    # pre-LN relatives: a norm before each sublayer and after the last; embeddings normalized, or not
+    case("RobertaPreLayerNormForCausalLM", RobertaPreLayerNormConfig, is_decoder=True, pad_token_id=1,
+         hf_position_offset=2),
+    case("XLMRobertaXLForCausalLM", XLMRobertaXLConfig, is_decoder=True, pad_token_id=1, hf_position_offset=2),
+    case("MegatronBertForCausalLM", MegatronBertConfig, is_decoder=True, hidden_act="relu"),
     # LongRoPE: the long factors (and attention factor) for sequences past the original context of 2
     case("Phi3ForCausalLM-longrope", Phi3Config, prompt_lengths=(3, 11, 7, 20, 4, 14, 29, 5),
          partial_rotary_factor=0.75, original_max_position_embeddings=2, rope_parameters={

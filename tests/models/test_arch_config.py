@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from transformers import (
+    BertConfig,
     CTRLConfig,
     Gemma2Config,
     Gemma3TextConfig,
@@ -12,6 +13,7 @@ from transformers import (
     MptConfig,
     OpenAIGPTConfig,
     Qwen2Config,
+    RobertaConfig,
     SmolLM3Config,
     StableLmConfig,
     Zamba2Config,
@@ -20,6 +22,7 @@ from transformers import (
 from llmplug.core.errors import ModelLoadError
 from llmplug.layers.decoder import DecoderArchConfig, LayerConfig
 from llmplug.plugins.models.arch_config import layers_of, rope_config_of
+from llmplug.plugins.models.bert import BertLMHeadModel, RobertaForCausalLM
 from llmplug.plugins.models.ctrl import CTRLLMHeadModel
 from llmplug.plugins.models.gemma import Gemma2ForCausalLM
 from llmplug.plugins.models.gpt2 import GPT2LMHeadModel
@@ -90,6 +93,12 @@ def test_partial_rotary_and_rope_scaling_are_read_from_either_transformers_gener
         (CTRLLMHeadModel, lambda: tiny_config(CTRLConfig, layer_norm_epsilon=1e-5), "layer_norm_epsilon"),
         (MptForCausalLM, lambda: tiny_config(MptConfig, attn_config={"qk_ln": True}), "qk_ln"),
         (Gemma2ForCausalLM, lambda: tiny_config(Gemma2Config, use_bidirectional_attention=True), "bidirectional"),
+        (BertLMHeadModel, lambda: tiny_config(BertConfig), "is_decoder=False"),
+        (
+            RobertaForCausalLM,
+            lambda: tiny_config(RobertaConfig, is_decoder=True, add_cross_attention=True, pad_token_id=1),
+            "add_cross_attention=True",
+        ),
     ],
 )
 def test_what_the_decoder_does_not_model_is_a_clear_load_error(cls, hf, field: str) -> None:

@@ -2,13 +2,14 @@
 
 Exports `triton_available`, `use_triton` and `require_triton_device`; the kernels themselves live in
 one module each (`paged_attention`, `reshape_and_cache`, `rms_norm`, `rotary`, `activation`,
-`bitmask`), imported only where they run, because importing them imports triton.
+`bitmask`, `moe_align`), imported only where they run, because importing them imports triton.
 
 Where the kernels run: on the tensors of a GPU that triton compiles for (device type "cuda", which
 is NVIDIA and ROCm alike), or on any device under triton's interpreter (`TRITON_INTERPRET=1`, read
 by triton when a kernel module is first imported), which is how the tests check them on a CPU.
-The layers (RMSNorm, SiluAndMul, rotary, the sampler's bitmask) take the kernel path for a tensor
-when `use_triton(tensor)` says so; the `triton` attention backend always uses its kernels.
+The layers (RMSNorm, SiluAndMul, rotary, the sampler's bitmask, the MoE experts' grouping) take the
+kernel path for a tensor when `use_triton(tensor)` says so; the `triton` attention backend always
+uses its kernels.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
+    "moe_align_block_size_ref",
     "paged_attention_ref",
     "reshape_and_cache_ref",
     "rms_norm_ref",
@@ -24,6 +25,24 @@ def _request_keys(cache: torch.Tensor, blocks: torch.Tensor, seq_len: int) -> to
     block_size = cache.shape[1]
     needed = -(-seq_len // block_size)
     return cache[blocks[:needed].long()].flatten(0, 1)[:seq_len]
+
+
+def moe_align_block_size_ref(
+    topk_ids: torch.Tensor, num_experts: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sorted_ids, offsets, counts) of `moe_align_block_size`, one expert at a time: expert e's flat
+    assignment indices in ascending order, padded with T * k up to a multiple of block_size."""
+    flat = topk_ids.reshape(-1)
+    numel = flat.numel()
+    sorted_ids = torch.full((numel + num_experts * (block_size - 1),), numel, dtype=torch.int32)
+    offsets, counts = [0], []
+    for e in range(num_experts):
+        members = (flat == e).nonzero().flatten()  # ascending
+        start = offsets[-1]
+        sorted_ids[start : start + len(members)] = members.int()
+        counts.append(len(members))
+        offsets.append(start + -(-len(members) // block_size) * block_size)
+    return sorted_ids, torch.tensor(offsets, dtype=torch.int32), torch.tensor(counts, dtype=torch.int32)
 
 
 def paged_attention_ref(

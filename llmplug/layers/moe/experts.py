@@ -15,11 +15,12 @@ Checkpoint tensors arrive one expert and projection at a time (`weight_loader` w
 `ExpertShard(expert, part)`, part 0 gate or down, 1 up); stacked checkpoint layouts are split into
 such pieces before (llmplug.layers.checkpoint_names, EXPERTS*).
 
-Compute: the (token, expert) assignments are sorted by expert, so each expert's tokens are one
-contiguous block of rows; each expert with at least one token runs two matmuls over its block, and
-the weighted rows are summed back per token with one index_add. No Python loop over tokens. On CPU in
-bf16 / fp16 each expert's weights are packed once after loading into oneDNN's layout (as dense layers
-are, llmplug.layers.packed_linear): an expert sees a few rows per step, where F.linear's per-call
+Compute: the (token, expert) assignments are sorted by expert (stable; on a GPU by the Triton kernel
+`moe_align_block_size`, llmplug.layers.kernels), so each expert's tokens are one contiguous block of
+rows; each expert with at least one token runs two matmuls over its block, and the weighted rows
+are summed back per token with one index_add. No Python loop over tokens. On CPU in bf16 / fp16
+each expert's weights are packed once after loading into oneDNN's layout (as dense layers are,
+llmplug.layers.packed_linear): an expert sees a few rows per step, where F.linear's per-call
 reorder of the weight costs as much as the matmul. A new weight drops the packed copies.
 """
 
@@ -31,6 +32,7 @@ from torch import nn
 
 from llmplug.communicators.parallel_state import get_tp_group
 from llmplug.layers.activation import ClampedSwiGLU, gated_activation
+from llmplug.layers.kernels import use_triton
 from llmplug.layers.linear import divide
 from llmplug.layers.moe.config import MoEConfig
 from llmplug.layers.packed_linear import PrepackedLinearMethod, prepack_supported
@@ -122,10 +124,8 @@ class FusedExperts(nn.Module):
         [T, hidden] (this rank's partial sum); with the router's `weights_on_input`, of expert(weight * x)."""
         weights_on_input = self.weights_on_input
         num_tokens, top_k = ids.shape
-        flat_ids = ids.reshape(-1)
-        order = flat_ids.argsort(stable=True)  # [T * k] assignments grouped by expert
+        order, counts = self._group_by_expert(ids)
         tokens = order // top_k  # token of each grouped assignment
-        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
         rows = x.index_select(0, tokens)  # [T * k, hidden]
         row_weights = weights.reshape(-1).index_select(0, order).to(x.dtype).unsqueeze(1)  # [T * k, 1]
         if weights_on_input:
@@ -140,6 +140,17 @@ class FusedExperts(nn.Module):
         if not weights_on_input:
             out.mul_(row_weights)
         return torch.zeros_like(x).index_add_(0, tokens, out)
+
+    def _group_by_expert(self, ids: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """The flat assignments of expert ids [T, k] sorted by expert (stable) [T * k], and each expert's
+        count; one Triton kernel on a GPU (`use_triton`)."""
+        if use_triton(ids):
+            from llmplug.layers.kernels.moe_align import moe_align_block_size
+
+            order, _, counts = moe_align_block_size(ids, self.num_experts)
+            return order, counts.tolist()
+        flat_ids = ids.reshape(-1)
+        return flat_ids.argsort(stable=True), torch.bincount(flat_ids, minlength=self.num_experts).tolist()
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Local expert `e` on its rows x [n, hidden] -> [n, hidden] (down bias on one rank only)."""

@@ -6,15 +6,26 @@ and normalized (`embedding_norm`), with no final norm. RoBERTa's positions start
 (`position_offset`), so a prompt holding the pad token is placed as if it held none. `*Model`
 checkpoints embed (CLS pooling unless a sentence-transformers folder says otherwise);
 `*ForSequenceClassification` classify through a dense + tanh head: BERT's pooler, RoBERTa's
-classification head.
+classification head. `*ForCausalLM` / BertLMHeadModel are the same layers made causal (`is_decoder=True`)
+under the masked-LM prediction head (dense -> activation -> LayerNorm, `head_transform`) and a tied decoder
+with a bias. Three relatives are pre-LN (a LayerNorm before each sublayer and one after the last layer):
+RoBERTa-PreLayerNorm (embeddings normalized too), XLM-RoBERTa-XL and Megatron-BERT (embeddings not).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from transformers import PretrainedConfig
 
 from llmplug.layers.checkpoint_names import CheckpointNames
-from llmplug.layers.decoder import DecoderArchConfig, MLPConfig, TransformerForPooling
+from llmplug.layers.decoder import (
+    DecoderArchConfig,
+    DecoderForCausalLM,
+    HeadTransformConfig,
+    MLPConfig,
+    TransformerForPooling,
+)
 from llmplug.layers.decoder.pooling import classifier_activation
 from llmplug.layers.layernorm import NormConfig
 from llmplug.layers.pooler import ClassifierHeadConfig, PoolingType
@@ -22,11 +33,19 @@ from llmplug.plugins.models.arch_config import layers_of, refuse, sizes_of
 
 __all__ = [
     "BertForSequenceClassification",
+    "BertLMHeadModel",
     "BertModel",
+    "CamembertForCausalLM",
+    "Data2VecTextForCausalLM",
+    "MegatronBertForCausalLM",
+    "RobertaForCausalLM",
     "RobertaForSequenceClassification",
     "RobertaModel",
+    "RobertaPreLayerNormForCausalLM",
+    "XLMRobertaForCausalLM",
     "XLMRobertaForSequenceClassification",
     "XLMRobertaModel",
+    "XLMRobertaXLForCausalLM",
     "encoder_names",
 ]
 
@@ -51,24 +70,28 @@ _EMBEDDINGS = {
 }
 
 
-def encoder_names(base: str, head: dict[str, str] | None, renames: dict[str, str] = _LAYER_RENAMES) -> CheckpointNames:
+def encoder_names(
+    base: str, head: dict[str, str] | None, renames: dict[str, str] = _LAYER_RENAMES, final_norm: str | None = None
+) -> CheckpointNames:
     """Names of a BERT-like checkpoint saved with or without its base-model prefix (`bert.`, `roberta.`).
 
     `head`: checkpoint module -> `head.*` for a classifier; None for an embedding model, which drops the
-    base model's pooler.
+    base model's pooler. `final_norm`: the base model's module of a pre-LN model's last norm.
     """
-    prefixes = {**_EMBEDDINGS, **{f"{base}.{k}": v for k, v in _EMBEDDINGS.items()}}
+    body = _EMBEDDINGS | ({} if final_norm is None else {final_norm: "model.norm"})
+    prefixes = {**body, **{f"{base}.{k}": v for k, v in body.items()}}
     ignored: tuple[str, ...] = ("embeddings.position_ids",)
     if head is None:
         ignored += ("pooler.dense.weight", "pooler.dense.bias")
     return CheckpointNames(prefixes={**prefixes, **(head or {})}, renames=renames, ignored=ignored)
 
 
-def bert_arch_config(hf: PretrainedConfig, position_offset: int = 0) -> DecoderArchConfig:
+def bert_arch_config(hf: PretrainedConfig, position_offset: int = 0, causal: bool = False) -> DecoderArchConfig:
     """BertModel and relatives: post-LN encoder layers, learned positions from row `position_offset`."""
     kind = getattr(hf, "position_embedding_type", None) or "absolute"
     refuse(hf, kind != "absolute", f"position_embedding_type={kind!r}")
-    refuse(hf, bool(getattr(hf, "is_decoder", False)), "is_decoder=True (a BERT decoder)")
+    if not causal:
+        refuse(hf, bool(getattr(hf, "is_decoder", False)), "is_decoder=True (a BERT decoder)")
     return DecoderArchConfig(
         **sizes_of(hf),
         layers=layers_of(hf, rope=False),
@@ -76,7 +99,7 @@ def bert_arch_config(hf: PretrainedConfig, position_offset: int = 0) -> DecoderA
         mlp=MLPConfig(hf.hidden_act, gated=False, bias=True),
         qkv_bias=True,
         o_proj_bias=True,
-        causal=False,
+        causal=causal,
         pre_norm=False,
         norm_after_residual=True,
         final_norm=False,
@@ -93,6 +116,52 @@ def roberta_arch_config(hf: PretrainedConfig) -> DecoderArchConfig:
     return bert_arch_config(hf, position_offset=hf.pad_token_id + 1)
 
 
+def causal_lm_arch_config(
+    hf: PretrainedConfig, position_offset: int = 0, head_act: str | None = None
+) -> DecoderArchConfig:
+    """BertLMHeadModel and relatives: the encoder made causal under its masked-LM prediction head, whose
+    activation is `hidden_act` (BERT) or `head_act` (RoBERTa's, fixed to GELU)."""
+    refuse(hf, not getattr(hf, "is_decoder", False), "is_decoder=False (a masked LM, not a causal one)")
+    cross = bool(getattr(hf, "add_cross_attention", False))
+    refuse(hf, cross, "add_cross_attention=True (the decoder of an encoder-decoder)")
+    return dataclasses.replace(
+        bert_arch_config(hf, position_offset, causal=True),
+        head_transform=HeadTransformConfig(head_act or hf.hidden_act, bias=True),
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", True)),
+        lm_head_bias=True,
+    )
+
+
+def roberta_causal_lm_arch_config(hf: PretrainedConfig) -> DecoderArchConfig:
+    """RobertaForCausalLM and relatives: positions from pad_token_id + 1, a GELU prediction head."""
+    return causal_lm_arch_config(hf, position_offset=hf.pad_token_id + 1, head_act="gelu")
+
+
+def pre_ln_causal_lm_arch_config(
+    hf: PretrainedConfig, position_offset: int, head_act: str | None, embedding_norm: bool
+) -> DecoderArchConfig:
+    """The pre-LN relatives as causal LMs: a norm before each sublayer and after the last layer."""
+    post_ln = causal_lm_arch_config(hf, position_offset, head_act)
+    return dataclasses.replace(
+        post_ln, pre_norm=True, norm_after_residual=False, final_norm=True, embedding_norm=embedding_norm
+    )
+
+
+def roberta_prelayernorm_arch_config(hf: PretrainedConfig) -> DecoderArchConfig:
+    """RobertaPreLayerNormForCausalLM: normalized embeddings, RoBERTa's positions and head."""
+    return pre_ln_causal_lm_arch_config(hf, hf.pad_token_id + 1, "gelu", embedding_norm=True)
+
+
+def xlm_roberta_xl_arch_config(hf: PretrainedConfig) -> DecoderArchConfig:
+    """XLMRobertaXLForCausalLM: embeddings not normalized, RoBERTa's positions and head."""
+    return pre_ln_causal_lm_arch_config(hf, hf.pad_token_id + 1, "gelu", embedding_norm=False)
+
+
+def megatron_bert_arch_config(hf: PretrainedConfig) -> DecoderArchConfig:
+    """MegatronBertForCausalLM: embeddings not normalized, BERT's positions and head."""
+    return pre_ln_causal_lm_arch_config(hf, 0, None, embedding_norm=False)
+
+
 def tanh_head(hf: PretrainedConfig) -> ClassifierHeadConfig:
     """dense -> tanh -> labels: BERT's pooler + classifier, RoBERTa's classification head."""
     return ClassifierHeadConfig(hf.num_labels, dense=True, activation=classifier_activation(hf))
@@ -104,6 +173,28 @@ def _cls(hf: PretrainedConfig) -> PoolingType:
 
 _BERT_HEAD = {"bert.pooler.dense": "head.dense", "pooler.dense": "head.dense", "classifier": "head.out_proj"}
 _ROBERTA_HEAD = {"classifier.dense": "head.dense", "classifier.out_proj": "head.out_proj"}
+# the pre-LN relatives' layer norms: before the attention, before the MLP
+_PRELAYERNORM_RENAMES = _LAYER_RENAMES | {
+    "attention.LayerNorm": "input_layernorm",
+    "intermediate.LayerNorm": "post_attention_layernorm",
+}
+_XL_RENAMES = _LAYER_RENAMES | {
+    "attention.self_attn_layer_norm": "input_layernorm",
+    "LayerNorm": "post_attention_layernorm",
+}
+_MEGATRON_RENAMES = _LAYER_RENAMES | {"attention.ln": "input_layernorm", "ln": "post_attention_layernorm"}
+# the masked-LM prediction heads: transform (dense, LayerNorm) and the decoder, its bias also stored apart
+_BERT_LM_HEAD = {
+    "cls.predictions.transform.dense": "model.head_transform.dense",
+    "cls.predictions.transform.LayerNorm": "model.head_transform.norm",
+    "cls.predictions.decoder": "lm_head",
+    "cls.predictions.bias": "lm_head.bias",
+}
+_ROBERTA_LM_HEAD = {
+    "lm_head.dense": "model.head_transform.dense",
+    "lm_head.layer_norm": "model.head_transform.norm",
+    "lm_head.decoder": "lm_head",
+}
 
 
 class BertModel(TransformerForPooling):
@@ -142,3 +233,52 @@ class XLMRobertaModel(RobertaModel):
 
 class XLMRobertaForSequenceClassification(RobertaForSequenceClassification):
     """XLM-RoBERTa classifiers and rerankers (HF architecture XLMRobertaForSequenceClassification; BGE reranker)."""
+
+
+class BertLMHeadModel(DecoderForCausalLM):
+    """BERT as a causal LM (HF architecture BertLMHeadModel, `is_decoder=True`)."""
+
+    arch_config_of = staticmethod(causal_lm_arch_config)
+    checkpoint_names = encoder_names("bert", _BERT_LM_HEAD)
+
+
+class RobertaForCausalLM(DecoderForCausalLM):
+    """RoBERTa as a causal LM (HF architecture RobertaForCausalLM, `is_decoder=True`)."""
+
+    arch_config_of = staticmethod(roberta_causal_lm_arch_config)
+    checkpoint_names = encoder_names("roberta", _ROBERTA_LM_HEAD)
+
+
+class XLMRobertaForCausalLM(RobertaForCausalLM):
+    """XLM-RoBERTa as a causal LM (HF architecture XLMRobertaForCausalLM)."""
+
+
+class CamembertForCausalLM(RobertaForCausalLM):
+    """CamemBERT (RoBERTa's layout) as a causal LM (HF architecture CamembertForCausalLM)."""
+
+
+class Data2VecTextForCausalLM(RobertaForCausalLM):
+    """data2vec-text (RoBERTa's layout, `data2vec_text.` names) as a causal LM (HF Data2VecTextForCausalLM)."""
+
+    checkpoint_names = encoder_names("data2vec_text", _ROBERTA_LM_HEAD)
+
+
+class RobertaPreLayerNormForCausalLM(DecoderForCausalLM):
+    """RoBERTa-PreLayerNorm as a causal LM (HF architecture RobertaPreLayerNormForCausalLM)."""
+
+    arch_config_of = staticmethod(roberta_prelayernorm_arch_config)
+    checkpoint_names = encoder_names("roberta_prelayernorm", _ROBERTA_LM_HEAD, _PRELAYERNORM_RENAMES, "LayerNorm")
+
+
+class XLMRobertaXLForCausalLM(DecoderForCausalLM):
+    """XLM-RoBERTa-XL as a causal LM (HF architecture XLMRobertaXLForCausalLM)."""
+
+    arch_config_of = staticmethod(xlm_roberta_xl_arch_config)
+    checkpoint_names = encoder_names("roberta", _ROBERTA_LM_HEAD, _XL_RENAMES, "encoder.LayerNorm")
+
+
+class MegatronBertForCausalLM(DecoderForCausalLM):
+    """Megatron-BERT as a causal LM (HF architecture MegatronBertForCausalLM)."""
+
+    arch_config_of = staticmethod(megatron_bert_arch_config)
+    checkpoint_names = encoder_names("bert", _BERT_LM_HEAD, _MEGATRON_RENAMES, "encoder.ln")

@@ -10,6 +10,7 @@ from llmplug.engine.sampler import apply_token_bitmask
 from llmplug.layers.activation import SiluAndMul
 from llmplug.layers.kernels import KERNELS_ENV, use_triton
 from llmplug.layers.layernorm import RMSNorm
+from llmplug.layers.moe import FusedExperts, MoEConfig, RouterConfig
 from llmplug.layers.rotary import RotaryCosSin, RotaryPositions, get_rope
 
 
@@ -76,3 +77,15 @@ def test_sampler_bitmask(monkeypatch: pytest.MonkeyPatch) -> None:
 
     on_torch, on_kernel = both_paths(monkeypatch, apply)
     assert torch.equal(on_kernel, on_torch)
+
+
+def test_moe_experts_group_tokens_alike(monkeypatch: pytest.MonkeyPatch) -> None:
+    gen = torch.Generator().manual_seed(4)
+    experts = FusedExperts(MoEConfig(RouterConfig(8, 2), 16), hidden_size=32)
+    experts.gate_up_proj.data.normal_(generator=gen)
+    experts.down_proj.data.normal_(generator=gen)
+    x = torch.randn(70, 32, generator=gen)  # 140 assignments: three kernel chunks
+    ids = torch.rand(70, 6, generator=gen).argsort(dim=1)[:, :2]  # experts 6 and 7 get no token
+    weights = torch.rand(70, 2, generator=gen)
+    on_torch, on_kernel = both_paths(monkeypatch, lambda: experts(x, weights, ids))
+    torch.testing.assert_close(on_kernel, on_torch, rtol=1e-5, atol=1e-5)  # SiLU-and-mul's kernel also runs
