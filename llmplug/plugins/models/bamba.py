@@ -7,6 +7,8 @@ the final norm `final_layernorm`.
 
 from __future__ import annotations
 
+from typing import Any
+
 from transformers import PretrainedConfig
 
 from llmplug.layers.checkpoint_names import CheckpointNames
@@ -15,7 +17,7 @@ from llmplug.layers.recurrent import Mamba2MixerConfig
 from llmplug.plugins.models.arch_config import refuse
 from llmplug.plugins.models.llama import llama_fields
 
-__all__ = ["BambaForCausalLM", "hybrid_layers", "mamba2_config_of"]
+__all__ = ["BambaForCausalLM", "hybrid_layers", "mamba2_config_of", "mamba2_fields"]
 
 ATTENTION = "full_attention"
 BAMBA_NAMES = CheckpointNames(
@@ -24,11 +26,9 @@ BAMBA_NAMES = CheckpointNames(
 )
 
 
-def mamba2_config_of(hf: PretrainedConfig) -> Mamba2MixerConfig:
-    """The Mamba 2 mixer of a config with `mamba_*` fields (Bamba, GraniteMoeHybrid)."""
-    refuse(hf, int(hf.mamba_expand * hf.hidden_size) != hf.mamba_n_heads * hf.mamba_d_head,
-           "mamba_expand * hidden_size different from mamba_n_heads * mamba_d_head")
-    return Mamba2MixerConfig(
+def mamba2_fields(hf: PretrainedConfig) -> dict[str, Any]:
+    """The Mamba2MixerConfig fields every config with `mamba_*` fields carries (Bamba, GraniteMoeHybrid, Falcon-H1)."""
+    return dict(
         num_heads=hf.mamba_n_heads,
         head_dim=hf.mamba_d_head,
         state_size=hf.mamba_d_state,
@@ -36,10 +36,16 @@ def mamba2_config_of(hf: PretrainedConfig) -> Mamba2MixerConfig:
         conv_kernel=hf.mamba_d_conv,
         chunk_size=hf.mamba_chunk_size,
         conv_bias=bool(hf.mamba_conv_bias),
-        proj_bias=bool(hf.mamba_proj_bias),
         time_step_limit=tuple(hf.time_step_limit),
         norm_eps=hf.rms_norm_eps,
     )
+
+
+def mamba2_config_of(hf: PretrainedConfig) -> Mamba2MixerConfig:
+    """The Mamba 2 mixer of a config with `mamba_*` fields (Bamba, GraniteMoeHybrid)."""
+    refuse(hf, int(hf.mamba_expand * hf.hidden_size) != hf.mamba_n_heads * hf.mamba_d_head,
+           "mamba_expand * hidden_size different from mamba_n_heads * mamba_d_head")
+    return Mamba2MixerConfig(**mamba2_fields(hf), proj_bias=bool(hf.mamba_proj_bias))
 
 
 def hybrid_layers(attention_layers: tuple[LayerConfig, ...], kinds: list[str], mixer: str) -> tuple[LayerConfig, ...]:

@@ -12,7 +12,7 @@ from transformers import PretrainedConfig
 from llmplug.layers.decoder import DecoderArchConfig, DecoderForCausalLM, MLPConfig
 from llmplug.layers.recurrent import Mamba2MixerConfig
 from llmplug.plugins.models.arch_config import refuse
-from llmplug.plugins.models.bamba import BAMBA_NAMES
+from llmplug.plugins.models.bamba import BAMBA_NAMES, mamba2_fields
 from llmplug.plugins.models.llama import llama_fields
 
 __all__ = ["FalconH1ForCausalLM"]
@@ -23,16 +23,8 @@ def _mixer(hf: PretrainedConfig) -> Mamba2MixerConfig:
     refuse(hf, intermediate != hf.mamba_n_heads * hf.mamba_d_head, "mamba_d_ssm different from heads x head dim")
     refuse(hf, hf.mamba_proj_bias != hf.projectors_bias, "different biases on the Mamba in and out projections")
     return Mamba2MixerConfig(
-        num_heads=hf.mamba_n_heads,
-        head_dim=hf.mamba_d_head,
-        state_size=hf.mamba_d_state,
-        n_groups=hf.mamba_n_groups,
-        conv_kernel=hf.mamba_d_conv,
-        chunk_size=hf.mamba_chunk_size,
-        conv_bias=bool(hf.mamba_conv_bias),
+        **mamba2_fields(hf),
         proj_bias=bool(hf.projectors_bias),
-        time_step_limit=tuple(hf.time_step_limit),
-        norm_eps=hf.rms_norm_eps,
         gated_norm=bool(hf.mamba_rms_norm),
         norm_before_gate=bool(hf.mamba_norm_before_gate),
         in_multiplier=hf.ssm_in_multiplier,
