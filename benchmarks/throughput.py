@@ -1,13 +1,18 @@
 """Offline throughput: llmplug vs HF transformers (padded `generate` and continuous-batching
-`generate_batch`) on the same model, prompts and output lengths, greedy, in one run.
+`generate_batch`) and llama.cpp on the same model, prompts and output lengths, greedy, in one run.
 
     python benchmarks/throughput.py                       # the embedded default model (GGUF)
     python benchmarks/throughput.py --model DIR --num-prompts 32 --output-len 128
 
-Reports output tokens/s of each engine for a batch of prompts and for one stream, llmplug's prefill
-tokens/s (the batch's prompt tokens, one output token each; prefix cache off), and the ratios. With
---compile also llmplug with `device.compile` (compiled in the warm-up, not timed); with --cpu-clock
-every row is timed in CPU seconds of the process, steadier when other jobs share the machine.
+Reports output tokens/s of each engine for a batch of prompts and for one stream, prefill tokens/s
+(the batch's prompt tokens, one output token each; prefix cache off), and the ratios. With --compile
+also llmplug with `device.compile` (compiled in the warm-up, not timed); with --cpu-clock every row is
+timed in CPU seconds of the process, steadier when other jobs share the machine.
+
+When the model is a GGUF and `llama-cpp-python` is installed (`pip install -e '.[bench-peers]'`, which
+builds llama.cpp once; `make bench` does it), llama.cpp runs the same file with the same thread count:
+its single stream and its prefill (one prompt at a time: the Python binding runs one sequence; its
+batched serving is measured by `benchmarks/serve.py` against `llama-server`).
 """
 
 from __future__ import annotations
@@ -96,6 +101,47 @@ def bench_hf_generate_batch(hf, prompts: list[list[int]], output_len: int, pad_i
     return sum(len(r.generated_tokens) for r in results.values()) / elapsed
 
 
+def bench_hf_prefill(hf, prompts: list[list[int]], pad_id: int, clock=time.perf_counter) -> float:
+    """Prompt tokens/s of one padded forward over the batch (what `generate` does before its first token)."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts]).to(hf.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts]).to(hf.device)
+    with torch.inference_mode():
+        hf(ids[:1, -8:], attention_mask=mask[:1, -8:])  # warm-up
+        start = clock()
+        hf(ids, attention_mask=mask, logits_to_keep=1)
+    return sum(map(len, prompts)) / (clock() - start)
+
+
+def load_llama_cpp(gguf: str):
+    """llama.cpp (llama-cpp-python) on the same GGUF with torch's thread count; None without the peers extra."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    threads = torch.get_num_threads()
+    return Llama(model_path=gguf, n_ctx=4096, n_batch=512, n_threads=threads, n_threads_batch=threads,
+                 verbose=False)
+
+
+def bench_llama_cpp(llm, prompts: list[list[int]], output_len: int, clock=time.perf_counter) -> float:
+    """llama.cpp's output tokens/s generating each prompt in turn (greedy, EOS ignored); with output_len 1,
+    its prompt tokens/s."""
+    llm.reset()
+    llm.eval(prompts[0][:8])  # warm-up
+    start = clock()
+    for prompt in prompts:
+        llm.reset()
+        if output_len == 1:
+            llm.eval(prompt)
+            continue
+        for produced, _ in enumerate(llm.generate(prompt, temp=0.0, reset=True), start=1):
+            if produced == output_len:
+                break
+    elapsed = clock() - start
+    return sum(map(len, prompts)) / elapsed if output_len == 1 else output_len * len(prompts) / elapsed
+
+
 def report(rows: dict[str, float], ratios: dict[str, float], args: argparse.Namespace) -> None:
     """Print the ratios; write the arguments, throughputs and ratios to `args.json` when given."""
     for name, r in ratios.items():
@@ -149,6 +195,12 @@ def main() -> int:
         record(f"{name} single", bench_llmplug(model, single, args.output_len, args.dtype, **engine))
     if model.endswith(".gguf"):  # the GGUF's own 4-bit blocks, as llama.cpp runs them
         record("llmplug single int4", bench_llmplug(model, single, args.output_len, args.dtype, "auto", clock=clock))
+    llama_cpp = load_llama_cpp(model) if model.endswith(".gguf") else None
+    if llama_cpp is not None:
+        record("llama.cpp prefill", bench_llama_cpp(llama_cpp, batch, 1, clock=clock))
+        record("llama.cpp single", bench_llama_cpp(llama_cpp, single, args.output_len, clock=clock))
+        del llama_cpp
+    record("hf prefill", bench_hf_prefill(hf, batch, pad_id, clock=clock))
     record("hf generate batch", bench_hf_generate(hf, batch, args.output_len, pad_id, clock=clock))
     record("hf generate single", bench_hf_generate(hf, single, args.output_len, pad_id, clock=clock))
     if not args.skip_hf_batch:
@@ -157,7 +209,12 @@ def main() -> int:
     ratios = {
         "batch: llmplug / hf generate": rows["llmplug batch"] / rows["hf generate batch"],
         "single: llmplug / hf generate": rows["llmplug single"] / rows["hf generate single"],
+        "prefill: llmplug / hf": rows["llmplug prefill"] / rows["hf prefill"],
     }
+    if "llama.cpp single" in rows:
+        ratios["single: llmplug / llama.cpp"] = rows["llmplug single"] / rows["llama.cpp single"]
+        ratios["single int4: llmplug / llama.cpp"] = rows["llmplug single int4"] / rows["llama.cpp single"]
+        ratios["prefill: llmplug / llama.cpp"] = rows["llmplug prefill"] / rows["llama.cpp prefill"]
     if args.compile:
         for kind in ("prefill", "batch", "single"):
             ratios[f"{kind}: compiled / eager"] = rows[f"llmplug compiled {kind}"] / rows[f"llmplug {kind}"]
