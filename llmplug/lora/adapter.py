@@ -12,9 +12,9 @@ different one is a resized or retrained vocabulary). The scaling (`lora_alpha / 
 `lora_alpha / sqrt(r)` with rsLoRA) is folded into B once, here.
 
 Everything that would not fit the model — another rank than the slots hold, a module the model has no
-LoRA-capable layer for, shapes of another architecture, PEFT features this engine does not compute
-(DoRA, biases, `modules_to_save`, per-module rank or alpha patterns, `ensure_weight_tying`) — is a LoRALoadError naming the
-adapter and what is wrong, raised before any request using it is queued.
+LoRA-capable layer for, shapes of another architecture or vocabulary, PEFT features this engine does
+not compute (DoRA, biases, `modules_to_save`, per-module rank or alpha patterns, `ensure_weight_tying`)
+— is a LoRALoadError naming the adapter and what is wrong, raised before any request using it is queued.
 """
 
 from __future__ import annotations

@@ -85,7 +85,9 @@ def lora_target(layer: Adaptable) -> LoRATarget:
     return LoRATarget(layer.input_size, {None: getattr(layer, "total_output_size", layer.output_size)})
 
 
-def lora_slots(layer: Adaptable, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device) -> "LoRASlots":
+def lora_slots(
+    layer: Adaptable, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device
+) -> "LoRASlots":
     """The slots of `layer`, of the kind its compute and sharding need."""
     if isinstance(layer, ParallelLMHead):
         cls: type[LoRASlots] = LMHeadLoRASlots
@@ -125,7 +127,8 @@ class LoRASlots:
             self._place(a_dst, b_dst, a.to(a_dst.dtype), b.to(b_dst.dtype), part)
             self.filled.add(slot)
 
-    def _place(self, a_dst: torch.Tensor, b_dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor, part: ShardId | None) -> None:
+    def _place(self, a_dst: torch.Tensor, b_dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor, part: ShardId | None
+               ) -> None:
         """Copy this rank's shards of one part's A [r, in] and B [out, r] into the slot's views."""
         if isinstance(self.layer, RowParallelLinear):  # this rank's input columns of A; B whole
             self.layer._place(a_dst, a, None)
@@ -162,7 +165,8 @@ class EmbeddingLoRASlots(LoRASlots):
     def _local_widths(self) -> tuple[int, int]:
         return self.layer.num_embeddings_per_partition, self.layer.embedding_dim
 
-    def _place(self, a_dst: torch.Tensor, b_dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor, part: ShardId | None) -> None:
+    def _place(self, a_dst: torch.Tensor, b_dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor, part: ShardId | None
+               ) -> None:
         self.layer._place(a_dst.t(), a.t())  # this rank's vocabulary columns of A; B whole
         b_dst.copy_(b)
 
@@ -183,6 +187,7 @@ class LMHeadLoRASlots(LoRASlots):
     def _local_widths(self) -> tuple[int, int]:
         return self.layer.embedding_dim, self.layer.num_embeddings_per_partition
 
-    def _place(self, a_dst: torch.Tensor, b_dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor, part: ShardId | None) -> None:
+    def _place(self, a_dst: torch.Tensor, b_dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor, part: ShardId | None
+               ) -> None:
         a_dst.copy_(a)
         self.layer._place(b_dst, b)

@@ -1,8 +1,8 @@
 """The worker's adapters: a host-side LRU cache of loaded adapters and `max_loras` device slots, also LRU.
 
 `LoRAManager(model, config, ...)` attaches a `LoRASlots` to every linear layer of the model, its token
-embedding and its LM head (the layers' `lora` hook). `add_adapter` loads and checks a PEFT folder into the host cache (the engine
-calls it before queueing a request, so a bad adapter never reaches a step). Each step,
+embedding and its LM head (the layers' `lora` hook). `add_adapter` loads and checks a PEFT folder into
+the host cache (the engine calls it before queueing a request, so a bad adapter never reaches a step). Each step,
 `mapping(lora_ids)` puts the step's adapters into slots — evicting the least recently used adapter
 that the step does not need; the scheduler admits at most `max_loras` distinct adapters, so one
 is always free — and returns the per-token `LoRAMapping` the layers read from the forward context.
