@@ -4,7 +4,8 @@
     python benchmarks/lora.py --model DIR --num-prompts 32 --output-len 64 --rank 16 --json out.json
 
 Three rows over the same prompts (greedy, ignore_eos), measured interleaved in one process for
-`--rounds` rounds (median reported): `base` (an engine with LoRA off), `lora-enabled, no adapter` (a
+`--rounds` rounds (median reported, per wall second and per CPU second of the process): `base` (an
+engine with LoRA off), `lora-enabled, no adapter` (a
 second engine with slots allocated, no request uses one: the cost of the hook alone) and `4 adapters
 mixed` (that engine, request i with adapter i % 4, so every step holds all four). The
 adapters are random PEFT folders of rank `--rank` on every linear layer (q, k, v, o, gate, up, down),
@@ -59,15 +60,18 @@ def write_adapter(config, folder: Path, rank: int, seed: int) -> None:
     (folder / "adapter_config.json").write_text(json.dumps(config_json))
 
 
-def timed(llm, prompts: list[list[int]], output_len: int, loras: list) -> float:
-    """Output tokens per second of one batch of all prompts (request i with loras[i % len(loras)])."""
+def timed(llm, prompts: list[list[int]], output_len: int, loras: list) -> tuple[float, float]:
+    """(output tokens per wall second, per CPU second of this process) of one batch of all prompts (request i
+    with loras[i % len(loras)]); the engine steps in this process, so its CPU time is the engine's work."""
     from llmplug import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     per_prompt = [loras[i % len(loras)] for i in range(len(prompts))]
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=per_prompt, use_tqdm=False)
-    return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return tokens / wall, tokens / cpu
 
 
 def engine(model: str, dtype: str, num_prompts: int, **kwargs):
@@ -111,18 +115,24 @@ def main() -> int:
         runs = {"base": (plain, [None]), "lora-enabled, no adapter": (lora, [None]), "4 adapters mixed": (lora, loras)}
         for llm, per_prompt in runs.values():  # warm-up; loads the adapters into their slots
             timed(llm, prompts[:4], 4, per_prompt)
-        samples: dict[str, list[float]] = {name: [] for name in runs}
+        samples: dict[str, list[tuple[float, float]]] = {name: [] for name in runs}
         for _ in range(args.rounds):  # interleaved, so drifting load on a shared host hits every row alike
             for name, (llm, per_prompt) in runs.items():
                 samples[name].append(timed(llm, prompts, args.output_len, per_prompt))
+                print(f"  {name}: {samples[name][-1][0]:.1f} tok/s wall, {samples[name][-1][1]:.1f} tok/CPU-s",
+                      flush=True)
         plain.shutdown()
         lora.shutdown()
-    rows = {name: statistics.median(values) for name, values in samples.items()}
-    for name, tps in rows.items():
-        print(f"{name:>26}: {tps:7.1f} tok/s  ({tps / rows['base']:.2f}x base; runs: "
-              f"{', '.join(f'{v:.0f}' for v in samples[name])})", flush=True)
+    result = {}
+    for clock, i in (("wall", 0), ("cpu", 1)):
+        rows = {name: statistics.median(v[i] for v in values) for name, values in samples.items()}
+        result[f"tok_per_{clock}_s"] = rows
+        for name, tps in rows.items():
+            runs_text = ", ".join(f"{v[i]:.1f}" for v in samples[name])
+            print(f"{clock:>4} {name:>26}: {tps:7.1f} tok/s  ({tps / rows['base']:.2f}x base; runs: {runs_text})",
+                  flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "tok_per_s": rows}, indent=2))
+        Path(args.json).write_text(json.dumps({"args": vars(args), **result}, indent=2))
     return 0
 
 

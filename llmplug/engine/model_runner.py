@@ -100,6 +100,12 @@ class ModelRunner:
     # ---- set-up -------------------------------------------------------------------------------
     def load_model(self) -> None:
         """Build the model with the configured loader and load its weights."""
+        if self.config.lora.enable_lora and self.config.device.compile:
+            raise ConfigError(
+                "device.compile cannot be combined with lora.enable_lora: the compiled forward freezes the weights "
+                "it was captured with and would not see the adapters put into the LoRA slots; start without "
+                "--compile (LoRA runs the model eager)"
+            )
         fmt = resolve_load_format(self.config.model.model, self.config.load.format)
         loader = build_loader(self.registry, fmt, self.config.load)
         self.model = loader.load_model(self.config, device=self.device)
@@ -130,8 +136,6 @@ class ModelRunner:
             from llmplug.lora.manager import LoRAManager
 
             self.lora_manager = LoRAManager(self.model, self.config.lora, self.dtype, self.device)
-            # a compiled forward would freeze the per-step LoRA mapping it was traced with
-            self.drop_compiled_forward("lora.enable_lora")
 
     def drop_compiled_forward(self, why: str) -> None:
         """Run the model eager from now on: a compiled (frozen) forward holds the weights it was compiled with."""
@@ -293,17 +297,18 @@ class ModelRunner:
         batch = self.prepare_inputs(scheduler_output)
         attn_metadata = self.attn_backend.build_metadata(batch.common)
         model_kwargs = self._model_kwargs(scheduler_output)
-        with forward_context(attn_metadata, batch.recurrent, self._lora_mapping(scheduler_output, batch)):
+        lora_mapping = self._lora_mapping(scheduler_output, batch)
+        with forward_context(attn_metadata, batch.recurrent, lora_mapping):
             hidden_states = self.stage.run(self.forward, batch.input_ids, batch.positions, **model_kwargs)
         if hidden_states is None:  # an earlier pipeline stage: the last one samples
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         if self.pooling_info is not None:  # a pooling engine: every request pools
             pooled, failed = self._pool(scheduler_output, batch, hidden_states)
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], pooler_output=pooled, failed=failed)
-        prompt_logprobs = self._prompt_logprobs(scheduler_output, batch, hidden_states)
+        prompt_logprobs = self._prompt_logprobs(scheduler_output, batch, hidden_states, lora_mapping)
         if not batch.sample_req_ids:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], prompt_logprobs=prompt_logprobs)
-        logits = self.model.compute_logits(hidden_states[batch.sample_indices])
+        logits = self._compute_logits(hidden_states, batch.sample_indices, lora_mapping)
         req_ids = batch.sample_req_ids
         drafts = {r.req_id: r.spec_token_ids for r in scheduler_output.requests if r.spec_token_ids}
         if drafts:  # speculative decoding: verify the drafts, sample the other requests as usual
@@ -350,8 +355,19 @@ class ModelRunner:
         loras = [self.lora_of.get(r.req_id) for r in scheduler_output.requests]
         return self.lora_manager.mapping(loras, np.asarray(batch.common.query_lens_list, dtype=np.int64))
 
+    def _compute_logits(
+        self, hidden_states: torch.Tensor, rows: torch.Tensor | slice, lora_mapping: LoRAMapping | None
+    ) -> torch.Tensor:
+        """The logits of `rows` of the step's hidden states; an LM head adapted by a LoRA adapter sees
+        which adapter each row's request uses."""
+        if lora_mapping is None:
+            return self.model.compute_logits(hidden_states[rows])
+        with forward_context(None, lora_mapping=lora_mapping.rows(rows)):
+            return self.model.compute_logits(hidden_states[rows])
+
     def _prompt_logprobs(
-        self, scheduler_output: SchedulerOutput, batch: BatchInputs, hidden_states: torch.Tensor
+        self, scheduler_output: SchedulerOutput, batch: BatchInputs, hidden_states: torch.Tensor,
+        lora_mapping: LoRAMapping | None = None,
     ) -> dict[str, object]:
         """Logprobs of each prompt token given the ones before it, for requests that asked."""
         from llmplug.engine.sampler import compute_prompt_logprobs
@@ -369,9 +385,10 @@ class ModelRunner:
             if end_pos <= start_pos:
                 continue
             first_row = starts[i] + start_pos - req.num_computed_tokens
-            rows = hidden_states[first_row : first_row + end_pos - start_pos]
+            rows = slice(first_row, first_row + end_pos - start_pos)
             targets = torch.tensor(prompt[start_pos + 1 : end_pos + 1], device=self.device)
-            result[req.req_id] = compute_prompt_logprobs(self.model.compute_logits(rows), targets, k)
+            logits = self._compute_logits(hidden_states, rows, lora_mapping)
+            result[req.req_id] = compute_prompt_logprobs(logits, targets, k)
             self.prompt_logprobs_sent[req.req_id] = end_pos
         return result
 

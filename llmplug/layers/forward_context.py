@@ -64,6 +64,13 @@ def forward_context(
         _current.reset(token)
 
 
+def current_lora_mapping() -> Any:
+    """The LoRA mapping of the running forward pass (llmplug.lora.layers.LoRAMapping); None when no token of it
+    uses an adapter, or outside one (logits computed without a context: the base model's)."""
+    context = _current.get()
+    return None if context is None else context.lora_mapping
+
+
 def get_forward_context() -> ForwardContext:
     """The context of the running forward pass; an error outside one."""
     context = _current.get()

@@ -39,7 +39,8 @@ class LoRAHook(Protocol):
     """Adds the LoRA adapters' delta to a layer's output (llmplug.lora.layers.LoRASlots)."""
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """y [T, out] plus each token's adapter delta on x [T, in] (this rank's shards of both)."""
+        """y [T, out] plus each token's adapter delta on x [T, in] (token ids [T] for an embedding; this rank's
+        shards of both)."""
         ...
 
 

@@ -3,6 +3,9 @@
 Rank r holds rows [r * n, (r + 1) * n) of the [vocab, hidden] table, n = ceil(vocab / tp); the
 last rank's rows past the vocabulary are zero padding and their logits are cut off.
 
+Both have a `lora` hook (None unless LoRA is enabled, see llmplug/lora/layers.py) that adds each
+token's adapter delta on this rank's vocabulary share, before the all-reduce or the gather.
+
 The lookup is always dense; the LM head (tied or not) computes through its `quant_method` and may get
 a packed int4 copy of its table for small batches, like the linear layers (see layers/quantization.py).
 """
@@ -14,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmplug.communicators.parallel_state import get_tp_group
+from llmplug.layers.linear import LoRAHook
 from llmplug.layers.quantization import DENSE, LinearOptions, LinearMethod, linear_method_for, stage_int4, staged_int4
 from llmplug.layers.weight_utils import check_shape, frozen_parameter
 
@@ -34,6 +38,7 @@ class VocabParallelEmbedding(nn.Module):
         table = torch.empty(self.num_embeddings_per_partition, embedding_dim)
         self.weight = frozen_parameter(table, self.weight_loader)
         self.weight_users: list[ParallelLMHead] = []  # heads tied to this table (told when it is reloaded)
+        self.lora: LoRAHook | None = None  # adapter slots, attached by llmplug.lora when LoRA is enabled
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         """Copy this rank's vocabulary rows of the full [vocab, hidden] table; zero the padding rows.
@@ -60,11 +65,14 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] token ids -> [T, embedding_dim]."""
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            out = F.embedding(input_ids, self.weight)
+            return out if self.lora is None else self.lora.apply(input_ids, out)
         # ids owned by other ranks look up row 0 and are zeroed; the all-reduce fills them in
         owned = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         local = torch.where(owned, input_ids - self.vocab_start, 0)
         out = F.embedding(local, self.weight) * owned.unsqueeze(-1).to(self.weight.dtype)
+        if self.lora is not None:  # the delta of this rank's vocabulary; the all-reduce sums them
+            out = self.lora.apply(input_ids, out)
         return get_tp_group().all_reduce(out)
 
     def extra_repr(self) -> str:
@@ -93,6 +101,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     def get_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] logits in the weight's dtype."""
         logits = self.quant_method.apply(self, hidden_states, self.bias)
+        if self.lora is not None:  # the rows of this rank's vocabulary
+            logits = self.lora.apply(hidden_states, logits)
         if self.tp_size > 1:
             logits = get_tp_group().all_gather(logits, dim=-1)
         padded = logits.shape[-1]

@@ -1,8 +1,8 @@
 """The worker's adapters: a host-side LRU cache of loaded adapters and `max_loras` device slots, also LRU.
 
-`LoRAManager(model, config, ...)` attaches a `LoRASlots` to every linear layer of the model (the
-layers' `lora` hook). `add_adapter` loads and checks a PEFT folder into the host cache (the engine
-calls it before queueing a request, so a bad adapter never reaches a step). Each step,
+`LoRAManager(model, config, ...)` attaches a `LoRASlots` to every linear layer of the model, its token
+embedding and its LM head (the layers' `lora` hook). `add_adapter` loads and checks a PEFT folder into
+the host cache (the engine calls it before queueing a request, so a bad adapter never reaches a step). Each step,
 `mapping(lora_ids)` puts the step's adapters into slots — evicting the least recently used adapter
 that the step does not need; the scheduler admits at most `max_loras` distinct adapters, so one
 is always free — and returns the per-token `LoRAMapping` the layers read from the forward context.
@@ -23,9 +23,10 @@ from llmplug.communicators.parallel_state import get_pp_group
 from llmplug.core.config import LoRAConfig
 from llmplug.core.errors import ConfigError
 from llmplug.layers.linear import LinearBase
+from llmplug.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from llmplug.layers.weight_utils import ShardId, map_name
 from llmplug.lora.adapter import LoRAAdapter, load_adapter
-from llmplug.lora.layers import LoRAMapping, LoRASlots, lora_target
+from llmplug.lora.layers import Adaptable, LoRAMapping, lora_slots, lora_target
 from llmplug.lora.request import LoRARequest
 
 __all__ = ["LoRAManager"]
@@ -42,12 +43,12 @@ class LoRAManager:
                               "would be split over the stages; use tensor parallelism")
         self.config, self.dtype, self.device = config, dtype, device
         self.name_map = _name_map(model)
-        self.layers = {
-            name: module for name, module in model.named_modules() if isinstance(module, LinearBase)
+        self.layers: dict[str, Adaptable] = {
+            name: module for name, module in model.named_modules() if _adaptable(module)
         }
         self.targets = {name: lora_target(layer) for name, layer in self.layers.items()}
         for layer in self.layers.values():
-            layer.lora = LoRASlots(layer, config.max_loras, config.max_lora_rank, dtype, device)
+            layer.lora = lora_slots(layer, config.max_loras, config.max_lora_rank, dtype, device)
         self.cached: OrderedDict[int, LoRAAdapter] = OrderedDict()  # lora_int_id -> adapter, LRU first
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> device slot, LRU first
 
@@ -58,7 +59,7 @@ class LoRAManager:
         if known is not None and known.request == request:
             self.cached.move_to_end(request.lora_int_id)
             return
-        adapter = load_adapter(request, self.targets, self.name_map, self.config.max_lora_rank)
+        adapter = load_adapter(request, self.targets, self.name_map, self.config.max_lora_rank, self._is_base_table)
         self.remove_adapter(request.lora_int_id)  # a new folder under a known id replaces the old weights
         self.cached[request.lora_int_id] = adapter
         while len(self.cached) > self.config.cpu_capacity:
@@ -71,6 +72,16 @@ class LoRAManager:
         if slot is not None:
             self._fill_slot(slot, None)
         return self.cached.pop(lora_int_id, None) is not None or slot is not None
+
+    def _is_base_table(self, name: str, table: torch.Tensor) -> bool:
+        """Whether `table` (a full [vocab, dim] table an adapter carries) is the vocabulary layer `name`'s own."""
+        layer = self.layers[name]
+        if not isinstance(layer, VocabParallelEmbedding) or tuple(table.shape) != (layer.num_embeddings,
+                                                                                   layer.embedding_dim):
+            return False
+        rows = layer.vocab_end - layer.vocab_start
+        mine = table[layer.vocab_start : layer.vocab_end].to(device=layer.weight.device, dtype=layer.weight.dtype)
+        return torch.equal(mine, layer.weight[:rows])
 
     def adapter_ids(self) -> list[int]:
         """Ids of the adapters in the host cache."""
@@ -123,6 +134,11 @@ class LoRAManager:
     def _fill_slot(self, slot: int, adapter: LoRAAdapter | None) -> None:
         for name, layer in self.layers.items():
             layer.lora.set_slot(slot, None if adapter is None else adapter.weights.get(name))
+
+
+def _adaptable(module: nn.Module) -> bool:
+    """A linear layer, a token (or token-type) embedding or the LM head; not a learned position table."""
+    return isinstance(module, (LinearBase, ParallelLMHead)) or type(module) is VocabParallelEmbedding
 
 
 def _name_map(model: nn.Module):

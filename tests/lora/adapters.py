@@ -19,11 +19,17 @@ SPECS = {
     "kv16": (16, 16, False, ("k_proj", "v_proj", "up_proj")),
     "od8": (8, 16, True, ("o_proj", "down_proj")),
 }
+# adapters of the vocabulary layers (PEFT's lora_embedding_A / _B on embed_tokens, lora_A / _B on lm_head)
+VOCAB_SPECS = {
+    "emb8": (8, 16, False, ("embed_tokens", "q_proj")),
+    "head16": (16, 8, True, ("lm_head", "up_proj")),
+    "both8": (8, 32, False, ("embed_tokens", "lm_head", "v_proj", "down_proj")),
+}
 
 
 @dataclass
 class Adapter:
-    """A saved adapter folder and peft's merged model of it."""
+    """A saved adapter folder and peft's merged model of it (or peft's unmerged model, see save_adapter)."""
 
     name: str
     path: Path
@@ -33,21 +39,23 @@ class Adapter:
         return LoRARequest(self.name, lora_int_id, str(self.path))
 
 
-def save_adapter(base_path: Path, name: str, path: Path, seed: int) -> Adapter:
-    """Adapter `name` of SPECS over the checkpoint at `base_path`, every A and B random (std 0.1)."""
+def save_adapter(base_path: Path, name: str, path: Path, seed: int, merge: bool = True) -> Adapter:
+    """Adapter `name` of SPECS or VOCAB_SPECS over the checkpoint at `base_path`, every A and B random (std 0.1);
+    `merge=False` keeps peft's model unmerged as the reference (merging an adapted embedding into a table tied
+    to the LM head would change the head as well, which peft's own forward does not)."""
     from peft import LoraConfig, get_peft_model
 
-    rank, alpha, rslora, targets = SPECS[name]
+    rank, alpha, rslora, targets = {**SPECS, **VOCAB_SPECS}[name]
     base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32).eval()
     config = LoraConfig(r=rank, lora_alpha=alpha, use_rslora=rslora, target_modules=list(targets), lora_dropout=0.0)
     model = get_peft_model(base, config)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param_name, param in model.named_parameters():
-            if ".lora_A." in param_name or ".lora_B." in param_name:
+            if any(f".lora_{m}" in param_name for m in ("A.", "B.", "embedding_A.", "embedding_B.")):
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
-    model.save_pretrained(path)
-    return Adapter(name, path, model.merge_and_unload().eval())
+    model.save_pretrained(path)  # with an adapted embed_tokens / lm_head, peft saves their base tables too
+    return Adapter(name, path, model.merge_and_unload().eval() if merge else model.eval())
 
 
 def greedy_reference(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:

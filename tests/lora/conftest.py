@@ -6,7 +6,7 @@ import pytest
 
 from tests.models.tiny_models import TinyModel, make_tiny
 
-from .adapters import SPECS, Adapter, save_adapter
+from .adapters import SPECS, VOCAB_SPECS, Adapter, save_adapter
 
 
 @pytest.fixture(scope="session", params=["llama", "qwen3"])
@@ -17,6 +17,7 @@ def base(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 
 @pytest.fixture(scope="session")
 def adapters(base: TinyModel, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Adapter]:
-    """Every adapter of SPECS over `base`, each from its own seed."""
+    """Every adapter of SPECS and VOCAB_SPECS over `base`, each from its own seed."""
     root = tmp_path_factory.mktemp(f"adapters-{base.name}")
-    return {name: save_adapter(base.path, name, root / name, seed=i + 1) for i, name in enumerate(SPECS)}
+    names = [*SPECS, *VOCAB_SPECS]
+    return {name: save_adapter(base.path, name, root / name, seed=i + 1) for i, name in enumerate(names)}

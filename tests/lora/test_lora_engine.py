@@ -94,9 +94,10 @@ def test_adapters_that_do_not_fit_are_refused_before_queueing(
         "use_dora=True": _edit_config(_copy(adapters["qv8"], tmp_path / "dora"), use_dora=True),
         "not a readable safetensors": broken_weights,
         "no adapter_config.json": tmp_path / "missing",
-        "not a linear layer this model can adapt": _copy(adapters["qv8"], tmp_path / "lm_head"),
+        "not a layer this model can adapt": _copy(adapters["qv8"], tmp_path / "norm"),
+        "modules_to_save": _edit_config(_copy(adapters["qv8"], tmp_path / "saved"), modules_to_save=["lm_head"]),
     }
-    _rename_tensors(cases["not a linear layer this model can adapt"])
+    _rename_tensors(cases["not a layer this model can adapt"])
     llm = lora_llm(base, max_lora_rank=8)
     prompt = prompts(base.hf_model.config.vocab_size, (5,))[0]
     try:
@@ -112,11 +113,11 @@ def test_adapters_that_do_not_fit_are_refused_before_queueing(
 
 
 def _rename_tensors(folder: Path) -> None:
-    """Point layer 0's q_proj tensors at the LM head, which LoRA here does not adapt."""
+    """Point layer 0's q_proj tensors at its input norm, which LoRA here does not adapt."""
     from safetensors.torch import load_file, save_file
 
     path = folder / "adapter_model.safetensors"
-    tensors = {k.replace("model.layers.0.self_attn.q_proj", "lm_head"): v for k, v in load_file(path).items()}
+    tensors = {k.replace("self_attn.q_proj", "input_layernorm"): v for k, v in load_file(path).items()}
     save_file(tensors, path)
 
 
@@ -147,3 +148,11 @@ def test_tensor_parallel_shards_adapters_like_the_base_layers(base: TinyModel, a
     for prompt, name, output in zip(batch, names, outputs):
         model = base.hf_model if name is None else adapters[name].merged
         assert list(output.outputs[0].token_ids) == greedy_reference(model, prompt, GREEDY.max_tokens)[0], name
+
+
+@llama_only
+def test_compile_with_lora_is_refused_at_start(base: TinyModel) -> None:
+    from llmplug.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape("device.compile cannot be combined with lora.enable_lora")):
+        lora_llm(base, **{"device.compile": True})

@@ -39,35 +39,37 @@ def lora_llm(base: TinyModel, **kwargs) -> LLM:
     return LLM(str(base.path), **{**BASE_ENGINE_KWARGS, "enable_lora": True, "max_lora_rank": 16, **kwargs})
 
 
-def test_mixed_batch_logits_match_peft_merged_models(base: TinyModel, adapters: dict[str, Adapter]) -> None:
+def check_mixed_logits(base: TinyModel, adapters: dict[str, Adapter], mixed: tuple[str | None, ...]) -> None:
+    """One prefill step of a batch whose request i uses adapter mixed[i]: logits within ATOL of peft's."""
     model = base.load()
     manager = LoRAManager(model, LoRAConfig(enable_lora=True, max_loras=4), torch.float32, torch.device("cpu"))
-    requests = {name: adapters[name].request(i + 1) for i, name in enumerate(a for a in MIXED if a)}
+    requests = {name: adapters[name].request(i + 1) for i, name in enumerate(a for a in mixed if a)}
     for request in requests.values():
         manager.add_adapter(request)
     harness = PagedHarness(model)
-    batch = prompts(base.hf_model.config.vocab_size, PROMPT_LENS[:4])
+    batch = prompts(base.hf_model.config.vocab_size, PROMPT_LENS[: len(mixed)])
     names = [f"r{i}" for i in range(len(batch))]
     for name, p in zip(names, batch):
         harness.add(name, p)
-    loras = [requests.get(a) for a in MIXED]
+    loras = [requests.get(a) for a in mixed]
     mapping = manager.mapping(loras, np.array([len(p) for p in batch]))
     out = harness.step([(name, len(p)) for name, p in zip(names, batch)], mapping)
     worst = 0.0
-    for name, prompt, adapter in zip(names, batch, MIXED):
+    for name, prompt, adapter in zip(names, batch, mixed):
         with torch.no_grad():
             expected = reference_model(base, adapters, adapter)(torch.tensor([prompt])).logits[0]
         worst = max(worst, (out[name] - expected).abs().max().item())
-    print(f"{base.name}: max abs logit diff {worst:.2e}")
+    print(f"{base.name} {mixed}: max abs logit diff {worst:.2e}")
     assert worst < ATOL
 
 
-def test_mixed_batch_generates_each_adapters_greedy_tokens(base: TinyModel, adapters: dict[str, Adapter]) -> None:
+def check_mixed_greedy(base: TinyModel, adapters: dict[str, Adapter], mixed: tuple[str | None, ...]) -> None:
+    """Through the engine, request i with adapter mixed[i % len(mixed)]: peft's greedy tokens, logprobs within ATOL."""
     llm = lora_llm(base)
     try:
         batch = prompts(base.hf_model.config.vocab_size)
-        names = [MIXED[i % len(MIXED)] for i in range(len(batch))]
-        ids = {name: i + 1 for i, name in enumerate(a for a in MIXED if a)}
+        names = [mixed[i % len(mixed)] for i in range(len(batch))]
+        ids = {name: i + 1 for i, name in enumerate(a for a in mixed if a)}
         loras = [None if n is None else adapters[n].request(ids[n]) for n in names]
         params = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, logprobs=3, prompt_logprobs=3)
         outputs = llm.generate(as_inputs(batch), params, lora_request=loras, use_tqdm=False)
@@ -85,3 +87,11 @@ def test_mixed_batch_generates_each_adapters_greedy_tokens(base: TinyModel, adap
         differs_from_base += name is not None and tokens != base_tokens
     assert worst < ATOL
     assert differs_from_base >= 4, "the adapters barely change the model: the test would not see them ignored"
+
+
+def test_mixed_batch_logits_match_peft_merged_models(base: TinyModel, adapters: dict[str, Adapter]) -> None:
+    check_mixed_logits(base, adapters, MIXED)
+
+
+def test_mixed_batch_generates_each_adapters_greedy_tokens(base: TinyModel, adapters: dict[str, Adapter]) -> None:
+    check_mixed_greedy(base, adapters, MIXED)
