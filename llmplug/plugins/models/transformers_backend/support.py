@@ -1,0 +1,53 @@
+"""Which checkpoints the transformers backend can run: the transformers class of a config, and the checks
+that refuse what the backend cannot run (no attention interface, layers that are not attention).
+
+Kept free of torch-heavy work: the loader asks these questions before anything is built.
+"""
+
+from __future__ import annotations
+
+from transformers import PretrainedConfig
+
+__all__ = ["ATTENTION_LAYER_TYPES", "causal_lm_class", "base_model_class", "unsupported_reason"]
+
+# the per-layer kinds (config.layer_types) the backend's paged attention runs; others (mamba, linear
+# attention, ...) keep state the backend has no cache for
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+
+
+def causal_lm_class(config: PretrainedConfig) -> type | None:
+    """transformers' causal-LM class for the config's model type (what AutoModelForCausalLM builds), or None."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    return _lookup(MODEL_FOR_CAUSAL_LM_MAPPING, config)
+
+
+def base_model_class(config: PretrainedConfig) -> type | None:
+    """transformers' bare model class for the config's model type (what AutoModel builds), or None."""
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING
+
+    return _lookup(MODEL_MAPPING, config)
+
+
+def _lookup(mapping: object, config: PretrainedConfig) -> type | None:
+    try:
+        found = mapping[type(config)]  # type: ignore[index]
+    except KeyError:
+        return None
+    return found[0] if isinstance(found, (tuple, list)) else found
+
+
+def unsupported_reason(hf_class: type, config: PretrainedConfig) -> str | None:
+    """Why the backend cannot run `hf_class` on `config` (None: it can)."""
+    if not getattr(hf_class, "_supports_attention_backend", False):
+        return (
+            f"transformers' {hf_class.__name__} does not support the attention interface "
+            "(_supports_attention_backend is False), so its attention cannot run on llmplug's paged KV cache"
+        )
+    layer_types = set(getattr(config, "layer_types", None) or ())
+    if layer_types - ATTENTION_LAYER_TYPES:
+        return (
+            f"{hf_class.__name__} has layers of kind {sorted(layer_types - ATTENTION_LAYER_TYPES)}; the backend "
+            f"runs only {sorted(ATTENTION_LAYER_TYPES)} layers"
+        )
+    return None
