@@ -21,7 +21,12 @@ from llmplug.layers.pooler import Pooler, PoolingMetadata, PoolingType
 from llmplug.layers.weight_utils import default_weight_loader
 from llmplug.plugins.models.transformers_backend import attention
 from llmplug.plugins.models.transformers_backend.checkpoint import converted_weights
-from llmplug.plugins.models.transformers_backend.support import base_model_class, causal_lm_class, unsupported_reason
+from llmplug.plugins.models.transformers_backend.support import (
+    base_model_class,
+    causal_lm_architectures,
+    causal_lm_class,
+    unsupported_reason,
+)
 from llmplug.plugins.models.transformers_backend.tensor_parallel import apply_tp_plan
 
 __all__ = ["TransformersForCausalLM", "TransformersForEmbedding", "backend_class"]
@@ -127,6 +132,12 @@ class TransformersForCausalLM(_TransformersModel):
         if hf_class is None:
             raise ValueError(f"transformers has no causal LM for model type {config.model_type!r}")
         return hf_class
+
+    @staticmethod
+    def architectures(model_types: Iterable[str] | None = None) -> dict[str, tuple[str | None, bool]]:
+        """transformers' causal-LM class names (of `model_types`, default all) -> (why the backend cannot run them
+        or None, whether they have a tensor-parallel plan); see `causal_lm_architectures`. Imports each class."""
+        return causal_lm_architectures(model_types)
 
     @staticmethod
     def pooling_twin(convert: str) -> type[nn.Module]:

@@ -6,9 +6,17 @@ Kept free of torch-heavy work: the loader asks these questions before anything i
 
 from __future__ import annotations
 
+from typing import Iterable
+
 from transformers import PretrainedConfig
 
-__all__ = ["ATTENTION_LAYER_TYPES", "causal_lm_class", "base_model_class", "unsupported_reason"]
+__all__ = [
+    "ATTENTION_LAYER_TYPES",
+    "base_model_class",
+    "causal_lm_architectures",
+    "causal_lm_class",
+    "unsupported_reason",
+]
 
 # the per-layer kinds (config.layer_types) the backend's paged attention runs; others (mamba, linear
 # attention, ...) keep state the backend has no cache for
@@ -39,11 +47,9 @@ def _lookup(mapping: object, config: PretrainedConfig) -> type | None:
 
 def unsupported_reason(hf_class: type, config: PretrainedConfig) -> str | None:
     """Why the backend cannot run `hf_class` on `config` (None: it can)."""
-    if not getattr(hf_class, "_supports_attention_backend", False):
-        return (
-            f"transformers' {hf_class.__name__} does not support the attention interface "
-            "(_supports_attention_backend is False), so its attention cannot run on llmplug's paged KV cache"
-        )
+    reason = _interface_reason(hf_class)
+    if reason is not None:
+        return reason
     layer_types = set(getattr(config, "layer_types", None) or ())
     if layer_types - ATTENTION_LAYER_TYPES:
         return (
@@ -51,3 +57,29 @@ def unsupported_reason(hf_class: type, config: PretrainedConfig) -> str | None:
             f"runs only {sorted(ATTENTION_LAYER_TYPES)} layers"
         )
     return None
+
+
+def causal_lm_architectures(model_types: Iterable[str] | None = None) -> dict[str, tuple[str | None, bool]]:
+    """transformers' causal-LM class names (of `model_types`, default every one) -> (why the backend cannot run
+    them or None, whether their config has a tensor-parallel plan); the class check only (a config's layer kinds
+    are checked when it is loaded)."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    found = {}
+    for model_type in sorted(model_types or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
+        hf_class = getattr(transformers, name, None)
+        why = f"transformers does not export {name}" if hf_class is None else _interface_reason(hf_class)
+        found[name] = (why, bool(getattr(CONFIG_MAPPING[model_type], "base_model_tp_plan", None)))
+    return found
+
+
+def _interface_reason(hf_class: type) -> str | None:
+    if getattr(hf_class, "_supports_attention_backend", False):
+        return None
+    return (
+        f"transformers' {hf_class.__name__} does not support the attention interface "
+        "(_supports_attention_backend is False), so its attention cannot run on llmplug's paged KV cache"
+    )
