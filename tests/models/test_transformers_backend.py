@@ -135,3 +135,18 @@ def test_what_the_backend_cannot_run_is_refused_by_name_and_the_next_model_runs(
 def test_native_only_refuses_an_architecture_without_a_native_plugin(parity) -> None:
     with pytest.raises(LlmplugError, match="BitNetForCausalLM"):
         model_class(str(parity.checkpoint(backend_case("bitnet")).path), "native")
+
+
+def test_the_tensor_parallel_plan_turns_planned_linears_into_parallel_layers() -> None:
+    from transformers import AutoModel
+
+    from llmplug.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+    config = backend_case("apertus1p5_text").make_config()
+    with torch.device("meta"):
+        model = AutoModel.from_config(config)
+    apply_tp_plan(model, config.base_model_tp_plan, torch.device("cpu"), "Apertus1p5TextModel")
+    attn, mlp = model.layers[1].self_attn, model.layers[1].mlp
+    assert [type(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.up_proj)] == [ColumnParallelLinear] * 4
+    assert [type(m) for m in (attn.o_proj, mlp.down_proj)] == [RowParallelLinear] * 2
+    assert type(attn.q_norm).__name__.endswith("RMSNorm")  # replicated: left whole
