@@ -17,6 +17,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from llmplug.communicators.parallel_state import get_tp_group
+from llmplug.core.errors import ModelLoadError
 from llmplug.layers.pooler import Pooler, PoolingMetadata, PoolingType
 from llmplug.layers.weight_utils import default_weight_loader
 from llmplug.plugins.models.transformers_backend import attention
@@ -113,7 +114,7 @@ class _TransformersModel(nn.Module):
                 getattr(param, "weight_loader", default_weight_loader)(param, tensor)
                 loaded.add(f"model.{target}")
             elif not any(p.search(name) for p in ignored):
-                raise ValueError(
+                raise ModelLoadError(
                     f"checkpoint tensor {name!r} matches no parameter of transformers' {type(self.model).__name__}"
                 )
         return loaded
