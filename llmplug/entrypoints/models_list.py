@@ -36,7 +36,8 @@ def run(args: argparse.Namespace) -> int:
 def model_rows(transformers_types: Sequence[str] | None = None) -> list[dict[str, Any]]:
     """{architecture, family, kind, impl, distribution, tp, pp, gguf, int4, error} per name of `llmplug.models`
     (sorted, impl "native"), then, unless `transformers_types` is None, per transformers causal LM of those model
-    types (empty: all) without a native plugin (impl "transformers"; error: why the backend cannot run it)."""
+    types (empty: all) without a native plugin (impl "transformers", or "-" with the reason the backend cannot
+    run it as error)."""
     from llmplug.core.errors import PluginError
     from llmplug.core.plugins import get_registry
     from llmplug.loaders.base import TRANSFORMERS_BACKEND
@@ -75,19 +76,23 @@ def _features(cls: type, gguf: bool) -> dict[str, Any]:
 
 
 def _backend_row(architecture: str, why: str | None, tp_plan: bool) -> dict[str, Any]:
-    """A transformers causal LM run by the backend (tensor parallelism through its config's plan)."""
-    return {"architecture": architecture, "family": "transformers", "kind": "generate", "impl": "transformers",
+    """A transformers causal LM run by the backend (tensor parallelism through its config's plan); impl "-" and
+    the reason when the backend cannot run it."""
+    return {"architecture": architecture, "family": "transformers", "kind": "generate",
+            "impl": "transformers" if why is None else "-",
             "tp": why is None and tp_plan, "pp": False, "gguf": False, "int4": False, "distribution": "transformers",
             "error": why or ""}
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
+    """Aligned columns; a row's error (why it cannot be loaded or run) follows its last column."""
     header = ("ARCHITECTURE", "FAMILY", "KIND", "IMPL", *(f.upper() for f in FEATURES), "DISTRIBUTION")
     cells = [header] + [
         (r["architecture"], r["family"], r["kind"], r["impl"], *("yes" if r[f] else "-" for f in FEATURES),
          r["distribution"])
-        + ((f"error: {r['error']}",) if r["error"] else ())
         for r in rows
     ]
+    errors = [""] + [f"  error: {r['error']}" if r["error"] else "" for r in rows]
     widths = [max(len(str(c[i])) for c in cells) for i in range(len(header))]
-    return "\n".join("  ".join(f"{str(c):<{w}}" for c, w in zip(cell, widths)).rstrip() for cell in cells)
+    lines = ("  ".join(f"{str(c):<{w}}" for c, w in zip(cell, widths)) + error for cell, error in zip(cells, errors))
+    return "\n".join(line.rstrip() for line in lines)

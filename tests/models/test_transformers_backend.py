@@ -150,3 +150,12 @@ def test_the_tensor_parallel_plan_turns_planned_linears_into_parallel_layers() -
     assert [type(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.up_proj)] == [ColumnParallelLinear] * 4
     assert [type(m) for m in (attn.o_proj, mlp.down_proj)] == [RowParallelLinear] * 2
     assert type(attn.q_norm).__name__.endswith("RMSNorm")  # replicated: left whole
+
+
+def test_model_impl_is_a_config_field_with_a_flag_and_refuses_other_values() -> None:
+    from llmplug.core.config import FLAG_PATHS
+
+    assert FLAG_PATHS["--model-impl"] == "model.model_impl"
+    assert EngineConfig(model={"model_impl": "transformers"}).model.model_impl == "transformers"
+    with pytest.raises(ValueError, match="model_impl"):
+        EngineConfig(model={"model_impl": "vllm"})
