@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from transformers import BartConfig
+from transformers import BartConfig, DiffLlamaConfig
 
 from llmplug import LLM, SamplingParams
 from llmplug.core.config import EngineConfig
@@ -117,16 +117,17 @@ def _write_config(path, config, architecture: str) -> str:
 
 
 @pytest.mark.parametrize(
-    ("architecture", "why"),
+    ("config_class", "architecture", "why"),
     [
-        ("NoSuchForCausalLM", "'NoSuchForCausalLM' is not registered natively"),
-        ("BartForCausalLM", "BartForCausalLM does not support the attention interface"),
+        (BartConfig, "NoSuchForCausalLM", "'NoSuchForCausalLM' is not registered natively"),
+        (BartConfig, "BartForCausalLM", "BartForCausalLM does not support the attention interface"),
+        (DiffLlamaConfig, "DiffLlamaForCausalLM", "DiffLlamaForCausalLM gives other tokens than transformers"),
     ],
 )
 def test_what_the_backend_cannot_run_is_refused_by_name_and_the_next_model_runs(
-    parity, tmp_path, architecture, why
+    parity, tmp_path, config_class, architecture, why
 ) -> None:
-    path = _write_config(tmp_path / architecture, BartConfig(vocab_size=64, d_model=16), architecture)
+    path = _write_config(tmp_path / architecture, config_class(vocab_size=64), architecture)
     with pytest.raises(LlmplugError, match=why):
         LLM(path, **BASE_ENGINE_KWARGS)
     check_greedy(parity, FAST_CASES[0])
