@@ -73,6 +73,14 @@ class ModelConfig(_Section):
             "embed when runner is pooling and the architecture generates, else none."
         ),
     )
+    model_impl: Literal["auto", "native", "transformers"] = Field(
+        "auto",
+        description=(
+            "Which implementation runs the architecture: native (llmplug's own, `llmplug models`), transformers (the "
+            "transformers backend: transformers' model on llmplug's paged attention); auto: native when the "
+            "architecture is registered, else the transformers backend. See docs/models.md."
+        ),
+    )
     prepack_weights: bool = Field(
         True,
         description=(
@@ -355,6 +363,7 @@ ALIASES: dict[str, str] = {
     "prepack_weights": "model.prepack_weights",
     "runner": "model.runner",
     "convert": "model.convert",
+    "model_impl": "model.model_impl",
     "block_size": "cache.block_size",
     "num_gpu_blocks_override": "cache.num_blocks",
     "kv_cache_memory": "cache.kv_cache_memory",

@@ -56,7 +56,7 @@ def resolve_model_kind(config: "EngineConfig", registry: "PluginRegistry") -> No
 
     model = config.model
     loader = build_loader(registry, config.load.format, config.load)
-    cls = loader.get_model_class(loader.load_hf_config(model))
+    cls = loader.get_model_class(loader.load_hf_config(model), model.model_impl)
     pools = bool(getattr(cls, "is_pooling_model", False))
     if model.runner == "auto":
         folder = is_sentence_transformers_folder(loader.model_path(model.model))

@@ -37,6 +37,8 @@ __all__ = [
 ]
 
 log = logging.getLogger("llmplug.loaders")
+# the `llmplug.models` name of the transformers backend, which runs what no native plugin does (model.model_impl)
+TRANSFORMERS_BACKEND = "TransformersForCausalLM"
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -138,14 +140,23 @@ class BaseModelLoader(abc.ABC):
         except (OSError, ValueError) as error:
             raise ModelLoadError(f"cannot read {path}: {error}") from error
 
-    def get_model_class(self, hf_config: "PretrainedConfig") -> type:
-        """The `llmplug.models` plugin registered under the config's first architecture."""
+    def get_model_class(self, hf_config: "PretrainedConfig", model_impl: str = "auto") -> type:
+        """The `llmplug.models` plugin that runs the config's first architecture under `model_impl`
+        (ModelConfig.model_impl): the one registered under its name (native), or the transformers backend."""
         from llmplug.core.plugins import get_registry
 
         architectures = getattr(hf_config, "architectures", None) or []
         if not architectures:
             raise ModelLoadError("the model's config.json lists no `architectures`; set it via hf_overrides")
-        return (self.registry or get_registry()).load("llmplug.models", architectures[0])
+        registry = self.registry or get_registry()
+        native = architectures[0] in registry.names("llmplug.models")
+        if model_impl == "native" or (model_impl == "auto" and native):
+            return registry.load("llmplug.models", architectures[0])
+        backend = registry.load("llmplug.models", TRANSFORMERS_BACKEND)
+        try:
+            return backend.for_config(hf_config)
+        except ValueError as error:
+            raise ModelLoadError(f"{error} (model.model_impl={model_impl!r})") from None
 
     # ---- weights ---------------------------------------------------------------------------------
     @abc.abstractmethod
@@ -172,7 +183,7 @@ class BaseModelLoader(abc.ABC):
         model_config = config.model
         with LoadProgress(os.path.basename(os.path.normpath(model_config.model))) as progress:
             hf_config = self.load_hf_config(model_config)
-            cls = model_class or self.get_model_class(hf_config)
+            cls = model_class or self.get_model_class(hf_config, model_config.model_impl)
             if model_class is None and model_config.convert not in ("auto", "none"):
                 from llmplug.layers.decoder.pooling import converted_class
 

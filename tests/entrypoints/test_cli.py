@@ -215,4 +215,18 @@ def test_models_lists_every_registered_architecture_with_family_and_features(cap
     assert {name for name, row in rows.items() if row["gguf"]} == gguf & set(rows)
     assert main(["models"]) == 0
     header = capsys.readouterr().out.splitlines()[0].split()
-    assert header == ["ARCHITECTURE", "FAMILY", "KIND", "TP", "PP", "GGUF", "INT4", "DISTRIBUTION"]
+    assert header == ["ARCHITECTURE", "FAMILY", "KIND", "IMPL", "TP", "PP", "GGUF", "INT4", "DISTRIBUTION"]
+    assert {row["impl"] for row in rows.values()} == {"native"}
+
+
+def test_models_says_which_architectures_run_through_the_transformers_backend():
+    from llmplug.entrypoints import models_list
+
+    rows = {row["architecture"]: row for row in models_list.model_rows(transformers_types=["bitnet", "bart", "llama", "apertus1p5_text"])}
+    assert rows["LlamaForCausalLM"]["impl"] == "native"  # native wins: listed once
+    assert (rows["BitNetForCausalLM"]["impl"], rows["BitNetForCausalLM"]["error"]) == ("transformers", "")
+    assert (rows["BitNetForCausalLM"]["tp"], rows["Apertus1p5TextForCausalLM"]["tp"]) == (False, True)  # no plan / plan
+    assert rows["BartForCausalLM"]["impl"] == "-"
+    assert "does not support the attention interface" in rows["BartForCausalLM"]["error"]
+    table = models_list._table(list(rows.values())).splitlines()
+    assert "error: transformers' BartForCausalLM does not support" in next(r for r in table if r.startswith("BartFor"))

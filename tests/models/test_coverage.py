@@ -5,6 +5,9 @@ from __future__ import annotations
 from importlib.metadata import distribution
 
 from .cases import CASES, POOLING_CASES, PP_CASES, TP_CASES, architecture
+from .cases_transformers_backend import BACKEND_CASES, BACKEND_POOLING_CASES
+
+ALL_CASES = [*CASES, *POOLING_CASES, *BACKEND_CASES, *BACKEND_POOLING_CASES]
 
 
 def registered_architectures() -> set[str]:
@@ -13,18 +16,18 @@ def registered_architectures() -> set[str]:
 
 
 def test_every_registered_architecture_has_a_parity_case() -> None:
-    missing = registered_architectures() - {architecture(c) for c in [*CASES, *POOLING_CASES]}
+    missing = registered_architectures() - {architecture(c) for c in ALL_CASES}
     assert not missing, (
         f"registered in pyproject.toml without a parity case in tests/models/cases.py: {sorted(missing)}"
     )
 
 
 def test_every_parity_case_proves_a_registered_architecture() -> None:
-    unknown = {architecture(c) for c in [*CASES, *POOLING_CASES]} - registered_architectures()
+    unknown = {architecture(c) for c in ALL_CASES} - registered_architectures()
     assert not unknown, f"parity cases of unregistered architectures: {sorted(unknown)}"
 
 
 def test_case_names_are_unique_and_parallel_cases_exist() -> None:
-    names = [c.name for c in [*CASES, *POOLING_CASES]]
+    names = [c.name for c in ALL_CASES]
     assert len(names) == len(set(names))
     assert set(TP_CASES) <= set(names) and set(PP_CASES) <= set(names)

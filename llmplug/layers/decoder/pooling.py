@@ -156,6 +156,9 @@ def converted_class(cls: type, convert: str) -> type:
     """The class to build for `model.convert`: `cls` itself ("none"), or its embedding / classification twin."""
     if convert == "none":
         return cls
+    twin = getattr(cls, "pooling_twin", None)  # a model with its own pooling form (the transformers backend)
+    if twin is not None:
+        return twin(convert)
     if not (isinstance(cls, type) and issubclass(cls, DecoderForCausalLM)):
         raise ValueError(f"model.convert={convert!r} needs a generic-decoder causal LM; {cls.__name__} is not one")
     return as_pooling_model(cls, classify=convert == "classify")
