@@ -8,7 +8,6 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import save_file
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
@@ -17,52 +16,11 @@ from llmplug.core.errors import ConfigError
 from tests.engine.test_spec_decode import (
     GREEDY, NUM_SAMPLES, PROMPTS, VARIANTS, assert_no_leak, first_tokens, generate, make_llm, p_values,
 )
+from llmplug.testing.eagle import eagle_head_config, save_random_eagle_head
 from tests.models.tiny_models import make_tiny
 
 K = 3
 DRAFT_VOCAB = 100  # EAGLE-3's own head covers these many of the target's 256 tokens
-
-
-def head_config(target: LlamaConfig, method: str) -> LlamaConfig:
-    """The head's config.json: the target's sizes, one layer (as the public EAGLE checkpoints)."""
-    sizes = {k: getattr(target, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
-                                             "num_key_value_heads", "max_position_embeddings", "rms_norm_eps")}
-    extra = {"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": DRAFT_VOCAB} if method == "eagle3" else {
-        "architectures": ["LlamaForCausalLM"]}
-    return LlamaConfig(**sizes, num_hidden_layers=1, **extra)
-
-
-def save_head(path, target: LlamaConfig, method: str, seed: int = 5) -> dict[str, torch.Tensor]:
-    """A randomly initialised head saved as the public checkpoints are (names, shapes, config.json)."""
-    config = head_config(target, method)
-    H, I, d = config.hidden_size, config.intermediate_size, config.hidden_size // config.num_attention_heads
-    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
-    g = torch.Generator().manual_seed(seed)
-    rand = lambda *shape: torch.randn(*shape, generator=g) * 0.2  # noqa: E731
-    norm = lambda: 1 + torch.randn(H, generator=g) * 0.1  # noqa: E731
-    layer = "layers.0" if method == "eagle" else "midlayer"
-    attn_in = H if method == "eagle" else 2 * H
-    tensors = {
-        f"{layer}.self_attn.q_proj.weight": rand(q, attn_in), f"{layer}.self_attn.k_proj.weight": rand(kv, attn_in),
-        f"{layer}.self_attn.v_proj.weight": rand(kv, attn_in), f"{layer}.self_attn.o_proj.weight": rand(H, q),
-        f"{layer}.mlp.gate_proj.weight": rand(I, H), f"{layer}.mlp.up_proj.weight": rand(I, H),
-        f"{layer}.mlp.down_proj.weight": rand(H, I), f"{layer}.post_attention_layernorm.weight": norm(),
-    }
-    if method == "eagle":
-        tensors |= {"fc.weight": rand(H, 2 * H), "fc.bias": rand(H)}
-    else:
-        kept = torch.randperm(config.vocab_size, generator=g)[:DRAFT_VOCAB].sort().values
-        t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
-        t2d[kept] = True
-        tensors |= {
-            "fc.weight": rand(H, 3 * H), f"{layer}.input_layernorm.weight": norm(), f"{layer}.hidden_norm.weight": norm(),
-            "norm.weight": norm(), "lm_head.weight": rand(DRAFT_VOCAB, H),
-            "d2t": kept - torch.arange(DRAFT_VOCAB), "t2d": t2d,
-        }
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, path / "model.safetensors")
-    (path / "config.json").write_text(json.dumps(config.to_dict()))
-    return tensors
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +34,7 @@ def heads(target, tmp_path_factory) -> dict:
     out = {}
     for method in ("eagle", "eagle3"):
         path = tmp_path_factory.mktemp(method)
-        out[method] = (path, save_head(path, target.hf_model.config, method))
+        out[method] = (path, save_random_eagle_head(path, target.hf_model.config, method, DRAFT_VOCAB))
     return out
 
 
@@ -90,7 +48,7 @@ def reference_drafts(target, method: str, weights: dict[str, torch.Tensor], prom
     """The K greedy drafts after the prompt and the target's first greedy token, recomputing the whole
     sequence at every draft position (no cache) with transformers' decoder layer, attention and rotary."""
     model = target.hf_model
-    config = head_config(model.config, method)
+    config = eagle_head_config(model.config, method, DRAFT_VOCAB)
     config._attn_implementation = "sdpa"
     ids = torch.tensor([prompt])
     with torch.inference_mode():
@@ -222,7 +180,7 @@ def test_a_head_for_another_target_is_refused_and_names_the_sizes(heads, tmp_pat
 
 def test_eagle3_layers_outside_the_target_are_refused(target, tmp_path_factory):
     path = tmp_path_factory.mktemp("bad_aux")
-    save_head(path, target.hf_model.config, "eagle3")
+    save_random_eagle_head(path, target.hf_model.config, "eagle3", DRAFT_VOCAB)
     config = json.loads((path / "config.json").read_text()) | {"eagle_aux_hidden_state_layer_ids": [1, 2, 9]}
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match="eagle_aux_hidden_state_layer_ids"):

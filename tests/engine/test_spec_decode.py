@@ -263,22 +263,15 @@ def acceptance_since(now: dict, before: dict) -> float:
     return accepted / (now["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"])
 
 
-class DraftsTakenAsCertain(RejectionSampler):
-    """A broken rule for sampled drafts: q ignored, as if every draft were certain (one-hot q)."""
-
-    def verify_sampled(self, draft, p, q, generator):
-        return super().verify_sampled(draft, p, None, generator)
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("broken", [ResidualIncludesTheDraft, DraftsTakenAsCertain])
-def test_the_chi_square_test_catches_a_broken_rule_for_sampled_drafts(tiny_llama, sampling_prompt, plain_samples,
-                                                                      near_draft, broken):
+def test_the_chi_square_test_catches_a_residual_that_ignores_the_draft_distribution(
+        tiny_llama, sampling_prompt, plain_samples, near_draft):
+    """(Accepting with p(d) as if the sampled draft were certain is no such twin: that rule is exact for
+    drafts chosen in any way independent of the target's draws, only less often accepted.)"""
     llm = make_llm(tiny_llama.path, max_num_seqs=256, speculative_config=draft_model_config(near_draft))
-    runner(llm).verifier.rejection_sampler = broken()
+    runner(llm).verifier.rejection_sampler = ResidualIncludesTheDraft()
     samples = first_tokens(llm, sampling_prompt, first_seed=100_000)  # the sound sampler's seeds
-    print("PVALUES", broken.__name__, p_values(plain_samples, samples))
-    assert min(p_values(plain_samples, samples)) < 1e-3
+    assert min(p_values(plain_samples, samples)) < 1e-3  # 1.3e-9 at the time of writing
     llm.shutdown()
 
 

@@ -17,7 +17,7 @@ import itertools
 
 import torch
 
-from llmplug.core.config import EngineConfig, ModelConfig
+from llmplug.core.config import EngineConfig, ModelConfig, SchedulerConfig
 from llmplug.core.errors import ConfigError
 from llmplug.core.params import SamplingParams
 from llmplug.engine.sampling_state import step_seed
@@ -53,6 +53,8 @@ class DraftModelProposer:
                               max_model_len=max_model_len, skip_tokenizer_init=True),
             device=target.device.model_copy(),
             plugins=target.plugins.model_copy(),
+            # it never runs more requests than the target: its KV cache is sized for as many
+            scheduler=SchedulerConfig(max_num_seqs=target.scheduler.max_num_seqs),
         )
         self.engine = LLMEngine(draft)
         draft_vocab = self.engine.engine_core.model_info["vocab_size"]
