@@ -282,10 +282,10 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new_tokens = self._num_new_tokens(request.num_tokens - request.num_computed_tokens, budget)
-            draft = all_drafts.get(request.request_id, NO_DRAFT).truncated(budget - 1) if num_new_tokens == 1 else (
-                NO_DRAFT)
-            num_drafts = len(draft.token_ids)
-            if num_drafts and not self.kv_cache_manager.allocate_slots(request, 1 + num_drafts):
+            draft = NO_DRAFT
+            if num_new_tokens == 1:
+                draft = all_drafts.get(request.request_id, NO_DRAFT).truncated(budget - 1)
+            if draft.token_ids and not self.kv_cache_manager.allocate_slots(request, 1 + len(draft.token_ids)):
                 draft = NO_DRAFT  # speculation never preempts: without free blocks for its drafts the request decodes one
             num_drafts = len(draft.token_ids)
             if num_new_tokens > 0 and self._allocate_or_preempt(request, num_new_tokens + num_drafts, preempted):

@@ -13,7 +13,7 @@ import torch
 from llmplug import LLM, SamplingParams
 from llmplug.core.errors import ConfigError, InvalidRequestError
 from llmplug.core.params import GuidedDecodingParams
-from llmplug.engine.spec_decode.rejection_sampler import RejectionSampler
+from llmplug.engine.spec_decode.rejection_sampler import RejectionSampler, sampling_distribution
 from tests.models.tiny_models import ARCHS, make_tiny
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
@@ -203,6 +203,16 @@ def test_the_chi_square_test_catches_a_broken_rejection_rule(tiny_llama, samplin
     # the same seeds as the sound sampler's run, whose p-values are all above 0.0025
     samples = first_tokens(llm, sampling_prompt, first_seed=100_000)
     assert min(p_values(plain_samples, samples)) < threshold
+
+
+@pytest.mark.parametrize("top_p", [0.3, 0.9, 1.0])
+def test_the_verified_distribution_is_temperature_then_the_top_p_nucleus(top_p):
+    """Against transformers' TopPLogitsWarper: the distribution the rejection sampler verifies against."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    expected = torch.softmax(TopPLogitsWarper(top_p)(None, logits / 0.7), dim=-1)
+    torch.testing.assert_close(sampling_distribution(logits, 0.7, top_p), expected)
 
 
 @pytest.fixture(scope="module")
