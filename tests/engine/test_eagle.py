@@ -14,12 +14,13 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 from llmplug import LLM, SamplingParams
 from llmplug.core.errors import ConfigError
 from tests.engine.test_spec_decode import (
-    GREEDY, NUM_SAMPLES, PROMPTS, VARIANTS, assert_no_leak, first_tokens, generate, make_llm, p_values,
+    NUM_SAMPLES, PROMPTS, VARIANTS, assert_no_leak, first_tokens, generate, make_llm, p_values,
 )
 from llmplug.testing.eagle import eagle_head_config, save_random_eagle_head
 from tests.models.tiny_models import make_tiny
 
 K = 3
+GREEDY_24 = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)  # enough steps for every path, lean
 DRAFT_VOCAB = 100  # EAGLE-3's own head covers these many of the target's 256 tokens
 
 
@@ -144,14 +145,14 @@ def test_drafts_equal_a_reference_forward_of_the_head(method, target, heads):
 
 @pytest.fixture(scope="module")
 def plain_greedy(target) -> list[list[int]]:
-    return generate(make_llm(target.path), GREEDY)
+    return generate(make_llm(target.path), GREEDY_24)
 
 
 @pytest.mark.parametrize("method,variant", [(m, v) for m in ("eagle", "eagle3") for v in VARIANTS])
 def test_greedy_output_equals_plain_decoding(method, variant, target, heads, plain_greedy):
     expected = plain_greedy
     llm = make_llm(target.path, speculative_config=spec(heads, method), **VARIANTS[variant])
-    assert generate(llm, GREEDY) == expected
+    assert generate(llm, GREEDY_24) == expected
     stats = llm.stats()
     assert stats["spec_decode_num_draft_tokens"] > 0  # random heads: few or none accepted, all verified
     if variant == "preemption":

@@ -243,7 +243,7 @@ def test_sampled_drafts_follow_plain_sampling(tiny_llama, sampling_prompt, plain
 
 def test_sampled_drafts_are_accepted_more_often_than_greedy_ones(tiny_llama, sampling_prompt, near_draft):
     llm = make_llm(tiny_llama.path, max_num_seqs=256, speculative_config=draft_model_config(near_draft))
-    params = [SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=i) for i in range(64)]
+    params = [SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=i) for i in range(32)]
     prompts = [{"prompt_token_ids": sampling_prompt}] * len(params)
     llm.generate(prompts, params, use_tqdm=False)
     sampled = llm.stats()
