@@ -45,12 +45,14 @@ class EagleProposer:
                 "on one pipeline stage: its head reads the target's hidden states"
             )
         self.method, self.num_tokens, self.target = spec.method, spec.num_speculative_tokens, target
-        self.head: EagleHead = load_eagle_head(spec.model, spec.method, target.arch.num_layers, device, dtype)
+        rope = target.arch.layers[0].rope
+        self.max_position = rope.max_position if rope is not None else 0  # past it: no positions to draft at
+        self.head: EagleHead = load_eagle_head(spec.model, spec.method, target.arch.num_layers, self.max_position,
+                                               device, dtype)
         self._check_sizes(target)
         self.block_size = config.cache.block_size
         self.max_rows = config.scheduler.max_num_seqs
         self.scratch_per_row = math.ceil(self.num_tokens / self.block_size)
-        self.max_position = target.arch.layers[0].rope.max_position if target.arch.layers[0].rope else 0
         self.num_blocks = 0
         self.aux: dict[int, torch.Tensor] = {}  # EAGLE-3: target layer -> its input in the last forward [T, hidden]
         if spec.method == "eagle3":

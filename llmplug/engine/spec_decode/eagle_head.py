@@ -79,22 +79,23 @@ def eagle_head_config(path: Path, method: EagleMethod, target_num_layers: int, n
     )
 
 
-def _rotary(arch: DecoderArchConfig) -> RotaryEmbedding:
+def _rotary(arch: DecoderArchConfig, min_positions: int) -> RotaryEmbedding:
+    """The head's rotary table, long enough for the target's positions (a head's config may say fewer)."""
     rope = arch.layers[0].rope
-    return get_rope(arch.head_dim, arch.rotary_dim(rope), rope.max_position, rope.theta, rope.scaling,
-                    rope.is_neox_style, rope.inverted)
+    return get_rope(arch.head_dim, arch.rotary_dim(rope), max(rope.max_position, min_positions), rope.theta,
+                    rope.scaling, rope.is_neox_style, rope.inverted)
 
 
 class EagleHead(nn.Module):
     """What both heads share: the optional own embedding, one draft step's interface, weight loading."""
 
-    def __init__(self, config: EagleHeadConfig, own_embedding: bool) -> None:
+    def __init__(self, config: EagleHeadConfig, own_embedding: bool, target_positions: int) -> None:
         super().__init__()
         self.config = config
         arch = config.arch
         self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, "embed_tokens") if (
             own_embedding) else None
-        self.rotary = _rotary(arch)
+        self.rotary = _rotary(arch, target_positions)
 
     def reduce(self, target_hidden: torch.Tensor) -> torch.Tensor:
         """The target's hidden states [T, n * target_hidden] -> the h the first draft step reads [T, hidden]."""
@@ -116,8 +117,8 @@ class EagleHead(nn.Module):
 class Eagle1Head(EagleHead):
     """EAGLE-1: fc over [embedding | target hidden], Llama decoder layers, the target's lm_head."""
 
-    def __init__(self, config: EagleHeadConfig, own_embedding: bool) -> None:
-        super().__init__(config, own_embedding)
+    def __init__(self, config: EagleHeadConfig, own_embedding: bool, target_positions: int) -> None:
+        super().__init__(config, own_embedding, target_positions)
         arch = config.arch
         self.fc = ReplicatedLinear(arch.hidden_size + config.target_hidden_size, arch.hidden_size, config.fc_bias, "fc")
         self.layers = nn.ModuleList(DecoderLayer(arch, layer, f"layers.{i}") for i, layer in enumerate(arch.layers))
@@ -154,8 +155,8 @@ class Eagle3Layer(nn.Module):
 class Eagle3Head(EagleHead):
     """EAGLE-3: fc over three target layers' hidden states, the midlayer, its own norm and draft-vocabulary head."""
 
-    def __init__(self, config: EagleHeadConfig, own_embedding: bool) -> None:
-        super().__init__(config, own_embedding)
+    def __init__(self, config: EagleHeadConfig, own_embedding: bool, target_positions: int) -> None:
+        super().__init__(config, own_embedding, target_positions)
         arch = config.arch
         width = len(config.aux_layer_ids) * config.target_hidden_size
         self.fc = ReplicatedLinear(width, arch.hidden_size, config.fc_bias, "fc")
@@ -185,9 +186,10 @@ class Eagle3Head(EagleHead):
         super().load_weights(weights)
 
 
-def load_eagle_head(path: str, method: EagleMethod, target_num_layers: int, device: torch.device,
-                    dtype: torch.dtype) -> EagleHead:
-    """Build the head of the checkpoint folder `path` in `dtype` on `device` and load its weights."""
+def load_eagle_head(path: str, method: EagleMethod, target_num_layers: int, target_positions: int,
+                    device: torch.device, dtype: torch.dtype) -> EagleHead:
+    """Build the head of the checkpoint folder `path` in `dtype` on `device` and load its weights (its rotary
+    table covering the target's `target_positions`)."""
     folder = Path(path)
     if not (folder / "config.json").is_file():
         raise ConfigError(f"speculative_config.model={path!r}: an EAGLE head is a folder with config.json and weights")
@@ -199,7 +201,7 @@ def load_eagle_head(path: str, method: EagleMethod, target_num_layers: int, devi
         previous = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
-            head = cls(config, own_embedding="embed_tokens.weight" in weights)
+            head = cls(config, "embed_tokens.weight" in weights, target_positions)
         finally:
             torch.set_default_dtype(previous)
     head.load_weights(weights)
