@@ -11,7 +11,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from llmplug import LLM, SamplingParams
+from llmplug import SamplingParams
 from llmplug.core.errors import ConfigError
 from tests.engine.test_spec_decode import (
     NUM_SAMPLES, PROMPTS, VARIANTS, assert_no_leak, first_tokens, generate, make_llm, p_values,
