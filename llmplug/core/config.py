@@ -254,11 +254,15 @@ class DecodingConfig(_Section):
 class SpeculativeConfig(_Section):
     """Speculative decoding (vLLM's `speculative_config`): draft tokens verified in one target forward pass."""
 
-    method: Literal["ngram", "draft_model"] | None = Field(
+    method: Literal["ngram", "draft_model", "eagle", "eagle3"] | None = Field(
         None, description="How drafts are proposed: ngram (prompt lookup), draft_model (a smaller model with the same "
-                          "vocabulary, greedy); None: no speculative decoding."
+                          "vocabulary, greedy drafts for greedy requests, sampled ones for sampled requests), eagle / "
+                          "eagle3 (an EAGLE-1 / EAGLE-3 head over the target's hidden states); None: no speculative "
+                          "decoding."
     )
-    model: str | None = Field(None, description="draft_model: the draft model's directory or .gguf file.")
+    model: str | None = Field(
+        None, description="draft_model: the draft model's directory or .gguf file; eagle, eagle3: the head's folder."
+    )
     num_speculative_tokens: int | None = Field(
         None, gt=0, description="Draft tokens proposed per request and step (required with a method)."
     )
@@ -267,8 +271,11 @@ class SpeculativeConfig(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> "SpeculativeConfig":
-        if (self.method == "draft_model") != (self.model is not None):
-            raise ValueError("model (the draft model) is required with method='draft_model', and only with it")
+        if (self.method in ("draft_model", "eagle", "eagle3")) != (self.model is not None):
+            raise ValueError(
+                "model (the draft model or EAGLE head) is required with method='draft_model', 'eagle' or 'eagle3', "
+                "and only with them"
+            )
         if self.method is not None and self.num_speculative_tokens is None:
             raise ValueError(f"num_speculative_tokens is required with method={self.method!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:

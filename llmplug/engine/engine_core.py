@@ -14,7 +14,7 @@ from llmplug.engine.output_processor import EngineCoreOutput
 from llmplug.engine.request import Request, RequestStatus
 from llmplug.engine.scheduler import Scheduler
 from llmplug.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from llmplug.engine.spec_decode.speculator import Speculator
+from llmplug.engine.spec_decode.speculator import RunnerDrafts, Speculator
 from llmplug.engine.sleep_mode import SLEEP_TAGS, check_sleep_level, check_wake_tags
 from llmplug.engine.weight_update import weight_batches
 from llmplug.lora.request import LoRARequest
@@ -85,6 +85,8 @@ class EngineCore:
             from llmplug.engine.spec_decode.draft_model import DraftModelProposer
 
             proposer = DraftModelProposer(self.config, self.model_info["vocab_size"], self.max_model_len)
+        elif spec.method in ("eagle", "eagle3"):  # the model runner's head drafts
+            proposer = RunnerDrafts()
         return Speculator(spec, proposer)
 
     def _resolve_max_model_len(self) -> int:

@@ -119,6 +119,11 @@ class ModelRunner:
         global_processors = [p for found in hook.llmplug_logits_processors(config=self.config) for p in found]
         self.sampler = Sampler(logits_processors=global_processors)
         self.verifier = DraftVerifier(self.sampling_state)
+        self.eagle = None  # speculative decoding with an EAGLE head: the runner drafts
+        if self.config.speculative_config.method in ("eagle", "eagle3"):
+            from llmplug.engine.spec_decode.eagle import EagleProposer
+
+            self.eagle = EagleProposer(self.config, self.model, self.device, self.dtype)
         if global_processors and self.config.speculative_config.method is not None:
             raise ConfigError(
                 "speculative_config cannot be combined with engine-wide logits processors (llmplug_logits_processors "
@@ -151,7 +156,7 @@ class ModelRunner:
 
     def kv_cache_spec(self) -> KVCacheSpec:
         """The shape of this worker's share of the KV cache and recurrent state."""
-        attn_layers = self._attention_layers()
+        attn_layers = self._attention_layers() + (self.eagle.attention_layers() if self.eagle is not None else [])
         shapes = [self.attn_backend.layer_kv_cache_shape(layer, 1, self.block_size) for layer in attn_layers]
         slot_bytes = state_bytes_per_slot(self.model, self.dtype)
         # every request that can run at once holds a slot, so a slot never has to be waited for
@@ -177,6 +182,8 @@ class ModelRunner:
         ]
         caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for shape in shapes]
         bind_kv_cache(self.model, caches, self.attn_backend)
+        if self.eagle is not None:
+            self.eagle.allocate_cache(num_blocks, self.attn_backend, self.dtype, self.device)
         self.num_state_slots = self.kv_cache_spec().num_state_slots
         bind_state_cache(self.model, allocate_state_cache(self.model, self.num_state_slots, self.dtype, self.device))
 
@@ -310,11 +317,13 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], prompt_logprobs=prompt_logprobs)
         logits = self._compute_logits(hidden_states, batch.sample_indices, lora_mapping)
         req_ids = batch.sample_req_ids
-        drafts = {r.req_id: r.spec_token_ids for r in scheduler_output.requests if r.spec_token_ids}
+        drafts = {r.req_id: r for r in scheduler_output.requests if r.spec_token_ids}
         if drafts:  # speculative decoding: verify the drafts, sample the other requests as usual
             output = self.verifier.verify(logits, req_ids, drafts, self.sample)
         else:
             output = self.sample(logits, req_ids, scheduler_output.grammar_bitmask)
+        if self.eagle is not None:
+            output.draft_token_ids = self.eagle.propose(scheduler_output, hidden_states, output, self)
         output.prompt_logprobs = prompt_logprobs
         return output
 

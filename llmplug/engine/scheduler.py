@@ -32,6 +32,7 @@ from llmplug.core.errors import ConfigError, InvalidRequestError
 from llmplug.engine.kv_cache import KVCacheManager, PrefixCacheStats
 from llmplug.engine.request import Request, RequestStatus
 from llmplug.engine.scheduler_output import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
+from llmplug.engine.spec_decode.draft import NO_DRAFT, Draft
 
 if TYPE_CHECKING:
     from llmplug.engine.spec_decode.speculator import Speculator
@@ -276,27 +277,36 @@ class Scheduler:
 
     def _schedule_running(self, scheduled: list[ScheduledRequest], preempted: set[str], budget: int) -> int:
         """Schedule running requests in order; returns the budget left."""
+        all_drafts = self._drafts(budget - 1)
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new_tokens = self._num_new_tokens(request.num_tokens - request.num_computed_tokens, budget)
-            drafts = self._drafts(request, budget - 1) if num_new_tokens == 1 else []
-            if drafts and not self.kv_cache_manager.allocate_slots(request, 1 + len(drafts)):
-                drafts = []  # speculation never preempts: without free blocks for its drafts the request decodes one
-            if num_new_tokens > 0 and self._allocate_or_preempt(request, num_new_tokens + len(drafts), preempted):
-                scheduled.append(self._scheduled_request(request, num_new_tokens, new=None, drafts=drafts))
-                budget -= num_new_tokens + len(drafts)
+            draft = NO_DRAFT
+            if num_new_tokens == 1:
+                draft = all_drafts.get(request.request_id, NO_DRAFT).truncated(budget - 1)
+            if draft.token_ids and not self.kv_cache_manager.allocate_slots(request, 1 + len(draft.token_ids)):
+                draft = NO_DRAFT  # speculation never preempts: without free blocks for its drafts the request decodes one
+            num_drafts = len(draft.token_ids)
+            if num_new_tokens > 0 and self._allocate_or_preempt(request, num_new_tokens + num_drafts, preempted):
+                scheduled.append(self._scheduled_request(request, num_new_tokens, new=None, draft=draft))
+                budget -= num_new_tokens + num_drafts
             i += 1
         return budget
 
-    def _drafts(self, request: Request, budget: int) -> list[int]:
-        """Draft tokens to verify after a decoding request's last token, within the budget and its length limits."""
-        if self.speculator is None or request.num_tokens - request.num_computed_tokens != 1:
-            return []
+    def _drafts(self, budget: int) -> dict[str, Draft]:
+        """Draft tokens to verify after each decoding request's last token, within `budget` and its length
+        limits: one proposal for all of them (each is cut to the budget left when it is scheduled)."""
+        if self.speculator is None:
+            return {}
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        return self.speculator.propose([(r, self._draft_room(r, budget)) for r in decoding])
+
+    def _draft_room(self, request: Request, budget: int) -> int:
+        """How many draft tokens `request` may verify: within the budget, the context length and max_tokens."""
         max_tokens = request.sampling_params.max_tokens
-        room = min(budget, self.max_num_tokens - request.num_tokens - 1,
+        return min(budget, self.max_num_tokens - request.num_tokens - 1,
                    max_tokens - request.num_output_tokens - 1 if max_tokens is not None else budget)
-        return self.speculator.draft(request, room) if room > 0 else []
 
     def _allocate_or_preempt(self, request: Request, num_new_tokens: int, preempted: set[str]) -> bool:
         """Allocate, preempting from the end of `running` until it fits; False if `request` itself went."""
@@ -378,18 +388,19 @@ class Scheduler:
         return 0
 
     def _scheduled_request(
-        self, request: Request, num_new_tokens: int, new: NewRequestData | None, drafts: list[int] = ()
+        self, request: Request, num_new_tokens: int, new: NewRequestData | None, draft: Draft = NO_DRAFT
     ) -> ScheduledRequest:
         start = request.num_computed_tokens
         reaches_end = start + num_new_tokens == request.num_tokens
         return ScheduledRequest(
             req_id=request.request_id,
-            token_ids=request.all_token_ids[start : start + num_new_tokens] + list(drafts),
+            token_ids=request.all_token_ids[start : start + num_new_tokens] + draft.token_ids,
             num_computed_tokens=start,
             block_ids=[] if request.is_pooling else self.kv_cache_manager.get_block_ids(request),
             samples=reaches_end and not request.is_pooling,
             new=new,
-            spec_token_ids=list(drafts),
+            spec_token_ids=draft.token_ids,
+            spec_probs=draft.probs,
             pools=request.is_pooling,
             state_slot=None if request.is_pooling else self.kv_cache_manager.get_state_slot(request),
         )
@@ -399,6 +410,8 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
         """Advance computed tokens, append sampled ones, apply stop checks; returns the requests with new tokens."""
         sampled = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids))
+        if self.speculator is not None:
+            self.speculator.receive(runner_output.draft_token_ids)
         updated = list(self._failed)  # finished without a token: they still need an output
         for scheduled in scheduler_output.requests:
             request = self.requests.get(scheduled.req_id)

@@ -38,6 +38,8 @@ class ScheduledRequest:
     new: NewRequestData | None  # set when the worker has no state for the request
     # speculative decoding: draft tokens, the tail of token_ids, verified in this step (each position samples)
     spec_token_ids: list[int] = field(default_factory=list)
+    # their draft distributions [len(spec_token_ids), V] when they were sampled; None: certain drafts (one-hot q)
+    spec_probs: torch.Tensor | None = None
     pools: bool = False  # a pooling request's whole prompt: the model's pooler runs on it
     state_slot: int | None = None  # its recurrent-state slot (models with recurrent mixers only)
 
@@ -64,3 +66,5 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, object] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why it could not be sampled
     pooler_output: dict[str, torch.Tensor] = field(default_factory=dict)  # request id -> its result (CPU, float32)
+    # speculative decoding by the runner (EAGLE): request id -> the drafts it proposes for the request's next step
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)

@@ -3,6 +3,8 @@ plain sampling's distribution (a chi-square test that a broken rejection rule fa
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -11,7 +13,7 @@ import torch
 from llmplug import LLM, SamplingParams
 from llmplug.core.errors import ConfigError, InvalidRequestError
 from llmplug.core.params import GuidedDecodingParams
-from llmplug.engine.spec_decode.rejection_sampler import RejectionSampler
+from llmplug.engine.spec_decode.rejection_sampler import RejectionSampler, sampling_distribution
 from tests.models.tiny_models import ARCHS, make_tiny
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
@@ -159,10 +161,10 @@ def chi_square_p_value(a: Counter, b: Counter, min_expected: float = 5.0) -> flo
 
 
 class ResidualIncludesTheDraft(RejectionSampler):
-    """A subtly broken rule: after a rejection it draws from p itself, the rejected draft included."""
+    """A subtly broken rule: after a rejection it draws from p itself, the rejected draft's share included."""
 
     @staticmethod
-    def residual(p: torch.Tensor, token: int) -> torch.Tensor:
+    def residual(p: torch.Tensor, q: torch.Tensor | None, token: int) -> torch.Tensor:
         return p
 
 
@@ -170,7 +172,7 @@ class AcceptEveryDraft(RejectionSampler):
     """A plainly broken rule: every draft token is accepted."""
 
     @staticmethod
-    def accept_probability(p: torch.Tensor, token: int) -> float:
+    def accept_probability(p: torch.Tensor, q: torch.Tensor | None, token: int) -> float:
         return 1.0
 
 
@@ -201,6 +203,86 @@ def test_the_chi_square_test_catches_a_broken_rejection_rule(tiny_llama, samplin
     # the same seeds as the sound sampler's run, whose p-values are all above 0.0025
     samples = first_tokens(llm, sampling_prompt, first_seed=100_000)
     assert min(p_values(plain_samples, samples)) < threshold
+
+
+@pytest.mark.parametrize("top_p", [0.3, 0.9, 1.0])
+def test_the_verified_distribution_is_temperature_then_the_top_p_nucleus(top_p):
+    """Against transformers' TopPLogitsWarper: the distribution the rejection sampler verifies against."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    expected = torch.softmax(TopPLogitsWarper(top_p)(None, logits / 0.7), dim=-1)
+    torch.testing.assert_close(sampling_distribution(logits, 0.7, top_p), expected)
+
+
+@pytest.fixture(scope="module")
+def near_draft(tiny_llama, tmp_path_factory):
+    """A draft model close to the target: the target with its logits halved, so q is a flatter p. Drafts are
+    often accepted, not always, and both the acceptance p / q and the residual max(0, p - q) shape the output."""
+    path = tmp_path_factory.mktemp("near_draft")
+    draft = copy.deepcopy(tiny_llama.hf_model)
+    with torch.no_grad():
+        draft.lm_head.weight.mul_(0.5)
+    draft.save_pretrained(path)
+    return path
+
+
+def draft_model_config(path) -> dict:
+    return {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3}
+
+
+@pytest.mark.slow
+def test_sampled_drafts_follow_plain_sampling(tiny_llama, sampling_prompt, plain_samples, near_draft):
+    """Drafts sampled from the draft model's distribution, verified with p / q: the target's distribution holds."""
+    llm = make_llm(tiny_llama.path, max_num_seqs=256, speculative_config=draft_model_config(near_draft))
+    samples = first_tokens(llm, sampling_prompt, first_seed=100_000)
+    assert llm.stats()["spec_decode_num_accepted_tokens"] > 0
+    assert min(p_values(plain_samples, samples)) > 0.01 / 4
+    llm.shutdown()
+
+
+def test_sampled_drafts_are_accepted_more_often_than_greedy_ones(tiny_llama, sampling_prompt, near_draft):
+    llm = make_llm(tiny_llama.path, max_num_seqs=256, speculative_config=draft_model_config(near_draft))
+    params = [SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=i) for i in range(32)]
+    prompts = [{"prompt_token_ids": sampling_prompt}] * len(params)
+    llm.generate(prompts, params, use_tqdm=False)
+    sampled = llm.stats()
+    speculator = llm.llm_engine.engine_core.scheduler.speculator
+    speculator.proposer = GreedyDrafts(speculator.proposer)
+    llm.generate(prompts, params, use_tqdm=False)
+    assert sampled["spec_decode_acceptance_rate"] > acceptance_since(llm.stats(), sampled) + 0.05
+    llm.shutdown()
+
+
+class GreedyDrafts:
+    """The draft model proposing greedily for every request (certain drafts: one-hot q), as before sampled drafts."""
+
+    def __init__(self, proposer):
+        self.proposer = proposer
+
+    def propose(self, requests):
+        return self.proposer.propose([dataclasses.replace(r, params=SamplingParams(temperature=0.0))
+                                      for r in requests])
+
+    def shutdown(self):
+        self.proposer.shutdown()
+
+
+def acceptance_since(now: dict, before: dict) -> float:
+    accepted = now["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+    return accepted / (now["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"])
+
+
+@pytest.mark.slow
+def test_the_chi_square_test_catches_a_residual_that_ignores_the_draft_distribution(
+        tiny_llama, sampling_prompt, plain_samples, near_draft):
+    """(Accepting with p(d) as if the sampled draft were certain is no such twin: that rule is exact for
+    drafts chosen in any way independent of the target's draws, only less often accepted.)"""
+    llm = make_llm(tiny_llama.path, max_num_seqs=256, speculative_config=draft_model_config(near_draft))
+    runner(llm).verifier.rejection_sampler = ResidualIncludesTheDraft()
+    samples = first_tokens(llm, sampling_prompt, first_seed=100_000)  # the sound sampler's seeds
+    assert min(p_values(plain_samples, samples)) < 1e-3  # 1.3e-9 at the time of writing
+    llm.shutdown()
 
 
 def test_seeded_sampled_requests_are_reproducible(tiny_llama):
@@ -238,7 +320,7 @@ def test_requests_that_cannot_speculate_decode_plainly_beside_those_that_do(tiny
 
 
 @pytest.mark.parametrize("config,field", [
-    ({"method": "eagle", "num_speculative_tokens": 3}, "method"),
+    ({"method": "eagle", "num_speculative_tokens": 3}, "model"),
     ({"method": "draft_model", "num_speculative_tokens": 3}, "model"),
     ({"method": "ngram"}, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),

@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from llmplug.engine.spec_decode.draft import Draft, DraftRequest
+
 
 class NgramProposer:
     """Drafts by prompt lookup: the longest tail of `prompt_lookup_max` down to `prompt_lookup_min` tokens that
@@ -14,7 +16,11 @@ class NgramProposer:
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max
 
-    def propose(self, token_ids: list[int], num_tokens: int) -> list[int]:
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        """Each request's lookup (certain drafts: a continuation seen before, whatever the request samples)."""
+        return [Draft(self.lookup(r.token_ids, r.num_tokens)) for r in requests]
+
+    def lookup(self, token_ids: list[int], num_tokens: int) -> list[int]:
         """Up to `num_tokens` draft tokens to follow `token_ids` (none when no tail occurred before)."""
         if num_tokens <= 0:
             return []

@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 
 from llmplug.engine.sampling_state import SamplingState, step_seed
-from llmplug.engine.scheduler_output import ModelRunnerOutput
+from llmplug.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest
 from llmplug.engine.spec_decode.rejection_sampler import RejectionSampler
 
 UNVERIFIABLE = "its draft tokens cannot be verified: the logits hold NaN or infinity"
@@ -29,43 +29,45 @@ class DraftVerifier:
         self.rejection_sampler = rejection_sampler or RejectionSampler()
 
     def verify(
-        self, logits: torch.Tensor, req_ids: list[str], drafts: dict[str, list[int]], sample: PlainSampler
+        self, logits: torch.Tensor, req_ids: list[str], drafted: dict[str, ScheduledRequest], sample: PlainSampler
     ) -> ModelRunnerOutput:
-        """Tokens for every request of `req_ids` (plain ones first in the output, then those with drafts)."""
+        """Tokens for every request of `req_ids` (plain ones first in the output, then those with drafts:
+        `drafted` holds their scheduled share, with the draft tokens and, when sampled, their distributions)."""
+        drafts = {req_id: r.spec_token_ids for req_id, r in drafted.items()}
         num_rows = [len(drafts.get(r, ())) + 1 for r in req_ids]
         starts = list(itertools.accumulate(num_rows, initial=0))
         plain = [i for i, r in enumerate(req_ids) if r not in drafts]
-        drafted = [i for i, r in enumerate(req_ids) if r in drafts]
+        drafted_rows = [i for i, r in enumerate(req_ids) if r in drafts]
         # guided requests never speculate (refused when added), so no bitmask is needed for the plain rows
         output = sample(logits[[starts[i] for i in plain]], [req_ids[i] for i in plain], None) if plain else (
             ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
-        rows = [row for i in drafted for row in range(starts[i], starts[i + 1])]
-        drafted_ids = [req_ids[i] for i in drafted]
+        rows = [row for i in drafted_rows for row in range(starts[i], starts[i + 1])]
+        drafted_ids = [req_ids[i] for i in drafted_rows]
         verified_logits = logits[rows]  # [sum(k + 1), V]
         finite = torch.isfinite(verified_logits).all(dim=-1).tolist()
         offset = 0
-        for i, req_id in zip(drafted, drafted_ids):
+        for i, req_id in zip(drafted_rows, drafted_ids):
             if not all(finite[offset : offset + num_rows[i]]):
                 output.failed[req_id] = UNVERIFIABLE  # that request alone ends
             offset += num_rows[i]
-        tokens = self._verify_rows(verified_logits, drafted_ids, drafts, finite)
+        tokens = self._verify_rows(verified_logits, [drafted[r] for r in drafted_ids], finite)
         for req_id, accepted in zip(drafted_ids, tokens):
             self.sampling_state.append_output(req_id, accepted)
         output.req_ids = output.req_ids + drafted_ids
         output.sampled_token_ids = output.sampled_token_ids + tokens
         return output
 
-    def _verify_rows(self, logits: torch.Tensor, req_ids: list[str], drafts: dict[str, list[int]],
-                     finite: list[bool]) -> list[list[int]]:
+    def _verify_rows(self, logits: torch.Tensor, drafted: list[ScheduledRequest], finite: list[bool]) -> list[list[int]]:
         # rows that are not finite are made harmless (their request fails anyway): the others go on
         if not all(finite):
             logits = torch.nan_to_num(logits, nan=0.0, posinf=0.0, neginf=-1e30)
-        temperatures, generators = [], []
-        for req_id in req_ids:
-            state = self.sampling_state.requests[req_id]
-            temperatures.append(state.params.temperature)
+        sampling, generators = [], []
+        for scheduled in drafted:
+            state = self.sampling_state.requests[scheduled.req_id]
+            sampling.append((state.params.temperature, state.params.top_p))
             generators.append(self._generator(state, logits.device))
-        return self.rejection_sampler(logits, [drafts[r] for r in req_ids], temperatures, generators)
+        return self.rejection_sampler(logits, [r.spec_token_ids for r in drafted], [r.spec_probs for r in drafted],
+                                      sampling, generators)
 
     @staticmethod
     def _generator(state, device: torch.device) -> torch.Generator | None:

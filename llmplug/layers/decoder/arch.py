@@ -66,6 +66,8 @@ class LayerConfig:
     moe: bool = False  # the MLP is the arch's mixture of experts (DecoderArchConfig.moe), else the dense one
     # this attention + MLP layer is post-norm (OLMo 2's placement) in a pre-norm model (OLMo hybrid)
     post_norm: bool = False
+    # features the attention's q/k/v projection reads; None: hidden_size (EAGLE-3's head reads [embedding | hidden])
+    attention_input_size: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,7 +36,7 @@ class DecoderAttention(nn.Module):
         self.gated = arch.attention_output_gate
         q_heads = 2 * arch.num_heads if self.gated else arch.num_heads  # a gate "head" beside each query head
         self.qkv_proj = QKVParallelLinear(
-            arch.hidden_size, d, q_heads, arch.num_kv_heads, arch.qkv_bias, _join(prefix, "qkv_proj")
+            layer.attention_input_size or arch.hidden_size, d, q_heads, arch.num_kv_heads, arch.qkv_bias, _join(prefix, "qkv_proj")
         )
         self.num_heads = self.qkv_proj.num_heads // 2 if self.gated else self.qkv_proj.num_heads
         self.num_kv_heads, self.head_dim = self.qkv_proj.num_kv_heads, d
