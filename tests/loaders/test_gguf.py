@@ -394,9 +394,12 @@ def test_folder_with_several_ggufs_is_a_load_error(tiny_files: dict[Q, Path]) ->
 def test_unsupported_architecture_is_an_error_listing_supported_ones(
     tiny_model: torch.nn.Module, tmp_path: Path
 ) -> None:
-    path = write_model_gguf(tmp_path / "mamba.gguf", tiny_model, arch="mamba")
-    supported = "bloom, gemma2, gemma3, gpt2, llama, nemotron, phi3, qwen2, qwen3, stablelm, starcoder2"
-    with pytest.raises(ModelLoadError, match=rf"architecture 'mamba' is not supported.*supported: {supported}\."):
+    path = write_model_gguf(tmp_path / "gpt-oss.gguf", tiny_model, arch="gpt-oss")
+    supported = (
+        "bloom, gemma2, gemma3, gpt2, llama, mamba, minimax-m2, nemotron, phi3, qwen2, qwen2moe, qwen3, qwen3moe, "
+        "stablelm, starcoder2"
+    )
+    with pytest.raises(ModelLoadError, match=rf"architecture 'gpt-oss' is not supported.*supported: {supported}\."):
         load_gguf_config(str(path))
 
 
