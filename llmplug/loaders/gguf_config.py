@@ -108,6 +108,19 @@ def _minimax_m2_fields(meta: _ArchMetadata, tensors: frozenset[str]) -> dict[str
     return {**_experts(meta, "num_local_experts", "intermediate_size"), **({} if rotary is None else {"rotary_dim": rotary})}
 
 
+def _lfm2_fields(meta: _ArchMetadata, tensors: frozenset[str]) -> dict[str, Any]:
+    """LFM2's layer kinds from the per-layer KV head counts (0: a short-conv layer), the conv length, and the
+    feed-forward size as stored (the converter writes the adjusted size: no second adjustment)."""
+    kv_heads = meta.require("attention.head_count_kv")
+    if not isinstance(kv_heads, list):
+        kv_heads = [kv_heads] * meta.require("block_count")
+    return {
+        "num_key_value_heads": max(kv_heads), "full_attn_idxs": [i for i, n in enumerate(kv_heads) if n > 0],
+        "conv_L_cache": meta.require("shortconv.l_cache"), "block_auto_adjust_ff_dim": False,
+        "conv_bias": any(name.endswith("shortconv.conv.bias") for name in tensors),
+    }
+
+
 def _mamba_fields(meta: _ArchMetadata, tensors: frozenset[str]) -> dict[str, Any]:
     """The selective-scan sizes; transformers derives intermediate_size as expand * hidden_size."""
     hidden, inner = meta.require("embedding_length"), meta.require("ssm.inner_size")
@@ -152,6 +165,7 @@ ARCHITECTURES: dict[str, GGUFArchitecture] = {
     "qwen2moe": GGUFArchitecture("qwen2_moe", "Qwen2MoeForCausalLM", attention_bias=True, extra=_qwen2_moe_fields),
     "qwen3moe": GGUFArchitecture("qwen3_moe", "Qwen3MoeForCausalLM", extra=_qwen3_moe_fields),
     "minimax-m2": GGUFArchitecture("minimax_m2", "MiniMaxM2ForCausalLM", extra=_minimax_m2_fields),
+    "lfm2": GGUFArchitecture("lfm2", "Lfm2ForCausalLM", renames={"eps": "norm_eps"}, extra=_lfm2_fields),
     "mamba": GGUFArchitecture(
         "mamba", "MambaForCausalLM", attention=False, rope=False, ssm_a_log=True, has_context_length=False,
         renames={"eps": "layer_norm_epsilon"}, extra=_mamba_fields,

@@ -3,7 +3,7 @@
 Each tiny file is written here as llama.cpp's convert_hf_to_gguf writes that architecture: its metadata
 keys, gguf-py's tensor names, the experts as three stacked tensors per layer (`ffn_gate_exps`,
 `ffn_up_exps`, `ffn_down_exps`, each [E, out, in]) where transformers holds [gate | up] as one
-`experts.gate_up_proj`, Mamba's A as -exp(A_log) and its conv weights without their size-1 dim. The truth is the HF model the file was written from and transformers' own GGUF
+`experts.gate_up_proj`, Mamba's A as -exp(A_log) and Mamba's and LFM2's conv weights without their size-1 dim. The truth is the HF model the file was written from and transformers' own GGUF
 load of the same file.
 
 transformers' GGUF loader reads neither `expert_feed_forward_length` nor `expert_shared_feed_forward_length`
@@ -65,6 +65,16 @@ def _mamba(c: PretrainedConfig) -> dict[str, Any]:
     }
 
 
+def _lfm2(c: PretrainedConfig) -> dict[str, Any]:
+    kv_heads = [c.num_key_value_heads if kind == "full_attention" else 0 for kind in c.layer_types]
+    return {
+        "context_length": c.max_position_embeddings, "embedding_length": c.hidden_size,
+        "block_count": c.num_hidden_layers, "feed_forward_length": c.intermediate_size,
+        "head_count": c.num_attention_heads, "head_count_kv": kv_heads, "layer_norm_rms_eps": c.norm_eps,
+        "rope_freq_base": c.rope_parameters["rope_theta"], "shortconv_l_cache": c.conv_L_cache,
+    }
+
+
 CASES = [
     # a gated shared expert; transformers' default expert sizes (1408, 5632) but few experts
     MoECase("qwen2moe", "qwen2_moe", dict(num_experts=4, num_experts_per_tok=2, intermediate_size=128),
@@ -83,6 +93,9 @@ CASES = [
                        "expert_gating_func": gguf.ExpertGatingFuncType.SIGMOID}),
     # selective scan: A stored as -exp(A_log), conv1d as [C, K], tied embeddings
     MoECase("mamba", "mamba", dict(state_size=8, conv_kernel=4, time_step_rank=8), _mamba),
+    # short-conv layers beside an attention layer (per-layer KV head counts, 0: conv), conv as [C, L]
+    MoECase("lfm2", "lfm2", dict(intermediate_size=128, block_auto_adjust_ff_dim=False, full_attn_idxs=[1],
+                                conv_L_cache=3), _lfm2),
 ]
 
 
@@ -108,7 +121,7 @@ def converter_tensors(model: PreTrainedModel) -> dict[str, np.ndarray]:
             tensors[name] = array.reshape(-1)  # llama.cpp's ffn_gate_inp_shexp is [hidden]
         elif leaf == "A_log":
             tensors[name] = -np.exp(array)  # the converter stores A itself
-        elif name.endswith("conv1d.weight"):
+        elif name.endswith(("conv1d.weight", "conv.conv.weight")):
             tensors[name] = array.squeeze(1)  # [C, 1, K] -> [C, K]
         elif leaf.endswith("_bias"):
             tensors[f"{owner}.{leaf.removesuffix('_bias')}.bias"] = array
