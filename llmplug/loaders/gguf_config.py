@@ -105,7 +105,8 @@ def _minimax_m2_fields(meta: _ArchMetadata, tensors: frozenset[str]) -> dict[str
     if gating != GATING_SIGMOID:
         raise ModelLoadError(f"GGUF file {meta.path}: MiniMax-M2 with expert_gating_func {gating} (not sigmoid).")
     rotary = meta.get("rope.dimension_count")  # MiniMax's own (legacy) field for its partial rotary
-    return {**_experts(meta, "num_local_experts", "intermediate_size"), **({} if rotary is None else {"rotary_dim": rotary})}
+    fields = _experts(meta, "num_local_experts", "intermediate_size")
+    return fields if rotary is None else {**fields, "rotary_dim": rotary}
 
 
 def _lfm2_fields(meta: _ArchMetadata, tensors: frozenset[str]) -> dict[str, Any]:

@@ -1,5 +1,5 @@
-"""Sliding window, chunked local attention, logit soft-capping, ALiBi, sinks and values inside the keys (latent attention) in
-TorchSDPABackend equal a dense reference —
+"""Sliding window, chunked local attention, logit soft-capping, ALiBi, sinks and values inside the keys
+(latent attention) in TorchSDPABackend equal a dense reference —
 plain masked softmax attention over each request's whole history, itself checked against transformers'
 own eager attention functions and mask functions — through every path a request takes: batched and
 single prompts, chunked prefill across block boundaries, prefix-cache hits, and decode (mirror appends,
@@ -197,7 +197,9 @@ def test_features_without_window_match_dense_reference(name: str, heads: int, kv
 
 @pytest.mark.parametrize("block,chunk", WINDOWS, ids=[i.replace("w", "c") for i in WINDOW_IDS])
 @pytest.mark.parametrize("name", ["window", "all"])
-def test_chunked_attention_alone_and_with_every_feature_matches_dense_reference(name: str, block: int, chunk: int) -> None:
+def test_chunked_attention_alone_and_with_every_feature_matches_dense_reference(
+    name: str, block: int, chunk: int
+) -> None:
     """Chunks of Llama 4's local attention: prompts and chunked prefill crossing chunk starts, decode rings of
     one chunk, a prefix hit; "all" adds a window longer than the chunk, soft-capping, ALiBi and sinks."""
     features = replace(WINDOWED[name], window=chunk + 3 if name == "all" else None, chunk=chunk)

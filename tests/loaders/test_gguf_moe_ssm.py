@@ -3,12 +3,12 @@
 Each tiny file is written here as llama.cpp's convert_hf_to_gguf writes that architecture: its metadata
 keys, gguf-py's tensor names, the experts as three stacked tensors per layer (`ffn_gate_exps`,
 `ffn_up_exps`, `ffn_down_exps`, each [E, out, in]) where transformers holds [gate | up] as one
-`experts.gate_up_proj`, Mamba's A as -exp(A_log) and Mamba's and LFM2's conv weights without their size-1 dim. The truth is the HF model the file was written from and transformers' own GGUF
-load of the same file.
+`experts.gate_up_proj`, Mamba's A as -exp(A_log) and Mamba's and LFM2's conv weights without their size-1
+dim. The truth is the HF model the file was written from and transformers' own GGUF load of the same file.
 
 transformers' GGUF loader reads neither `expert_feed_forward_length` nor `expert_shared_feed_forward_length`
-(it keeps its config class's defaults), so the expert sizes here are those defaults: both loads build the
-same model only then.
+(it keeps its config class's defaults), so the Qwen-MoE expert sizes here are those defaults: both loads
+build the same model only then (MiniMax-M2's expert size is its `intermediate_size`, which both read).
 """
 
 from __future__ import annotations

@@ -67,7 +67,8 @@ class Attention(nn.Module):
         _check_features(prefix, num_heads, sliding_window, logit_softcap, alibi_slopes, attention_chunk)
         if not causal and (logit_softcap is not None or alibi_slopes is not None or use_sinks or attention_chunk):
             raise ValueError(
-                f"Attention {prefix!r}: bidirectional attention with soft-capping, ALiBi, sinks or chunks is not modelled"
+                f"Attention {prefix!r}: bidirectional attention with soft-capping, ALiBi, sinks or chunks "
+                "is not modelled"
             )
         self.causal = causal
         _check_values_in_keys(prefix, values_in_keys, head_dim, self.num_kv_heads)

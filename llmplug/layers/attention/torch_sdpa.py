@@ -27,8 +27,8 @@ a request may read a shared block that another request of the same step writes.
 
 Optional features (see `Attention`): a sliding-window or chunked layer reads its keys through a
 windowed layout (key_layout.py; built once per step, window and chunk) that gathers only what the
-window or chunk reaches, and its mask; ALiBi adds its bias to the mask (decode: the baddbmm addend; prefill: SDPA's float
-mask). Soft-capping and sinks change the softmax itself, so such layers compute their scores
+window or chunk reaches, and its mask; ALiBi adds its bias to the mask (decode: the baddbmm addend;
+prefill: SDPA's float mask). Soft-capping and sinks change the softmax itself, so such layers compute their scores
 explicitly (decode: bmm, cap, mask, softmax; prefill: the same in chunks of queries). A layer using
 none of them runs exactly the paths above.
 

@@ -122,7 +122,8 @@ class MixtureOfAttention(nn.Module):
         q[order] = self.q_experts(hidden.index_select(0, tokens), counts)  # [T * k, Hkv * D], row t * k + j
         kv = self.kv_proj(hidden)  # [T, 2 * Hkv * D]
         # heads: expert j's head h -> query head h * k + j, then the KV heads, rotated together
-        qk = torch.cat([q.view(t, k, hkv, d).transpose(1, 2).reshape(t, hkv * k, d), kv[:, : hkv * d].view(t, hkv, d)], 1)
+        q_heads = q.view(t, k, hkv, d).transpose(1, 2).reshape(t, hkv * k, d)
+        qk = torch.cat([q_heads, kv[:, : hkv * d].view(t, hkv, d)], dim=1)  # [T, Hkv * k + Hkv, D]
         if rope is not None:
             rope.apply_(qk)
         out = self.attn(qk[:, : hkv * k].flatten(1), qk[:, hkv * k :].flatten(1), kv[:, hkv * d :])  # [T, Hkv * k * D]

@@ -69,7 +69,8 @@ def _paged_attention_kernel(
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, QUERIES_PER_KV: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_CHUNK: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_ALIBI: tl.constexpr, USE_SINKS: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_CHUNK: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_ALIBI: tl.constexpr,
+    USE_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     q_block = tl.program_id(0)
@@ -211,7 +212,8 @@ def paged_attention(
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
         HEAD_DIM=head_dim, HEAD_DIM_P=max(16, triton.next_power_of_2(head_dim)), QUERIES_PER_KV=queries_per_kv,
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_SIZE=block_size, TILE=TILE_N,
-        USE_WINDOW=sliding_window is not None, USE_CHUNK=attention_chunk is not None, USE_SOFTCAP=logit_softcap is not None,
+        USE_WINDOW=sliding_window is not None, USE_CHUNK=attention_chunk is not None,
+        USE_SOFTCAP=logit_softcap is not None,
         USE_ALIBI=alibi_slopes is not None, USE_SINKS=sinks is not None,
         # fp32 products stay fp32 (no TF32); the interpreter's bf16/fp16 dot is wrong, so it multiplies upcast
         DOT_PRECISION="ieee" if q.dtype == torch.float32 or interpreting() else None, DOT_F32=interpreting(),

@@ -27,8 +27,9 @@ class SparseMoeBlock(nn.Module):
     Modules, with transformers' names (most checkpoints need no renames): `gate` (the Router),
     `experts` (FusedExperts), `shared_experts` (a DecoderMLP) and `shared_expert_gate` (a
     linear layer hidden -> 1), and `bias` (added to the output, `MoEConfig.output_bias`). Under tensor
-    parallelism the router and gate are replicated, the experts and shared experts sharded (by slices of every expert, or whole experts per rank with `expert_parallel`,
-    default: ParallelConfig.enable_expert_parallel); the summed partial outputs are all-reduced once,
+    parallelism the router and gate are replicated, the experts and shared experts sharded (by slices of
+    every expert, or whole experts per rank with `expert_parallel`, default:
+    ParallelConfig.enable_expert_parallel); the summed partial outputs are all-reduced once,
     unless `reduce_results=False` (the caller reduces, e.g. with a parallel residual).
     """
 

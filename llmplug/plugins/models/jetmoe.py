@@ -38,7 +38,8 @@ JETMOE_NAMES = CheckpointNames(
 
 def jetmoe_arch_config(hf: PretrainedConfig) -> DecoderArchConfig:
     """JetMoeForCausalLM: `kv_channels`-wide heads, top_k * num_key_value_heads query heads per token."""
-    refuse(hf, hf.rms_norm_eps != LAYER_NORM_EPS, f"rms_norm_eps={hf.rms_norm_eps} (its layer norms use {LAYER_NORM_EPS})")
+    eps = hf.rms_norm_eps
+    refuse(hf, eps != LAYER_NORM_EPS, f"rms_norm_eps={eps} (its layer norms use {LAYER_NORM_EPS})")
     router = RouterConfig(hf.num_local_experts, hf.num_experts_per_tok, topk_norm=1.0)
     moe = MoEConfig(router, hf.intermediate_size, hf.activation_function, output_bias=True)
     return DecoderArchConfig(
