@@ -195,8 +195,11 @@ def test_features_without_window_match_dense_reference(name: str, heads: int, kv
     lifecycle(make_layer(heads, kv_heads, block, UNWINDOWED[name]), block, window=6)
 
 
-@pytest.mark.parametrize("block,chunk", WINDOWS, ids=[i.replace("w", "c") for i in WINDOW_IDS])
-@pytest.mark.parametrize("name", ["window", "all"])
+@pytest.mark.parametrize(
+    "name,block,chunk",
+    [*(("window", b, c) for b, c in WINDOWS), ("all", 4, 3), ("all", 16, 6)],
+    ids=[*(f"chunk-{i.replace('w', 'c')}" for i in WINDOW_IDS), "all-c<block", "all-b16"],
+)
 def test_chunked_attention_alone_and_with_every_feature_matches_dense_reference(
     name: str, block: int, chunk: int
 ) -> None:

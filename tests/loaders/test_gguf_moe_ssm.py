@@ -193,7 +193,14 @@ def test_config_from_the_file_is_the_one_it_was_written_from(case: MoECase, moe_
     assert all(isinstance(a, float) and a == pytest.approx(b) for a, b in differing.values()), differing  # float32 eps
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.arch)
+# the Qwen-MoE models carry transformers' default expert sizes (1408 / 5632 and 768 features): ~20 s each
+SLOW_GREEDY = {"qwen2moe", "qwen3moe"}
+
+
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=[pytest.mark.slow] if c.arch in SLOW_GREEDY else []) for c in CASES],
+    ids=lambda c: c.arch,
+)
 def test_greedy_tokens_equal_transformers_on_the_checkpoint_and_on_the_same_gguf(case: MoECase, moe_files) -> None:
     model, path = moe_files[case.arch]
     ours = our_greedy(path, "gguf")
