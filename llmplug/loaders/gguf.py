@@ -350,9 +350,6 @@ def iter_gguf_weights(
         yield name, (attach_int4_groups(weight, groups) if groups is not None else weight)
 
 
-# ---------------------------------------------------------------- exact int4 form of Q4_0 / Q4_1 / Q8_0
-
-
 def _is_per_projection_experts(hf_name: str) -> bool:
     """Whether `hf_name` is one projection of every expert (`<owner>.experts.gate_proj.weight`, [E, ...])."""
     parts = hf_name.split(".")
@@ -376,6 +373,9 @@ def _as_shape(weight: torch.Tensor, shape: tuple[int, ...] | None) -> torch.Tens
     if [d for d in weight.shape if d != 1] != [d for d in shape if d != 1]:
         return weight  # a real mismatch: the model's loader names it
     return weight.reshape(shape)
+
+
+# ---------------------------------------------------------------- exact int4 form of Q4_0 / Q4_1 / Q8_0
 
 
 def exact_int4_types(quantization: str) -> frozenset[Q]:
