@@ -140,7 +140,7 @@ class Worker:
 
     def _max_useful_blocks(self) -> int:
         """Blocks for max_num_seqs requests of max_model_len tokens (the engine uses no more)."""
-        max_model_len = self.config.model.max_model_len or self.model_runner.hf_config.max_position_embeddings
+        max_model_len = self.config.model.max_model_len or context_length_of(self.model_runner.hf_config)
         return self.config.scheduler.max_num_seqs * -(-max_model_len // self.config.cache.block_size)
 
     def profile_memory(self) -> MemoryProfile:

@@ -11,6 +11,7 @@ the raw blocks) to the layers, which keep a packed int4 copy for small batches (
 from __future__ import annotations
 
 import functools
+import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
@@ -185,23 +186,65 @@ def tensor_names(path: str) -> dict[str, str]:
 
 @functools.lru_cache(maxsize=4)
 def _tensor_names_cached(path: str, mtime_ns: int, size: int) -> dict[str, str]:
-    from transformers import AutoModelForCausalLM
-
     reader = open_gguf(path)
     arch, _ = architecture_of(reader, path)
-    config = build_hf_config(reader, path)
-    with torch.device("meta"):
-        checkpoint = AutoModelForCausalLM.from_config(config).state_dict()
-    table = gguf.get_tensor_name_map(_GGUF_ARCHES[arch], config.num_hidden_layers)
+    checkpoint = checkpoint_shapes(path)
+    table = gguf.get_tensor_name_map(_GGUF_ARCHES[arch], build_hf_config(reader, path).num_hidden_layers)
     names = {}
-    for hf_name in checkpoint:
-        stem, suffix = hf_name.rsplit(".", 1)
+    for hf_name in [*checkpoint, *_per_projection_expert_names(checkpoint)]:
+        stem, suffix = _stem_and_suffix(hf_name)
         parts = stem.split(".")
         # the table knows some names only without the base-model prefix (Bloom's converter strips `transformer.`)
         gguf_stem = next(filter(None, (table.get_name(".".join(parts[i:])) for i in range(len(parts)))), None)
         if gguf_stem is not None:
             names.setdefault(f"{gguf_stem}.{suffix}", hf_name)
+        elif (whole := table.get_name(hf_name)) is not None:  # a parameter without a leaf (Mamba's A_log, D)
+            names.setdefault(whole, hf_name)
     return names
+
+
+def _stem_and_suffix(hf_name: str) -> tuple[str, str]:
+    """`owner.module.weight` -> (`owner.module`, `weight`); a parameter named `<x>_bias` (transformers' stacked
+    expert biases, e_score_correction_bias) is the bias of `<x>`, as llama.cpp's converter names it."""
+    stem, suffix = hf_name.rsplit(".", 1)
+    if suffix.endswith("_bias"):
+        return f"{stem}.{suffix.removesuffix('_bias')}", "bias"
+    return stem, suffix
+
+
+# transformers' stacked expert parameters -> the per-projection tensors llama.cpp stores them as
+_STACKED_EXPERTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+EXPERT_PROJECTIONS = frozenset({"gate_proj", "up_proj", "down_proj"})
+
+
+def _per_projection_expert_names(checkpoint: dict[str, tuple[int, ...]]) -> list[str]:
+    """`<owner>.experts.<proj>.weight|bias` for every stacked `<owner>.experts.gate_up_proj[_bias]` / `down_proj`:
+    llama.cpp keeps gate, up and down as three [E, out, in] tensors (`ffn_gate_exps`, ...)."""
+    names = []
+    for hf_name in checkpoint:
+        owner, _, leaf = hf_name.rpartition(".")
+        param = leaf.removesuffix("_bias")
+        if owner.endswith(".experts") and param in _STACKED_EXPERTS:
+            suffix = "bias" if leaf.endswith("_bias") else "weight"
+            names += [f"{owner}.{proj}.{suffix}" for proj in _STACKED_EXPERTS[param]]
+    return names
+
+
+def checkpoint_shapes(path: str) -> dict[str, tuple[int, ...]]:
+    """The parameter names and shapes of the transformers model of the file's config (built on the meta device)."""
+    path = os.path.abspath(path)
+    stat = os.stat(path)
+    return _checkpoint_shapes_cached(path, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _checkpoint_shapes_cached(path: str, mtime_ns: int, size: int) -> dict[str, tuple[int, ...]]:
+    from transformers import AutoModelForCausalLM
+
+    config = build_hf_config(open_gguf(path), path)
+    with torch.device("meta"):
+        state = AutoModelForCausalLM.from_config(config).state_dict()
+    return {name: tuple(tensor.shape) for name, tensor in state.items()}
 
 
 _GGUF_ARCHES = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
@@ -264,6 +307,8 @@ def undo_conversion(spec: GGUFArchitecture, name: str, weight: torch.Tensor, num
         return weight - spec.norm_offset  # the converter folded the model's `offset + w` into the weight
     if spec.conv1d and weight.dim() == 2 and name.rsplit(".", 2)[-2] in _CONV1D_TENSORS:
         return weight.t().contiguous()  # back to Conv1D's [in, out]
+    if spec.ssm_a_log and name.rsplit(".", 1)[-1] == "ssm_a":
+        return torch.log(-weight)  # the converter stored A = -exp(A_log)
     if spec.qkv_contiguous and name.rsplit(".", 2)[-2] == "attn_qkv":
         # [q | k | v] (each [heads * d, ...]) -> per head (q, k, v): [heads, 3, d, ...]
         return weight.reshape(3, num_heads, -1, *weight.shape[1:]).transpose(0, 1).reshape(weight.shape)
@@ -286,10 +331,15 @@ def iter_gguf_weights(
     names = tensor_names(path)
     head_counts = _qk_head_counts(reader, path) if spec.permute_qk else {}
     num_heads = field_value(reader, f"{arch}.attention.head_count")
+    shapes = checkpoint_shapes(path)
     tensors = [tensor for tensor in reader.tensors if tensor.name not in CONFIG_ONLY_TENSORS]
     for tensor in tqdm(tensors, desc=f"Loading {os.path.basename(path)}", unit="tensor", disable=not progress):
         name = hf_tensor_name(tensor.name, names)
         weight = dequantize_tensor(tensor)
+        if _is_per_projection_experts(name):
+            yield from _per_expert(name, undo_conversion(spec, tensor.name, weight, num_heads) or weight, dtype)
+            continue
+        weight = _as_shape(weight, shapes.get(name))
         groups = int4_groups_of_tensor(tensor) if tensor.tensor_type in int4_types and weight.dim() == 2 else None
         if (qk_heads := _permuted_heads(name, head_counts)) is not None:
             weight = reverse_permute_qk(weight, qk_heads)
@@ -298,6 +348,31 @@ def iter_gguf_weights(
             weight, groups = fixed, None  # int4 groups would need the same change (docs/models.md)
         weight = weight.to(dtype)
         yield name, (attach_int4_groups(weight, groups) if groups is not None else weight)
+
+
+def _is_per_projection_experts(hf_name: str) -> bool:
+    """Whether `hf_name` is one projection of every expert (`<owner>.experts.gate_proj.weight`, [E, ...])."""
+    parts = hf_name.split(".")
+    return len(parts) >= 3 and parts[-3] == "experts" and parts[-2] in EXPERT_PROJECTIONS
+
+
+def _per_expert(hf_name: str, stacked: torch.Tensor, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """[E, ...] of `<owner>.experts.<proj>.<leaf>` -> `<owner>.experts.<e>.<proj>.<leaf>` per expert (the names
+    of a transformers checkpoint that stores experts one by one, which every MoE model here loads)."""
+    owner, proj, leaf = hf_name.rsplit(".", 2)
+    stacked = stacked.to(dtype)
+    for e in range(stacked.shape[0]):
+        yield f"{owner}.{e}.{proj}.{leaf}", stacked[e]
+
+
+def _as_shape(weight: torch.Tensor, shape: tuple[int, ...] | None) -> torch.Tensor:
+    """`weight` in the transformers parameter's shape when llama.cpp only dropped or added size-1 dims
+    (a conv weight [C, K] of [C, 1, K], Qwen2-MoE's shared-expert gate [hidden] of [1, hidden])."""
+    if shape is None or tuple(weight.shape) == shape or weight.numel() != math.prod(shape):
+        return weight
+    if [d for d in weight.shape if d != 1] != [d for d in shape if d != 1]:
+        return weight  # a real mismatch: the model's loader names it
+    return weight.reshape(shape)
 
 
 # ---------------------------------------------------------------- exact int4 form of Q4_0 / Q4_1 / Q8_0

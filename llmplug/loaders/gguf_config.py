@@ -29,12 +29,15 @@ class GGUFArchitecture:
     attention_bias: bool | None = None  # fixed by the HF class (None: present iff attn_q.bias is in the file)
     rope_dims_are_head_dim: bool = False  # rope.dimension_count equals head_dim (no partial rotary)
     rope: bool = True  # False: learned positions or ALiBi, no rope fields in the config
-    has_context_length: bool = True  # False: the file's context_length is a placeholder (Bloom writes n_embed)
+    # False: the file's context_length is a placeholder (Bloom's converter writes n_embed, Mamba's 2**20)
+    has_context_length: bool = True
     renames: Mapping[str, str] = field(default_factory=dict)  # standard config field -> this class's name
     extra: Callable[[_ArchMetadata, frozenset[str]], dict[str, Any]] | None = None  # (metadata, tensor names)
     norm_offset: float = 0.0  # llama.cpp stores `offset + w` norms (Gemma's 1 + w, layernorm1p) as the weight
     conv1d: bool = False  # GPT-2: llama.cpp stores Conv1D weights transposed to [out, in]
     qkv_contiguous: bool = False  # Bloom: llama.cpp regroups the per-head fused qkv as [q | k | v]
+    attention: bool = True  # False: no attention (Mamba): no head counts, feed-forward size or rope in the file
+    ssm_a_log: bool = False  # Mamba: llama.cpp stores A = -exp(A_log) as `ssm_a`
 
 
 def _partial_rotary(meta: _ArchMetadata, tensors: frozenset[str]) -> dict[str, Any]:
@@ -73,8 +76,67 @@ def _window(meta: _ArchMetadata, tensors: frozenset[str]) -> dict[str, Any]:
     return {} if window is None else {"sliding_window": window}
 
 
-# Mistral GGUFs are written with general.architecture "llama" and load through that row. Dense architectures
-# transformers' own GGUF loader reads, less those llmplug has no model for (deci, gemma4).
+def _experts(meta: _ArchMetadata, count_field: str, size_field: str | None) -> dict[str, Any]:
+    """The expert count (into `count_field`), experts per token and each expert's size (into `size_field`)."""
+    fields = {count_field: meta.require("expert_count"), "num_experts_per_tok": meta.require("expert_used_count")}
+    if size_field is not None:
+        fields[size_field] = meta.require("expert_feed_forward_length")
+    return fields
+
+
+def _qwen2_moe_fields(meta: _ArchMetadata, tensors: frozenset[str]) -> dict[str, Any]:
+    """Experts, and the shared expert's size (0 when the file has none); llama.cpp never renormalises the top-k."""
+    shared = meta.get("expert_shared_feed_forward_length", 0)
+    return {**_experts(meta, "num_experts", "moe_intermediate_size"), "shared_expert_intermediate_size": shared,
+            "norm_topk_prob": False}
+
+
+def _qwen3_moe_fields(meta: _ArchMetadata, tensors: frozenset[str]) -> dict[str, Any]:
+    """Experts; llama.cpp always renormalises Qwen3-MoE's top-k weights (as transformers' GGUF loader assumes)."""
+    return {**_experts(meta, "num_experts", "moe_intermediate_size"), "norm_topk_prob": True}
+
+
+GATING_SIGMOID = gguf.ExpertGatingFuncType.SIGMOID.value
+
+
+def _minimax_m2_fields(meta: _ArchMetadata, tensors: frozenset[str]) -> dict[str, Any]:
+    """Experts (their size is `intermediate_size`), partial rotary, sigmoid routing with a correction bias."""
+    gating = meta.get("expert_gating_func", GATING_SIGMOID)
+    if gating != GATING_SIGMOID:
+        raise ModelLoadError(f"GGUF file {meta.path}: MiniMax-M2 with expert_gating_func {gating} (not sigmoid).")
+    rotary = meta.get("rope.dimension_count")  # MiniMax's own (legacy) field for its partial rotary
+    fields = _experts(meta, "num_local_experts", "intermediate_size")
+    return fields if rotary is None else {**fields, "rotary_dim": rotary}
+
+
+def _lfm2_fields(meta: _ArchMetadata, tensors: frozenset[str]) -> dict[str, Any]:
+    """LFM2's layer kinds from the per-layer KV head counts (0: a short-conv layer), the conv length, and the
+    feed-forward size as stored (the converter writes the adjusted size: no second adjustment)."""
+    kv_heads = meta.require("attention.head_count_kv")
+    if not isinstance(kv_heads, list):
+        kv_heads = [kv_heads] * meta.require("block_count")
+    return {
+        "num_key_value_heads": max(kv_heads), "full_attn_idxs": [i for i, n in enumerate(kv_heads) if n > 0],
+        "conv_L_cache": meta.require("shortconv.l_cache"), "block_auto_adjust_ff_dim": False,
+        "conv_bias": any(name.endswith("shortconv.conv.bias") for name in tensors),
+    }
+
+
+def _mamba_fields(meta: _ArchMetadata, tensors: frozenset[str]) -> dict[str, Any]:
+    """The selective-scan sizes; transformers derives intermediate_size as expand * hidden_size."""
+    hidden, inner = meta.require("embedding_length"), meta.require("ssm.inner_size")
+    if inner % hidden:
+        raise ModelLoadError(f"GGUF file {meta.path}: ssm.inner_size {inner} is not a multiple of {hidden}.")
+    return {
+        "expand": inner // hidden, "state_size": meta.require("ssm.state_size"),
+        "conv_kernel": meta.require("ssm.conv_kernel"), "time_step_rank": meta.require("ssm.time_step_rank"),
+        "use_conv_bias": "blk.0.ssm_conv1d.bias" in tensors, "use_bias": "blk.0.ssm_in.bias" in tensors,
+    }
+
+
+# Mistral GGUFs are written with general.architecture "llama" and load through that row. Architectures
+# transformers' own GGUF loader reads, less those llmplug has no model for (deci, gemma4) and those it cannot
+# read itself (docs/gguf.md).
 ARCHITECTURES: dict[str, GGUFArchitecture] = {
     "llama": GGUFArchitecture("llama", "LlamaForCausalLM", permute_qk=True, rope_dims_are_head_dim=True),
     "qwen2": GGUFArchitecture("qwen2", "Qwen2ForCausalLM", attention_bias=True),
@@ -101,6 +163,14 @@ ARCHITECTURES: dict[str, GGUFArchitecture] = {
         "gpt2", "GPT2LMHeadModel", rope=False, conv1d=True,
         renames={"intermediate_size": "n_inner", "eps": "layer_norm_epsilon"},
     ),
+    "qwen2moe": GGUFArchitecture("qwen2_moe", "Qwen2MoeForCausalLM", attention_bias=True, extra=_qwen2_moe_fields),
+    "qwen3moe": GGUFArchitecture("qwen3_moe", "Qwen3MoeForCausalLM", extra=_qwen3_moe_fields),
+    "minimax-m2": GGUFArchitecture("minimax_m2", "MiniMaxM2ForCausalLM", extra=_minimax_m2_fields),
+    "lfm2": GGUFArchitecture("lfm2", "Lfm2ForCausalLM", renames={"eps": "norm_eps"}, extra=_lfm2_fields),
+    "mamba": GGUFArchitecture(
+        "mamba", "MambaForCausalLM", attention=False, rope=False, ssm_a_log=True, has_context_length=False,
+        renames={"eps": "layer_norm_epsilon"}, extra=_mamba_fields,
+    ),
     "bloom": GGUFArchitecture(
         "bloom", "BloomForCausalLM", rope=False, has_context_length=False, qkv_contiguous=True,
         renames={"eps": "layer_norm_epsilon"},
@@ -108,12 +178,8 @@ ARCHITECTURES: dict[str, GGUFArchitecture] = {
 }
 
 # Metadata keys (after the "{arch}." prefix) copied as they are; the rest are derived below.
-_DIRECT_FIELDS = {
-    "hidden_size": "embedding_length",
-    "intermediate_size": "feed_forward_length",
-    "num_hidden_layers": "block_count",
-    "num_attention_heads": "attention.head_count",
-}
+_DIRECT_FIELDS = {"hidden_size": "embedding_length", "num_hidden_layers": "block_count"}
+_ATTENTION_FIELDS = {"intermediate_size": "feed_forward_length", "num_attention_heads": "attention.head_count"}
 _EPS_KEYS = ("attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon")  # RMSNorm, LayerNorm
 _TOKEN_ID_FIELDS = {
     "bos_token_id": "tokenizer.ggml.bos_token_id",
@@ -170,8 +236,10 @@ def build_hf_config(reader: gguf.GGUFReader, path: str) -> PretrainedConfig:
     tensors = frozenset(tensor.name for tensor in reader.tensors)
     fields = {name: meta.require(key) for name, key in _DIRECT_FIELDS.items()}
     fields["eps"] = _norm_eps(meta)
-    fields["num_key_value_heads"] = meta.get("attention.head_count_kv", fields["num_attention_heads"])
-    fields["head_dim"] = _head_dim(meta, spec, fields["hidden_size"], fields["num_attention_heads"])
+    if spec.attention:
+        fields |= {name: meta.require(key) for name, key in _ATTENTION_FIELDS.items()}
+        fields["num_key_value_heads"] = meta.get("attention.head_count_kv", fields["num_attention_heads"])
+        fields["head_dim"] = _head_dim(meta, spec, fields["hidden_size"], fields["num_attention_heads"])
     if spec.has_context_length:
         fields["max_position_embeddings"] = meta.require("context_length")
     if spec.rope:
@@ -254,14 +322,14 @@ def _tensor_derived_fields(reader: gguf.GGUFReader, spec: GGUFArchitecture, path
     shapes = {tensor.name: [int(dim) for dim in tensor.shape] for tensor in reader.tensors}
     if "token_embd.weight" not in shapes:
         raise ModelLoadError(f"GGUF file {path}: tensor token_embd.weight is missing.")
-    attention_bias = spec.attention_bias
-    if attention_bias is None:
-        attention_bias = "blk.0.attn_q.bias" in shapes
-    return {
+    fields = {
         "vocab_size": shapes["token_embd.weight"][-1],  # GGUF shape [hidden, vocab]: reversed vs torch
         "tie_word_embeddings": "output.weight" not in shapes,
-        "attention_bias": attention_bias,
     }
+    if spec.attention:
+        bias = spec.attention_bias
+        fields["attention_bias"] = "blk.0.attn_q.bias" in shapes if bias is None else bias
+    return fields
 
 
 def _rope_scaling(

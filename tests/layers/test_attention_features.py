@@ -1,5 +1,5 @@
-"""Sliding window, logit soft-capping, ALiBi, sinks and values inside the keys (latent attention) in
-TorchSDPABackend equal a dense reference —
+"""Sliding window, chunked local attention, logit soft-capping, ALiBi, sinks and values inside the keys
+(latent attention) in TorchSDPABackend equal a dense reference —
 plain masked softmax attention over each request's whole history, itself checked against transformers'
 own eager attention functions and mask functions — through every path a request takes: batched and
 single prompts, chunked prefill across block boundaries, prefix-cache hits, and decode (mirror appends,
@@ -33,6 +33,7 @@ class Features:
     alibi: bool = False
     sinks: bool = False
     latent: int | None = None  # values_in_keys: the values are the keys' first `latent` dims (one KV head)
+    chunk: int | None = None  # attention_chunk: keys of the query's own chunk only (Llama 4)
 
 
 def make_layer(
@@ -41,7 +42,7 @@ def make_layer(
     layer = Attention(
         heads, D, D**-0.5, kv_heads, prefix="layers.0.attn", sliding_window=features.window,
         logit_softcap=features.softcap, alibi_slopes=alibi_slopes(heads) if features.alibi else None,
-        use_sinks=features.sinks, values_in_keys=features.latent,
+        use_sinks=features.sinks, values_in_keys=features.latent, attention_chunk=features.chunk,
     )
     if features.sinks:
         with torch.no_grad():
@@ -91,6 +92,8 @@ def reference(layer: Attention, r: History, start: int, stop: int) -> torch.Tens
     seen = j <= i
     if layer.sliding_window is not None:
         seen &= j > i - layer.sliding_window
+    if layer.attention_chunk is not None:
+        seen &= j // layer.attention_chunk == i // layer.attention_chunk
     scores = scores.masked_fill(~seen, float("-inf"))
     if layer.sinks is not None:
         scores = torch.cat([scores, layer.sinks[:, None, None].expand(-1, stop - start, 1)], dim=-1)
@@ -192,6 +195,20 @@ def test_features_without_window_match_dense_reference(name: str, heads: int, kv
     lifecycle(make_layer(heads, kv_heads, block, UNWINDOWED[name]), block, window=6)
 
 
+@pytest.mark.parametrize(
+    "name,block,chunk",
+    [*(("window", b, c) for b, c in WINDOWS), ("all", 4, 3), ("all", 16, 6)],
+    ids=[*(f"chunk-{i.replace('w', 'c')}" for i in WINDOW_IDS), "all-c<block", "all-b16"],
+)
+def test_chunked_attention_alone_and_with_every_feature_matches_dense_reference(
+    name: str, block: int, chunk: int
+) -> None:
+    """Chunks of Llama 4's local attention: prompts and chunked prefill crossing chunk starts, decode rings of
+    one chunk, a prefix hit; "all" adds a window longer than the chunk, soft-capping, ALiBi and sinks."""
+    features = replace(WINDOWED[name], window=chunk + 3 if name == "all" else None, chunk=chunk)
+    lifecycle(make_layer(8, 2, block, features), block, chunk)
+
+
 @pytest.mark.parametrize("block", [4, 16])
 @pytest.mark.parametrize("features", [Features(latent=5), Features(latent=D), Features(latent=5, window=6, sinks=True)],
                          ids=["latent", "latent=head_dim", "latent+window+sinks"])
@@ -206,7 +223,11 @@ def hf_reference(layer: Attention, r: History, start: int, stop: int) -> torch.T
     (soft-capping) or GPT-OSS's (sinks) eager attention."""
     from types import SimpleNamespace
 
-    from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
+    from transformers.masking_utils import (
+        causal_mask_function,
+        chunked_causal_mask_function,
+        sliding_window_causal_mask_function,
+    )
     from transformers.models.bloom.modeling_bloom import build_alibi_tensor
     from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward as gemma2_eager
     from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward as gpt_oss_eager
@@ -217,6 +238,8 @@ def hf_reference(layer: Attention, r: History, start: int, stop: int) -> torch.T
     v = r.v[:stop].view(1, stop, -1, D).transpose(1, 2)
     window = layer.sliding_window
     mask_fn = causal_mask_function if window is None else sliding_window_causal_mask_function(window)
+    if layer.attention_chunk is not None:
+        mask_fn = chunked_causal_mask_function(layer.attention_chunk, torch.zeros(1, dtype=torch.long))
     seen = mask_fn(0, 0, torch.arange(start, stop)[:, None], torch.arange(stop)[None, :])  # [n, stop]
     mask = torch.zeros(1, 1, n, stop).masked_fill(~seen, float("-inf"))
     if layer.alibi_slopes is not None:  # Bloom adds slope * j: softmax cannot tell it from slope * (j - i)
@@ -232,8 +255,9 @@ def hf_reference(layer: Attention, r: History, start: int, stop: int) -> torch.T
 
 @pytest.mark.parametrize("features", [
     Features(window=5), Features(window=5, softcap=SOFTCAP), Features(window=5, sinks=True), Features(alibi=True),
-    Features(softcap=SOFTCAP),
-], ids=["window (Mistral)", "window+softcap (Gemma 2)", "window+sinks (GPT-OSS)", "alibi (Bloom)", "softcap"])
+    Features(softcap=SOFTCAP), Features(chunk=5),
+], ids=["window (Mistral)", "window+softcap (Gemma 2)", "window+sinks (GPT-OSS)", "alibi (Bloom)", "softcap",
+        "chunk (Llama 4)"])
 def test_the_dense_reference_is_transformers_attention(features: Features) -> None:
     layer = make_layer(8, 2, 4, features)
     r = requests(1, layer, 4)[0]
@@ -326,13 +350,15 @@ def test_bfloat16_features_stay_close_to_float32() -> None:
         step(layer, reqs, [1, 1, 1], dtype=torch.bfloat16, atol=5e-2)
 
 
-@pytest.mark.parametrize("heads,kv_heads", GQA)
-def test_the_triton_backend_matches_the_dense_reference_with_every_feature(heads: int, kv_heads: int) -> None:
+@pytest.mark.parametrize("heads,kv_heads,chunk", [*((h, kv, None) for h, kv in GQA), (8, 2, 5)])
+def test_the_triton_backend_matches_the_dense_reference_with_every_feature(
+    heads: int, kv_heads: int, chunk: int | None
+) -> None:
     """The triton backend's kernel (run by triton's interpreter here) against the same reference."""
     from llmplug.layers.attention.triton_backend import TritonAttentionBackend
 
     block, window = 4, 6
-    features = Features(window=window, softcap=SOFTCAP, alibi=True, sinks=True)
+    features = Features(window=window, softcap=SOFTCAP, alibi=True, sinks=True, chunk=chunk)
     layer = make_layer(heads, kv_heads, block, features, num_blocks=32, backend=TritonAttentionBackend)
     r0, r1, r2 = requests(3, layer, block, length=24, num_blocks=32)
     step(layer, [r0, r1], [11, 3])  # prompts, one longer than the window

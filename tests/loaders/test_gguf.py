@@ -394,9 +394,12 @@ def test_folder_with_several_ggufs_is_a_load_error(tiny_files: dict[Q, Path]) ->
 def test_unsupported_architecture_is_an_error_listing_supported_ones(
     tiny_model: torch.nn.Module, tmp_path: Path
 ) -> None:
-    path = write_model_gguf(tmp_path / "mamba.gguf", tiny_model, arch="mamba")
-    supported = "bloom, gemma2, gemma3, gpt2, llama, nemotron, phi3, qwen2, qwen3, stablelm, starcoder2"
-    with pytest.raises(ModelLoadError, match=rf"architecture 'mamba' is not supported.*supported: {supported}\."):
+    path = write_model_gguf(tmp_path / "gpt-oss.gguf", tiny_model, arch="gpt-oss")
+    supported = (
+        "bloom, gemma2, gemma3, gpt2, lfm2, llama, mamba, minimax-m2, nemotron, phi3, qwen2, qwen2moe, qwen3, "
+        "qwen3moe, stablelm, starcoder2"
+    )
+    with pytest.raises(ModelLoadError, match=rf"architecture 'gpt-oss' is not supported.*supported: {supported}\."):
         load_gguf_config(str(path))
 
 
@@ -405,7 +408,7 @@ def test_missing_required_metadata_is_an_error_naming_the_key(tmp_path: Path) ->
     writer.add_embedding_length(64)
     writer.add_tensor("token_embd.weight", np.zeros((8, 64), dtype=np.float32))
     write_gguf(writer)
-    with pytest.raises(ModelLoadError, match="required metadata llama.feed_forward_length is missing"):
+    with pytest.raises(ModelLoadError, match="required metadata llama.block_count is missing"):
         load_gguf_config(str(tmp_path / "bare.gguf"))
 
 
@@ -459,8 +462,8 @@ def test_loader_download_model_rejects_unusable_files(tiny_model: torch.nn.Modul
     loader = GGUFLoader(LoadConfig(format="gguf"))
     truncated = tmp_path / "truncated.gguf"
     truncated.write_bytes(write_model_gguf(tmp_path / "whole.gguf", tiny_model).read_bytes()[:-100])
-    mamba = write_model_gguf(tmp_path / "mamba.gguf", tiny_model, arch="mamba")
-    cases = [(truncated, "truncated"), (mamba, "'mamba' is not supported"), (tmp_path / "no.gguf", "not found")]
+    gpt_oss = write_model_gguf(tmp_path / "gpt-oss.gguf", tiny_model, arch="gpt-oss")
+    cases = [(truncated, "truncated"), (gpt_oss, "'gpt-oss' is not supported"), (tmp_path / "no.gguf", "not found")]
     for path, message in cases:
         with pytest.raises(ModelLoadError, match=message):
             loader.download_model(ModelConfig(model=str(path)))

@@ -20,6 +20,8 @@ from transformers import (
     GraniteMoeSharedConfig,
     GraniteMoeSWAConfig,
     HunYuanMoEV1Config,
+    JetMoeConfig,
+    Llama4TextConfig,
     MiniCPM3Config,
     MiniMaxM2Config,
     MixtralConfig,
@@ -244,6 +246,33 @@ MOE_CASES = [
     case("SolarOpenForCausalLM", SolarOpenConfig, head_dim=16, attention_bias=True, **DEEPSEEK_V3_MOE),
     # q/k norms after the rotary, a shared MLP beside the experts, float32 router
     case("HunYuanMoEV1ForCausalLM", HunYuanMoEV1Config, head_dim=16, num_experts=4, moe_topk=2, intermediate_size=32),
+    # routed query / output projections over shared k/v (mixture of attention), MoE MLP, both with output biases
+    case(
+        "JetMoeForCausalLM",
+        JetMoeConfig,
+        num_key_value_heads=2,
+        kv_channels=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        intermediate_size=32,
+        tie_word_embeddings=False,
+    ),
+    # layer 0: interleaved rotary, L2 q/k norm, chunked local attention (chunks of 8), dense MLP;
+    # layer 1: NoPE with attention temperature tuning, sigmoid top-1 experts on their input + a shared expert
+    case(
+        "Llama4ForCausalLM",
+        Llama4TextConfig,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        intermediate_size=32,
+        intermediate_size_mlp=96,
+        interleave_moe_layer_step=2,
+        no_rope_layers=[1, 0],
+        attention_chunk_size=WINDOW,
+        floor_scale=4,
+        attn_scale=0.5,
+    ),
 ]
 
 # one case per family module: experts sharded by their intermediate features, heads of latent attention
@@ -262,6 +291,8 @@ MOE_TP_CASES = [
     "DbrxForCausalLM",
     "DeepseekV3ForCausalLM",
     "MiniCPM3ForCausalLM",
+    "JetMoeForCausalLM",
+    "Llama4ForCausalLM",
 ]
 # expert parallelism: TP=2 ranks holding 4 of the 8 experts each, a sharded shared expert beside them
 EP_CASES = ["Qwen2MoeForCausalLM"]

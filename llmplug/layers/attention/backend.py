@@ -12,7 +12,7 @@ call it, never the model:
   step's k/v into `layer.kv_cache` and returns the attention output. A backend may keep per-layer
   state across steps in `layer.backend_state` (reset by `bind_kv_cache`).
 
-Optional attention features (sliding window, logit soft-capping, ALiBi, sinks, bidirectional
+Optional attention features (sliding window, chunked local attention, logit soft-capping, ALiBi, sinks, bidirectional
 attention of encoders; see `Attention`) are
 read from the layer. A backend lists those it implements in `supported_features`; `bind_kv_cache`
 refuses a layer that uses any other, so no backend silently ignores one.
@@ -34,7 +34,7 @@ __all__ = ["ATTENTION_FEATURES", "AttentionBackend"]
 
 # names of the optional features an Attention layer may use (`Attention.features`)
 ATTENTION_FEATURES = frozenset(
-    {"sliding_window", "logit_softcap", "alibi", "sinks", "values_in_keys", "bidirectional"}
+    {"sliding_window", "chunked", "logit_softcap", "alibi", "sinks", "values_in_keys", "bidirectional"}
 )
 
 

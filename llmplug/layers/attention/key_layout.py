@@ -5,8 +5,10 @@ each gathered key, and so which keys each query sees. Full attention gathers eve
 first. A sliding-window layer (query at position i sees keys i - W < j <= i) gathers only what its
 window reaches: in prefill, the blocks from the one holding the earliest key any query of the
 request sees; in decode, a ring of W slots per request, the key at position p in slot p % W (see
-decode_mirror.py). Layouts depend only on the batch and the window, so a step builds each once and
-every layer with that window shares it.
+decode_mirror.py). A chunked layer (query at i sees keys floor(i / C) * C <= j <= i) gathers as a
+window of C does, which reaches back to every chunk start, and masks the keys before its chunk.
+Layouts depend only on the batch, the window and the chunk, so a step builds each once and every
+layer with those shares it.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class DecodeKeys:
     positions: torch.Tensor  # [B or 1, kv_len] position of each gathered key
     seq_lens: torch.Tensor  # [B]
     all_seen: bool  # every gathered key is one the query sees (no key mask)
+    chunk_starts: torch.Tensor | None = None  # [B, 1] first key of each query's chunk (chunked attention)
     _masks: dict[tuple[int, int, torch.dtype], torch.Tensor] = field(default_factory=dict)
     _append_index: torch.Tensor | None = None
 
@@ -51,8 +54,9 @@ class DecodeKeys:
         return self._append_index
 
     def seen(self) -> torch.Tensor:
-        """[B, kv_len] bool: the gathered keys the query sees (the rest is padding)."""
-        return (self.positions >= 0) & (self.positions < self.seq_lens[:, None])
+        """[B, kv_len] bool: the gathered keys the query sees (the rest is padding or another chunk)."""
+        seen = (self.positions >= 0) & (self.positions < self.seq_lens[:, None])
+        return seen if self.chunk_starts is None else seen & (self.positions >= self.chunk_starts)
 
     def score_mask(self, num_kv_heads: int, group: int, dtype: torch.dtype) -> torch.Tensor:
         """Additive key mask [Hkv * B, G, kv_len] in `dtype`, laid out like the scores (built once per step)."""
@@ -84,13 +88,23 @@ class DecodeKeys:
             torch.index_select(slots, 2, self.gather_index, out=out.view(planes, out.shape[1], -1, out.shape[-1]))
 
 
-def decode_keys(tables: torch.Tensor, seq_lens: list[int], block_size: int, window: int | None) -> DecodeKeys:
+def _reach(window: int | None, chunk: int | None) -> int | None:
+    """How far back a query's keys may lie: its window, or a chunk's length (the nearer of the two)."""
+    if chunk is None or window is None:
+        return window if chunk is None else chunk
+    return min(window, chunk)
+
+
+def decode_keys(
+    tables: torch.Tensor, seq_lens: list[int], block_size: int, window: int | None, chunk: int | None = None
+) -> DecodeKeys:
     """The decode layout of requests with `seq_lens` keys (tables [B, blocks] cover the longest).
 
-    A ring of `window` slots when some request is longer than the window; else every block.
+    A ring of `window` (or `chunk`) slots when some request is longer; else every block.
     """
     device = tables.device
     lens = torch.tensor(seq_lens, device=device)
+    window = _reach(window, chunk)
     if window is None or max(seq_lens) <= window:  # the window, if any, reaches back to position 0
         kv_len = tables.shape[1] * block_size
         positions = torch.arange(kv_len, device=device)[None, :]  # [1, kv_len]
@@ -100,7 +114,12 @@ def decode_keys(tables: torch.Tensor, seq_lens: list[int], block_size: int, wind
     positions = newest - (newest - torch.arange(window, device=device)[None, :]) % window  # [B, W]
     stored = positions.clamp(min=0)
     slots = tables.gather(1, stored // block_size) * block_size + stored % block_size  # [B, W]
-    return DecodeKeys(slots.reshape(-1), window, window, positions, lens, min(seq_lens) >= window)
+    if chunk is None:
+        return DecodeKeys(slots.reshape(-1), window, window, positions, lens, min(seq_lens) >= window)
+    starts = [(s - 1) // chunk * chunk for s in seq_lens]  # the newest query's chunk
+    all_seen = all(s - window >= start for s, start in zip(seq_lens, starts))
+    chunk_starts = torch.tensor(starts, device=device)[:, None]
+    return DecodeKeys(slots.reshape(-1), window, window, positions, lens, all_seen, chunk_starts)
 
 
 @dataclass(slots=True)
@@ -133,26 +152,28 @@ def prefill_keys(
     block_size: int,
     window: int | None,
     device: torch.device,
+    chunk: int | None = None,
 ) -> PrefillKeys:
     """The prefill layout of requests computing their last q_lens of seq_lens tokens.
 
     tables [B, >= blocks of the longest] gathers the keys from the cache; None: the keys are the step's
-    own (nothing cached), padded like the queries. A window skips the blocks no query's window reaches.
+    own (nothing cached), padded like the queries. A window (or chunk) skips the blocks no query reaches.
     """
+    reach = _reach(window, chunk)
     contexts = [s - q for q, s in zip(q_lens, seq_lens)]
     first_keys = [0] * len(q_lens)  # position of each request's first gathered key
     block_index = None
     if tables is None:
         kv_len = max(q_lens)
     else:
-        if window is not None:  # the earliest key a query sees: context - window + 1
-            first_keys = [max(0, c - window + 1) // block_size * block_size for c in contexts]
+        if reach is not None:  # the earliest key a query may see: context - reach + 1
+            first_keys = [max(0, c - reach + 1) // block_size * block_size for c in contexts]
         num_blocks = max(-(-s // block_size) - f // block_size for s, f in zip(seq_lens, first_keys))
         kv_len = num_blocks * block_size
         first_block = torch.tensor([f // block_size for f in first_keys], device=device)
         columns = (first_block[:, None] + torch.arange(num_blocks, device=device)).clamp(max=tables.shape[1] - 1)
         block_index = tables.gather(1, columns).reshape(-1)  # the clamped columns are padding: masked below
-    return _with_mask(block_index, kv_len, first_keys, contexts, q_lens, window, device)
+    return _with_mask(block_index, kv_len, first_keys, contexts, q_lens, window, chunk, device)
 
 
 def _with_mask(
@@ -162,9 +183,11 @@ def _with_mask(
     contexts: list[int],
     q_lens: list[int],
     window: int | None,
+    chunk: int | None,
     device: torch.device,
 ) -> PrefillKeys:
-    """The layout with its mask: query i (position context + i) sees keys j <= its position, within the window."""
+    """The layout with its mask: query i (position context + i) sees keys j <= its position, within the window
+    and its chunk."""
     max_query_len = max(q_lens)
     key_positions = torch.tensor(first_keys, device=device)[:, None] + torch.arange(kv_len, device=device)
     i = torch.arange(max_query_len, device=device)
@@ -173,4 +196,6 @@ def _with_mask(
     mask = key_positions[:, None, :] <= query_positions[:, :, None]  # [B, Qm, kv_len]
     if window is not None:
         mask &= key_positions[:, None, :] > query_positions[:, :, None] - window
+    if chunk is not None:
+        mask &= key_positions[:, None, :] >= (query_positions // chunk * chunk)[:, :, None]
     return PrefillKeys(block_index, kv_len, key_positions, query_positions, mask.unsqueeze(1))

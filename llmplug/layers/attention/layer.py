@@ -26,6 +26,8 @@ class Attention(nn.Module):
 
     Optional features, each off by default (transformers' semantics; query at position i, key at j):
     - `sliding_window` W: the query sees keys i - W < j <= i;
+    - `attention_chunk` C (chunked local attention): the query sees keys of its own chunk of C positions,
+      floor(i / C) * C <= j <= i (with a window as well: both limits);
     - `logit_softcap` c: scores = c * tanh(scores / c), after `scale`, before masking and ALiBi;
     - `alibi_slopes` [num_heads] (float32): slope_h * (j - i) added to head h's scores;
     - `use_sinks`: a learned logit per head (the `sinks` parameter, float32) joins each softmax's
@@ -53,6 +55,7 @@ class Attention(nn.Module):
         use_sinks: bool = False,
         causal: bool = True,
         values_in_keys: int | None = None,
+        attention_chunk: int | None = None,
     ) -> None:
         super().__init__()
         self.num_heads, self.head_dim, self.scale = num_heads, head_dim, scale
@@ -61,16 +64,18 @@ class Attention(nn.Module):
             raise ValueError(f"{num_heads} query heads cannot be grouped over {self.num_kv_heads} KV heads")
         self.num_queries_per_kv = self.num_heads // self.num_kv_heads
         self.layer_name = prefix
-        _check_features(prefix, num_heads, sliding_window, logit_softcap, alibi_slopes)
-        if not causal and (logit_softcap is not None or alibi_slopes is not None or use_sinks):
+        _check_features(prefix, num_heads, sliding_window, logit_softcap, alibi_slopes, attention_chunk)
+        if not causal and (logit_softcap is not None or alibi_slopes is not None or use_sinks or attention_chunk):
             raise ValueError(
-                f"Attention {prefix!r}: bidirectional attention with soft-capping, ALiBi or sinks is not modelled"
+                f"Attention {prefix!r}: bidirectional attention with soft-capping, ALiBi, sinks or chunks "
+                "is not modelled"
             )
         self.causal = causal
         _check_values_in_keys(prefix, values_in_keys, head_dim, self.num_kv_heads)
         self.values_in_keys = values_in_keys
         self.v_head_dim = values_in_keys or head_dim  # dims of each head's output
         self.sliding_window = sliding_window
+        self.attention_chunk = attention_chunk
         self.logit_softcap = logit_softcap
         # a buffer, so it follows the model to its device; not persistent: no checkpoint holds it
         slopes = None if alibi_slopes is None else alibi_slopes.detach().to(torch.float32)
@@ -87,6 +92,7 @@ class Attention(nn.Module):
         """The optional features this layer uses (names as in `AttentionBackend.supported_features`)."""
         used = {
             "sliding_window": self.sliding_window is not None,
+            "chunked": self.attention_chunk is not None,
             "logit_softcap": self.logit_softcap is not None,
             "alibi": self.alibi_slopes is not None,
             "sinks": self.sinks is not None,
@@ -124,6 +130,8 @@ class Attention(nn.Module):
         text = f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, scale={self.scale:.4g}"
         if self.sliding_window is not None:
             text += f", sliding_window={self.sliding_window}"
+        if self.attention_chunk is not None:
+            text += f", attention_chunk={self.attention_chunk}"
         if self.logit_softcap is not None:
             text += f", logit_softcap={self.logit_softcap}"
         if self.values_in_keys is not None:
@@ -143,11 +151,17 @@ def _check_values_in_keys(prefix: str, values: int | None, head_dim: int, num_kv
 
 
 def _check_features(
-    prefix: str, num_heads: int, window: int | None, softcap: float | None, slopes: torch.Tensor | None
+    prefix: str,
+    num_heads: int,
+    window: int | None,
+    softcap: float | None,
+    slopes: torch.Tensor | None,
+    chunk: int | None = None,
 ) -> None:
     """ValueError naming the layer and the argument when a feature's value cannot be meant."""
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ValueError(f"Attention {prefix!r}: sliding_window={window!r} must be a positive int or None")
+    for name, size in (("sliding_window", window), ("attention_chunk", chunk)):
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ValueError(f"Attention {prefix!r}: {name}={size!r} must be a positive int or None")
     if softcap is not None and not softcap > 0:
         raise ValueError(f"Attention {prefix!r}: logit_softcap={softcap!r} must be positive or None")
     if slopes is not None and tuple(slopes.shape) != (num_heads,):

@@ -25,10 +25,10 @@ per step and shared by every layer; a layer only writes its k/v, gathers (or app
 mirror), and attends. Every layer writes all of the step's k/v into its cache before it reads any:
 a request may read a shared block that another request of the same step writes.
 
-Optional features (see `Attention`): a sliding-window layer reads its keys through a windowed
-layout (key_layout.py; built once per step and window) that gathers only what the window reaches,
-and its mask; ALiBi adds its bias to the mask (decode: the baddbmm addend; prefill: SDPA's float
-mask). Soft-capping and sinks change the softmax itself, so such layers compute their scores
+Optional features (see `Attention`): a sliding-window or chunked layer reads its keys through a
+windowed layout (key_layout.py; built once per step, window and chunk) that gathers only what the
+window or chunk reaches, and its mask; ALiBi adds its bias to the mask (decode: the baddbmm addend;
+prefill: SDPA's float mask). Soft-capping and sinks change the softmax itself, so such layers compute their scores
 explicitly (decode: bmm, cap, mask, softmax; prefill: the same in chunks of queries). A layer using
 none of them runs exactly the paths above.
 
@@ -78,6 +78,14 @@ class TokenSelection:
             out.index_copy_(0, self.index, rows)
 
 
+def _limits(seq_lens: list[int], window: int | None, chunk: int | None) -> tuple[int | None, int | None]:
+    """(window, chunk), each None when it excludes no key of these requests: they then share the full layout."""
+    longest = max(seq_lens)
+    return (None if window is not None and longest <= window else window), (
+        None if chunk is not None and longest <= chunk else chunk
+    )
+
+
 @dataclass(slots=True)
 class DecodePart:
     """Requests with one new token attending to their cached context."""
@@ -87,16 +95,15 @@ class DecodePart:
     tables: torch.Tensor  # [B, blocks_per_req] the blocks covering the longest request
     seq_lens: list[int]
     rows: DecodeRows  # what a layer's decode mirror records of this step
-    _keys: dict[int | None, DecodeKeys] = field(default_factory=dict)
+    _keys: dict[tuple[int | None, int | None], DecodeKeys] = field(default_factory=dict)
     _buffers: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = field(default_factory=dict)
 
-    def keys(self, window: int | None) -> DecodeKeys:
-        """The layout of the keys a layer with this sliding window attends (built once per step)."""
-        if window is not None and max(self.seq_lens) <= window:
-            window = None  # the window reaches every key: share the full layout
-        if window not in self._keys:
-            self._keys[window] = decode_keys(self.tables, self.seq_lens, self.rows.block_size, window)
-        return self._keys[window]
+    def keys(self, window: int | None, chunk: int | None = None) -> DecodeKeys:
+        """The layout of the keys a layer with this sliding window and chunk attends (built once per step)."""
+        window, chunk = _limits(self.seq_lens, window, chunk)
+        if (window, chunk) not in self._keys:
+            self._keys[window, chunk] = decode_keys(self.tables, self.seq_lens, self.rows.block_size, window, chunk)
+        return self._keys[window, chunk]
 
     def gather_buffer(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A scratch tensor for the gathered K/V, allocated once per step and reused by every layer."""
@@ -122,18 +129,17 @@ class PrefillPart:
     device: torch.device
     q_pad_index: torch.Tensor | None = None  # [B * max_query_len] part-local token of each padded query row
     out_index: torch.Tensor | None = None  # [num_part_tokens] padded row of each part-local token
-    _keys: dict[int | None, PrefillKeys] = field(default_factory=dict)
+    _keys: dict[tuple[int | None, int | None], PrefillKeys] = field(default_factory=dict)
     _bidirectional_masks: dict[tuple[int | None, torch.dtype], torch.Tensor] = field(default_factory=dict)
 
-    def keys(self, window: int | None) -> PrefillKeys:
-        """The layout of the keys a layer with this sliding window attends (built once per step)."""
-        if window is not None and max(self.seq_lens) <= window:
-            window = None  # the window reaches every key: share the full layout
-        if window not in self._keys:
-            self._keys[window] = prefill_keys(
-                self.tables, self.q_lens, self.seq_lens, self.block_size, window, self.device
+    def keys(self, window: int | None, chunk: int | None = None) -> PrefillKeys:
+        """The layout of the keys a layer with this sliding window and chunk attends (built once per step)."""
+        window, chunk = _limits(self.seq_lens, window, chunk)
+        if (window, chunk) not in self._keys:
+            self._keys[window, chunk] = prefill_keys(
+                self.tables, self.q_lens, self.seq_lens, self.block_size, window, self.device, chunk
             )
-        return self._keys[window]
+        return self._keys[window, chunk]
 
     def bidirectional_mask(self, window: int | None, dtype: torch.dtype) -> torch.Tensor:
         """Additive mask of bidirectional layers, built once per step and window: query i of a request sees its
@@ -300,7 +306,7 @@ def _decode(
 ) -> torch.Tensor:
     """q, k, v [B, heads * D] of one token per request over each request's cached keys -> [B, H * D]."""
     b, hkv, g, d = part.num_reqs, layer.num_kv_heads, layer.num_queries_per_kv, layer.head_dim
-    keys = part.keys(layer.sliding_window)
+    keys = part.keys(layer.sliding_window, layer.attention_chunk)
     keys_t, values = _decode_kv(layer, k, v, part, keys, cache)  # [Hkv * B, D, kv_len], [Hkv * B, kv_len, D]
     values = values[..., : layer.v_head_dim]  # values inside keys: their leading dims
     qh = q.view(b, hkv, g, d).transpose(0, 1).reshape(hkv * b, g, d)  # [Hkv * B, G, D]
@@ -372,7 +378,7 @@ def _prefill_padded(
 ) -> torch.Tensor:
     """Padded batch of prompts/chunks: q [Tp, H * D] over their cached or own keys -> [Tp, H * D]."""
     b, qm, d = part.num_reqs, part.max_query_len, layer.head_dim
-    keys = part.keys(layer.sliding_window)
+    keys = part.keys(layer.sliding_window, layer.attention_chunk)
     # with nothing cached the keys are this step's own: pad them like the queries, skip the cache
     kh, vh = _own_kv(layer, k, v, part) if keys.block_index is None else _cached_kv(layer, part, keys, cache)
     qh = _rows(q, part.q_pad_index).view(b, qm, layer.num_heads, d).transpose(1, 2)  # [B, H, Qm, D]
@@ -429,8 +435,8 @@ def _prefill(
     layer: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, part: PrefillPart, cache: torch.Tensor | None
 ) -> torch.Tensor:
     """Attention of the prefill part's tokens."""
-    window = layer.sliding_window
-    if part.causal_single and _plain(layer) and (window is None or part.max_query_len <= window):
+    reach = min(layer.sliding_window or part.max_query_len, layer.attention_chunk or part.max_query_len)
+    if part.causal_single and _plain(layer) and part.max_query_len <= reach:
         return _causal_single(layer, q, k, v)
     return _prefill_padded(layer, q, k, v, part, cache)
 

@@ -9,7 +9,7 @@ synchronised per step or per layer.
 Cache layout: [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim], so that one token's keys
 of all KV heads are one contiguous row of a cache slot.
 
-The layer's attention features (sliding window, logit soft-cap, ALiBi slopes, sinks) are read from
+The layer's attention features (sliding window, chunk, logit soft-cap, ALiBi slopes, sinks) are read from
 the layer and passed to the kernel; all of them are supported.
 """
 
@@ -46,7 +46,7 @@ class TritonAttentionBackend(AttentionBackend):
     """Paged attention in two Triton launches per layer; on a CPU only under TRITON_INTERPRET=1 (tests)."""
 
     name = "triton"
-    supported_features = frozenset({"sliding_window", "logit_softcap", "alibi", "sinks"})
+    supported_features = frozenset({"sliding_window", "chunked", "logit_softcap", "alibi", "sinks"})
 
     @classmethod
     def kv_cache_shape(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -94,6 +94,7 @@ def _features(layer: "Attention", device: torch.device) -> dict:
     slopes, sinks = layer.alibi_slopes, layer.sinks
     return dict(
         sliding_window=layer.sliding_window,
+        attention_chunk=layer.attention_chunk,
         logit_softcap=layer.logit_softcap,
         alibi_slopes=None if slopes is None else slopes.to(device, torch.float32),
         sinks=None if sinks is None else sinks.to(device, torch.float32),

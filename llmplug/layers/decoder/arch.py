@@ -20,7 +20,7 @@ from llmplug.layers.recurrent.mamba2 import Mamba2MixerConfig
 from llmplug.layers.recurrent.short_conv import ShortConvConfig
 
 if TYPE_CHECKING:  # the MoE block builds its shared experts from this package's MLP
-    from llmplug.layers.moe.config import MoEConfig
+    from llmplug.layers.moe.config import MoEConfig, RouterConfig
 
 __all__ = [
     "RECURRENT_MIXERS",
@@ -57,6 +57,9 @@ class LayerConfig:
 
     rope: RopeConfig | None  # None: no rotary embedding in this layer (NoPE)
     sliding_window: int | None = None  # None: attends to the whole context (bidirectional: keys |i - j| < W)
+    attention_chunk: int | None = None  # chunked local attention: keys of the query's own chunk of C positions
+    qk_norm: bool = True  # False: this layer skips the arch's q/k norm (Llama 4's NoPE layers)
+    query_scale: bool = True  # False: this layer's queries skip the arch's query_position_scale (Llama 4)
     mixer: MixerKind | None = "attention"  # None: no token mixer (NemotronH's MLP-only layers)
     # a recurrent mixer run beside the attention on the same input, the outputs summed (Falcon-H1)
     parallel_mixer: MixerKind | None = None
@@ -136,9 +139,13 @@ class DecoderArchConfig:
     o_proj_bias: bool = False
     qk_norm: QKNormConfig | None = None  # norm of q and k before rotary
     mla: MLAConfig | None = None  # multi-head latent attention instead of q/k/v projections (DeepSeek V2/V3)
+    # mixture of attention: per token, the router's top_k of num_experts (query, output) projection pairs
+    # over shared k/v, num_kv_heads query heads each (JetMoe; o_proj_bias: a bias after the experts' sum)
+    attention_experts: RouterConfig | None = None
     clip_qkv: float | None = None  # q, k, v clamped to [-clip_qkv, clip_qkv] (OLMo, MPT)
     # (beta, length): after rotary, q at position p times 1 + beta * log(1 + floor(p / length)) (Ministral 3)
     query_position_scale: tuple[float, int] | None = None
+    query_scale_offset: int = 0  # the scale's positions count from this (Llama 4: floor((p + 1) / length))
     attention_scale: float | None = None  # None: head_dim ** -0.5
     attn_logit_softcap: float | None = None  # scores = cap * tanh(scores / cap) (Gemma 2)
     alibi: bool = False  # ALiBi biases instead of positions (Bloom, MPT, Falcon-RW)

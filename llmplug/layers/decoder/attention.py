@@ -1,6 +1,6 @@
 """The self-attention block of the generic decoder: fused q/k/v projection, optional clamp and q/k norms
 (before or after rotary), in-place rotary, an optional per-position query scale, paged attention (with the
-layer's window, soft-cap, ALiBi, sinks), optional output gate, output projection.
+layer's window, chunk, soft-cap, ALiBi, sinks), optional output gate, output projection.
 
 With `attention_output_gate` (Qwen3-Next) the checkpoint's q_proj gives each head [q | gate]: the fused
 projection holds it as twice the query heads (so a tensor-parallel rank keeps whole pairs), and the
@@ -49,7 +49,8 @@ class DecoderAttention(nn.Module):
             prefix=_join(prefix, "o_proj"),
         )
         self.clip_qkv, self.key_multiplier = arch.clip_qkv, arch.key_multiplier
-        self.q_norm, self.k_norm = self._qk_norms(arch)
+        self.q_norm, self.k_norm = self._qk_norms(arch) if layer.qk_norm else (None, None)
+        self.query_scaled = layer.query_scale
         self.qk_norm_after_rope = arch.qk_norm is not None and arch.qk_norm.after_rope
         self.attn = Attention(
             self.num_heads,
@@ -58,6 +59,7 @@ class DecoderAttention(nn.Module):
             self.num_kv_heads,
             prefix=_join(prefix, "attn"),
             sliding_window=layer.sliding_window,
+            attention_chunk=layer.attention_chunk,
             logit_softcap=arch.attn_logit_softcap,
             alibi_slopes=self._alibi_slopes(arch) if arch.alibi else None,
             use_sinks=arch.attention_sinks,
@@ -119,6 +121,6 @@ class DecoderAttention(nn.Module):
             rope.apply_(qk)  # rotates q and k inside qkv
         if self.qk_norm_after_rope:
             self._norm_qk_(qk)
-        if query_scale is not None:
+        if query_scale is not None and self.query_scaled:
             qk[:, : self.num_heads].mul_(query_scale)
         return self.attn(qkv[:, :q_end], qkv[:, q_end:k_end], qkv[:, k_end:])  # [T, H * D]

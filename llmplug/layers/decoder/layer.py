@@ -34,6 +34,7 @@ from torch import nn
 from llmplug.communicators.parallel_state import get_tp_group
 from llmplug.layers.decoder.arch import DecoderArchConfig, LayerConfig, MixerKind
 from llmplug.layers.decoder.attention import DecoderAttention
+from llmplug.layers.decoder.mixture_of_attention import MixtureOfAttention
 from llmplug.layers.decoder.mla import LatentAttention
 from llmplug.layers.decoder.mlp import DecoderMLP
 from llmplug.layers.layernorm import LayerNorm, RMSNorm, make_norm
@@ -162,9 +163,12 @@ class DecoderLayer(nn.Module):
 
 
 def _attention(arch: DecoderArchConfig, layer: LayerConfig, prefix: str, reduce: bool) -> nn.Module:
-    """The layer's attention: multi-head latent attention when the arch has an MLAConfig, else q/k/v heads."""
+    """The layer's attention: multi-head latent attention when the arch has an MLAConfig, a mixture of attention
+    with `attention_experts`, else q/k/v heads."""
     if arch.mla is not None:
         return LatentAttention(arch, prefix, reduce_results=reduce)
+    if arch.attention_experts is not None:
+        return MixtureOfAttention(arch, prefix, reduce_results=reduce)
     return DecoderAttention(arch, layer, prefix, reduce_results=reduce)
 
 

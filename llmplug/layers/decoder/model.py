@@ -165,7 +165,8 @@ class DecoderModel(nn.Module):
         if self.arch.query_position_scale is None:
             return None
         beta, length = self.arch.query_position_scale
-        scale = 1 + beta * torch.log(1 + torch.floor(positions / length))  # as transformers rounds it
+        shifted = positions + self.arch.query_scale_offset
+        scale = 1 + beta * torch.log(1 + torch.floor(shifted / length))  # as transformers rounds it
         return scale.to(dtype)[:, None, None]
 
     def _output(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:

@@ -15,6 +15,7 @@ search over query_start_loc. Programs past the end of their request's queries re
 
 Features, each a compile-time switch (HF semantics, scores in float32):
 - sliding window w: query p sees keys j with p - w < j <= p (tiles wholly before the window are skipped);
+- chunked local attention c: query p sees keys j with floor(p / c) * c <= j <= p (tiles before its chunk skipped);
 - logit soft-capping c: s = c * tanh(s / c), after scaling, before masking;
 - ALiBi: s += slope_h * (j - p);
 - sinks: a learned logit per head that joins the softmax denominator and contributes no value.
@@ -63,12 +64,13 @@ def _tanh(x):
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, alibi_slopes_ptr, sinks_ptr,
-    scale, softcap, window, num_reqs,
+    scale, softcap, window, chunk, num_reqs,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, QUERIES_PER_KV: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_ALIBI: tl.constexpr, USE_SINKS: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_CHUNK: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_ALIBI: tl.constexpr,
+    USE_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     q_block = tl.program_id(0)
@@ -111,6 +113,8 @@ def _paged_attention_kernel(
     first_tile = 0
     if USE_WINDOW:
         first_tile = tl.maximum(context + first_q - window + 1, 0) // TILE
+    if USE_CHUNK:
+        first_tile = tl.maximum(first_tile, (context + first_q) // chunk * chunk // TILE)
     for tile in range(first_tile, tl.cdiv(kv_end, TILE)):
         keys = tile * TILE + tl.arange(0, TILE)  # [TILE] key positions
         key_ok = keys < kv_end
@@ -131,6 +135,8 @@ def _paged_attention_kernel(
         visible = (keys[None, :] <= q_pos[:, None]) & key_ok[None, :] & row_ok[:, None]
         if USE_WINDOW:
             visible = visible & (q_pos[:, None] - keys[None, :] < window)
+        if USE_CHUNK:
+            visible = visible & (keys[None, :] >= q_pos[:, None] // chunk * chunk)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet: no inf - inf
@@ -177,6 +183,7 @@ def paged_attention(
     logit_softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    attention_chunk: int | None = None,
 ) -> torch.Tensor:
     """Attend q [T, H, D] over the paged cache into out [T, H, D]; returns out.
 
@@ -199,13 +206,14 @@ def paged_attention(
     _paged_attention_kernel[grid](
         out, q, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
         dummy if alibi_slopes is None else alibi_slopes, dummy if sinks is None else sinks,
-        scale, logit_softcap or 0.0, sliding_window or 0, num_reqs,
+        scale, logit_softcap or 0.0, sliding_window or 0, attention_chunk or 1, num_reqs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
         HEAD_DIM=head_dim, HEAD_DIM_P=max(16, triton.next_power_of_2(head_dim)), QUERIES_PER_KV=queries_per_kv,
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_SIZE=block_size, TILE=TILE_N,
-        USE_WINDOW=sliding_window is not None, USE_SOFTCAP=logit_softcap is not None,
+        USE_WINDOW=sliding_window is not None, USE_CHUNK=attention_chunk is not None,
+        USE_SOFTCAP=logit_softcap is not None,
         USE_ALIBI=alibi_slopes is not None, USE_SINKS=sinks is not None,
         # fp32 products stay fp32 (no TF32); the interpreter's bf16/fp16 dot is wrong, so it multiplies upcast
         DOT_PRECISION="ieee" if q.dtype == torch.float32 or interpreting() else None, DOT_F32=interpreting(),

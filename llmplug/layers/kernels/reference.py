@@ -58,6 +58,7 @@ def paged_attention_ref(
     logit_softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    attention_chunk: int | None = None,
 ) -> torch.Tensor:
     """q [T, H, D] (requests one after another, query_lens each) over the paged cache -> [T, H, D] float32."""
     num_heads, num_kv_heads = q.shape[1], key_cache.shape[2]
@@ -79,6 +80,8 @@ def paged_attention_ref(
         visible = key_pos <= query_pos
         if sliding_window is not None:
             visible &= query_pos - key_pos < sliding_window
+        if attention_chunk is not None:
+            visible &= key_pos // attention_chunk == query_pos // attention_chunk
         scores = scores.masked_fill(~visible, float("-inf"))
         if sinks is not None:  # one more logit per head that takes probability mass and adds no value
             sink = sinks.float()[:, None, None].expand(num_heads, q_len, 1)

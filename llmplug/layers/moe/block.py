@@ -12,6 +12,7 @@ from llmplug.layers.linear import ReplicatedLinear
 from llmplug.layers.moe.config import MoEConfig
 from llmplug.layers.moe.experts import FusedExperts
 from llmplug.layers.moe.router import Router
+from llmplug.layers.weight_utils import default_weight_loader, frozen_parameter
 
 __all__ = ["SparseMoeBlock"]
 
@@ -25,9 +26,10 @@ class SparseMoeBlock(nn.Module):
 
     Modules, with transformers' names (most checkpoints need no renames): `gate` (the Router),
     `experts` (FusedExperts), `shared_experts` (a DecoderMLP) and `shared_expert_gate` (a
-    linear layer hidden -> 1). Under tensor parallelism the router and gate are replicated, the experts and
-    shared experts sharded (by slices of every expert, or whole experts per rank with `expert_parallel`,
-    default: ParallelConfig.enable_expert_parallel); the summed partial outputs are all-reduced once,
+    linear layer hidden -> 1), and `bias` (added to the output, `MoEConfig.output_bias`). Under tensor
+    parallelism the router and gate are replicated, the experts and shared experts sharded (by slices of
+    every expert, or whole experts per rank with `expert_parallel`, default:
+    ParallelConfig.enable_expert_parallel); the summed partial outputs are all-reduced once,
     unless `reduce_results=False` (the caller reduces, e.g. with a parallel residual).
     """
 
@@ -53,6 +55,9 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate = None
         if config.shared_expert_gate:
             self.shared_expert_gate = ReplicatedLinear(hidden_size, 1, False, _join(prefix, "shared_expert_gate"))
+        self.bias = None
+        if config.output_bias:
+            self.bias = frozen_parameter(torch.empty(hidden_size), default_weight_loader)
         self.reduce_results = reduce_results
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -65,4 +70,6 @@ class SparseMoeBlock(nn.Module):
                 shared = shared * torch.sigmoid(self.shared_expert_gate(x))
             out = out + shared
         tp = get_tp_group()
+        if self.bias is not None and tp.rank_in_group == 0:  # added once to the ranks' sum
+            out = out + self.bias
         return tp.all_reduce(out) if self.reduce_results and tp.world_size > 1 else out

@@ -65,6 +65,7 @@ class MoEConfig:
     shared_intermediate_size: int = 0  # the shared experts' MLP (all of them as one); 0: none
     shared_expert_gate: bool = False  # the shared output times sigmoid(x w) (Qwen2-MoE)
     shared_bias: bool = False  # biases on the shared experts' projections (ERNIE's use_bias)
+    output_bias: bool = False  # a bias [hidden] added to the block's output (JetMoe)
 
     @property
     def num_experts(self) -> int:

@@ -39,7 +39,7 @@ from llmplug.layers.packed_linear import PrepackedLinearMethod, prepack_supporte
 from llmplug.layers.quantization import LinearOptions
 from llmplug.layers.weight_utils import ExpertParamsMap, ExpertShard, ShardId, check_shape, frozen_parameter
 
-__all__ = ["EXPERT_PARAMS", "FusedExperts"]
+__all__ = ["EXPERT_PARAMS", "FusedExperts", "group_by_expert"]
 
 # checkpoint `...experts.<e>.<name>` -> (the stacked parameter of FusedExperts, part of it)
 EXPERT_PARAMS: ExpertParamsMap = {
@@ -47,6 +47,18 @@ EXPERT_PARAMS: ExpertParamsMap = {
     "up_proj": ("gate_up_proj", 1),
     "down_proj": ("down_proj", 0),
 }
+
+
+def group_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[int]]:
+    """The flat assignments of expert ids [T, k] sorted by expert (stable) [T * k], and each expert's
+    count; one Triton kernel on a GPU (`use_triton`)."""
+    if use_triton(ids):
+        from llmplug.layers.kernels.moe_align import moe_align_block_size
+
+        order, _, counts = moe_align_block_size(ids, num_experts)
+        return order, counts.tolist()
+    flat_ids = ids.reshape(-1)
+    return flat_ids.argsort(stable=True), torch.bincount(flat_ids, minlength=num_experts).tolist()
 
 
 class FusedExperts(nn.Module):
@@ -124,7 +136,7 @@ class FusedExperts(nn.Module):
         [T, hidden] (this rank's partial sum); with the router's `weights_on_input`, of expert(weight * x)."""
         weights_on_input = self.weights_on_input
         num_tokens, top_k = ids.shape
-        order, counts = self._group_by_expert(ids)
+        order, counts = group_by_expert(ids, self.num_experts)
         tokens = order // top_k  # token of each grouped assignment
         rows = x.index_select(0, tokens)  # [T * k, hidden]
         row_weights = weights.reshape(-1).index_select(0, order).to(x.dtype).unsqueeze(1)  # [T * k, 1]
@@ -140,17 +152,6 @@ class FusedExperts(nn.Module):
         if not weights_on_input:
             out.mul_(row_weights)
         return torch.zeros_like(x).index_add_(0, tokens, out)
-
-    def _group_by_expert(self, ids: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-        """The flat assignments of expert ids [T, k] sorted by expert (stable) [T * k], and each expert's
-        count; one Triton kernel on a GPU (`use_triton`)."""
-        if use_triton(ids):
-            from llmplug.layers.kernels.moe_align import moe_align_block_size
-
-            order, _, counts = moe_align_block_size(ids, self.num_experts)
-            return order, counts.tolist()
-        flat_ids = ids.reshape(-1)
-        return flat_ids.argsort(stable=True), torch.bincount(flat_ids, minlength=self.num_experts).tolist()
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Local expert `e` on its rows x [n, hidden] -> [n, hidden] (down bias on one rank only)."""

@@ -20,8 +20,13 @@ from llmplug.plugins.models.mixtral import MIXTRAL_NAMES
 
 __all__ = ["MiniMaxM2ForCausalLM"]
 
+# hub checkpoints: `block_sparse_moe.*`; transformers' own names (a GGUF file's, via the gguf loader): `mlp.*`
 MINIMAX_M2_NAMES = CheckpointNames(
-    renames={"block_sparse_moe.e_score_correction_bias": "mlp.gate.e_score_correction_bias", **MIXTRAL_NAMES.renames}
+    renames={
+        "block_sparse_moe.e_score_correction_bias": "mlp.gate.e_score_correction_bias",
+        "mlp.e_score_correction_bias": "mlp.gate.e_score_correction_bias",
+        **MIXTRAL_NAMES.renames,
+    }
 )
 
 

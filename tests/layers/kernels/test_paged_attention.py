@@ -1,6 +1,6 @@
 """The paged-attention kernel equals its torch reference under triton's interpreter: decodes, prompts and
 chunked-prefill chunks of random lengths in one launch, over shuffled block tables, for GQA ratios 1, 4, 8,
-block sizes 16 and 32, and every attention feature (window, soft-cap, ALiBi, sinks)."""
+block sizes 16 and 32, and every attention feature (window, chunk, soft-cap, ALiBi, sinks)."""
 
 from __future__ import annotations
 
@@ -85,6 +85,18 @@ def test_sliding_window_edges_match_reference(window: int) -> None:
     assert (out - ref).abs().max() < 1e-5
     full, _ = run_both(step, q_lens, seq_lens)
     assert window >= max(seq_lens) or (out - full).abs().max() > 1e-3  # the window did change something
+
+
+@pytest.mark.parametrize("chunk", [5, 16, 20])
+def test_chunked_attention_edges_match_reference(chunk: int) -> None:
+    """Chunks inside a block, exactly one block, across blocks; queries of a chunk-spanning prompt and decodes."""
+    gen = torch.Generator().manual_seed(chunk)
+    q_lens, seq_lens = [1, 30, 9, 1], [48, 30, 39, 17]
+    step = random_step(gen, 16, q_lens, seq_lens, NUM_KV_HEADS * 2)
+    out, ref = run_both(step, q_lens, seq_lens, attention_chunk=chunk)
+    assert (out - ref).abs().max() < 1e-5
+    windowed, _ = run_both(step, q_lens, seq_lens, sliding_window=chunk)
+    assert (out - windowed).abs().max() > 1e-3  # a chunk is not a window of its length
 
 
 @pytest.mark.parametrize(
