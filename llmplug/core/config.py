@@ -73,6 +73,14 @@ class ModelConfig(_Section):
             "embed when runner is pooling and the architecture generates, else none."
         ),
     )
+    batch_invariant: bool = Field(
+        False,
+        description=(
+            "CPU: a request's logits are bitwise the same alone, in any batch, in any prefill chunks and with or "
+            "without a prefix-cache hit (fixed-order float32 attention, oneDNN row-invariant linear layers also in "
+            "float32, no int4 copies). Same engine config, platform and thread count; see docs/determinism.md."
+        ),
+    )
     prepack_weights: bool = Field(
         True,
         description=(
@@ -353,6 +361,7 @@ ALIASES: dict[str, str] = {
     "hf_overrides": "model.hf_overrides",
     "quantization": "model.quantization",
     "prepack_weights": "model.prepack_weights",
+    "batch_invariant": "model.batch_invariant",
     "runner": "model.runner",
     "convert": "model.convert",
     "block_size": "cache.block_size",

@@ -33,6 +33,7 @@ class DecodeKeys:
     positions: torch.Tensor  # [B or 1, kv_len] position of each gathered key
     seq_lens: torch.Tensor  # [B]
     all_seen: bool  # every gathered key is one the query sees (no key mask)
+    window: int | None = None  # a sliding window applied by the mask (the full layout of batch-invariant mode)
     _masks: dict[tuple[int, int, torch.dtype], torch.Tensor] = field(default_factory=dict)
     _append_index: torch.Tensor | None = None
 
@@ -51,8 +52,11 @@ class DecodeKeys:
         return self._append_index
 
     def seen(self) -> torch.Tensor:
-        """[B, kv_len] bool: the gathered keys the query sees (the rest is padding)."""
-        return (self.positions >= 0) & (self.positions < self.seq_lens[:, None])
+        """[B, kv_len] bool: the gathered keys the query sees (the rest is padding, or outside its window)."""
+        seen = (self.positions >= 0) & (self.positions < self.seq_lens[:, None])
+        if self.window is not None:
+            seen &= self.positions >= self.seq_lens[:, None] - self.window
+        return seen
 
     def score_mask(self, num_kv_heads: int, group: int, dtype: torch.dtype) -> torch.Tensor:
         """Additive key mask [Hkv * B, G, kv_len] in `dtype`, laid out like the scores (built once per step)."""
@@ -84,17 +88,23 @@ class DecodeKeys:
             torch.index_select(slots, 2, self.gather_index, out=out.view(planes, out.shape[1], -1, out.shape[-1]))
 
 
-def decode_keys(tables: torch.Tensor, seq_lens: list[int], block_size: int, window: int | None) -> DecodeKeys:
+def decode_keys(
+    tables: torch.Tensor, seq_lens: list[int], block_size: int, window: int | None, ring: bool = True
+) -> DecodeKeys:
     """The decode layout of requests with `seq_lens` keys (tables [B, blocks] cover the longest).
 
-    A ring of `window` slots when some request is longer than the window; else every block.
+    A ring of `window` slots when some request is longer than the window (unless `ring` is False: then
+    every block from position 0, the window applied by the mask); else every block.
     """
     device = tables.device
     lens = torch.tensor(seq_lens, device=device)
-    if window is None or max(seq_lens) <= window:  # the window, if any, reaches back to position 0
+    if window is not None and max(seq_lens) <= window:  # the window reaches back to position 0
+        window = None
+    if window is None or not ring:
         kv_len = tables.shape[1] * block_size
         positions = torch.arange(kv_len, device=device)[None, :]  # [1, kv_len]
-        return DecodeKeys(tables.reshape(-1), kv_len, None, positions, lens, all(n == kv_len for n in seq_lens))
+        all_seen = window is None and all(n == kv_len for n in seq_lens)
+        return DecodeKeys(tables.reshape(-1), kv_len, None, positions, lens, all_seen, window)
     newest = lens[:, None] - 1  # [B, 1]
     # slot r holds the latest position p <= newest with p % window == r (negative: not written yet)
     positions = newest - (newest - torch.arange(window, device=device)[None, :]) % window  # [B, W]
@@ -133,21 +143,27 @@ def prefill_keys(
     block_size: int,
     window: int | None,
     device: torch.device,
+    tile: int | None = None,
 ) -> PrefillKeys:
     """The prefill layout of requests computing their last q_lens of seq_lens tokens.
 
     tables [B, >= blocks of the longest] gathers the keys from the cache; None: the keys are the step's
     own (nothing cached), padded like the queries. A window skips the blocks no query's window reaches.
+    `tile` (batch-invariant mode, a multiple of block_size): the keys start at a multiple of `tile` and
+    are whole tiles.
     """
     contexts = [s - q for q, s in zip(q_lens, seq_lens)]
     first_keys = [0] * len(q_lens)  # position of each request's first gathered key
     block_index = None
+    align = tile or block_size
     if tables is None:
-        kv_len = max(q_lens)
+        kv_len = max(q_lens) if tile is None else -(-max(q_lens) // tile) * tile
     else:
         if window is not None:  # the earliest key a query sees: context - window + 1
-            first_keys = [max(0, c - window + 1) // block_size * block_size for c in contexts]
+            first_keys = [max(0, c - window + 1) // align * align for c in contexts]
         num_blocks = max(-(-s // block_size) - f // block_size for s, f in zip(seq_lens, first_keys))
+        if tile is not None:
+            num_blocks = -(-num_blocks * block_size // tile) * tile // block_size
         kv_len = num_blocks * block_size
         first_block = torch.tensor([f // block_size for f in first_keys], device=device)
         columns = (first_block[:, None] + torch.arange(num_blocks, device=device)).clamp(max=tables.shape[1] - 1)
