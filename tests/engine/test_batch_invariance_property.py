@@ -124,3 +124,20 @@ def test_without_the_mode_a_request_changes_with_its_batch(runner) -> None:
     expected = alone(runner, case, "float32", invariant=False)
     got = generate(runner, case, dict(enumerate(prompts)), batch_invariant=False, max_num_batched_tokens=16)
     assert any(got[i] != expected[i] for i in got), "the default paths were batch invariant: the twin test is stale"
+
+
+def test_the_mode_refuses_int4_and_the_next_engine_starts(runner) -> None:
+    """quantization=int4 picks its kernel per call by token count: with the mode it is an error naming both fields;
+    an engine with a valid config starts and answers afterwards."""
+    from llmplug.core.errors import ConfigError
+
+    case = CASE["LlamaForCausalLM"]
+    path = str(runner.checkpoint(case).path)
+    with pytest.raises(ConfigError, match="batch_invariant.*quantization='int4'"):
+        LLM(path, **BASE_ENGINE_KWARGS, batch_invariant=True, quantization="int4")
+    llm = LLM(path, **BASE_ENGINE_KWARGS, batch_invariant=True)
+    try:
+        out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=2), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 2
+    finally:
+        llm.shutdown()
