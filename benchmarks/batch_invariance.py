@@ -49,7 +49,7 @@ def main() -> None:
                 speed = bench_llmplug(model, batch, args.output_len, "bfloat16", clock=time.process_time,
                                       enable_prefix_caching=False, batch_invariant=invariant)
                 rows.setdefault(f"{len(batch)} x {args.output_len}, invariant={invariant}", []).append(speed)
-    result = {name: round(statistics.median(values), 1) for name, values in rows.items()}
+    result = {name: round(statistics.median(values), 3) for name, values in rows.items()}
     for batch in (len(prompts), 1):
         off = result[f"{batch} x {args.output_len}, invariant=False"]
         on = result[f"{batch} x {args.output_len}, invariant=True"]
