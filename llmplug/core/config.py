@@ -81,6 +81,14 @@ class ModelConfig(_Section):
             "architecture is registered, else the transformers backend. See docs/models.md."
         ),
     )
+    batch_invariant: bool = Field(
+        False,
+        description=(
+            "CPU: a request's logits are bitwise the same alone, in any batch, in any prefill chunks and with or "
+            "without a prefix-cache hit (fixed-order float32 attention, oneDNN row-invariant linear layers also in "
+            "float32, no int4 copies). Same engine config, platform and thread count; see docs/determinism.md."
+        ),
+    )
     prepack_weights: bool = Field(
         True,
         description=(
@@ -368,6 +376,7 @@ ALIASES: dict[str, str] = {
     "hf_overrides": "model.hf_overrides",
     "quantization": "model.quantization",
     "prepack_weights": "model.prepack_weights",
+    "batch_invariant": "model.batch_invariant",
     "runner": "model.runner",
     "convert": "model.convert",
     "model_impl": "model.model_impl",

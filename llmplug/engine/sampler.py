@@ -173,11 +173,11 @@ class Sampler:
     ) -> torch.Tensor:
         """Redraw the rows whose token lies outside their nucleus until none does (rows not `ok` never): [R] int64."""
         rows = torch.arange(random.num_rows, device=probs.device)  # [A], sub-batch rows still drawing
-        top_p, total, done = random.top_p, probs.sum(dim=-1), ~ok | (random.top_p >= 1.0)  # [A]
+        top_p, total, done = random.top_p, row_sums(probs), ~ok | (random.top_p >= 1.0)  # [A]
         while True:
             above = mass_above(probs, tokens[rows], out=self._buffer("a", rows.numel(), probs))  # [A, V]
             chosen = probs.gather(1, tokens[rows, None]).squeeze(1)  # [A]
-            mass = above.sum(dim=-1) * chosen  # [A], of the strictly more likely tokens
+            mass = row_sums(above) * chosen  # [A], of the strictly more likely tokens
             # the most likely token is always inside, also when top_p rounds to 0 in float32 (else: no end)
             inside = (mass < top_p * total) | (mass == 0) | done
             if bool(inside.all()):
@@ -379,6 +379,15 @@ def inverse_cdf_sample(weights: torch.Tensor, uniforms: torch.Tensor) -> tuple[t
     inner_target = torch.minimum(inner_target, torch.nextafter(inner_total, torch.zeros_like(inner_total)))
     token = torch.searchsorted(inner_cdf, inner_target, right=True).clamp_(max=BLOCK - 1)  # [R, 1]; NaN: past the end
     return cols.gather(1, token).squeeze(1), total.squeeze(1)
+
+
+def row_sums(x: torch.Tensor) -> torch.Tensor:
+    """Sum of each row of x [R, V] -> [R], in an order that does not depend on R: block sums, then their sum.
+
+    A plain sum over one long row is split across threads, and so sums in another order than the
+    same row among others (batch invariance, docs/determinism.md).
+    """
+    return _block_reduce(x, "sum").sum(dim=-1)
 
 
 def _block_reduce(x: torch.Tensor, op: str) -> torch.Tensor:

@@ -308,6 +308,8 @@ class LinearOptions:
     quantize_dense: also quantize weights (or groups of them) that have no exact int4 form; False keeps
     such layers dense. required: fail when the int4 kernel is missing instead of staying dense.
     prepack: pack dense weights for oneDNN where that is supported (see layers/packed_linear.py).
+    row_invariant: every dense layer's result rows must not depend on the number of rows (batch-invariant
+    mode): float32 weights are packed for oneDNN too, whose kernel keeps that (MKL's float32 matmul does not).
     """
 
     int4: bool = True
@@ -316,6 +318,11 @@ class LinearOptions:
     group_size: int = INT4_GROUP_SIZE
     max_tokens: int = INT4_MAX_TOKENS
     prepack: bool = True
+    row_invariant: bool = False
+
+    def packs(self, dtype: torch.dtype) -> bool:
+        """Whether dense weights of `dtype` should be packed for oneDNN (where the platform supports it)."""
+        return (self.prepack and dtype != torch.float32) or self.row_invariant
 
 
 def linear_method_for(weight: torch.Tensor, options: LinearOptions) -> LinearMethod:
@@ -339,7 +346,7 @@ def linear_method_for(weight: torch.Tensor, options: LinearOptions) -> LinearMet
 
 
 def _dense_method_for(weight: torch.Tensor, options: LinearOptions) -> LinearMethod:
-    if options.prepack and weight.dim() == 2 and prepack_supported(weight.device.type, weight.dtype):
+    if options.packs(weight.dtype) and weight.dim() == 2 and prepack_supported(weight.device.type, weight.dtype):
         return PrepackedLinearMethod(weight)
     return DENSE
 

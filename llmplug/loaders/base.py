@@ -280,8 +280,10 @@ def finish_loading(model: torch.nn.Module, model_config: ModelConfig, only_dense
 
     quantization = model_config.quantization
     forced = quantization == "int4"
+    invariant = model_config.batch_invariant  # int4 copies are chosen per call by token count: none in this mode
     options = LinearOptions(
-        int4=quantization != "none", quantize_dense=forced, required=forced, prepack=model_config.prepack_weights
+        int4=quantization != "none" and not invariant, quantize_dense=forced, required=forced,
+        prepack=model_config.prepack_weights, row_invariant=invariant,
     )
     process_weights_after_loading(model, options, only_dense=only_dense)
 

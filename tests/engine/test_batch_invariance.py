@@ -1,7 +1,7 @@
-"""An answer never depends on what else is in the batch: the default model, a seeded sampled request alone
-and inside batches of 1, 7 and 32 other requests gives identical tokens, in every mode that is on by
-default (bf16, oneDNN-packed dense weights, torch_sdpa attention) -- not yet: see the xfail; and the compiled
-forward gives the eager engine's greedy tokens."""
+"""An answer never depends on what else is in the batch, in batch-invariant mode (model.batch_invariant), on the
+default model in bf16 with chunked prefill and prefix caching on: a seeded sampled request alone and inside
+batches of 1, 7 and 32; 32 chat prompts each alone and all together, greedy and seeded -- not yet (see
+NOT_YET). And the compiled forward gives the eager engine's greedy tokens (not yet: see the xfail)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,30 @@ OTHERS = [f"Question {i}: what is {i} times {i + 3}, and why does it matter?" fo
 # sampled, not greedy: a different rounding anywhere shows as a different draw sooner than as a new argmax
 PROBE_PARAMS = SamplingParams(temperature=0.8, top_p=0.95, seed=1234, max_tokens=24, ignore_eos=True)
 OTHER_PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+CHAT_TOPICS = [
+    "the tides", "a bicycle", "bread", "volcanoes", "chess", "the moon", "bees", "rainbows", "glaciers", "owls",
+    "compilers", "tea", "lightning", "maps", "coral reefs", "violins", "deserts", "clocks", "whales", "paper",
+    "bridges", "mushrooms", "comets", "kites", "salt", "fireflies", "caves", "trains", "honey", "wind", "ink", "snow",
+]
+
+
+NOT_YET = pytest.mark.xfail(
+    strict=False,
+    reason=(
+        "the default model (30 layers) is not yet invariant in decode: with 1 thread, greedy, bf16 or float32, "
+        "its final hidden states are identical alone and in a batch of 7 through the first decode step and differ "
+        "from the second (cause not found; not the decode mirror). The tiny-model property test passes "
+        "(test_batch_invariance_property.py). See docs/determinism.md, Status"
+    ),
+)
+
+
+@pytest.fixture(scope="module")
+def invariant_llm():
+    """The default model in batch-invariant mode, every other setting at its default."""
+    llm = LLM(max_num_seqs=32, batch_invariant=True)
+    yield llm
+    llm.shutdown()
 
 
 def probe_tokens(llm: LLM, batch_size: int) -> list[int]:
@@ -24,28 +48,40 @@ def probe_tokens(llm: LLM, batch_size: int) -> list[int]:
     return list(outputs[0].outputs[0].token_ids)
 
 
-def check_batch_invariance(llm: LLM) -> None:
-    alone = probe_tokens(llm, 1)
+@pytest.mark.slow
+@NOT_YET
+def test_seeded_request_gives_the_same_tokens_alone_and_in_batches_of_1_7_32(invariant_llm) -> None:
+    alone = probe_tokens(invariant_llm, 1)
     assert len(alone) == PROBE_PARAMS.max_tokens
     for batch_size in (1, 7, 32):
-        assert probe_tokens(llm, batch_size) == alone, f"the probe's tokens changed in a batch of {batch_size}"
+        assert probe_tokens(invariant_llm, batch_size) == alone, f"the probe's tokens changed in a batch of {batch_size}"
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "torch_sdpa is not batch invariant: a prompt alone takes causal SDPA, prompts together a padded, masked "
-        "SDPA; decode pads every request's keys to the batch's longest. The reduction lengths and kernels differ, "
-        "so bf16 logits of the same prompt differ (~0.05 at prompt position 2). Issue 19, items 2-3."
-    ),
+@NOT_YET
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.0, max_tokens=32, logprobs=0),
+        SamplingParams(temperature=0.8, seed=123, max_tokens=32, logprobs=0),
+    ],
+    ids=["greedy", "seeded"],
 )
-def test_seeded_request_gives_the_same_tokens_alone_and_in_batches_of_1_7_32() -> None:
-    llm = LLM(max_num_seqs=32, enable_prefix_caching=False)
-    try:
-        check_batch_invariance(llm)
-    finally:
-        llm.shutdown()
+def test_32_chat_prompts_alone_and_in_a_batch_of_32_are_identical(invariant_llm, params) -> None:
+    """Tokens and their log-probabilities, bitwise; prompts share the chat template's prefix (prefix-cache hits)."""
+    conversations = [[{"role": "user", "content": f"Tell me one fact about {topic}."}] for topic in CHAT_TOPICS]
+
+    def answers(batch: list) -> list[tuple[list[int], list[float]]]:
+        outputs = invariant_llm.chat(batch, params, use_tqdm=False)
+        return [
+            (list(o.outputs[0].token_ids), [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+            for o in outputs
+        ]
+
+    alone = [answers([c])[0] for c in conversations]
+    together = answers(conversations)
+    same = sum(a == t for a, t in zip(alone, together))
+    assert same == len(conversations), f"only {same}/{len(conversations)} answers identical alone and in the batch"
 
 
 @pytest.mark.slow

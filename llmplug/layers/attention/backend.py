@@ -44,6 +44,8 @@ class AttentionBackend(abc.ABC):
     name: ClassVar[str] = ""
     # the `Attention.features` names this backend implements; none unless a backend says so
     supported_features: ClassVar[frozenset[str]] = frozenset()
+    # whether `build_metadata` honours `CommonAttentionMetadata.batch_invariant` (docs/determinism.md)
+    supports_batch_invariant: ClassVar[bool] = False
 
     @classmethod
     @abc.abstractmethod

@@ -91,10 +91,11 @@ class DecodeMirror:
         self.keys_t, self.values = batched[0].transpose(1, 2), batched[-1]
 
 
-def mirror_fits(num_reqs: int, kv_len: int, cache: torch.Tensor) -> bool:
-    """Whether a mirror of num_reqs x kv_len keys stays within MIRROR_CACHE_SHARE of `cache`.
+def mirror_fits(num_reqs: int, kv_len: int, cache: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether a mirror of num_reqs x kv_len keys in `dtype` stays within MIRROR_CACHE_SHARE of `cache`'s bytes.
 
-    cache: [2, Hkv, num_blocks, block_size, D]; a mirror holds the same per-key bytes.
+    cache: [2, Hkv, num_blocks, block_size, D]; a mirror holds the same elements per key.
     """
     cache_keys = cache.shape[2] * cache.shape[3]
-    return num_reqs * kv_len <= cache_keys * MIRROR_CACHE_SHARE
+    ratio = torch.empty((), dtype=dtype).element_size() / cache.element_size()
+    return num_reqs * kv_len * ratio <= cache_keys * MIRROR_CACHE_SHARE

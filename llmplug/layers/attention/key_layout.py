@@ -36,6 +36,7 @@ class DecodeKeys:
     seq_lens: torch.Tensor  # [B]
     all_seen: bool  # every gathered key is one the query sees (no key mask)
     chunk_starts: torch.Tensor | None = None  # [B, 1] first key of each query's chunk (chunked attention)
+    window: int | None = None  # a sliding window applied by the mask (the full layout of batch-invariant mode)
     _masks: dict[tuple[int, int, torch.dtype], torch.Tensor] = field(default_factory=dict)
     _append_index: torch.Tensor | None = None
 
@@ -54,9 +55,14 @@ class DecodeKeys:
         return self._append_index
 
     def seen(self) -> torch.Tensor:
-        """[B, kv_len] bool: the gathered keys the query sees (the rest is padding or another chunk)."""
+        """[B, kv_len] bool: the gathered keys the query sees (the rest is padding, another chunk or outside the
+        window)."""
         seen = (self.positions >= 0) & (self.positions < self.seq_lens[:, None])
-        return seen if self.chunk_starts is None else seen & (self.positions >= self.chunk_starts)
+        if self.window is not None:
+            seen &= self.positions >= self.seq_lens[:, None] - self.window
+        if self.chunk_starts is not None:
+            seen &= self.positions >= self.chunk_starts
+        return seen
 
     def score_mask(self, num_kv_heads: int, group: int, dtype: torch.dtype) -> torch.Tensor:
         """Additive key mask [Hkv * B, G, kv_len] in `dtype`, laid out like the scores (built once per step)."""
@@ -96,30 +102,39 @@ def _reach(window: int | None, chunk: int | None) -> int | None:
 
 
 def decode_keys(
-    tables: torch.Tensor, seq_lens: list[int], block_size: int, window: int | None, chunk: int | None = None
+    tables: torch.Tensor,
+    seq_lens: list[int],
+    block_size: int,
+    window: int | None,
+    chunk: int | None = None,
+    ring: bool = True,
 ) -> DecodeKeys:
     """The decode layout of requests with `seq_lens` keys (tables [B, blocks] cover the longest).
 
-    A ring of `window` (or `chunk`) slots when some request is longer; else every block.
+    A ring of `window` (or `chunk`) slots when some request is longer (unless `ring` is False: then every
+    block from position 0, the window and chunk applied by the mask); else every block.
     """
     device = tables.device
     lens = torch.tensor(seq_lens, device=device)
-    window = _reach(window, chunk)
-    if window is None or max(seq_lens) <= window:  # the window, if any, reaches back to position 0
+    reach = _reach(window, chunk)
+    if reach is not None and max(seq_lens) <= reach:  # the window and chunk, if any, reach back to position 0
+        window = chunk = reach = None
+    starts = None if chunk is None else [(s - 1) // chunk * chunk for s in seq_lens]  # the newest query's chunk
+    chunk_starts = None if starts is None else torch.tensor(starts, device=device)[:, None]
+    if reach is None or not ring:
         kv_len = tables.shape[1] * block_size
         positions = torch.arange(kv_len, device=device)[None, :]  # [1, kv_len]
-        return DecodeKeys(tables.reshape(-1), kv_len, None, positions, lens, all(n == kv_len for n in seq_lens))
+        all_seen = reach is None and all(n == kv_len for n in seq_lens)
+        return DecodeKeys(tables.reshape(-1), kv_len, None, positions, lens, all_seen, chunk_starts, window)
     newest = lens[:, None] - 1  # [B, 1]
-    # slot r holds the latest position p <= newest with p % window == r (negative: not written yet)
-    positions = newest - (newest - torch.arange(window, device=device)[None, :]) % window  # [B, W]
+    # slot r holds the latest position p <= newest with p % reach == r (negative: not written yet)
+    positions = newest - (newest - torch.arange(reach, device=device)[None, :]) % reach  # [B, W]
     stored = positions.clamp(min=0)
     slots = tables.gather(1, stored // block_size) * block_size + stored % block_size  # [B, W]
     if chunk is None:
-        return DecodeKeys(slots.reshape(-1), window, window, positions, lens, min(seq_lens) >= window)
-    starts = [(s - 1) // chunk * chunk for s in seq_lens]  # the newest query's chunk
-    all_seen = all(s - window >= start for s, start in zip(seq_lens, starts))
-    chunk_starts = torch.tensor(starts, device=device)[:, None]
-    return DecodeKeys(slots.reshape(-1), window, window, positions, lens, all_seen, chunk_starts)
+        return DecodeKeys(slots.reshape(-1), reach, reach, positions, lens, min(seq_lens) >= reach)
+    all_seen = all(s - reach >= start for s, start in zip(seq_lens, starts))
+    return DecodeKeys(slots.reshape(-1), reach, reach, positions, lens, all_seen, chunk_starts)
 
 
 @dataclass(slots=True)
@@ -153,22 +168,28 @@ def prefill_keys(
     window: int | None,
     device: torch.device,
     chunk: int | None = None,
+    tile: int | None = None,
 ) -> PrefillKeys:
     """The prefill layout of requests computing their last q_lens of seq_lens tokens.
 
     tables [B, >= blocks of the longest] gathers the keys from the cache; None: the keys are the step's
     own (nothing cached), padded like the queries. A window (or chunk) skips the blocks no query reaches.
+    `tile` (batch-invariant mode, a multiple of block_size): the keys start at a multiple of `tile` and
+    are whole tiles.
     """
     reach = _reach(window, chunk)
     contexts = [s - q for q, s in zip(q_lens, seq_lens)]
     first_keys = [0] * len(q_lens)  # position of each request's first gathered key
     block_index = None
+    align = tile or block_size
     if tables is None:
-        kv_len = max(q_lens)
+        kv_len = max(q_lens) if tile is None else -(-max(q_lens) // tile) * tile
     else:
         if reach is not None:  # the earliest key a query may see: context - reach + 1
-            first_keys = [max(0, c - reach + 1) // block_size * block_size for c in contexts]
+            first_keys = [max(0, c - reach + 1) // align * align for c in contexts]
         num_blocks = max(-(-s // block_size) - f // block_size for s, f in zip(seq_lens, first_keys))
+        if tile is not None:
+            num_blocks = -(-num_blocks * block_size // tile) * tile // block_size
         kv_len = num_blocks * block_size
         first_block = torch.tensor([f // block_size for f in first_keys], device=device)
         columns = (first_block[:, None] + torch.arange(num_blocks, device=device)).clamp(max=tables.shape[1] - 1)

@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from llmplug.layers.attention.backend import ATTENTION_FEATURES, AttentionBackend
 from llmplug.layers.attention.decode_mirror import DecodeMirror, DecodeRows, mirror_fits
 from llmplug.layers.attention.features import softcap_, softmax_with_sinks
+from llmplug.layers.attention.fixed_order import key_tile, round_up, scores_fp32, softmax_weighted_sum
 from llmplug.layers.attention.key_layout import DecodeKeys, PrefillKeys, additive, decode_keys, prefill_keys
 from llmplug.layers.forward_context import CommonAttentionMetadata
 
@@ -95,14 +96,18 @@ class DecodePart:
     tables: torch.Tensor  # [B, blocks_per_req] the blocks covering the longest request
     seq_lens: list[int]
     rows: DecodeRows  # what a layer's decode mirror records of this step
+    tile: int | None = None  # batch-invariant mode: keys per tile of the fixed-order path; None: the default paths
     _keys: dict[tuple[int | None, int | None], DecodeKeys] = field(default_factory=dict)
     _buffers: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = field(default_factory=dict)
 
     def keys(self, window: int | None, chunk: int | None = None) -> DecodeKeys:
-        """The layout of the keys a layer with this sliding window and chunk attends (built once per step)."""
+        """The layout of the keys a layer with this sliding window and chunk attends (built once per step;
+        batch-invariant mode: no ring, every key from position 0)."""
         window, chunk = _limits(self.seq_lens, window, chunk)
         if (window, chunk) not in self._keys:
-            self._keys[window, chunk] = decode_keys(self.tables, self.seq_lens, self.rows.block_size, window, chunk)
+            self._keys[window, chunk] = decode_keys(
+                self.tables, self.seq_lens, self.rows.block_size, window, chunk, ring=self.tile is None
+            )
         return self._keys[window, chunk]
 
     def gather_buffer(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -127,6 +132,7 @@ class PrefillPart:
     block_size: int
     tables: torch.Tensor | None  # [B, blocks_per_req] covering the longest request; None: nothing cached
     device: torch.device
+    tile: int | None = None  # batch-invariant mode: keys per tile (keys always from the cache); None: default paths
     q_pad_index: torch.Tensor | None = None  # [B * max_query_len] part-local token of each padded query row
     out_index: torch.Tensor | None = None  # [num_part_tokens] padded row of each part-local token
     _keys: dict[tuple[int | None, int | None], PrefillKeys] = field(default_factory=dict)
@@ -137,7 +143,7 @@ class PrefillPart:
         window, chunk = _limits(self.seq_lens, window, chunk)
         if (window, chunk) not in self._keys:
             self._keys[window, chunk] = prefill_keys(
-                self.tables, self.q_lens, self.seq_lens, self.block_size, window, self.device, chunk
+                self.tables, self.q_lens, self.seq_lens, self.block_size, window, self.device, chunk, self.tile
             )
         return self._keys[window, chunk]
 
@@ -178,8 +184,11 @@ def _select_tokens(reqs: list[int], starts: list[int], device: torch.device) -> 
     return TokenSelection(0, num, index)
 
 
-def _request_blocks(common: CommonAttentionMetadata, reqs: list[int], max_seq_len: int) -> torch.Tensor:
-    """Block tables [len(reqs), blocks_per_req] covering max_seq_len keys of each request."""
+def _request_blocks(
+    common: CommonAttentionMetadata, reqs: list[int], max_seq_len: int, tile: int | None = None
+) -> torch.Tensor:
+    """Block tables [len(reqs), blocks_per_req] covering max_seq_len keys of each request (with `tile`: whole
+    tiles of keys, the columns past the table's own pointing at block 0, which the masks hide)."""
     num_blocks = -(-max_seq_len // common.block_size)
     if common.block_tables.shape[1] < num_blocks:
         raise ValueError(
@@ -189,31 +198,44 @@ def _request_blocks(common: CommonAttentionMetadata, reqs: list[int], max_seq_le
     tables = common.block_tables
     if len(reqs) != common.num_reqs:
         tables = tables.index_select(0, torch.tensor(reqs, device=tables.device))
+    if tile is not None:
+        num_blocks = round_up(num_blocks * common.block_size, tile) // common.block_size
+        tables = F.pad(tables, (0, max(0, num_blocks - tables.shape[1])))
     return tables[:, :num_blocks]
 
 
 def _build_decode(
-    common: CommonAttentionMetadata, reqs: list[int], starts: list[int], seq_lens: list[int]
+    common: CommonAttentionMetadata, reqs: list[int], starts: list[int], seq_lens: list[int], tile: int | None
 ) -> DecodePart:
     """The decode requests' tokens and blocks; their key layouts are built when a layer first asks."""
     lens = [seq_lens[r] for r in reqs]
-    tables = _request_blocks(common, reqs, max(lens))
+    tables = _request_blocks(common, reqs, max(lens), tile)
     rows = DecodeRows(tables, tuple(lens), common.block_size)
     tokens = _select_tokens(reqs, starts, common.slot_mapping.device)
-    return DecodePart(tokens, len(reqs), tables, lens, rows)
+    return DecodePart(tokens, len(reqs), tables, lens, rows, tile)
 
 
 def _build_prefill(
-    common: CommonAttentionMetadata, reqs: list[int], starts: list[int], q_lens: list[int], seq_lens: list[int]
+    common: CommonAttentionMetadata,
+    reqs: list[int],
+    starts: list[int],
+    q_lens: list[int],
+    seq_lens: list[int],
+    tile: int | None,
 ) -> PrefillPart:
-    """The prefill requests' tokens, blocks and padding indexes; key layouts come when a layer asks."""
+    """The prefill requests' tokens, blocks and padding indexes; key layouts come when a layer asks.
+
+    Batch-invariant mode (`tile`) reads every request's keys from the cache, in the same layout whether
+    they were computed in this step or an earlier one."""
     device = common.slot_mapping.device
     part_q, part_seq = [q_lens[r] for r in reqs], [seq_lens[r] for r in reqs]
     has_context = any(s > q for q, s in zip(part_q, part_seq))
-    tables = _request_blocks(common, reqs, max(part_seq)) if has_context else None
+    from_cache = has_context or tile is not None
+    tables = _request_blocks(common, reqs, max(part_seq), tile) if from_cache else None
+    causal_single = len(reqs) == 1 and not from_cache
     part = PrefillPart(
         _select_tokens(reqs, starts, device), len(reqs), max(part_q), has_context,
-        len(reqs) == 1 and not has_context, part_q, part_seq, common.block_size, tables, device,
+        causal_single, part_q, part_seq, common.block_size, tables, device, tile=tile,
     )
     if not part.causal_single:  # one request needs no padding: its rows are the padded rows
         part.q_pad_index, part.out_index = _padding_indexes(torch.tensor(part_q, device=device), part.max_query_len)
@@ -275,23 +297,33 @@ def _decode_kv(
     From the layer's mirror when it holds the previous step of the same requests in the same layout
     (append the new k, v [B, Hkv * D]); else gathered from the cache (already holding this step's
     k, v) into the mirror, or into a scratch buffer when a mirror would take too much memory.
+    In batch-invariant mode the keys and values come in float32 (the mirror holds them so, converted once).
     """
     shape = (cache.shape[0], layer.num_kv_heads, part.num_reqs, keys.kv_len, layer.head_dim)
-    if not mirror_fits(part.num_reqs, keys.kv_len, cache):
+    dtype = cache.dtype if part.tile is None else torch.float32
+    if not mirror_fits(part.num_reqs, keys.kv_len, cache, dtype):
         layer.backend_state = None
         gathered = part.gather_buffer(shape, cache.dtype, cache.device)
         keys.gather(cache, gathered)
-        batched = gathered.view(shape[0], shape[1] * shape[2], shape[3], shape[4])
+        batched = gathered.view(shape[0], shape[1] * shape[2], shape[3], shape[4]).to(dtype)
         return batched[0].transpose(1, 2), batched[-1]
     mirror = layer.backend_state
-    same_layout = isinstance(mirror, DecodeMirror) and mirror.kv.shape == shape and mirror.ring == keys.ring
+    same_layout = (
+        isinstance(mirror, DecodeMirror) and mirror.kv.shape == shape and mirror.kv.dtype == dtype
+        and mirror.ring == keys.ring
+    )
     if same_layout and part.rows.extends(mirror.rows):
-        _scatter_kv(mirror.key_rows, k, v, keys.append_index)
+        _scatter_kv(mirror.key_rows, k.to(dtype), v.to(dtype), keys.append_index)
     else:
         if not same_layout:  # else regather in place
-            mirror = DecodeMirror(torch.empty(shape, dtype=cache.dtype, device=cache.device), part.rows, keys.ring)
+            mirror = DecodeMirror(torch.empty(shape, dtype=dtype, device=cache.device), part.rows, keys.ring)
             layer.backend_state = mirror
-        keys.gather(cache, mirror.kv)
+        if dtype == cache.dtype:
+            keys.gather(cache, mirror.kv)
+        else:  # index_select cannot convert: gather in the cache's dtype, then convert
+            gathered = part.gather_buffer(shape, cache.dtype, cache.device)
+            keys.gather(cache, gathered)
+            mirror.kv.copy_(gathered)
     mirror.rows = part.rows
     return mirror.keys_t, mirror.values
 
@@ -310,30 +342,48 @@ def _decode(
     keys_t, values = _decode_kv(layer, k, v, part, keys, cache)  # [Hkv * B, D, kv_len], [Hkv * B, kv_len, D]
     values = values[..., : layer.v_head_dim]  # values inside keys: their leading dims
     qh = q.view(b, hkv, g, d).transpose(0, 1).reshape(hkv * b, g, d)  # [Hkv * B, G, D]
-    if _plain(layer):
+    if part.tile is not None:
+        out = _decode_fixed_order(layer, qh, keys_t, values, keys, part.tile).to(q.dtype)  # [Hkv * B, G, Dv]
+    elif _plain(layer):
         scores = torch.baddbmm(keys.score_mask(hkv, g, q.dtype), qh, keys_t, alpha=layer.scale)  # [Hkv * B, G, kv_len]
-        probs = torch.softmax(scores, dim=-1)
+        out = torch.bmm(torch.softmax(scores, dim=-1), values)
     else:
-        probs = _decode_probs(layer, qh, keys_t, keys)
-    out = torch.bmm(probs, values)  # [Hkv * B, G, Dv]
+        out = torch.bmm(_decode_probs(layer, qh, keys_t, keys), values)
     dv = layer.v_head_dim
     return out.view(hkv, b, g, dv).transpose(0, 1).reshape(b, layer.num_heads * dv)  # heads in order kv * G + g
 
 
-def _decode_probs(layer: "Attention", qh: torch.Tensor, keys_t: torch.Tensor, keys: DecodeKeys) -> torch.Tensor:
-    """Attention weights [Hkv * B, G, kv_len] of a layer with ALiBi, soft-capping or sinks."""
+def _decode_scores(layer: "Attention", scores: torch.Tensor, keys: DecodeKeys) -> torch.Tensor | None:
+    """Scale, cap, mask and bias raw decode scores [Hkv * B, G, kv_len] in place; -> the sinks [Hkv * B, G, 1]
+    (float32) of a layer with sinks, else None."""
     hkv, g, b = layer.num_kv_heads, layer.num_queries_per_kv, keys.num_reqs
-    scores = torch.bmm(qh, keys_t).mul_(layer.scale)  # [Hkv * B, G, kv_len]
+    scores.mul_(layer.scale)
     if layer.logit_softcap is not None:
         softcap_(scores, layer.logit_softcap)
     if not keys.all_seen:
         scores += keys.score_mask(hkv, g, scores.dtype)
     if layer.alibi_slopes is not None:
         scores += keys.alibi_bias(layer.alibi_slopes, hkv, g)
-    sinks = None
-    if layer.sinks is not None:  # head kv * G + g -> [Hkv * B, G, 1]
-        sinks = layer.sinks.view(hkv, 1, g, 1).expand(hkv, b, g, 1).reshape(hkv * b, g, 1)
+    if layer.sinks is None:
+        return None
+    return layer.sinks.view(hkv, 1, g, 1).expand(hkv, b, g, 1).reshape(hkv * b, g, 1)  # head kv * G + g
+
+
+def _decode_probs(layer: "Attention", qh: torch.Tensor, keys_t: torch.Tensor, keys: DecodeKeys) -> torch.Tensor:
+    """Attention weights [Hkv * B, G, kv_len] of a layer with ALiBi, soft-capping or sinks."""
+    scores = torch.bmm(qh, keys_t)  # [Hkv * B, G, kv_len]
+    sinks = _decode_scores(layer, scores, keys)
     return softmax_with_sinks(scores, sinks)
+
+
+def _decode_fixed_order(
+    layer: "Attention", qh: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor, keys: DecodeKeys, tile: int
+) -> torch.Tensor:
+    """Batch-invariant decode (fixed_order.py): qh [Hkv * B, G, D] over keys_t [Hkv * B, D, kv_len] and values
+    [Hkv * B, kv_len, Dv] (float32) -> [Hkv * B, G, Dv] float32."""
+    scores = scores_fp32(qh, keys_t)  # [Hkv * B, G, kv_len]
+    sinks = _decode_scores(layer, scores, keys)
+    return softmax_weighted_sum(scores, values, tile, sinks)
 
 
 def _rows(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
@@ -382,7 +432,9 @@ def _prefill_padded(
     # with nothing cached the keys are this step's own: pad them like the queries, skip the cache
     kh, vh = _own_kv(layer, k, v, part) if keys.block_index is None else _cached_kv(layer, part, keys, cache)
     qh = _rows(q, part.q_pad_index).view(b, qm, layer.num_heads, d).transpose(1, 2)  # [B, H, Qm, D]
-    if layer.logit_softcap is None and layer.sinks is None:
+    if part.tile is not None:
+        out = _explicit_attention(layer, qh, kh, vh, keys, part.tile)
+    elif layer.logit_softcap is None and layer.sinks is None:
         mask = keys.attn_mask(q.dtype)  # [B, 1, Qm, kv_len]
         if layer.alibi_slopes is not None:
             mask = mask + _alibi(layer, keys).to(q.dtype)  # [B, H, Qm, kv_len]
@@ -404,30 +456,43 @@ EXPLICIT_SCORES_PER_CHUNK = 1 << 26
 
 
 def _explicit_attention(
-    layer: "Attention", qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, keys: PrefillKeys
+    layer: "Attention", qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, keys: PrefillKeys, tile: int | None = None
 ) -> torch.Tensor:
     """Scores, cap, mask (+ ALiBi), softmax (with sinks), weighted sum -> [B, H, Qm, D], in query chunks.
 
     qh [B, H, Qm, D]; kh [B, Hkv, kv_len, D], vh [B, Hkv, kv_len, Dv]. The G query heads of a KV head
-    attend as one [G * rows, kv_len] matrix, so keys are not repeated per query head.
+    attend as one [G * rows, kv_len] matrix, so keys are not repeated per query head. With `tile`
+    (batch-invariant mode) the scores and the sum are float32 and reduce in fixed order (fixed_order.py).
     """
     b, h, qm, d = qh.shape
-    hkv, g, dv = layer.num_kv_heads, layer.num_queries_per_kv, vh.shape[-1]
+    hkv, g, dv, kv_len = layer.num_kv_heads, layer.num_queries_per_kv, vh.shape[-1], keys.kv_len
     sinks = None if layer.sinks is None else layer.sinks.view(1, h, 1, 1)
+    if tile is not None:  # [B * Hkv, kv_len, D (Dv)] float32, contiguous
+        kh = kh.to(torch.float32).reshape(b * hkv, kv_len, d)
+        vh = vh.to(torch.float32).reshape(b * hkv, kv_len, dv)
     out = qh.new_empty(b, h, qm, dv)
-    chunk = max(1, EXPLICIT_SCORES_PER_CHUNK // (b * h * keys.kv_len))
+    chunk = max(1, EXPLICIT_SCORES_PER_CHUNK // (b * h * kv_len))
     for start in range(0, qm, chunk):
         rows = slice(start, min(start + chunk, qm))
         n = rows.stop - rows.start
         qg = qh[:, :, rows].reshape(b, hkv, g * n, d)  # heads kv * G + g -> [B, Hkv, G * n, D]
-        scores = torch.matmul(qg, kh.transpose(2, 3)).view(b, h, n, keys.kv_len).mul_(layer.scale)
+        if tile is None:
+            scores = torch.matmul(qg, kh.transpose(2, 3)).view(b, h, n, kv_len)
+        else:
+            scores = scores_fp32(qg.reshape(b * hkv, g * n, d), kh.transpose(1, 2)).reshape(b, h, n, kv_len)
+        scores.mul_(layer.scale)
         if layer.logit_softcap is not None:
             softcap_(scores, layer.logit_softcap)
         scores += keys.attn_mask(scores.dtype)[:, :, rows]
         if layer.alibi_slopes is not None:
             scores += _alibi(layer, keys, rows)
-        probs = softmax_with_sinks(scores, sinks).view(b, hkv, g * n, keys.kv_len)
-        out[:, :, rows] = torch.matmul(probs, vh).view(b, h, n, dv)
+        if tile is None:
+            probs = softmax_with_sinks(scores, sinks).view(b, hkv, g * n, kv_len)
+            out[:, :, rows] = torch.matmul(probs, vh).view(b, h, n, dv)
+            continue
+        row_sinks = None if sinks is None else sinks.expand(b, h, n, 1).reshape(b * hkv, g * n, 1)
+        weighted = softmax_weighted_sum(scores.view(b * hkv, g * n, kv_len), vh, tile, row_sinks)
+        out[:, :, rows] = weighted.view(b, h, n, dv)
     return out
 
 
@@ -436,7 +501,7 @@ def _prefill(
 ) -> torch.Tensor:
     """Attention of the prefill part's tokens."""
     reach = min(layer.sliding_window or part.max_query_len, layer.attention_chunk or part.max_query_len)
-    if part.causal_single and _plain(layer) and part.max_query_len <= reach:
+    if part.causal_single and _plain(layer) and part.max_query_len <= reach:  # never in batch-invariant mode
         return _causal_single(layer, q, k, v)
     return _prefill_padded(layer, q, k, v, part, cache)
 
@@ -468,6 +533,7 @@ class TorchSDPABackend(AttentionBackend):
 
     name = "torch_sdpa"
     supported_features = ATTENTION_FEATURES
+    supports_batch_invariant = True
 
     @classmethod
     def kv_cache_shape(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -490,8 +556,9 @@ class TorchSDPABackend(AttentionBackend):
         is_decode = [q == 1 and s > 1 for q, s in zip(q_lens, seq_lens)]
         decode_reqs = [r for r, flag in enumerate(is_decode) if flag]
         prefill_reqs = [r for r, flag in enumerate(is_decode) if not flag]
-        decode = _build_decode(common, decode_reqs, starts, seq_lens) if decode_reqs else None
-        prefill = _build_prefill(common, prefill_reqs, starts, q_lens, seq_lens) if prefill_reqs else None
+        tile = key_tile(common.block_size) if common.batch_invariant else None
+        decode = _build_decode(common, decode_reqs, starts, seq_lens, tile) if decode_reqs else None
+        prefill = _build_prefill(common, prefill_reqs, starts, q_lens, seq_lens, tile) if prefill_reqs else None
         return TorchSDPAMetadata(common.slot_mapping, common.num_tokens, decode, prefill)
 
     @classmethod

@@ -121,7 +121,7 @@ class FusedExperts(nn.Module):
         """Pack every local expert's weights for oneDNN where that is supported and wanted (options.prepack)."""
         weight = self.gate_up_proj
         self.packed = None
-        if options.prepack and prepack_supported(weight.device.type, weight.dtype):
+        if options.packs(weight.dtype) and prepack_supported(weight.device.type, weight.dtype):
             self.packed = [
                 (PrepackedLinearMethod(self.gate_up_proj[e]), PrepackedLinearMethod(self.down_proj[e]))
                 for e in range(self.num_local_experts)

@@ -1,0 +1,61 @@
+"""What batch-invariant mode (model.batch_invariant) costs: llmplug with the mode on and off, one run.
+
+    python benchmarks/batch_invariance.py                      # default model, 32 x 64 and 1 x 64, 3 rounds
+    python benchmarks/batch_invariance.py --output-len 128 --rounds 5
+
+Greedy, dense bf16 (the defaults), prefix caching off. Each round measures off, then on, for the batch
+and for one stream, so slow phases of a shared machine hit both; rows are medians over the rounds, in
+output tokens per CPU second of the process (time.process_time, steadier than wall time when other jobs
+share the machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+from llmplug.platforms.cpu_threads import configure_cpu_threads
+
+configure_cpu_threads()  # before torch is imported
+
+from throughput import bench_llmplug, make_prompts  # noqa: E402 - benchmarks/ is on sys.path when a script runs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="model directory; default: the embedded default model")
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+
+    import os
+
+    from transformers import AutoTokenizer
+
+    from llmplug.core.config import DEFAULT_MODEL
+    from llmplug.loaders.default_model import resolve_model_path
+
+    model = resolve_model_path(args.model or DEFAULT_MODEL)
+    tokenizer = (AutoTokenizer.from_pretrained(os.path.dirname(model), gguf_file=os.path.basename(model))
+                 if model.endswith(".gguf") else AutoTokenizer.from_pretrained(model))
+    prompts = make_prompts(tokenizer, args.num_prompts)
+    rows: dict[str, list[float]] = {}
+    for _ in range(args.rounds):
+        for batch in (prompts, prompts[:1]):
+            for invariant in (False, True):
+                speed = bench_llmplug(model, batch, args.output_len, "bfloat16", clock=time.process_time,
+                                      enable_prefix_caching=False, batch_invariant=invariant)
+                rows.setdefault(f"{len(batch)} x {args.output_len}, invariant={invariant}", []).append(speed)
+    result = {name: round(statistics.median(values), 3) for name, values in rows.items()}
+    for batch in (len(prompts), 1):
+        off = result[f"{batch} x {args.output_len}, invariant=False"]
+        on = result[f"{batch} x {args.output_len}, invariant=True"]
+        result[f"{batch} x {args.output_len}, on / off"] = round(on / off, 3)
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

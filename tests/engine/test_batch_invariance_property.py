@@ -1,0 +1,143 @@
+"""Batch-invariant mode (model.batch_invariant), property-tested on tiny models of one architecture per family:
+whatever the batch it runs in, the prefill chunk budget (max_num_batched_tokens 8..4096), prefix-cache hits
+and preemptions, every request gets bitwise the tokens and log-probabilities it gets alone. The twin test
+shows the property fails without the mode, so the property test is not vacuous."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from llmplug import LLM, SamplingParams
+from llmplug.testing import ParityCase, ParityRunner
+from llmplug.testing.parity import BASE_ENGINE_KWARGS
+from tests.models.cases import CASES
+
+# one architecture per family: dense GQA; sliding window + soft-capping; ALiBi; MoE with sinks and a window;
+# state-space; hybrid attention + state-space
+FAMILIES = [
+    "LlamaForCausalLM",
+    "Gemma2ForCausalLM",
+    "BloomForCausalLM",
+    "GptOssForCausalLM",
+    "Mamba2ForCausalLM",
+    "BambaForCausalLM",
+]
+CASE = {case.name: case for case in CASES}
+SHARED_PREFIX = 12  # tokens every other prompt starts with: prefix-cache hits (block size 4)
+MAX_TOKENS = 6
+Result = tuple[list[int], list[float]]
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory) -> ParityRunner:
+    return ParityRunner(tmp_path_factory.mktemp("invariance"))
+
+
+def prompts_of(runner: ParityRunner, case: ParityCase) -> list[list[int]]:
+    """The case's prompts, every other one behind a shared prefix, so that prefix caching has hits."""
+    prompts = runner.reference(case).prompts
+    prefix = prompts[0][:SHARED_PREFIX]
+    return [prefix + p if i % 2 else p for i, p in enumerate(prompts)]
+
+
+def params_of(index: int) -> SamplingParams:
+    """Greedy and seeded sampled requests, alternately; log-probabilities of the chosen tokens."""
+    if index % 2:
+        return SamplingParams(temperature=0.8, seed=100 + index, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+
+
+def generate(runner: ParityRunner, case: ParityCase, prompts: dict[int, list[int]], **engine) -> dict[int, Result]:
+    """Each listed prompt's tokens and their log-probabilities, all in one `generate` of an engine with `engine`."""
+    kwargs = {**BASE_ENGINE_KWARGS, **case.engine_kwargs, "batch_invariant": True, **engine}
+    llm = LLM(str(runner.checkpoint(case).path), **kwargs)
+    try:
+        order = list(prompts)
+        requests = [{"prompt_token_ids": prompts[i]} for i in order]
+        outputs = llm.generate(requests, [params_of(i) for i in order], use_tqdm=False)
+    finally:
+        llm.shutdown()
+    results = {}
+    for i, out in zip(order, outputs):
+        completion = out.outputs[0]
+        logprobs = [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)]
+        results[i] = (list(completion.token_ids), logprobs)
+    return results
+
+
+def alone(runner: ParityRunner, case: ParityCase, dtype: str, invariant: bool = True) -> dict[int, Result]:
+    """Every prompt alone (one engine, one request at a time, no chunking, no prefix caching)."""
+    prompts = prompts_of(runner, case)
+    kwargs = {**BASE_ENGINE_KWARGS, **case.engine_kwargs, "dtype": dtype, "batch_invariant": invariant,
+              "enable_prefix_caching": False, "max_num_batched_tokens": 4096}
+    llm = LLM(str(runner.checkpoint(case).path), **kwargs)
+    try:
+        results = {}
+        for i, prompt in enumerate(prompts):
+            completion = llm.generate([{"prompt_token_ids": prompt}], params_of(i), use_tqdm=False)[0].outputs[0]
+            logprobs = [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)]
+            results[i] = (list(completion.token_ids), logprobs)
+    finally:
+        llm.shutdown()
+    return results
+
+
+scenarios = st.fixed_dictionaries(
+    {
+        "order": st.permutations(range(6)).flatmap(lambda p: st.integers(2, 6).map(lambda n: list(p[:n]))),
+        "budget": st.sampled_from([8, 13, 64, 4096]) | st.integers(8, 4096),
+        "prefix_caching": st.booleans(),
+        "tight_cache": st.booleans(),  # few KV blocks: requests are preempted and recomputed
+    }
+)
+
+
+@pytest.mark.parametrize(
+    ("family", "dtype"), [(f, "bfloat16") for f in FAMILIES] + [("LlamaForCausalLM", "float32")]
+)
+def test_logits_and_tokens_do_not_depend_on_batch_chunks_prefix_hits_or_preemption(runner, family, dtype) -> None:
+    case = CASE[family]
+    prompts = prompts_of(runner, case)
+    expected = alone(runner, case, dtype)
+
+    @settings(max_examples=2, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(scenario=scenarios)
+    def check(scenario: dict) -> None:
+        engine = {"dtype": dtype, "max_num_batched_tokens": scenario["budget"],
+                  "enable_prefix_caching": scenario["prefix_caching"]}
+        if scenario["tight_cache"]:
+            engine["num_gpu_blocks_override"] = 24
+        got = generate(runner, case, {i: prompts[i] for i in scenario["order"]}, **engine)
+        for i, result in got.items():
+            assert result == expected[i], f"prompt {i} changed in {scenario}"
+
+    check()
+
+
+def test_without_the_mode_a_request_changes_with_its_batch(runner) -> None:
+    """The non-invariant twin: the default attention paths (padded SDPA, per-batch decode lengths) and MKL's
+    float32 matmul give the same prompts other log-probabilities in a batch, chunked, than alone."""
+    case = CASE["LlamaForCausalLM"]
+    prompts = prompts_of(runner, case)
+    expected = alone(runner, case, "float32", invariant=False)
+    got = generate(runner, case, dict(enumerate(prompts)), batch_invariant=False, max_num_batched_tokens=16)
+    assert any(got[i] != expected[i] for i in got), "the default paths were batch invariant: the twin test is stale"
+
+
+def test_the_mode_refuses_int4_and_the_next_engine_starts(runner) -> None:
+    """quantization=int4 picks its kernel per call by token count: with the mode it is an error naming both fields;
+    an engine with a valid config starts and answers afterwards."""
+    from llmplug.core.errors import ConfigError
+
+    case = CASE["LlamaForCausalLM"]
+    path = str(runner.checkpoint(case).path)
+    with pytest.raises(ConfigError, match="batch_invariant.*quantization='int4'"):
+        LLM(path, **BASE_ENGINE_KWARGS, batch_invariant=True, quantization="int4")
+    llm = LLM(path, **BASE_ENGINE_KWARGS, batch_invariant=True)
+    try:
+        out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=2), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 2
+    finally:
+        llm.shutdown()
