@@ -54,14 +54,23 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
 
 
 class PrepackedLinearMethod:
-    """x W^T + b with W packed once into oneDNN's layout."""
+    """x W^T + b with W packed once into oneDNN's layout.
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    row_invariant (batch-invariant mode): a lone row is computed as two. oneDNN gives a row the same result
+    for any number of rows >= 2, but for one row and a long reduction (float32, 576 x 1536) it takes a
+    matrix-vector kernel that sums in another order.
+    """
+
+    def __init__(self, weight: torch.Tensor, row_invariant: bool = False) -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+        self.row_invariant = row_invariant
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if torch.compiler.is_compiling():  # the packed tensor is opaque to the compiler, the dense weight is not
             return F.linear(x, layer.weight, bias)
+        if self.row_invariant and x.numel() == x.shape[-1]:  # one row
+            two = x.reshape(1, -1).repeat(2, 1)
+            return _packed_linear(two, self.packed, bias)[:1].view(*x.shape[:-1], -1)
         return _packed_linear(x, self.packed, bias)
 
     def __repr__(self) -> str:

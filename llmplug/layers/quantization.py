@@ -347,7 +347,7 @@ def linear_method_for(weight: torch.Tensor, options: LinearOptions) -> LinearMet
 
 def _dense_method_for(weight: torch.Tensor, options: LinearOptions) -> LinearMethod:
     if options.packs(weight.dtype) and weight.dim() == 2 and prepack_supported(weight.device.type, weight.dtype):
-        return PrepackedLinearMethod(weight)
+        return PrepackedLinearMethod(weight, options.row_invariant)
     return DENSE
 
 

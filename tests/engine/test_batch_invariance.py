@@ -1,7 +1,7 @@
 """An answer never depends on what else is in the batch, in batch-invariant mode (model.batch_invariant), on the
 default model in bf16 with chunked prefill and prefix caching on: a seeded sampled request alone and inside
-batches of 1, 7 and 32; 32 chat prompts each alone and all together, greedy and seeded -- not yet (see
-NOT_YET). And the compiled forward gives the eager engine's greedy tokens (not yet: see the xfail)."""
+batches of 1, 7 and 32; 32 chat prompts each alone and all together, greedy and seeded. And the compiled
+forward gives the eager engine's greedy tokens (not yet: see the xfail)."""
 
 from __future__ import annotations
 
@@ -21,17 +21,6 @@ CHAT_TOPICS = [
 ]
 
 
-NOT_YET = pytest.mark.xfail(
-    strict=False,
-    reason=(
-        "the default model (30 layers) is not yet invariant in decode: with 1 thread, greedy, bf16 or float32, "
-        "its final hidden states are identical alone and in a batch of 7 through the first decode step and differ "
-        "from the second (cause not found; not the decode mirror). The tiny-model property test passes "
-        "(test_batch_invariance_property.py). See docs/determinism.md, Status"
-    ),
-)
-
-
 @pytest.fixture(scope="module")
 def invariant_llm():
     """The default model in batch-invariant mode, every other setting at its default."""
@@ -49,7 +38,6 @@ def probe_tokens(llm: LLM, batch_size: int) -> list[int]:
 
 
 @pytest.mark.slow
-@NOT_YET
 def test_seeded_request_gives_the_same_tokens_alone_and_in_batches_of_1_7_32(invariant_llm) -> None:
     alone = probe_tokens(invariant_llm, 1)
     assert len(alone) == PROBE_PARAMS.max_tokens
@@ -58,7 +46,6 @@ def test_seeded_request_gives_the_same_tokens_alone_and_in_batches_of_1_7_32(inv
 
 
 @pytest.mark.slow
-@NOT_YET
 @pytest.mark.parametrize(
     "params",
     [

@@ -123,7 +123,10 @@ class FusedExperts(nn.Module):
         self.packed = None
         if options.packs(weight.dtype) and prepack_supported(weight.device.type, weight.dtype):
             self.packed = [
-                (PrepackedLinearMethod(self.gate_up_proj[e]), PrepackedLinearMethod(self.down_proj[e]))
+                (
+                    PrepackedLinearMethod(self.gate_up_proj[e], options.row_invariant),
+                    PrepackedLinearMethod(self.down_proj[e], options.row_invariant),
+                )
                 for e in range(self.num_local_experts)
             ]
 

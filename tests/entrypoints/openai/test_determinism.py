@@ -27,10 +27,6 @@ def invariant_server() -> Iterator[RunningServer]:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=False,
-    reason="not run to completion yet; the default model is not yet invariant in decode (tests/engine/test_batch_invariance.py)",
-)
 def test_the_same_request_100_times_under_load_gets_one_answer(invariant_server) -> None:
     client = invariant_server.async_client()
     rng = random.Random(0)
