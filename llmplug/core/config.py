@@ -31,6 +31,10 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+# a bool field whose default is decided at engine start (the platform's check_and_update_config)
+BoolOrAuto = bool | Literal["auto"]
+
+
 class ModelConfig(_Section):
     """Which model to run and how to interpret it."""
 
@@ -81,21 +85,29 @@ class ModelConfig(_Section):
             "architecture is registered, else the transformers backend. See docs/models.md."
         ),
     )
-    batch_invariant: bool = Field(
-        False,
+    batch_invariant: BoolOrAuto = Field(
+        "auto",
         description=(
-            "CPU: a request's logits are bitwise the same alone, in any batch, in any prefill chunks and with or "
+            "A request's logits are bitwise the same alone, in any batch, in any prefill chunks and with or "
             "without a prefix-cache hit (fixed-order float32 attention, oneDNN row-invariant linear layers also in "
-            "float32, no int4 copies). Same engine config, platform and thread count; see docs/determinism.md."
+            "float32, no int4 copies). Same engine config, platform and thread count; see docs/determinism.md. "
+            "auto: on where the platform and attention backend implement it and nothing asked for a per-batch "
+            "kernel (quantization none, no device.compile, generate runner)."
         ),
     )
     prepack_weights: bool = Field(
         True,
         description=(
             "CPU, bf16/fp16: keep a copy of each dense linear weight packed into oneDNN's layout, so matmuls skip "
-            "the per-call re-layout (faster decode, bitwise-equal results; costs a second copy of those weights)."
+            "the per-call re-layout (faster decode, bitwise-equal results; costs a second copy of those weights). "
+            "The batch-invariant mode packs them (float32 too) whatever this says."
         ),
     )
+
+    @property
+    def batch_invariant_on(self) -> bool:
+        """Whether the batch-invariant mode runs: set True, or resolved so from auto when the engine started."""
+        return self.batch_invariant is True
 
 
 class CacheConfig(_Section):
@@ -422,8 +434,8 @@ def _field(path: str) -> FieldInfo:
 
 
 def is_bool_field(path: str) -> bool:
-    """True when the field at `path` is a plain bool (its flag has a `--no-` form)."""
-    return _field(path).annotation is bool
+    """True when the field at `path` is a bool, or a bool that may be "auto" (its flag has a `--no-` form)."""
+    return _field(path).annotation in (bool, BoolOrAuto)
 
 
 def _ambiguous_names() -> set[str]:

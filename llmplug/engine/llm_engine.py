@@ -11,6 +11,7 @@ from llmplug.core.errors import InvalidRequestError
 from llmplug.core.outputs import PoolingOutput, PoolingRequestOutput, RequestMetrics, RequestOutput
 from llmplug.core.params import PoolingParams, SamplingParams
 from llmplug.core.plugins import PluginRegistry
+from llmplug.engine.batch_invariance import resolve_batch_invariant
 from llmplug.engine.engine_core import EngineCore
 from llmplug.engine.guided_decoding import GuidedDecodingManager, RequestGrammar
 from llmplug.engine.input_processor import InputProcessor, PromptType
@@ -41,6 +42,7 @@ def prepare_config(config: EngineConfig, registry: PluginRegistry) -> EngineConf
     platform = resolve_platform(config.device.platform, registry)
     config.device.platform = platform.name
     platform.check_and_update_config(config)
+    resolve_batch_invariant(config, platform, registry)
     return config
 
 

@@ -88,17 +88,6 @@ class ModelRunner:
         self.dtype = getattr(torch, config.model.dtype)
         self.model: torch.nn.Module | None = None
         self.attn_backend = registry.load("llmplug.attention", config.device.attention_backend or "torch_sdpa")
-        if config.model.batch_invariant and not getattr(self.attn_backend, "supports_batch_invariant", False):
-            raise ConfigError(
-                f"model.batch_invariant needs an attention backend that reduces in a fixed order; "
-                f"device.attention_backend={self.attn_backend.name!r} does not: use 'torch_sdpa' or turn "
-                "batch_invariant off (--no-batch-invariant)"
-            )
-        if config.model.batch_invariant and config.model.quantization == "int4":
-            raise ConfigError(
-                "model.batch_invariant cannot be combined with quantization='int4': the int4 kernel is chosen per "
-                "call by the step's token count, so outputs would depend on the batch; use quantization='none'"
-            )
         self.sampling_state: SamplingState | None = None  # needs the vocabulary size: built by load_model
         self.sampler: Sampler | None = None
         self.num_state_slots = 0  # recurrent-state slots, set with the KV cache
@@ -296,7 +285,7 @@ class ModelRunner:
             query_lens_list=tuple(query_lens.tolist()),
             seq_lens_list=tuple(seq_lens.tolist()),
             # an engine without a KV cache (pooling) runs each prompt whole, outside the mode's guarantee
-            batch_invariant=self.config.model.batch_invariant and max_blocks > 0,
+            batch_invariant=self.config.model.batch_invariant_on and max_blocks > 0,
         )
         sample_req_ids = [r.req_id for r in reqs if r.samples]
         recurrent = None

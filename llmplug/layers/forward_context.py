@@ -31,7 +31,7 @@ class CommonAttentionMetadata:
     # Python-side copies, so backends can choose a path without a device sync.
     query_lens_list: tuple[int, ...] = ()
     seq_lens_list: tuple[int, ...] = ()
-    # DeviceConfig.batch_invariant: every query row reduces over its keys in one fixed order (docs/determinism.md)
+    # ModelConfig.batch_invariant: every query row reduces over its keys in one fixed order (docs/determinism.md)
     batch_invariant: bool = False
 
 

@@ -53,22 +53,50 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+@functools.lru_cache(maxsize=None)
+def lone_row_differs(out_features: int, in_features: int, dtype: torch.dtype, num_threads: int) -> bool:
+    """Whether oneDNN computes a lone row of an [out, in] weight in another summation order than the same row
+    among 8 (the kernel is chosen by shape, dtype and thread count, not by the data; `num_threads`, torch's
+    current thread count, is part of the cache key).
+
+    Probed on rows built to show any order difference: each holds +2^20 and -2^20 at two columns whose weights
+    are equal, so the products cancel exactly, but the small terms summed between them lose low bits to the
+    large running sum, and how many depends on the order. Equal orders give equal bits.
+    """
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    x = torch.randn(8, in_features, generator=generator)
+    for row in range(8):
+        first, last = row % 4, in_features - 1 - row % 4
+        weight[:, last] = weight[:, first]
+        x[row, first], x[row, last] = 2.0**20, -(2.0**20)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype))
+    x = x.to(dtype)
+    batched = _packed_linear(x, packed, None)
+    return any(not torch.equal(_packed_linear(x[i : i + 1], packed, None), batched[i : i + 1]) for i in range(8))
+
+
 class PrepackedLinearMethod:
     """x W^T + b with W packed once into oneDNN's layout.
 
-    row_invariant (batch-invariant mode): a lone row is computed as two. oneDNN gives a row the same result
-    for any number of rows >= 2, but for one row and a long reduction (float32, 576 x 1536) it takes a
-    matrix-vector kernel that sums in another order.
+    row_invariant (batch-invariant mode): a lone row gets the result it gets among other rows. oneDNN gives a
+    row the same result for any number of rows >= 2, but for one row and a long reduction (SmolLM2's
+    1536 -> 576 down projection) it takes a matrix-vector kernel that sums in another order; such weights
+    (found by a probe at packing time) compute a lone row as two.
     """
 
     def __init__(self, weight: torch.Tensor, row_invariant: bool = False) -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-        self.row_invariant = row_invariant
+        out_features, in_features = weight.shape
+        # batch-invariant mode, where oneDNN's one-row kernel sums otherwise: compute a lone row as two
+        self.lone_row_as_two = row_invariant and lone_row_differs(
+            out_features, in_features, weight.dtype, torch.get_num_threads()
+        )
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if torch.compiler.is_compiling():  # the packed tensor is opaque to the compiler, the dense weight is not
             return F.linear(x, layer.weight, bias)
-        if self.row_invariant and x.numel() == x.shape[-1]:  # one row
+        if self.lone_row_as_two and x.numel() == x.shape[-1]:  # one row
             two = x.reshape(1, -1).repeat(2, 1)
             return _packed_linear(two, self.packed, bias)[:1].view(*x.shape[:-1], -1)
         return _packed_linear(x, self.packed, bias)

@@ -280,7 +280,7 @@ def finish_loading(model: torch.nn.Module, model_config: ModelConfig, only_dense
 
     quantization = model_config.quantization
     forced = quantization == "int4"
-    invariant = model_config.batch_invariant  # int4 copies are chosen per call by token count: none in this mode
+    invariant = model_config.batch_invariant_on  # int4 copies are chosen per call by token count: none in this mode
     options = LinearOptions(
         int4=quantization != "none" and not invariant, quantize_dense=forced, required=forced,
         prepack=model_config.prepack_weights, row_invariant=invariant,

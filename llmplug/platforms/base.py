@@ -44,6 +44,8 @@ class BasePlatform:
     default_attention_backend: ClassVar[str] = "torch_sdpa"  # `llmplug.attention` name
     # size the KV cache from a profiled dummy step (needs the peak-memory queries below), not from a budget rule
     profiles_memory: ClassVar[bool] = False
+    # whether `model.batch_invariant` holds with this platform's kernels (docs/determinism.md); auto turns it on
+    batch_invariant_kernels: ClassVar[bool] = False
 
     # --- detection (engine process; cheap, no side effects) -----------------------------------------
 

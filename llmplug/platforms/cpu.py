@@ -102,6 +102,7 @@ class CpuPlatform(BasePlatform):
     distributed_backend = "gloo"
     communicator = "cpu"
     default_attention_backend = "torch_sdpa"
+    batch_invariant_kernels = True  # oneDNN's packed linear layers and fixed-order attention (docs/determinism.md)
 
     @classmethod
     def unavailable_reason(cls) -> str | None:

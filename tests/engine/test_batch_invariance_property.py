@@ -141,3 +141,41 @@ def test_the_mode_refuses_int4_and_the_next_engine_starts(runner) -> None:
         assert len(out[0].outputs[0].token_ids) == 2
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("settings", "expected"),
+    [
+        ({}, True),  # the default: on
+        ({"quantization": "auto"}, False),  # int4 copies are picked per call by token count
+        ({"device.compile": True}, False),  # the compiled forward is not checked for invariance
+        ({"runner": "pooling"}, False),  # no KV cache: prompts run whole
+        ({"attention_backend": "triton"}, False),  # reduces in another order per batch
+        ({"batch_invariant": False}, False),
+    ],
+)
+def test_auto_turns_the_mode_on_only_where_it_holds(runner, settings, expected) -> None:
+    """batch_invariant: auto (the default) is resolved at engine start, before any worker: on for the CPU's
+    torch_sdpa with dense weights, off where a setting picks a kernel per batch."""
+    from llmplug.core.config import load_config
+    from llmplug.core.plugins import PluginRegistry
+    from llmplug.engine.llm_engine import prepare_config
+
+    path = str(runner.checkpoint(CASE["LlamaForCausalLM"]).path)
+    config = load_config(kwargs={"model": path, **settings}).config
+    assert config.model.batch_invariant == settings.get("batch_invariant", "auto")
+    resolved = prepare_config(config, PluginRegistry.from_config(config.plugins))
+    assert resolved.model.batch_invariant is expected
+
+
+def test_the_mode_refuses_an_attention_backend_without_it(runner) -> None:
+    """Asked for explicitly, the mode is an error naming the backend, raised before the model loads."""
+    from llmplug.core.config import load_config
+    from llmplug.core.errors import ConfigError
+    from llmplug.core.plugins import PluginRegistry
+    from llmplug.engine.llm_engine import prepare_config
+
+    path = str(runner.checkpoint(CASE["LlamaForCausalLM"]).path)
+    config = load_config(kwargs={"model": path, "attention_backend": "triton", "batch_invariant": True}).config
+    with pytest.raises(ConfigError, match="attention_backend='triton' does not"):
+        prepare_config(config, PluginRegistry.from_config(config.plugins))

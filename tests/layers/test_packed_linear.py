@@ -71,7 +71,8 @@ def test_generation_with_packed_weights_equals_unpacked(tmp_path) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     outs = {}
     for prepack in (True, False):
-        llm = LLM(str(tiny.path), dtype="bfloat16", prepack_weights=prepack, max_num_seqs=4)
+        # the batch-invariant mode (on by default) packs whatever prepack_weights says
+        llm = LLM(str(tiny.path), dtype="bfloat16", prepack_weights=prepack, batch_invariant=False, max_num_seqs=4)
         methods = {type(m.quant_method) for m in llm.llm_engine.engine_core.executor.worker.model_runner.model.modules()
                    if hasattr(m, "quant_method")}
         assert (PrepackedLinearMethod in methods) == prepack
@@ -93,3 +94,32 @@ def test_row_invariant_mode_gives_a_lone_row_the_result_it_gets_in_any_batch(dty
     for rows in range(2, 41):
         assert torch.equal(invariant.apply(None, x[:rows], None)[:1], alone), f"row 0 changed among {rows} rows"
     assert torch.equal(invariant.apply(None, x[0], None), alone[0])  # a 1-D input keeps its shape
+
+
+def cancelling_rows(out_features: int, in_features: int, rows: int, dtype: torch.dtype, seed: int):
+    """A weight and rows x whose products at two columns cancel (+-2^19 times equal weights): the small terms
+    summed between them lose low bits to the large running sum, so any change of summation order shows."""
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    x = torch.randn(rows, in_features, generator=generator)
+    for row in range(rows):
+        first, last = 7 + row, in_features - 9 - row
+        weight[:, last] = weight[:, first]
+        x[row, first], x[row, last] = 2.0**19, -(2.0**19)
+    return weight.to(dtype), x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(576, 576), (192, 576), (1536, 576), (576, 1536), (256, 4096)])
+def test_the_lone_row_probe_leaves_no_layer_whose_lone_row_sums_otherwise(dtype, shape) -> None:
+    """Batch-invariant mode computes a lone row as two only where oneDNN's one-row kernel sums in another order
+    (a probe at packing time); on inputs that expose any summation-order change, every shape of SmolLM2 (and a
+    longer reduction) gives row 0 the same bits alone and among 2..16 rows, whatever the probe decided."""
+    weight, x = cancelling_rows(*shape, rows=16, dtype=dtype, seed=3)
+    method = PrepackedLinearMethod(weight, row_invariant=True)
+    alone = method.apply(None, x[:1], None)
+    for rows in range(2, 17):
+        assert torch.equal(method.apply(None, x[:rows], None)[:1], alone), f"row 0 changed among {rows} rows"
+    plain = PrepackedLinearMethod(weight)
+    if not method.lone_row_as_two:  # the probe found the one-row kernel sums like the others: so it does here
+        assert torch.equal(plain.apply(None, x[:1], None), plain.apply(None, x[:4], None)[:1])

@@ -79,6 +79,9 @@ class DecodeMirror:
     # holding the values, see TorchSDPABackend)
     rows: DecodeRows
     ring: int | None  # the window of a sliding-window layer's ring layout; None: keys from position 0
+    # batch-invariant mode: keys_t is a contiguous copy of the keys, kept up to date with `kv`, because MKL's
+    # row-invariant matmul wants contiguous [D, L] keys (fixed_order.py); copying them every step costs more
+    contiguous_keys: bool = False
     # views made once, as every decode step reads the mirror through them
     key_rows: torch.Tensor = field(init=False)  # [2, Hkv, B * kv_len, D]: where appended keys/values go
     keys_t: torch.Tensor = field(init=False)  # [Hkv * B, D, kv_len]: keys transposed for q @ k^T
@@ -88,7 +91,23 @@ class DecodeMirror:
         planes, num_kv_heads, num_reqs, kv_len, head_dim = self.kv.shape
         self.key_rows = self.kv.view(planes, num_kv_heads, num_reqs * kv_len, head_dim)
         batched = self.kv.view(planes, num_kv_heads * num_reqs, kv_len, head_dim)
-        self.keys_t, self.values = batched[0].transpose(1, 2), batched[-1]
+        keys_t = batched[0].transpose(1, 2)
+        self.keys_t = torch.empty_like(keys_t, memory_format=torch.contiguous_format) if self.contiguous_keys else keys_t
+        self.values = batched[-1]
+
+    def copy_keys_t(self) -> None:
+        """After `kv` was gathered anew: refresh the contiguous copy of its keys (a no-op without one)."""
+        if self.contiguous_keys:
+            num_kv_heads, num_reqs, kv_len, head_dim = self.kv.shape[1:]
+            self.keys_t.copy_(self.kv[0].view(num_kv_heads * num_reqs, kv_len, head_dim).transpose(1, 2))
+
+    def append_keys_t(self, k: torch.Tensor, slots: torch.Tensor) -> None:
+        """Put each request's newest key k [B, Hkv * D] at column slots [B] of the contiguous copy (if any)."""
+        if self.contiguous_keys:
+            num_kv_heads, num_reqs, kv_len, head_dim = self.kv.shape[1:]
+            per_head = self.keys_t.view(num_kv_heads, num_reqs, head_dim, kv_len)
+            requests = torch.arange(num_reqs, device=slots.device)
+            per_head[:, requests, :, slots] = k.view(num_reqs, num_kv_heads, head_dim)
 
 
 def mirror_fits(num_reqs: int, kv_len: int, cache: torch.Tensor, dtype: torch.dtype) -> bool:

@@ -313,10 +313,13 @@ def _decode_kv(
         and mirror.ring == keys.ring
     )
     if same_layout and part.rows.extends(mirror.rows):
-        _scatter_kv(mirror.key_rows, k.to(dtype), v.to(dtype), keys.append_index)
+        k, v = k.to(dtype), v.to(dtype)
+        _scatter_kv(mirror.key_rows, k, v, keys.append_index)
+        mirror.append_keys_t(k, keys.seq_lens - 1)
     else:
         if not same_layout:  # else regather in place
-            mirror = DecodeMirror(torch.empty(shape, dtype=dtype, device=cache.device), part.rows, keys.ring)
+            empty = torch.empty(shape, dtype=dtype, device=cache.device)
+            mirror = DecodeMirror(empty, part.rows, keys.ring, contiguous_keys=part.tile is not None)
             layer.backend_state = mirror
         if dtype == cache.dtype:
             keys.gather(cache, mirror.kv)
@@ -324,6 +327,7 @@ def _decode_kv(
             gathered = part.gather_buffer(shape, cache.dtype, cache.device)
             keys.gather(cache, gathered)
             mirror.kv.copy_(gathered)
+        mirror.copy_keys_t()
     mirror.rows = part.rows
     return mirror.keys_t, mirror.values
 

@@ -1,4 +1,4 @@
-"""Batch-invariant mode through the server: the same seeded chat request, sent 100 times while 31 other random
+"""Batch-invariant mode (on by default) through the server: the same seeded chat request, sent 100 times while 31 other random
 requests keep the engine busy, gets one answer (default model, bf16, real uvicorn server, real `openai` client)."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ WORDS = "sea storm light keeper boat rope harbor gull wave night tide lamp rock 
 
 @pytest.fixture(scope="module")
 def invariant_server() -> Iterator[RunningServer]:
-    engine = AsyncLLM(max_model_len=DEFAULT_MODEL_LEN, batch_invariant=True, max_num_seqs=32)
+    engine = AsyncLLM(max_model_len=DEFAULT_MODEL_LEN, max_num_seqs=32)  # batch_invariant: its default, auto
     try:
         with serve(engine) as running:
             yield running
