@@ -17,6 +17,7 @@ Both read the target's token embedding unless the checkpoint has its own `embed_
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import json
 from dataclasses import dataclass
@@ -86,7 +87,7 @@ def _rotary(arch: DecoderArchConfig, min_positions: int) -> RotaryEmbedding:
                     rope.scaling, rope.is_neox_style, rope.inverted)
 
 
-class EagleHead(nn.Module):
+class EagleHead(nn.Module, metaclass=abc.ABCMeta):
     """What both heads share: the optional own embedding, one draft step's interface, weight loading."""
 
     def __init__(self, config: EagleHeadConfig, own_embedding: bool, target_positions: int) -> None:
@@ -101,10 +102,10 @@ class EagleHead(nn.Module):
         """The target's hidden states [T, n * target_hidden] -> the h the first draft step reads [T, hidden]."""
         return target_hidden
 
+    @abc.abstractmethod
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """embeddings of t_{p+1} [T, hidden], p [T], h_p [T, hidden] -> (what the lm_head reads, the next h)."""
-        raise NotImplementedError
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Load the checkpoint's tensors; a missing or unknown one is a ModelLoadError."""
