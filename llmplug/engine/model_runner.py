@@ -307,8 +307,12 @@ class ModelRunner:
         attn_metadata = self.attn_backend.build_metadata(batch.common)
         model_kwargs = self._model_kwargs(scheduler_output)
         lora_mapping = self._lora_mapping(scheduler_output, batch)
-        with forward_context(attn_metadata, batch.recurrent, lora_mapping):
-            hidden_states = self.stage.run(self.forward, batch.input_ids, batch.positions, **model_kwargs)
+        try:
+            with forward_context(attn_metadata, batch.recurrent, lora_mapping):
+                hidden_states = self.stage.run(self.forward, batch.input_ids, batch.positions, **model_kwargs)
+        except BaseException:
+            self._discard_step(batch)
+            raise
         if hidden_states is None:  # an earlier pipeline stage: the last one samples
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         if self.pooling_info is not None:  # a pooling engine: every request pools
@@ -328,6 +332,11 @@ class ModelRunner:
             output.draft_token_ids = self.eagle.propose(scheduler_output, hidden_states, output, self)
         output.prompt_logprobs = prompt_logprobs
         return output
+
+    def _discard_step(self, batch: BatchInputs) -> None:
+        """A forward pass failed: let the attention backend clear what it may have left half-written."""
+        for layer in self._attention_layers():
+            layer.backend.discard_step(layer, batch.common.slot_mapping)
 
     def sample(self, logits: torch.Tensor, req_ids: list[str], bitmask: torch.Tensor | None) -> ModelRunnerOutput:
         """One token per row of `logits` [len(req_ids), V], recorded in the sampling state."""

@@ -70,6 +70,12 @@ class AttentionBackend(abc.ABC):
         """Store k, v [T, Hkv * D] in `layer.kv_cache`; attend q [T, H * D] over the cache -> [T, H * D]."""
 
     @classmethod
+    def discard_step(cls, layer: "Attention", slot_mapping: torch.Tensor) -> None:
+        """After a failed step: forget what it may have left in `layer` (the model runner calls this for every
+        layer). Its slots may hold garbage (NaN from a pass that failed half-way); a backend that reads slots
+        past a request's keys as masked padding must clear them, since 0 * NaN is NaN. Default: nothing."""
+
+    @classmethod
     def supports(cls, head_dim: int, dtype: torch.dtype) -> bool:
         """Whether this backend can run layers of `head_dim` in `dtype` (platforms ask before choosing)."""
         return True

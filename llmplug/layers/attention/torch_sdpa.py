@@ -551,6 +551,15 @@ class TorchSDPABackend(AttentionBackend):
         return (planes, layer.num_kv_heads, num_blocks, block_size, layer.head_dim)
 
     @classmethod
+    def discard_step(cls, layer: "Attention", slot_mapping: torch.Tensor) -> None:
+        """Zero the failed step's slots and drop the decode mirror: decode pads keys to the batch's longest and
+        the batch-invariant mode to whole tiles, reading slots no request owns (masked, but 0 * NaN is NaN)."""
+        layer.backend_state = None
+        cache = layer.kv_cache
+        if cache is not None:
+            cache.view(cache.shape[0], cache.shape[1], -1, cache.shape[-1]).index_fill_(2, slot_mapping, 0)
+
+    @classmethod
     def build_metadata(cls, common: CommonAttentionMetadata) -> TorchSDPAMetadata:
         """Split the batch into its decode and prefill parts (their key layouts and masks are built when
         the first layer asks for them, once per sliding window)."""
