@@ -26,7 +26,9 @@ if TYPE_CHECKING:  # no heavy imports at run time
 #      AttentionBackend.supported_features; the generic decoder (llmplug.layers.decoder) and its blocks:
 #      LayerNorm / RMSNorm variants (NormConfig), activations by transformers name, position embeddings,
 #      q/k norms, CheckpointNames; llmplug.testing
-PLUGIN_API_VERSION = "1.4"
+# 1.5: Attention's attention_chunk feature; optional model class method `batch_invariance_gap(hf_config)` (the
+#      batch-invariant mode's default, docs/determinism.md); Platform.batch_invariant_kernels
+PLUGIN_API_VERSION = "1.5"
 
 
 @runtime_checkable
@@ -47,6 +49,11 @@ class VllmModel(Protocol):
         A model that sets `supports_pipeline_parallel = True` also takes `intermediate_tensors` (None on
         the first pipeline stage) and returns `llmplug.layers.pipeline.IntermediateTensors` on every
         stage but the last; see that module.
+
+        Optional class method `batch_invariance_gap(hf_config) -> str | None`, asked in the engine
+        process before workers start: None when the model's logits for a row never depend on the other
+        rows of the step (llmplug's layers give that); else why not. A model without it runs with the
+        batch-invariant mode off by default (docs/determinism.md).
         """
         ...
 

@@ -14,13 +14,14 @@ logger = logging.getLogger(__name__)
 def resolve_batch_invariant(config: EngineConfig, platform: type, registry: PluginRegistry) -> None:
     """Turn `model.batch_invariant: auto` into True or False; refuse True where it cannot hold.
 
-    auto is on where the platform's kernels and the attention backend implement the mode and nothing in
-    the config asks for a kernel chosen per batch (int4 copies, the compiled forward) or runs without a
-    KV cache (pooling). `config.device.attention_backend` must already be resolved by the platform.
+    auto is on where the platform's kernels, the attention backend and the model implement the mode and nothing
+    in the config asks for a kernel chosen per batch (int4 copies, the compiled forward) or runs without a KV
+    cache (pooling). `config.device.attention_backend` must already be resolved by the platform.
     """
     model = config.model
     backend = registry.load("llmplug.attention", config.device.attention_backend or "torch_sdpa")
     backend_invariant = getattr(backend, "supports_batch_invariant", False)
+    model_gap = _model_gap(config, registry)
     if model.batch_invariant == "auto":
         blockers = {
             f"platform {platform.name!r}": not getattr(platform, "batch_invariant_kernels", False),
@@ -28,20 +29,39 @@ def resolve_batch_invariant(config: EngineConfig, platform: type, registry: Plug
             f"quantization={model.quantization!r}": model.quantization != "none",
             "device.compile": config.device.compile,
             "runner 'pooling'": model.runner == "pooling",
+            f"this model ({model_gap})": model_gap is not None,
         }
         off = [name for name, blocks in blockers.items() if blocks]
         model.batch_invariant = not off
         if off:
             logger.info("batch-invariant mode off (auto): not with %s", ", ".join(off))
         return
-    if model.batch_invariant and not backend_invariant:
+    if not model.batch_invariant:
+        return
+    if not backend_invariant:
         raise ConfigError(
             f"model.batch_invariant needs an attention backend that reduces in a fixed order; "
             f"device.attention_backend={backend.name!r} does not: use 'torch_sdpa' or turn "
             "batch_invariant off (--no-batch-invariant)"
         )
-    if model.batch_invariant and model.quantization == "int4":
+    if model.quantization == "int4":
         raise ConfigError(
             "model.batch_invariant cannot be combined with quantization='int4': the int4 kernel is chosen per "
             "call by the step's token count, so outputs would depend on the batch; use quantization='none'"
         )
+    if model_gap is not None and model.runner != "pooling":
+        raise ConfigError(f"model.batch_invariant cannot hold for {model.model}: {model_gap}; turn it off "
+                          "(--no-batch-invariant)")
+
+
+def _model_gap(config: EngineConfig, registry: PluginRegistry) -> str | None:
+    """Why the model cannot be batch invariant (its class's `batch_invariance_gap`), or None where it can."""
+    from llmplug.loaders import build_loader
+
+    loader = build_loader(registry, config.load.format, config.load)
+    hf_config = loader.load_hf_config(config.model)
+    model_class = loader.get_model_class(hf_config, config.model.model_impl)
+    gap = getattr(model_class, "batch_invariance_gap", None)
+    if gap is None:
+        return f"{model_class.__name__} does not declare batch_invariance_gap"
+    return gap(hf_config)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmplug.layers.kernels import use_triton
+from llmplug.layers.rowwise import rowwise
 from llmplug.layers.weight_utils import default_weight_loader, frozen_parameter
 
 __all__ = [
@@ -72,8 +73,8 @@ class Activation(nn.Module):
         self.name, self.fn = name, activation_fn(name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """[..., d] -> [..., d]."""
-        return self.fn(x)
+        """[..., d] -> [..., d]; each row the same whatever the number of rows (layers/rowwise.py)."""
+        return rowwise(self.fn, x)
 
     def extra_repr(self) -> str:
         return self.name
@@ -85,7 +86,7 @@ class ActivationAndMul(Activation):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[..., 2 * d] -> [..., d]."""
         d = x.shape[-1] // 2
-        return self.fn(x[..., :d]).mul_(x[..., d:])
+        return rowwise(self.fn, x[..., :d]).mul_(x[..., d:])
 
 
 class SiluAndMul(ActivationAndMul):

@@ -86,7 +86,8 @@ class PrepackedLinearMethod:
     """
 
     def __init__(self, weight: torch.Tensor, row_invariant: bool = False) -> None:
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+        self.weight = weight.detach()  # the dense weight (a view of the parameter), for the compiler
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight)
         out_features, in_features = weight.shape
         # batch-invariant mode, where oneDNN's one-row kernel sums otherwise: compute a lone row as two
         self.lone_row_as_two = row_invariant and lone_row_differs(
@@ -95,7 +96,7 @@ class PrepackedLinearMethod:
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if torch.compiler.is_compiling():  # the packed tensor is opaque to the compiler, the dense weight is not
-            return F.linear(x, layer.weight, bias)
+            return F.linear(x, self.weight, bias)
         if self.lone_row_as_two and x.numel() == x.shape[-1]:  # one row
             two = x.reshape(1, -1).repeat(2, 1)
             return _packed_linear(two, self.packed, bias)[:1].view(*x.shape[:-1], -1)

@@ -7,7 +7,10 @@ runner) and llmplug's engine under the variant, then asserts:
 - the generated tokens are identical, prompt by prompt;
 - every log-probability llmplug reports (top-k of every prompt position and every generated position,
   plus the chosen token) is within `case.atol` of transformers' log-softmax at that position;
-- the variant did what it exists for (the preemption variant preempted at least once).
+- the variant did what it exists for (the preemption variant preempted at least once);
+- in batch-invariant mode (docs/determinism.md, on by default on the CPU), the variants that change only how
+  the requests are batched (`plain`, `chunked_prefill`, `preemption`) give bitwise the same tokens and
+  log-probabilities (generated and prompt positions) as each other.
 
 Variants (`VARIANTS`): `plain`; `chunked_prefill` (a step budget smaller than the longer prompts);
 `preemption` (too few KV blocks for the batch, so requests are preempted and recomputed); `tp2` and
@@ -68,14 +71,17 @@ class Variant:
     name: str
     engine_kwargs: Mapping[str, Any]
     expects_preemption: bool = False
+    # only the batching changes (step budget, preemption): in batch-invariant mode, bitwise the other such variants
+    batching_only: bool = False
 
 
 VARIANTS: dict[str, Variant] = {
     v.name: v
     for v in (
-        Variant("plain", {}),
-        Variant("chunked_prefill", {"max_num_batched_tokens": 8}),
-        Variant("preemption", {"num_gpu_blocks_override": 24, "max_num_seqs": 8}, expects_preemption=True),
+        Variant("plain", {}, batching_only=True),
+        Variant("chunked_prefill", {"max_num_batched_tokens": 8}, batching_only=True),
+        Variant("preemption", {"num_gpu_blocks_override": 24, "max_num_seqs": 8}, expects_preemption=True,
+                batching_only=True),
         Variant("tp2", {"tensor_parallel_size": 2}),
         Variant("pp2", {"pipeline_parallel_size": 2}),
         Variant("compiled", {"device.compile": True}),  # the forward through torch.compile
@@ -125,6 +131,8 @@ class ParityRunner:
         self.workdir = Path(workdir)
         self._checkpoints: dict[str, TinyCheckpoint] = {}
         self._references: dict[str, Reference] = {}
+        # per case: the first batching-only variant run in batch-invariant mode, and its completions
+        self._invariant_runs: dict[str, tuple[str, list[Completion]]] = {}
 
     def checkpoint(self, case: ParityCase) -> TinyCheckpoint:
         """The case's saved tiny checkpoint (built on first use)."""
@@ -140,8 +148,9 @@ class ParityRunner:
             self._references[case.name] = _hf_reference(self.checkpoint(case).hf_model, case)
         return self._references[case.name]
 
-    def generate(self, case: ParityCase, variant: str | Variant = "plain") -> tuple[list[Completion], int]:
-        """llmplug's greedy completions of the case's prompts under `variant`, and the engine's preemptions."""
+    def generate(self, case: ParityCase, variant: str | Variant = "plain") -> tuple[list[Completion], int, bool]:
+        """llmplug's greedy completions of the case's prompts under `variant`, the engine's preemptions, and
+        whether the engine ran in batch-invariant mode."""
         from llmplug import LLM
 
         variant = VARIANTS[variant] if isinstance(variant, str) else variant
@@ -158,15 +167,16 @@ class ParityRunner:
             )
             outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
             preemptions = llm.llm_engine.engine_core.scheduler.num_preemptions
+            invariant = llm.llm_engine.config.model.batch_invariant_on
         finally:
             llm.shutdown()
-        return [_completion(out) for out in outputs], preemptions
+        return [_completion(out) for out in outputs], preemptions, invariant
 
     def check(self, case: ParityCase, variant: str | Variant = "plain") -> ParityReport:
         """Assert llmplug matches transformers on the case under `variant` (see the module doc)."""
         variant = VARIANTS[variant] if isinstance(variant, str) else variant
         reference = self.reference(case)
-        completions, preemptions = self.generate(case, variant)
+        completions, preemptions, invariant = self.generate(case, variant)
         where = f"{case.name} [{variant.name}]"
         worst = 0.0
         for i, (prompt, expected, got) in enumerate(zip(reference.prompts, reference.tokens, completions)):
@@ -178,6 +188,14 @@ class ParityRunner:
             )
         if variant.expects_preemption and preemptions == 0:
             raise AssertionError(f"{where}: nothing was preempted; the variant proves nothing for this case")
+        if invariant and variant.batching_only:
+            first, expected_completions = self._invariant_runs.setdefault(case.name, (variant.name, completions))
+            for i, (got, expected) in enumerate(zip(completions, expected_completions)):
+                if got != expected:
+                    raise AssertionError(
+                        f"{where} prompt {i}: batch-invariant mode, but the tokens or log-probabilities differ "
+                        f"bitwise from the [{first}] run of the same prompts"
+                    )
         return ParityReport(case.name, variant.name, worst, preemptions)
 
 

@@ -14,15 +14,18 @@ from llmplug.testing import ParityCase, ParityRunner
 from llmplug.testing.parity import BASE_ENGINE_KWARGS
 from tests.models.cases import CASES
 
-# one architecture per family: dense GQA; sliding window + soft-capping; ALiBi; MoE with sinks and a window;
-# state-space; hybrid attention + state-space
+# one architecture per kind of block: dense GQA; sliding window + soft-capping; ALiBi; MoE with sinks and a
+# window; latent attention + sigmoid-scored MoE; chunked local attention + MoE with a shared expert; a gated
+# shared expert. Every other architecture's parity test checks the property too (llmplug.testing.parity: the
+# batching-only variants bitwise equal); models with recurrent layers are outside the mode (refused below).
 FAMILIES = [
     "LlamaForCausalLM",
     "Gemma2ForCausalLM",
     "BloomForCausalLM",
     "GptOssForCausalLM",
-    "Mamba2ForCausalLM",
-    "BambaForCausalLM",
+    "DeepseekV3ForCausalLM",
+    "Llama4ForCausalLM",
+    "Qwen2MoeForCausalLM",
 ]
 CASE = {case.name: case for case in CASES}
 SHARED_PREFIX = 12  # tokens every other prompt starts with: prefix-cache hits (block size 4)
@@ -152,16 +155,21 @@ def test_the_mode_refuses_int4_and_the_next_engine_starts(runner) -> None:
         ({"runner": "pooling"}, False),  # no KV cache: prompts run whole
         ({"attention_backend": "triton"}, False),  # reduces in another order per batch
         ({"batch_invariant": False}, False),
+        ({"case": "Mamba2ForCausalLM"}, False),  # recurrent layers: outside the mode
+        ({"case": "BambaForCausalLM"}, False),
+        ({"case": "DeepseekV3ForCausalLM"}, True),
     ],
 )
 def test_auto_turns_the_mode_on_only_where_it_holds(runner, settings, expected) -> None:
     """batch_invariant: auto (the default) is resolved at engine start, before any worker: on for the CPU's
-    torch_sdpa with dense weights, off where a setting picks a kernel per batch."""
+    torch_sdpa with dense weights and a model of llmplug's layers without recurrent ones, off where a setting
+    picks a kernel per batch or the model cannot hold it."""
     from llmplug.core.config import load_config
     from llmplug.core.plugins import PluginRegistry
     from llmplug.engine.llm_engine import prepare_config
 
-    path = str(runner.checkpoint(CASE["LlamaForCausalLM"]).path)
+    settings = dict(settings)
+    path = str(runner.checkpoint(CASE[settings.pop("case", "LlamaForCausalLM")]).path)
     config = load_config(kwargs={"model": path, **settings}).config
     assert config.model.batch_invariant == settings.get("batch_invariant", "auto")
     resolved = prepare_config(config, PluginRegistry.from_config(config.plugins))
@@ -179,3 +187,22 @@ def test_the_mode_refuses_an_attention_backend_without_it(runner) -> None:
     config = load_config(kwargs={"model": path, "attention_backend": "triton", "batch_invariant": True}).config
     with pytest.raises(ConfigError, match="attention_backend='triton' does not"):
         prepare_config(config, PluginRegistry.from_config(config.plugins))
+
+
+@pytest.mark.parametrize("family", ["Mamba2ForCausalLM", "BambaForCausalLM"])
+def test_the_mode_refuses_a_model_with_recurrent_layers(runner, family) -> None:
+    """A recurrent layer's chunked scan sums in an order that depends on the prefill chunks (and a preempted
+    request recomputes by scan what it decoded step by step): asked for explicitly, the mode is an error that
+    names why; the same model starts with the default (auto: off) and answers."""
+    from llmplug.core.errors import ConfigError
+
+    path = str(runner.checkpoint(CASE[family]).path)
+    with pytest.raises(ConfigError, match="batch_invariant cannot hold.*recurrent layers"):
+        LLM(path, **BASE_ENGINE_KWARGS, batch_invariant=True)
+    llm = LLM(path, **BASE_ENGINE_KWARGS)
+    try:
+        assert llm.llm_engine.config.model.batch_invariant is False
+        out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=2), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 2
+    finally:
+        llm.shutdown()

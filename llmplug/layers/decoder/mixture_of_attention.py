@@ -18,6 +18,8 @@ every expert; the partial outputs are all-reduced once.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,8 +30,12 @@ from llmplug.layers.decoder.arch import DecoderArchConfig
 from llmplug.layers.linear import MergedColumnParallelLinear, divide
 from llmplug.layers.moe.experts import group_by_expert
 from llmplug.layers.moe.router import Router
+from llmplug.layers.packed_linear import PrepackedLinearMethod, prepack_supported
 from llmplug.layers.rotary import RotaryCosSin
 from llmplug.layers.weight_utils import ShardId, check_shape, frozen_parameter
+
+if TYPE_CHECKING:
+    from llmplug.layers.quantization import LinearOptions
 
 __all__ = ["MixtureOfAttention", "StackedExpertLinear"]
 
@@ -49,6 +55,14 @@ class StackedExpertLinear(nn.Module):
         sizes = [out_features, in_features]
         sizes[shard_dim] = divide(sizes[shard_dim], self.tp_size, "expert projection features")
         self.weight = frozen_parameter(torch.empty(num_experts, *sizes), self.weight_loader)
+        self.packed: list[PrepackedLinearMethod] | None = None  # per expert, see process_weights_after_loading
+
+    def process_weights_after_loading(self, options: LinearOptions) -> None:
+        """Pack every expert's weight for oneDNN where wanted, as the MoE experts do (in batch-invariant mode
+        always: F.linear's float32 kernel changes with the number of rows an expert gets)."""
+        weight = self.weight
+        packs = options.packs(weight.dtype) and prepack_supported(weight.device.type, weight.dtype)
+        self.packed = [PrepackedLinearMethod(w, options.row_invariant) for w in weight] if packs else None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId | None = None) -> None:
         """Copy this rank's slice of the checkpoint's stacked [E, out, in] tensor."""
@@ -57,6 +71,7 @@ class StackedExpertLinear(nn.Module):
         full[dim] *= self.tp_size
         check_shape(torch.empty(full, device="meta"), loaded, "stacked expert projection")
         param.data.copy_(loaded.narrow(dim, self.tp_rank * size, size))
+        self.packed = None  # a new weight: dense until packed again
 
     def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """rows [N, in] grouped by expert (counts[e] consecutive rows of expert e) -> [N, out]."""
@@ -64,7 +79,10 @@ class StackedExpertLinear(nn.Module):
         start = 0
         for e, count in enumerate(counts):
             if count:
-                out[start : start + count] = F.linear(rows[start : start + count], self.weight[e])
+                block = rows[start : start + count]
+                packed = None if self.packed is None else self.packed[e]
+                out[start : start + count] = F.linear(block, self.weight[e]) if packed is None else packed.apply(
+                    self, block, None)
                 start += count
         return out
 

@@ -27,6 +27,7 @@ from llmplug.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowPar
 from llmplug.layers.quantization import LinearOptions
 from llmplug.communicators.parallel_state import get_tp_group
 from llmplug.layers.rotary import RotaryCosSin
+from llmplug.layers.rowwise import rowwise_bmm
 
 __all__ = ["LatentAttention"]
 
@@ -103,8 +104,8 @@ class LatentAttention(nn.Module):
             rope.apply_(q[..., nope:])
             rope.apply_(key[:, rank:].unsqueeze(1))
         w_uk, w_uv = self._absorbed()
-        q_latent = torch.bmm(q[..., :nope].transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, rank]
+        q_latent = rowwise_bmm(q[..., :nope].transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, rank]
         query = torch.cat([q_latent, q[..., nope:]], dim=-1)  # [T, H, rank + rope]
         out = self.attn(query.reshape(num_tokens, -1), key)  # [T, H * rank]: sums of the cached c_kv
-        out = torch.bmm(out.view(num_tokens, self.num_heads, rank).transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, v]
+        out = rowwise_bmm(out.view(num_tokens, self.num_heads, rank).transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, v]
         return self.o_proj(out.transpose(0, 1).reshape(num_tokens, self.num_heads * mla.v_head_dim))

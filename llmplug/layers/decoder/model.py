@@ -22,7 +22,7 @@ from transformers import PretrainedConfig
 from llmplug.communicators.parallel_state import get_pp_group
 from llmplug.layers.activation import Activation
 from llmplug.layers.checkpoint_names import CheckpointNames, HeadLayout
-from llmplug.layers.decoder.arch import DecoderArchConfig, RopeConfig
+from llmplug.layers.decoder.arch import RECURRENT_MIXERS, DecoderArchConfig, RopeConfig
 from llmplug.layers.decoder.layer import DecoderLayer
 from llmplug.layers.layernorm import make_norm
 from llmplug.layers.linear import ReplicatedLinear
@@ -216,6 +216,16 @@ class DecoderForCausalLM(nn.Module):
         self.arch = type(self).arch_config_of(config)
         self.model = DecoderModel(self.arch, _join(prefix, "model"))
         self.lm_head = self._lm_head(_join(prefix, "lm_head"))
+
+    @classmethod
+    def batch_invariance_gap(cls, config: PretrainedConfig) -> str | None:
+        """Why the batch-invariant mode cannot hold for this model, or None where it does (docs/determinism.md)."""
+        arch = cls.arch_config_of(config)
+        kinds = sorted({kind for layer in arch.layers for kind in (layer.mixer, layer.parallel_mixer)} & RECURRENT_MIXERS)
+        if kinds:
+            return (f"its recurrent layers ({', '.join(kinds)}) scan a prompt in parallel chunks, whose sums depend on "
+                    "where prefill chunks start and differ from the step-by-step decode a preempted request recomputes")
+        return None
 
     def _lm_head(self, prefix: str) -> ParallelLMHead | PPMissingLayer:
         """The output projection (last pipeline stage only); a tied one is built on meta and shares the

@@ -12,6 +12,7 @@ from llmplug.layers.linear import ReplicatedLinear
 from llmplug.layers.moe.config import MoEConfig
 from llmplug.layers.moe.experts import FusedExperts
 from llmplug.layers.moe.router import Router
+from llmplug.layers.rowwise import rowwise
 from llmplug.layers.weight_utils import default_weight_loader, frozen_parameter
 
 __all__ = ["SparseMoeBlock"]
@@ -67,7 +68,7 @@ class SparseMoeBlock(nn.Module):
         if self.shared_experts is not None:
             shared = self.shared_experts(x)
             if self.shared_expert_gate is not None:
-                shared = shared * torch.sigmoid(self.shared_expert_gate(x))
+                shared = shared * rowwise(torch.sigmoid, self.shared_expert_gate(x))  # [T, 1]
             out = out + shared
         tp = get_tp_group()
         if self.bias is not None and tp.rank_in_group == 0:  # added once to the ranks' sum

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from llmplug.layers.moe.config import RouterConfig
+from llmplug.layers.packed_linear import PrepackedLinearMethod, prepack_supported
+from llmplug.layers.rowwise import rowwise
 from llmplug.layers.weight_utils import check_shape, default_weight_loader, frozen_parameter
+
+if TYPE_CHECKING:
+    from llmplug.layers.quantization import LinearOptions
 
 __all__ = ["Router", "select_experts"]
 
@@ -32,10 +39,23 @@ class Router(nn.Module):
         if config.correction_bias:
             bias = torch.empty(num_experts, dtype=torch.float32)
             self.e_score_correction_bias = frozen_parameter(bias, _load_flattened)
+        self.packed: PrepackedLinearMethod | None = None  # batch-invariant mode: see process_weights_after_loading
+
+    def process_weights_after_loading(self, options: LinearOptions) -> None:
+        """Batch-invariant mode: the logits through oneDNN's packed matmul, which gives a row the same bits for
+        any number of rows; F.linear's float32 kernel (MKL) changes with the row count, and the routing weights
+        of a token would then depend on its batch. Redone after every weight update, as for linear layers."""
+        weight = self.weight
+        invariant = options.row_invariant and prepack_supported(weight.device.type, weight.dtype)
+        self.packed = PrepackedLinearMethod(weight, row_invariant=True) if invariant else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (weights [T, top_k] float32, expert ids [T, top_k] int64)."""
-        logits = F.linear(x.float() if self.config.float32 else x, self.weight, self.bias)  # [T, E]
+        x = x.float() if self.config.float32 else x
+        if self.packed is not None:
+            logits = self.packed.apply(self, x, self.bias)  # [T, E]
+        else:
+            logits = F.linear(x, self.weight, self.bias)
         return select_experts(logits, self.config, self.e_score_correction_bias)
 
     def extra_repr(self) -> str:
@@ -57,7 +77,7 @@ def select_experts(
     if config.scoring == "sparsemixer":
         weights, ids = _sparsemixer(logits, config.sparsemixer_eps)
     else:
-        scores = logits.softmax(dim=-1) if config.scoring == "softmax" else logits.sigmoid()  # [T, E]
+        scores = logits.softmax(dim=-1) if config.scoring == "softmax" else rowwise(torch.sigmoid, logits)  # [T, E]
         choice = scores if correction_bias is None else scores + correction_bias
         if config.num_groups > 1:
             choice = _only_best_groups(choice, config)

@@ -28,6 +28,7 @@ from llmplug.layers.recurrent.causal_conv import CausalConv1d
 from llmplug.layers.recurrent.gated_delta_rule import chunk_gated_delta_rule, gated_delta_rule_step, l2_normalize
 from llmplug.layers.recurrent.gated_norm import GatedRMSNorm
 from llmplug.layers.recurrent.state import RecurrentMixer, StateShape
+from llmplug.layers.rowwise import rowwise
 from llmplug.layers.weight_utils import default_weight_loader, frozen_parameter
 
 __all__ = ["GatedDeltaNet", "GatedDeltaNetConfig", "ProjectionLayout"]
@@ -128,8 +129,8 @@ class GatedDeltaNet(RecurrentMixer):
         c = self.config
         q, k, v = qkv.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
         q, k = (l2_normalize(t.float().unflatten(-1, (c.num_key_heads, c.key_head_dim))) for t in (q, k))
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        beta = b.float().sigmoid()
+        g = -self.A_log.float().exp() * rowwise(F.softplus, a.float() + self.dt_bias.float())
+        beta = rowwise(torch.sigmoid, b.float())
         beta = beta * c.beta_scale if c.beta_scale != 1.0 else beta
         return q, k, v.unflatten(-1, (c.num_value_heads, c.value_head_dim)), g, beta
 

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmplug.layers.rowwise import rowwise
 from llmplug.layers.weight_utils import default_weight_loader, frozen_parameter
 
 __all__ = ["GatedRMSNorm"]
@@ -28,7 +29,7 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """y, z [..., hidden_size] -> [..., hidden_size] in y's dtype."""
-        dtype, gate = y.dtype, F.silu(z.float())
+        dtype, gate = y.dtype, rowwise(F.silu, z.float())
         y = y.float()
         if not self.norm_before_gate:
             y = y * gate

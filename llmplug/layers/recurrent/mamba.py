@@ -21,6 +21,7 @@ from llmplug.layers.linear import ReplicatedLinear
 from llmplug.layers.recurrent.causal_conv import CausalConv1d
 from llmplug.layers.recurrent.selective_scan import selective_scan, selective_state_update
 from llmplug.layers.recurrent.state import RecurrentMixer, StateShape
+from llmplug.layers.rowwise import rowwise
 from llmplug.layers.weight_utils import default_weight_loader, frozen_parameter
 
 __all__ = ["MambaMixer", "MambaMixerConfig"]
@@ -79,11 +80,11 @@ class MambaMixer(RecurrentMixer):
         dt, B, C = self.x_proj(x).split([c.time_step_rank, c.state_size, c.state_size], dim=-1)
         if c.dt_bc_norm is not None:
             dt, B, C = self.dt_layernorm(dt), self.b_layernorm(B), self.c_layernorm(C)
-        dt = F.softplus(self.dt_proj(dt).float())
+        dt = rowwise(F.softplus, self.dt_proj(dt).float())
         return dt, -torch.exp(self.A_log.float()), B, C
 
     def _output(self, y: torch.Tensor, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        return ((y + x.float() * self.D.float()) * F.silu(z.float())).to(x.dtype)
+        return ((y + x.float() * self.D.float()) * rowwise(F.silu, z.float())).to(x.dtype)
 
     def mix_steps(self, xz: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor) -> torch.Tensor:
         x, z = xz.chunk(2, dim=-1)

@@ -21,6 +21,7 @@ from llmplug.layers.recurrent.causal_conv import CausalConv1d
 from llmplug.layers.recurrent.gated_norm import GatedRMSNorm
 from llmplug.layers.recurrent.ssd import ssd_scan, ssd_state_update
 from llmplug.layers.recurrent.state import RecurrentMixer, StateShape
+from llmplug.layers.rowwise import rowwise
 from llmplug.layers.weight_utils import default_weight_loader, frozen_parameter
 
 __all__ = ["Mamba2Mixer", "Mamba2MixerConfig"]
@@ -102,7 +103,7 @@ class Mamba2Mixer(RecurrentMixer):
         c = self.config
         gn = c.n_groups * c.state_size
         x, B, C = xBC.split([c.intermediate_size, gn, gn], dim=-1)
-        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*c.time_step_limit)
+        dt = rowwise(F.softplus, dt.float() + self.dt_bias.float()).clamp(*c.time_step_limit)
         groups = (c.n_groups, c.state_size)
         return x.unflatten(-1, (c.num_heads, c.head_dim)), dt, -torch.exp(self.A_log.float()), (
             B.unflatten(-1, groups)), C.unflatten(-1, groups)
@@ -110,7 +111,7 @@ class Mamba2Mixer(RecurrentMixer):
     def _output(self, y: torch.Tensor, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """y, x [..., H, P], z [..., H * P] -> the gated (and normed) output [..., H * P]."""
         y = (y + x.float() * self.D.float()[:, None]).flatten(-2).to(x.dtype)
-        return self.norm(y, z) if self.config.gated_norm else (y.float() * F.silu(z.float())).to(x.dtype)
+        return self.norm(y, z) if self.config.gated_norm else (y.float() * rowwise(F.silu, z.float())).to(x.dtype)
 
     def mix_steps(self, projected: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor) -> torch.Tensor:
         z, xBC, dt = self._split(projected)

@@ -8,6 +8,7 @@ llmplug's `Pooler`). `backend_class(config)` says which one runs a config, or wh
 
 from __future__ import annotations
 
+import abc
 import copy
 import re
 from typing import Any, ClassVar, Iterable
@@ -50,7 +51,7 @@ def backend_class(config: PretrainedConfig) -> type[nn.Module]:
     )
 
 
-class _TransformersModel(nn.Module):
+class _TransformersModel(nn.Module, metaclass=abc.ABCMeta):
     """A transformers model (`self.model`) whose attention runs on llmplug's layers (`self.attention`)."""
 
     supports_pipeline_parallel: ClassVar[bool] = False
@@ -64,14 +65,19 @@ class _TransformersModel(nn.Module):
         self.attention = attention.make_attention_layers(self.model, config, get_tp_group().world_size)
 
     @staticmethod
+    def batch_invariance_gap(config: PretrainedConfig) -> str | None:
+        """The batch-invariant mode needs llmplug's layers; transformers' (nn.Linear, its activations) change with the batch."""
+        return "it runs transformers' own layers, whose matmuls and activations round differently with the batch"
+
+    @staticmethod
     def for_config(config: PretrainedConfig) -> type[nn.Module]:
         """The backend class that runs `config` (the loader asks the registered backend; see `backend_class`)."""
         return backend_class(config)
 
     @staticmethod
+    @abc.abstractmethod
     def hf_class(config: PretrainedConfig) -> type:
         """The transformers class this backend model builds for `config`."""
-        raise NotImplementedError
 
     def _build(self, config: PretrainedConfig) -> nn.Module:
         """transformers' model on meta, its planned linears made parallel, then materialised on the engine's device."""
