@@ -210,6 +210,8 @@ def test_real_gemma3_gguf_generates_what_transformers_generates_from_the_same_fi
     params = SamplingParams(temperature=0.0, max_tokens=12)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     tokenizer = llm.get_tokenizer()
+    llm.shutdown()  # its float32 weights, their packed copy and its KV cache before transformers loads the model
+    del llm
     theirs = AutoModelForCausalLM.from_pretrained(gemma3_270m.parent, gguf_file=gemma3_270m.name,
                                                   dtype=torch.float32).eval()
     for prompt, output in zip(prompts, outputs):
