@@ -297,10 +297,11 @@ def _decode_kv(
     From the layer's mirror when it holds the previous step of the same requests in the same layout
     (append the new k, v [B, Hkv * D]); else gathered from the cache (already holding this step's
     k, v) into the mirror, or into a scratch buffer when a mirror would take too much memory.
-    In batch-invariant mode the keys and values come in float32 (the mirror holds them so, converted once).
+    In batch-invariant mode, and from a half-precision cache on the CPU, the keys and values come in float32
+    (the mirror holds them so, converted once): see `_decode_dtype`.
     """
     shape = (cache.shape[0], layer.num_kv_heads, part.num_reqs, keys.kv_len, layer.head_dim)
-    dtype = cache.dtype if part.tile is None else torch.float32
+    dtype = _decode_dtype(cache, part)
     if not mirror_fits(part.num_reqs, keys.kv_len, cache, dtype):
         layer.backend_state = None
         gathered = part.gather_buffer(shape, cache.dtype, cache.device)
@@ -315,11 +316,13 @@ def _decode_kv(
     if same_layout and part.rows.extends(mirror.rows):
         k, v = k.to(dtype), v.to(dtype)
         _scatter_kv(mirror.key_rows, k, v, keys.append_index)
-        mirror.append_keys_t(k, keys.seq_lens - 1)
+        mirror.append_keys_t(k, keys.append_index)
     else:
         if not same_layout:  # else regather in place
             empty = torch.empty(shape, dtype=dtype, device=cache.device)
-            mirror = DecodeMirror(empty, part.rows, keys.ring, contiguous_keys=part.tile is not None)
+            # contiguous [D, L] keys: what the fixed-order path needs, and float32 bmm on the CPU is faster with
+            contiguous = part.tile is not None or cache.device.type == "cpu"
+            mirror = DecodeMirror(empty, part.rows, keys.ring, contiguous_keys=contiguous)
             layer.backend_state = mirror
         if dtype == cache.dtype:
             keys.gather(cache, mirror.kv)
@@ -330,6 +333,13 @@ def _decode_kv(
         mirror.copy_keys_t()
     mirror.rows = part.rows
     return mirror.keys_t, mirror.values
+
+
+def _decode_dtype(cache: torch.Tensor, part: DecodePart) -> torch.dtype:
+    """The dtype decode attention computes in: float32 in batch-invariant mode (fixed_order.py) and on the CPU,
+    where a batched matmul of a few query rows takes ~5x longer in bf16 or fp16 than in float32 (SmolLM2's
+    [3, 64] x [64, 80] heads: ~45 us against ~7 us); the cache's dtype elsewhere."""
+    return torch.float32 if part.tile is not None or cache.device.type == "cpu" else cache.dtype
 
 
 def _plain(layer: "Attention") -> bool:
@@ -345,16 +355,18 @@ def _decode(
     keys = part.keys(layer.sliding_window, layer.attention_chunk)
     keys_t, values = _decode_kv(layer, k, v, part, keys, cache)  # [Hkv * B, D, kv_len], [Hkv * B, kv_len, D]
     values = values[..., : layer.v_head_dim]  # values inside keys: their leading dims
-    qh = q.view(b, hkv, g, d).transpose(0, 1).reshape(hkv * b, g, d)  # [Hkv * B, G, D]
+    qh = q.view(b, hkv, g, d).transpose(0, 1).reshape(hkv * b, g, d).to(keys_t.dtype)  # [Hkv * B, G, D]
     if part.tile is not None:
-        out = _decode_fixed_order(layer, qh, keys_t, values, keys, part.tile).to(q.dtype)  # [Hkv * B, G, Dv]
+        out = _decode_fixed_order(layer, qh, keys_t, values, keys, part.tile)  # [Hkv * B, G, Dv]
     elif _plain(layer):
-        scores = torch.baddbmm(keys.score_mask(hkv, g, q.dtype), qh, keys_t, alpha=layer.scale)  # [Hkv * B, G, kv_len]
+        mask = keys.score_mask(hkv, g, qh.dtype)
+        scores = torch.baddbmm(mask, qh, keys_t, alpha=layer.scale)  # [Hkv * B, G, kv_len]
         out = torch.bmm(torch.softmax(scores, dim=-1), values)
     else:
         out = torch.bmm(_decode_probs(layer, qh, keys_t, keys), values)
     dv = layer.v_head_dim
-    return out.view(hkv, b, g, dv).transpose(0, 1).reshape(b, layer.num_heads * dv)  # heads in order kv * G + g
+    out = out.to(q.dtype).view(hkv, b, g, dv)
+    return out.transpose(0, 1).reshape(b, layer.num_heads * dv)  # heads in order kv * G + g
 
 
 def _decode_scores(layer: "Attention", scores: torch.Tensor, keys: DecodeKeys) -> torch.Tensor | None:
