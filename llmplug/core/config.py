@@ -53,14 +53,16 @@ class ModelConfig(_Section):
     skip_tokenizer_init: bool = Field(False, description="Do not load a tokenizer; prompts must be token ids.")
     trust_remote_code: bool = Field(False, description="Allow transformers to run code from the model directory.")
     hf_overrides: dict[str, Any] = Field(default_factory=dict, description="Values that override the HF config.")
-    # "none" by default: the int4 path is chosen per call by token count, so with it a request's output
-    # can depend on what it is batched with (or on prefix-cache hits); opt in for small-batch speed.
+    # "none" by default: dense weights are what the parity tests hold against transformers; int4 trades
+    # prefill and large-batch speed for single-stream speed (docs/quantization.md)
     quantization: Literal["auto", "none", "int4"] = Field(
         "none",
         description=(
-            "Weight-only int4 path for small batches (decode), next to the dense weights. auto: where the "
-            "checkpoint's own blocks are exactly int4 (GGUF Q4_0, Q4_1, Q8_0) and the platform runs the kernel; "
-            "int4: every linear layer, quantizing the rest (group 32); none: dense only. See docs/quantization.md."
+            "Weight-only int4 copies next to the dense weights. auto: where the checkpoint's own blocks are "
+            "exactly int4 (GGUF Q4_0, Q4_1, Q8_0) and the platform runs the kernel; int4: every linear layer, "
+            "quantizing the rest (group 32); none: dense only. An int4 layer computes at most 8 tokens per call "
+            "with its int4 copy (decode) and more densely, unless batch_invariant is true: then every token "
+            "count in int4. See docs/quantization.md."
         ),
     )
     runner: Literal["auto", "generate", "pooling"] = Field(
@@ -90,9 +92,9 @@ class ModelConfig(_Section):
         description=(
             "A request's logits are bitwise the same alone, in any batch, in any prefill chunks and with or "
             "without a prefix-cache hit (fixed-order float32 attention, oneDNN row-invariant linear layers also in "
-            "float32, no int4 copies). Same engine config, platform and thread count; see docs/determinism.md. "
-            "auto: on where the platform and attention backend implement it and nothing asked for a per-batch "
-            "kernel (quantization none, no device.compile, generate runner)."
+            "float32, int4 copies for every token count). Same engine config, platform and thread count; see "
+            "docs/determinism.md. auto: on where the platform, attention backend and model implement it and "
+            "nothing asked for a per-batch kernel (quantization none, no device.compile, generate runner)."
         ),
     )
     prepack_weights: bool = Field(

@@ -16,7 +16,10 @@ def resolve_batch_invariant(config: EngineConfig, platform: type, registry: Plug
 
     auto is on where the platform's kernels, the attention backend and the model implement the mode and nothing
     in the config asks for a kernel chosen per batch (int4 copies, the compiled forward) or runs without a KV
-    cache (pooling). `config.device.attention_backend` must already be resolved by the platform.
+    cache (pooling). With int4 copies the mode holds when asked for (True): each int4 layer then computes every
+    token count with the int4 kernel (probed row invariant per shape; a layer that fails stays dense). auto
+    leaves it off there, because int4 prefill answers less well than the dense prefill of the default switch
+    (docs/quantization.md, "Accuracy"). `config.device.attention_backend` must already be resolved by the platform.
     """
     model = config.model
     backend = registry.load("llmplug.attention", config.device.attention_backend or "torch_sdpa")
@@ -26,7 +29,8 @@ def resolve_batch_invariant(config: EngineConfig, platform: type, registry: Plug
         blockers = {
             f"platform {platform.name!r}": not getattr(platform, "batch_invariant_kernels", False),
             f"attention backend {backend.name!r}": not backend_invariant,
-            f"quantization={model.quantization!r}": model.quantization != "none",
+            f"quantization={model.quantization!r} (int4 at every size only when asked: batch_invariant=true)":
+                model.quantization != "none",
             "device.compile": config.device.compile,
             "runner 'pooling'": model.runner == "pooling",
             f"this model ({model_gap})": model_gap is not None,
@@ -43,11 +47,6 @@ def resolve_batch_invariant(config: EngineConfig, platform: type, registry: Plug
             f"model.batch_invariant needs an attention backend that reduces in a fixed order; "
             f"device.attention_backend={backend.name!r} does not: use 'torch_sdpa' or turn "
             "batch_invariant off (--no-batch-invariant)"
-        )
-    if model.quantization == "int4":
-        raise ConfigError(
-            "model.batch_invariant cannot be combined with quantization='int4': the int4 kernel is chosen per "
-            "call by the step's token count, so outputs would depend on the batch; use quantization='none'"
         )
     if model_gap is not None and model.runner != "pooling":
         raise ConfigError(f"model.batch_invariant cannot hold for {model.model}: {model_gap}; turn it off "

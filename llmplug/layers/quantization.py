@@ -49,6 +49,7 @@ __all__ = [
     "attach_int4_groups",
     "int4_groups_of",
     "int4_kernel_supported",
+    "int4_rows_invariant",
     "linear_method_for",
     "process_weights_after_loading",
     "quantize_int4",
@@ -217,6 +218,38 @@ def int4_kernel_supported(device_type: str, dtype: torch.dtype) -> bool:
     return True
 
 
+# Row counts whose rows the row-invariance probe compares with the same rows among _PROBED_ROWS: a lone row,
+# the kernel's row blocks and odd counts around them
+_PROBED_ROW_COUNTS = (1, 2, 3, 4, 5, 7, 8, 16, 31, 32, 33, 64, 65, 128)
+_PROBED_ROWS = 257
+
+
+@functools.lru_cache(maxsize=None)
+def int4_rows_invariant(
+    out_features: int, in_features: int, num_planes: int, dtype: torch.dtype, num_threads: int
+) -> bool:
+    """Whether the int4 kernel gives each row of x the same bits whatever the number of rows (1 to 257, on a
+    random weight of this shape; `num_threads`, torch's thread count, is part of the cache key).
+
+    The rows are built to show any change of summation order: each holds +2^10 and -2^10 at two columns
+    with (before quantization) equal weights, so those products nearly cancel while the small terms summed
+    between them lose low bits to the large running sum, by how many depending on the order.
+    """
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    x = torch.randn(_PROBED_ROWS, in_features, generator=generator)
+    for row in range(x.shape[0]):
+        first, last = row % 4, in_features - 1 - row % 4
+        weight[:, last] = weight[:, first]
+        x[row, first], x[row, last] = 2.0**10, -(2.0**10)
+    one = quantize_int4(weight)  # the planes side by side: the kernel's K grows as for a two-plane weight
+    groups = Int4Groups(*(t.repeat(num_planes, 1, 1) for t in (one.q, one.scale, one.zero)), one.group_size)
+    packed = PackedInt4.pack(groups, dtype, torch.device("cpu"))
+    x = x.to(dtype)
+    every_row = packed.matmul(x)
+    return all(torch.equal(packed.matmul(x[:m]), every_row[:m]) for m in _PROBED_ROW_COUNTS)
+
+
 @dataclass(frozen=True, slots=True)
 class PackedInt4:
     """An [N, K] weight in the kernel's layout: planes side by side along K, x repeated once per plane."""
@@ -277,15 +310,17 @@ DENSE = DenseLinearMethod()
 
 
 class Int4LinearMethod:
-    """The int4 kernel for at most `max_tokens` rows of x, the `dense` method for more."""
+    """The int4 kernel for at most `max_tokens` rows of x (None: for any number), the `dense` method for more."""
 
-    def __init__(self, packed: PackedInt4, max_tokens: int, exact: bool, dense: LinearMethod = DENSE) -> None:
+    def __init__(
+        self, packed: PackedInt4, max_tokens: int | None, exact: bool, dense: LinearMethod = DENSE
+    ) -> None:
         self.packed, self.max_tokens, self.exact, self.dense = packed, max_tokens, exact, dense
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # called ~120 times per decode step: the common case (2-D x) does no reshaping
         rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # [M, K]
-        if rows.shape[0] > self.max_tokens:
+        if self.max_tokens is not None and rows.shape[0] > self.max_tokens:
             return self.dense.apply(layer, x, bias)
         y = self.packed.matmul(rows)  # [M, N]
         if bias is not None:
@@ -294,7 +329,8 @@ class Int4LinearMethod:
 
     def __repr__(self) -> str:
         source = "exact" if self.exact else "quantized"
-        return f"int4(m<={self.max_tokens}, {source}, planes={self.packed.num_planes})"
+        rows = "any m" if self.max_tokens is None else f"m<={self.max_tokens}"
+        return f"int4({rows}, {source}, planes={self.packed.num_planes})"
 
 
 # ---------------------------------------------------------------- after loading
@@ -308,8 +344,10 @@ class LinearOptions:
     quantize_dense: also quantize weights (or groups of them) that have no exact int4 form; False keeps
     such layers dense. required: fail when the int4 kernel is missing instead of staying dense.
     prepack: pack dense weights for oneDNN where that is supported (see layers/packed_linear.py).
-    row_invariant: every dense layer's result rows must not depend on the number of rows (batch-invariant
-    mode): float32 weights are packed for oneDNN too, whose kernel keeps that (MKL's float32 matmul does not).
+    row_invariant: no layer's result rows may depend on the number of rows (batch-invariant mode): float32
+    weights are packed for oneDNN too, whose kernel keeps that (MKL's float32 matmul does not), and an int4
+    copy serves every number of rows (`max_tokens` is ignored) where the kernel is probed row invariant for
+    the weight's shape; a layer whose probe fails stays dense.
     """
 
     int4: bool = True
@@ -338,11 +376,16 @@ def linear_method_for(weight: torch.Tensor, options: LinearOptions) -> LinearMet
     else:
         groups, exact = _fill_by_quantizing(weight, staging, options.group_size), False
     reason = packable(groups)
+    if reason is None and options.row_invariant and not int4_rows_invariant(
+        *weight.shape, groups.num_planes, weight.dtype, torch.get_num_threads()
+    ):
+        reason = "the int4 kernel's rows depend on their number for this shape (batch-invariant mode)"
     if reason is not None:
-        if options.quantize_dense:
+        if options.quantize_dense or options.row_invariant:
             log.warning("weight of shape %s stays dense: %s", tuple(weight.shape), reason)
         return dense
-    return Int4LinearMethod(PackedInt4.pack(groups, weight.dtype, weight.device), options.max_tokens, exact, dense)
+    max_tokens = None if options.row_invariant else options.max_tokens  # one kernel for every row count
+    return Int4LinearMethod(PackedInt4.pack(groups, weight.dtype, weight.device), max_tokens, exact, dense)
 
 
 def _dense_method_for(weight: torch.Tensor, options: LinearOptions) -> LinearMethod:

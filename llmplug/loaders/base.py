@@ -280,9 +280,9 @@ def finish_loading(model: torch.nn.Module, model_config: ModelConfig, only_dense
 
     quantization = model_config.quantization
     forced = quantization == "int4"
-    invariant = model_config.batch_invariant_on  # int4 copies are chosen per call by token count: none in this mode
+    invariant = model_config.batch_invariant_on  # an int4 copy then serves every token count
     options = LinearOptions(
-        int4=quantization != "none" and not invariant, quantize_dense=forced, required=forced,
+        int4=quantization != "none", quantize_dense=forced, required=forced,
         prepack=model_config.prepack_weights, row_invariant=invariant,
     )
     process_weights_after_loading(model, options, only_dense=only_dense)

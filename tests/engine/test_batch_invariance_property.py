@@ -70,11 +70,13 @@ def generate(runner: ParityRunner, case: ParityCase, prompts: dict[int, list[int
     return results
 
 
-def alone(runner: ParityRunner, case: ParityCase, dtype: str, invariant: bool = True) -> dict[int, Result]:
+def alone(
+    runner: ParityRunner, case: ParityCase, dtype: str, invariant: bool = True, quantization: str = "none"
+) -> dict[int, Result]:
     """Every prompt alone (one engine, one request at a time, no chunking, no prefix caching)."""
     prompts = prompts_of(runner, case)
     kwargs = {**BASE_ENGINE_KWARGS, **case.engine_kwargs, "dtype": dtype, "batch_invariant": invariant,
-              "enable_prefix_caching": False, "max_num_batched_tokens": 4096}
+              "enable_prefix_caching": False, "max_num_batched_tokens": 4096, "quantization": quantization}
     llm = LLM(str(runner.checkpoint(case).path), **kwargs)
     try:
         results = {}
@@ -98,18 +100,22 @@ scenarios = st.fixed_dictionaries(
 
 
 @pytest.mark.parametrize(
-    ("family", "dtype"), [(f, "bfloat16") for f in FAMILIES] + [("LlamaForCausalLM", "float32")]
+    ("family", "dtype", "quantization"),
+    [(f, "bfloat16", "none") for f in FAMILIES]
+    + [("LlamaForCausalLM", "float32", "none"), ("LlamaForCausalLM", "bfloat16", "int4")],
 )
-def test_logits_and_tokens_do_not_depend_on_batch_chunks_prefix_hits_or_preemption(runner, family, dtype) -> None:
+def test_logits_and_tokens_do_not_depend_on_batch_chunks_prefix_hits_or_preemption(
+    runner, family, dtype, quantization
+) -> None:
     case = CASE[family]
     prompts = prompts_of(runner, case)
-    expected = alone(runner, case, dtype)
+    expected = alone(runner, case, dtype, quantization=quantization)
 
     @settings(max_examples=2, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
     @given(scenario=scenarios)
     def check(scenario: dict) -> None:
         engine = {"dtype": dtype, "max_num_batched_tokens": scenario["budget"],
-                  "enable_prefix_caching": scenario["prefix_caching"]}
+                  "enable_prefix_caching": scenario["prefix_caching"], "quantization": quantization}
         if scenario["tight_cache"]:
             engine["num_gpu_blocks_override"] = 24
         got = generate(runner, case, {i: prompts[i] for i in scenario["order"]}, **engine)
@@ -129,18 +135,20 @@ def test_without_the_mode_a_request_changes_with_its_batch(runner) -> None:
     assert any(got[i] != expected[i] for i in got), "the default paths were batch invariant: the twin test is stale"
 
 
-def test_the_mode_refuses_int4_and_the_next_engine_starts(runner) -> None:
-    """quantization=int4 picks its kernel per call by token count: with the mode it is an error naming both fields;
-    an engine with a valid config starts and answers afterwards."""
-    from llmplug.core.errors import ConfigError
+def test_int4_layers_serve_every_token_count_in_the_mode(runner) -> None:
+    """With quantization=int4 the mode, asked for, holds (the property test above runs it) because every int4
+    layer takes the int4 kernel for any number of tokens, never switching to the dense weight for a large step."""
+    from llmplug.layers.quantization import Int4LinearMethod
 
     case = CASE["LlamaForCausalLM"]
-    path = str(runner.checkpoint(case).path)
-    with pytest.raises(ConfigError, match="batch_invariant.*quantization='int4'"):
-        LLM(path, **BASE_ENGINE_KWARGS, batch_invariant=True, quantization="int4")
-    llm = LLM(path, **BASE_ENGINE_KWARGS, batch_invariant=True)
+    kwargs = {**BASE_ENGINE_KWARGS, "dtype": "bfloat16", "quantization": "int4", "batch_invariant": True}
+    llm = LLM(str(runner.checkpoint(case).path), **kwargs)
     try:
-        out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=2), use_tqdm=False)
+        assert llm.llm_engine.config.model.batch_invariant is True
+        model = llm.llm_engine.engine_core.executor.worker.model_runner.model
+        methods = [m.quant_method for m in model.modules() if hasattr(m, "quant_method")]
+        assert methods and all(isinstance(m, Int4LinearMethod) and m.max_tokens is None for m in methods), methods
+        out = llm.generate([{"prompt_token_ids": list(range(5, 45))}], SamplingParams(max_tokens=2), use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 2
     finally:
         llm.shutdown()
@@ -150,7 +158,7 @@ def test_the_mode_refuses_int4_and_the_next_engine_starts(runner) -> None:
     ("settings", "expected"),
     [
         ({}, True),  # the default: on
-        ({"quantization": "auto"}, False),  # int4 copies are picked per call by token count
+        ({"quantization": "auto"}, False),  # int4 at every size only when asked for (batch_invariant: true)
         ({"device.compile": True}, False),  # the compiled forward is not checked for invariance
         ({"runner": "pooling"}, False),  # no KV cache: prompts run whole
         ({"attention_backend": "triton"}, False),  # reduces in another order per batch

@@ -18,6 +18,7 @@ from llmplug.layers.quantization import (
     PackedInt4,
     attach_int4_groups,
     int4_kernel_supported,
+    int4_rows_invariant,
     process_weights_after_loading,
     quantize_int4,
 )
@@ -88,6 +89,42 @@ def test_small_batches_use_the_int4_copy_and_large_ones_the_dense_weight() -> No
     small, large = torch.randn(INT4_MAX_TOKENS, 64), torch.randn(INT4_MAX_TOKENS + 1, 64)
     torch.testing.assert_close(layer(small), F.linear(small, groups.dequantize(), layer.bias), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(layer(large), layer.bias.expand(INT4_MAX_TOKENS + 1, 32))
+
+
+def test_in_batch_invariant_mode_every_token_count_uses_the_int4_copy() -> None:
+    """row_invariant (batch-invariant mode): no switch to the dense weight at any size, so a token's result never
+    depends on how many tokens share its step."""
+    layer = ReplicatedLinear(64, 32, bias=False)
+    groups = random_groups(32, 64)
+    loaded_linear(layer, torch.zeros(32, 64), groups)  # dense zeros: the output shows which weight ran
+    process_weights_after_loading(layer, LinearOptions(row_invariant=True))
+    assert isinstance(layer.quant_method, Int4LinearMethod) and layer.quant_method.max_tokens is None
+    large = torch.randn(300, 64)
+    torch.testing.assert_close(layer(large), F.linear(large, groups.dequantize()), rtol=1e-5, atol=1e-5)
+    assert torch.equal(layer(large[:1]), layer(large)[:1]) and torch.equal(layer(large[:33]), layer(large)[:33])
+
+
+@pytest.mark.parametrize("shape", [(960, 576, 1), (576, 1536, 1), (49152 // 64, 576, 2)])
+def test_the_int4_kernel_is_probed_row_invariant_for_smollm2_shapes(shape: tuple[int, int, int]) -> None:
+    """What lets int4 copies into batch-invariant mode on this CPU (the default model's projections; the LM head's
+    two-plane Q8_0 width, fewer rows)."""
+    assert int4_rows_invariant(*shape, torch.bfloat16, torch.get_num_threads())
+
+
+def test_a_layer_whose_int4_rows_vary_stays_dense_in_batch_invariant_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    import llmplug.layers.quantization as quantization
+
+    monkeypatch.setattr(quantization, "int4_rows_invariant", lambda *shape: False)
+    groups = random_groups(32, 64)
+    methods = {}
+    for mode, options in {"invariant": LinearOptions(row_invariant=True), "default": AUTO}.items():
+        layer = ReplicatedLinear(64, 32, bias=False)
+        loaded_linear(layer, groups.dequantize(), groups)
+        process_weights_after_loading(layer, options)
+        methods[mode] = layer.quant_method
+    assert not isinstance(methods["invariant"], Int4LinearMethod)
+    # outside the mode the probe is not asked: the int4 copy serves small calls
+    assert isinstance(methods["default"], Int4LinearMethod) and methods["default"].max_tokens == INT4_MAX_TOKENS
 
 
 def test_leading_dims_are_kept() -> None:
