@@ -101,14 +101,12 @@ class DecodeMirror:
             num_kv_heads, num_reqs, kv_len, head_dim = self.kv.shape[1:]
             self.keys_t.copy_(self.kv[0].view(num_kv_heads * num_reqs, kv_len, head_dim).transpose(1, 2))
 
-    def append_keys_t(self, k: torch.Tensor, rows: torch.Tensor) -> None:
-        """Put each request's newest key k [B, Hkv * D] into the contiguous copy (if any), where `rows` [B] (rows of
-        `key_rows`: request * kv_len + slot, a ring's slot included) put it in `kv`."""
-        if self.contiguous_keys:
-            num_kv_heads, num_reqs, kv_len, head_dim = self.kv.shape[1:]
-            per_head = self.keys_t.view(num_kv_heads, num_reqs, head_dim, kv_len)
-            requests = torch.arange(num_reqs, device=rows.device)
-            per_head[:, requests, :, rows - requests * kv_len] = k.view(num_reqs, num_kv_heads, head_dim)
+    def append_keys_t(self, k: torch.Tensor, index: torch.Tensor) -> None:
+        """Put each request's newest key k [B, Hkv * D] into the contiguous copy at `index` [Hkv * B * D] (its
+        elements in keys_t flattened: `DecodeKeys.transposed_append_index`)."""
+        num_kv_heads, num_reqs, _, head_dim = self.kv.shape[1:]
+        per_head = k.view(num_reqs, num_kv_heads, head_dim).transpose(0, 1).reshape(-1)  # [Hkv * B * D]
+        self.keys_t.view(-1).index_copy_(0, index, per_head)
 
 
 def mirror_fits(num_reqs: int, kv_len: int, cache: torch.Tensor, dtype: torch.dtype) -> bool:

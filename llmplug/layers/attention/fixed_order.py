@@ -69,7 +69,7 @@ def softmax_weighted_sum(
     if sinks is not None:
         sinks = _two_rows(sinks.expand(scores.shape[0], rows, 1))
         top = torch.maximum(top, sinks)
-    top.masked_fill_(top == float("-inf"), 0.0)  # a row that sees no key: all its weights are 0
+    top.clamp_(min=torch.finfo(top.dtype).min)  # a row that sees no key (max -inf): all its weights stay 0
     probs = scores.sub_(top).exp_()
     total, out = None, None
     for start in range(0, length, tile):
@@ -80,4 +80,5 @@ def softmax_weighted_sum(
         out = tile_out if out is None else out.add_(tile_out)
     if sinks is not None:
         total.add_(torch.exp(sinks - top))
-    return out.div_(total.masked_fill_(total == 0, 1.0))[:, :rows]
+    # a seen row's total is >= 1 (its largest weight is exp(0)); a row that sees no key has total 0 and out 0
+    return out.div_(total.clamp_(min=torch.finfo(total.dtype).tiny))[:, :rows]

@@ -39,6 +39,7 @@ class DecodeKeys:
     window: int | None = None  # a sliding window applied by the mask (the full layout of batch-invariant mode)
     _masks: dict[tuple[int, int, torch.dtype], torch.Tensor] = field(default_factory=dict)
     _append_index: torch.Tensor | None = None
+    _transposed_append_index: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_reqs(self) -> int:
@@ -53,6 +54,18 @@ class DecodeKeys:
             slot = newest if self.ring is None else newest % self.ring
             self._append_index = torch.arange(self.num_reqs, device=slot.device) * self.kv_len + slot
         return self._append_index
+
+    def transposed_append_index(self, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+        """[Hkv * B * D] element of each request's newest key in keys laid out [Hkv * B, D, kv_len] and flattened,
+        in the order of k [B, Hkv, D] transposed to [Hkv, B, D] (built once per step and head shape)."""
+        key = (num_kv_heads, head_dim)
+        if key not in self._transposed_append_index:
+            device = self.seq_lens.device
+            slot = self.append_index - torch.arange(self.num_reqs, device=device) * self.kv_len  # [B]
+            rows = torch.arange(num_kv_heads * self.num_reqs, device=device)[:, None] * head_dim  # head * B + request
+            columns = (rows + torch.arange(head_dim, device=device)) * self.kv_len  # [Hkv * B, D]
+            self._transposed_append_index[key] = (columns + slot.repeat(num_kv_heads)[:, None]).reshape(-1)
+        return self._transposed_append_index[key]
 
     def seen(self) -> torch.Tensor:
         """[B, kv_len] bool: the gathered keys the query sees (the rest is padding, another chunk or outside the

@@ -268,6 +268,16 @@ def _adjacent_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
     return k.as_strided((num_tokens, 2, width), (k.stride(0), width, 1))
 
 
+def _converted(k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """k and v [T, W] in `dtype`; still side by side in one tensor when they were (one conversion, and
+    `_scatter_kv` then stores both with one copy)."""
+    kv = _adjacent_kv(k, v)
+    if kv is None:
+        return k.to(dtype), v.to(dtype)
+    kv = kv.to(dtype)
+    return kv[:, 0], kv[:, 1]
+
+
 def _scatter_kv(rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor) -> None:
     """Store k, v [T, Hkv * D] at rows `index` [T] of rows [2 (K, V), Hkv, num_rows, D]; a one-plane
     store [1, ...] holds the keys only (the values are inside them)."""
@@ -314,9 +324,10 @@ def _decode_kv(
         and mirror.ring == keys.ring
     )
     if same_layout and part.rows.extends(mirror.rows):
-        k, v = k.to(dtype), v.to(dtype)
+        k, v = _converted(k, v, dtype)
         _scatter_kv(mirror.key_rows, k, v, keys.append_index)
-        mirror.append_keys_t(k, keys.append_index)
+        if mirror.contiguous_keys:
+            mirror.append_keys_t(k, keys.transposed_append_index(layer.num_kv_heads, layer.head_dim))
     else:
         if not same_layout:  # else regather in place
             empty = torch.empty(shape, dtype=dtype, device=cache.device)
