@@ -365,14 +365,13 @@ class LinearOptions:
 
 def linear_method_for(weight: torch.Tensor, options: LinearOptions) -> LinearMethod:
     """The method a layer with dense `weight` (and maybe staged int4 groups) should use after loading."""
-    dense = _dense_method_for(weight, options)
     if not (options.int4 and int4_kernel_supported(weight.device.type, weight.dtype)):
-        return dense
+        return _dense_method_for(weight, options)
     staging = staged_int4(weight)
     if staging is not None and bool(staging.filled.all()):
         groups, exact = staging.groups(), True
     elif not options.quantize_dense:
-        return dense
+        return _dense_method_for(weight, options)
     else:
         groups, exact = _fill_by_quantizing(weight, staging, options.group_size), False
     reason = packable(groups)
@@ -383,9 +382,11 @@ def linear_method_for(weight: torch.Tensor, options: LinearOptions) -> LinearMet
     if reason is not None:
         if options.quantize_dense or options.row_invariant:
             log.warning("weight of shape %s stays dense: %s", tuple(weight.shape), reason)
-        return dense
-    max_tokens = None if options.row_invariant else options.max_tokens  # one kernel for every row count
-    return Int4LinearMethod(PackedInt4.pack(groups, weight.dtype, weight.device), max_tokens, exact, dense)
+        return _dense_method_for(weight, options)
+    packed = PackedInt4.pack(groups, weight.dtype, weight.device)
+    if options.row_invariant:  # one kernel for every row count: no dense fallback to pack
+        return Int4LinearMethod(packed, None, exact)
+    return Int4LinearMethod(packed, options.max_tokens, exact, _dense_method_for(weight, options))
 
 
 def _dense_method_for(weight: torch.Tensor, options: LinearOptions) -> LinearMethod:
