@@ -106,7 +106,7 @@ class DecodeMirror:
         elements in keys_t flattened: `DecodeKeys.transposed_append_index`)."""
         num_kv_heads, num_reqs, _, head_dim = self.kv.shape[1:]
         per_head = k.view(num_reqs, num_kv_heads, head_dim).transpose(0, 1).reshape(-1)  # [Hkv * B * D]
-        self.keys_t.view(-1).index_copy_(0, index, per_head)
+        self.keys_t.put_(index, per_head)
 
 
 def mirror_fits(num_reqs: int, kv_len: int, cache: torch.Tensor, dtype: torch.dtype) -> bool:
