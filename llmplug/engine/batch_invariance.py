@@ -16,7 +16,7 @@ def resolve_batch_invariant(config: EngineConfig, platform: type, registry: Plug
 
     auto is on where the platform's kernels, the attention backend and the model implement the mode and nothing
     in the config asks for a kernel chosen per batch (int4 copies, the compiled forward) or runs without a KV
-    cache (pooling). With int4 copies the mode holds when asked for (True): each int4 layer then computes every
+    cache (pooling). int8 weights (an exact integer matmul, per-token activation scales) keep it. With int4 copies the mode holds when asked for (True): each int4 layer then computes every
     token count with the int4 kernel (probed row invariant per shape; a layer that fails stays dense). auto
     leaves it off there, because int4 prefill answers less well than the dense prefill of the default switch
     (docs/quantization.md, "Accuracy"). `config.device.attention_backend` must already be resolved by the platform.
@@ -30,7 +30,7 @@ def resolve_batch_invariant(config: EngineConfig, platform: type, registry: Plug
             f"platform {platform.name!r}": not getattr(platform, "batch_invariant_kernels", False),
             f"attention backend {backend.name!r}": not backend_invariant,
             f"quantization={model.quantization!r} (int4 at every size only when asked: batch_invariant=true)":
-                model.quantization != "none",
+                model.quantization in ("auto", "int4"),
             "device.compile": config.device.compile,
             "runner 'pooling'": model.runner == "pooling",
             f"this model ({model_gap})": model_gap is not None,

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmplug.core.errors import ModelLoadError
+from llmplug.layers.int8_linear import Int8LinearMethod, int8_matmul_exact
 from llmplug.layers.packed_linear import PrepackedLinearMethod, prepack_supported
 
 __all__ = [
@@ -341,6 +342,8 @@ class LinearOptions:
     """What `process_weights_after_loading` does.
 
     int4: use the int4 kernel where the checkpoint holds exact int4 groups (quantization=auto).
+    int8: every layer computes through int8 weights and per-token int8 activations (quantization=int8,
+    layers/int8_linear.py); overrides int4.
     quantize_dense: also quantize weights (or groups of them) that have no exact int4 form; False keeps
     such layers dense. required: fail when the int4 kernel is missing instead of staying dense.
     prepack: pack dense weights for oneDNN where that is supported (see layers/packed_linear.py).
@@ -351,6 +354,7 @@ class LinearOptions:
     """
 
     int4: bool = True
+    int8: bool = False
     quantize_dense: bool = False
     required: bool = False
     group_size: int = INT4_GROUP_SIZE
@@ -365,6 +369,8 @@ class LinearOptions:
 
 def linear_method_for(weight: torch.Tensor, options: LinearOptions) -> LinearMethod:
     """The method a layer with dense `weight` (and maybe staged int4 groups) should use after loading."""
+    if options.int8 and weight.dim() == 2:
+        return Int8LinearMethod(weight)
     if not (options.int4 and int4_kernel_supported(weight.device.type, weight.dtype)):
         return _dense_method_for(weight, options)
     staging = staged_int4(weight)
@@ -418,6 +424,11 @@ def process_weights_after_loading(model: nn.Module, options: LinearOptions, only
     `only_dense`: then only layers computing densely (a new weight makes its layer dense) are redone.
     """
     param = next(model.parameters(), None)
+    if options.int8 and param is not None and not int8_matmul_exact(param.device.type):
+        raise ModelLoadError(
+            f"quantization=int8 needs an exact int8 matmul (torch._int_mm) on {param.device.type}, which is not "
+            "available here; use quantization=none"
+        )
     supported = param is not None and int4_kernel_supported(param.device.type, param.dtype)
     if not supported and options.required:
         where = f"{param.device.type} / {param.dtype}" if param is not None else "this model"

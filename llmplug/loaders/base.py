@@ -282,7 +282,7 @@ def finish_loading(model: torch.nn.Module, model_config: ModelConfig, only_dense
     forced = quantization == "int4"
     invariant = model_config.batch_invariant_on  # an int4 copy then serves every token count
     options = LinearOptions(
-        int4=quantization != "none", quantize_dense=forced, required=forced,
+        int4=quantization in ("auto", "int4"), int8=quantization == "int8", quantize_dense=forced, required=forced,
         prepack=model_config.prepack_weights, row_invariant=invariant,
     )
     process_weights_after_loading(model, options, only_dense=only_dense)

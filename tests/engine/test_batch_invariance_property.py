@@ -102,7 +102,8 @@ scenarios = st.fixed_dictionaries(
 @pytest.mark.parametrize(
     ("family", "dtype", "quantization"),
     [(f, "bfloat16", "none") for f in FAMILIES]
-    + [("LlamaForCausalLM", "float32", "none"), ("LlamaForCausalLM", "bfloat16", "int4")],
+    + [("LlamaForCausalLM", "float32", "none"), ("LlamaForCausalLM", "bfloat16", "int4"),
+       ("LlamaForCausalLM", "bfloat16", "int8")],
 )
 def test_logits_and_tokens_do_not_depend_on_batch_chunks_prefix_hits_or_preemption(
     runner, family, dtype, quantization
@@ -135,19 +136,27 @@ def test_without_the_mode_a_request_changes_with_its_batch(runner) -> None:
     assert any(got[i] != expected[i] for i in got), "the default paths were batch invariant: the twin test is stale"
 
 
-def test_int4_layers_serve_every_token_count_in_the_mode(runner) -> None:
-    """With quantization=int4 the mode, asked for, holds (the property test above runs it) because every int4
-    layer takes the int4 kernel for any number of tokens, never switching to the dense weight for a large step."""
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_quantized_layers_keep_one_kernel_for_every_token_count_in_the_mode(runner, quantization) -> None:
+    """The property test above runs these modes; here, that they really are on: with quantization=int4 (the mode
+    asked for) every int4 layer takes the int4 kernel for any number of tokens, never its dense weight for a
+    large step; with int8 every layer computes through int8 weights (its default turns the mode on)."""
+    from llmplug.layers.int8_linear import Int8LinearMethod
     from llmplug.layers.quantization import Int4LinearMethod
 
     case = CASE["LlamaForCausalLM"]
-    kwargs = {**BASE_ENGINE_KWARGS, "dtype": "bfloat16", "quantization": "int4", "batch_invariant": True}
+    kwargs = {**BASE_ENGINE_KWARGS, "dtype": "bfloat16", "quantization": quantization}
+    if quantization == "int4":
+        kwargs["batch_invariant"] = True
     llm = LLM(str(runner.checkpoint(case).path), **kwargs)
     try:
         assert llm.llm_engine.config.model.batch_invariant is True
         model = llm.llm_engine.engine_core.executor.worker.model_runner.model
         methods = [m.quant_method for m in model.modules() if hasattr(m, "quant_method")]
-        assert methods and all(isinstance(m, Int4LinearMethod) and m.max_tokens is None for m in methods), methods
+        if quantization == "int4":
+            assert methods and all(isinstance(m, Int4LinearMethod) and m.max_tokens is None for m in methods), methods
+        else:
+            assert methods and all(isinstance(m, Int8LinearMethod) for m in methods), methods
         out = llm.generate([{"prompt_token_ids": list(range(5, 45))}], SamplingParams(max_tokens=2), use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 2
     finally:
@@ -159,6 +168,7 @@ def test_int4_layers_serve_every_token_count_in_the_mode(runner) -> None:
     [
         ({}, True),  # the default: on
         ({"quantization": "auto"}, False),  # int4 at every size only when asked for (batch_invariant: true)
+        ({"quantization": "int8"}, True),  # an exact integer matmul, per-token scales
         ({"device.compile": True}, False),  # the compiled forward is not checked for invariance
         ({"runner": "pooling"}, False),  # no KV cache: prompts run whole
         ({"attention_backend": "triton"}, False),  # reduces in another order per batch
