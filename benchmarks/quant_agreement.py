@@ -36,6 +36,7 @@ MODES = [
                                                      "batch_invariant": True}),
     ("int4 + batch_invariant (LM head requantized)", {"dtype": "bfloat16", "quantization": "int4",
                                                       "batch_invariant": True}),
+    ("int8 (w8a8: per-channel weights, per-token activations)", {"dtype": "bfloat16", "quantization": "int8"}),
 ]
 
 

@@ -5,7 +5,8 @@
     python benchmarks/throughput.py --model DIR --num-prompts 32 --output-len 128
 
 Reports output tokens/s of each engine for a batch of prompts and for one stream, prefill tokens/s
-(the batch's prompt tokens, one output token each; prefix cache off), and the ratios. With --compile
+(the batch's prompt tokens, one output token each; prefix cache off), and the ratios; llmplug both with
+its default dense weights and with `quantization: int8` (docs/quantization.md). With --compile
 also llmplug with `device.compile` (compiled in the warm-up, not timed); with --cpu-clock every row is
 timed in CPU seconds of the process, steadier when other jobs share the machine.
 
@@ -52,7 +53,9 @@ def bench_llmplug(model: str, prompts: list[list[int]], output_len: int, dtype: 
 
     llm = LLM(model=model, dtype=dtype, max_num_seqs=max(len(prompts), 1), quantization=quantization, **engine)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    # warm-up: the same prompts for one token, so every measured row finds its kernels and memory as a
+    # running server does (HF's prefill row is warmed the same way)
+    llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=1), use_tqdm=False)
     start = clock()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     elapsed = clock() - start
@@ -107,7 +110,7 @@ def bench_hf_prefill(hf, prompts: list[list[int]], pad_id: int, clock=time.perf_
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts]).to(hf.device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts]).to(hf.device)
     with torch.inference_mode():
-        hf(ids[:1, -8:], attention_mask=mask[:1, -8:])  # warm-up
+        hf(ids, attention_mask=mask, logits_to_keep=1)  # warm-up: the same forward
         start = clock()
         hf(ids, attention_mask=mask, logits_to_keep=1)
     return sum(map(len, prompts)) / (clock() - start)
@@ -186,7 +189,8 @@ def main() -> int:
         print(f"{name:28s} {tps:8.1f} tok/s", flush=True)  # as it goes: a later hang loses nothing
 
     clock = time.process_time if args.cpu_clock else time.perf_counter
-    variants = {"llmplug": {}} | ({"llmplug compiled": {"device.compile": True}} if args.compile else {})
+    variants = {"llmplug": {}, "llmplug int8": {"quantization": "int8"}}
+    variants |= {"llmplug compiled": {"device.compile": True}} if args.compile else {}
     for name, engine in variants.items():
         engine = {**engine, "enable_prefix_caching": False, "clock": clock}  # the aims are stated cache off
         # prefill: prompt tokens per second of a step that only prefills (one output token each)
@@ -211,7 +215,11 @@ def main() -> int:
         "single: llmplug / hf generate": rows["llmplug single"] / rows["hf generate single"],
         "prefill: llmplug / hf": rows["llmplug prefill"] / rows["hf prefill"],
     }
+    for kind, hf_row in (("batch", "hf generate batch"), ("single", "hf generate single"), ("prefill", "hf prefill")):
+        ratios[f"{kind} int8: llmplug / hf"] = rows[f"llmplug int8 {kind}"] / rows[hf_row]
     if "llama.cpp single" in rows:
+        ratios["single int8: llmplug / llama.cpp"] = rows["llmplug int8 single"] / rows["llama.cpp single"]
+        ratios["prefill int8: llmplug / llama.cpp"] = rows["llmplug int8 prefill"] / rows["llama.cpp prefill"]
         ratios["single: llmplug / llama.cpp"] = rows["llmplug single"] / rows["llama.cpp single"]
         ratios["single int4: llmplug / llama.cpp"] = rows["llmplug single int4"] / rows["llama.cpp single"]
         ratios["prefill: llmplug / llama.cpp"] = rows["llmplug prefill"] / rows["llama.cpp prefill"]
