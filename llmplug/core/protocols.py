@@ -28,7 +28,9 @@ if TYPE_CHECKING:  # no heavy imports at run time
 #      q/k norms, CheckpointNames; llmplug.testing
 # 1.5: Attention's attention_chunk feature; optional model class method `batch_invariance_gap(hf_config)` (the
 #      batch-invariant mode's default, docs/determinism.md); Platform.batch_invariant_kernels
-PLUGIN_API_VERSION = "1.5"
+# 1.6: the config's quantization "int8" (llmplug.layers.int8_linear, LinearOptions.int8); Int4LinearMethod.max_tokens
+#      may be None (every token count, the batch-invariant mode)
+PLUGIN_API_VERSION = "1.6"
 
 
 @runtime_checkable
