@@ -20,7 +20,7 @@ from llmplug.platforms.cpu_threads import configure_cpu_threads
 
 configure_cpu_threads()  # before torch is imported
 
-from throughput import bench_llmplug, make_prompts  # noqa: E402 - benchmarks/ is on sys.path when a script runs
+from throughput import bench_llmplug, load_tokenizer, make_prompts  # noqa: E402 - benchmarks/ is on sys.path when a script runs
 
 
 def main() -> None:
@@ -31,17 +31,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
 
-    import os
-
-    from transformers import AutoTokenizer
-
     from llmplug.core.config import DEFAULT_MODEL
     from llmplug.loaders.default_model import resolve_model_path
 
     model = resolve_model_path(args.model or DEFAULT_MODEL)
-    tokenizer = (AutoTokenizer.from_pretrained(os.path.dirname(model), gguf_file=os.path.basename(model))
-                 if model.endswith(".gguf") else AutoTokenizer.from_pretrained(model))
-    prompts = make_prompts(tokenizer, args.num_prompts)
+    prompts = make_prompts(load_tokenizer(model), args.num_prompts)
     rows: dict[str, list[float]] = {}
     for _ in range(args.rounds):
         for batch in (prompts, prompts[:1]):

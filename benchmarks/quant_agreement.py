@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 from llmplug.platforms.cpu_threads import configure_cpu_threads
@@ -24,7 +23,7 @@ configure_cpu_threads()
 
 import torch  # noqa: E402
 
-from throughput import make_prompts  # noqa: E402 - benchmarks/ is on sys.path when a script runs
+from throughput import load_tokenizer, make_prompts  # noqa: E402 - benchmarks/ is on sys.path when a script runs
 
 # (name, engine settings): the dense reference first; then what a user can pick for a GGUF. Outside the
 # batch-invariant mode int4 serves calls of at most 8 rows, so that mode is measured one stream at a time
@@ -87,16 +86,12 @@ def main() -> int:
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args()
 
-    from transformers import AutoTokenizer
-
     from llmplug import LLM, SamplingParams
     from llmplug.core.config import DEFAULT_MODEL
     from llmplug.loaders.default_model import resolve_model_path
 
     model = resolve_model_path(args.model or DEFAULT_MODEL)
-    tok = (AutoTokenizer.from_pretrained(os.path.dirname(model), gguf_file=os.path.basename(model))
-           if model.endswith(".gguf") else AutoTokenizer.from_pretrained(model))
-    prompts = make_prompts(tok, args.num_prompts)
+    prompts = make_prompts(load_tokenizer(model), args.num_prompts)
     reference_engine = MODES[0][1]
     llm = LLM(model=model, max_num_seqs=len(prompts), enable_prefix_caching=False, **reference_engine)
     greedy = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)

@@ -65,6 +65,15 @@ def bench_llmplug(model: str, prompts: list[list[int]], output_len: int, dtype: 
     return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
 
 
+def load_tokenizer(model: str):
+    """The transformers tokenizer of a model dir or of a .gguf file."""
+    from transformers import AutoTokenizer
+
+    if model.endswith(".gguf"):
+        return AutoTokenizer.from_pretrained(os.path.dirname(model), gguf_file=os.path.basename(model))
+    return AutoTokenizer.from_pretrained(model)
+
+
 def load_hf(model: str, dtype: str):
     from transformers import AutoModelForCausalLM
 
@@ -172,10 +181,7 @@ def main() -> int:
 
     model = resolve_model_path(args.model or DEFAULT_MODEL)
     hf = load_hf(model, args.dtype).eval()
-    from transformers import AutoTokenizer
-
-    tok = (AutoTokenizer.from_pretrained(os.path.dirname(model), gguf_file=os.path.basename(model))
-           if model.endswith(".gguf") else AutoTokenizer.from_pretrained(model))
+    tok = load_tokenizer(model)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     batch = make_prompts(tok, args.num_prompts)
     single = batch[:1]
