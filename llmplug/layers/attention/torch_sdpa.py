@@ -308,10 +308,10 @@ def _decode_kv(
     (append the new k, v [B, Hkv * D]); else gathered from the cache (already holding this step's
     k, v) into the mirror, or into a scratch buffer when a mirror would take too much memory.
     In batch-invariant mode, and from a half-precision cache on the CPU, the keys and values come in float32
-    (the mirror holds them so, converted once): see `_decode_dtype`.
+    (the mirror holds them so, converted once): see `_decodes_in_float32`.
     """
     shape = (cache.shape[0], layer.num_kv_heads, part.num_reqs, keys.kv_len, layer.head_dim)
-    dtype = _decode_dtype(cache, part)
+    dtype = torch.float32 if _decodes_in_float32(cache, part) else cache.dtype
     if not mirror_fits(part.num_reqs, keys.kv_len, cache, dtype):
         layer.backend_state = None
         gathered = part.gather_buffer(shape, cache.dtype, cache.device)
@@ -332,8 +332,7 @@ def _decode_kv(
         if not same_layout:  # else regather in place
             empty = torch.empty(shape, dtype=dtype, device=cache.device)
             # contiguous [D, L] keys: what the fixed-order path needs, and float32 bmm on the CPU is faster with
-            contiguous = part.tile is not None or cache.device.type == "cpu"
-            mirror = DecodeMirror(empty, part.rows, keys.ring, contiguous_keys=contiguous)
+            mirror = DecodeMirror(empty, part.rows, keys.ring, contiguous_keys=_decodes_in_float32(cache, part))
             layer.backend_state = mirror
         if dtype == cache.dtype:
             keys.gather(cache, mirror.kv)
@@ -346,11 +345,11 @@ def _decode_kv(
     return mirror.keys_t, mirror.values
 
 
-def _decode_dtype(cache: torch.Tensor, part: DecodePart) -> torch.dtype:
-    """The dtype decode attention computes in: float32 in batch-invariant mode (fixed_order.py) and on the CPU,
-    where a batched matmul of a few query rows takes ~5x longer in bf16 or fp16 than in float32 (SmolLM2's
-    [3, 64] x [64, 80] heads: ~45 us against ~7 us); the cache's dtype elsewhere."""
-    return torch.float32 if part.tile is not None or cache.device.type == "cpu" else cache.dtype
+def _decodes_in_float32(cache: torch.Tensor, part: DecodePart) -> bool:
+    """Whether decode attention computes in float32 (else in the cache's dtype), from contiguous [D, L] keys:
+    in batch-invariant mode (fixed_order.py) and on the CPU, where a batched matmul of a few query rows takes
+    ~5x longer in bf16 or fp16 than in float32 (SmolLM2's [3, 64] x [64, 80] heads: ~45 us against ~7 us)."""
+    return part.tile is not None or cache.device.type == "cpu"
 
 
 def _plain(layer: "Attention") -> bool:
