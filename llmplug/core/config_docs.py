@@ -13,7 +13,7 @@ from llmplug.core.config import ALIASES, FIELD_FLAGS, SECTIONS, is_bool_field
 _INTRO = """\
 # Configuration reference
 
-<!-- Generated from llmplug/core/config.py by `python -m llmplug.core.config_docs > docs/config.md`;
+<!-- Generated from llmplug/core/config/schema.py by `python -m llmplug.core.config_docs > docs/config.md`;
      edit the schema, not this file (a test checks they agree). -->
 
 One `EngineConfig` holds every engine setting, in sections: {sections}.
