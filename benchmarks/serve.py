@@ -9,6 +9,7 @@ C clients each send `--requests-per-client` streaming chat requests back to back
 tokens at most). Reported per engine and C: requests/s, output tokens/s, time to first token (TTFT) and
 inter-token latency (ITL, the gaps between streamed chunks), median and p99, and llmplug/transformers
 ratios (throughput: higher is better for llmplug when > 1; latency: lower is better when < 1).
+Two llmplug rows: `llmplug` (the default, dense weights) and `llmplug-int8` (`--quantization int8`).
 Output tokens are counted by re-tokenizing each answer with the model's tokenizer, the same way for both.
 
 transformers cannot serve the GGUF file itself, so the default model is first exported (dequantized)
@@ -110,6 +111,10 @@ def llama_server_binary() -> str | None:
     return str(beside) if beside.is_file() else shutil.which("llama-server")
 
 
+# llmplug's rows: the default (dense) engine and the opt-in int8 weights and activations (docs/quantization.md)
+LLMPLUG_ENGINES: dict[str, list[str]] = {"llmplug": [], "llmplug-int8": ["--quantization", "int8"]}
+
+
 def server_command(engine: str, model: str, port: int, max_seqs: int, dtype: str) -> list[str]:
     if engine == "llama-server":  # `model` is the GGUF; each slot holds one client's 2,048-token context
         from llmplug.platforms.cpu_threads import available_cpu_count
@@ -118,10 +123,10 @@ def server_command(engine: str, model: str, port: int, max_seqs: int, dtype: str
         return [llama_server_binary(), "-m", model, "--host", "127.0.0.1", "--port", str(port),
                 "--parallel", str(max_seqs), "--ctx-size", str(2048 * max_seqs), "--threads", threads,
                 "--threads-batch", threads, "--alias", "bench"]
-    if engine == "llmplug":
+    if engine in LLMPLUG_ENGINES:
         return [sys.executable, "-m", "llmplug.entrypoints.cli", "serve", model, "--port", str(port),
                 "--served-model-name", "bench", "--max-num-seqs", str(max_seqs), "--dtype", dtype,
-                "--log-level", "warning"]
+                "--log-level", "warning", *LLMPLUG_ENGINES[engine]]
     binary = os.path.join(os.path.dirname(sys.executable), "transformers")
     return [binary, "serve", model, "--continuous-batching", "--port", str(port), "--device", "cpu",
             "--dtype", dtype, "--log-level", "warning"]
@@ -235,11 +240,11 @@ def table(results: dict[str, list[LevelResult]]) -> str:
         for r in levels:
             rows.append(f"| {engine} | {r.concurrency} | {r.requests_per_s:.2f} | {r.output_tokens_per_s:.1f} | "
                         f"{r.ttft_median_ms:.0f} | {r.ttft_p99_ms:.0f} | {r.itl_median_ms:.1f} | {r.itl_p99_ms:.1f} |")
-    for peer in ("transformers", "llama-server"):
-        if {"llmplug", peer} <= set(results):
-            rows += ["", f"| clients | llmplug / {peer}: req/s | tok/s | TTFT median | ITL median |",
+    for mine, peer in ((mine, peer) for mine in LLMPLUG_ENGINES for peer in ("transformers", "llama-server")):
+        if {mine, peer} <= set(results):
+            rows += ["", f"| clients | {mine} / {peer}: req/s | tok/s | TTFT median | ITL median |",
                      "|---|---|---|---|---|"]
-            for ours, theirs in zip(results["llmplug"], results[peer]):
+            for ours, theirs in zip(results[mine], results[peer]):
                 rows.append(f"| {ours.concurrency} | {ours.requests_per_s / theirs.requests_per_s:.2f}x | "
                             f"{ours.output_tokens_per_s / theirs.output_tokens_per_s:.2f}x | "
                             f"{ours.ttft_median_ms / theirs.ttft_median_ms:.2f}x | "
@@ -273,8 +278,8 @@ def main() -> int:
     parser.add_argument("--model", help="Model directory both servers load. Default: the embedded SmolLM2, "
                                         "exported to safetensors under --cache-dir.")
     parser.add_argument("--cache-dir", default=os.path.join(tempfile.gettempdir(), "llmplug-bench"))
-    parser.add_argument("--engines", nargs="+", default=["llmplug", "transformers", "llama-server"],
-                        choices=["llmplug", "transformers", "llama-server"])
+    parser.add_argument("--engines", nargs="+", default=["llmplug", "llmplug-int8", "transformers", "llama-server"],
+                        choices=[*LLMPLUG_ENGINES, "transformers", "llama-server"])
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32])
     parser.add_argument("--requests-per-client", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=64)
