@@ -115,5 +115,5 @@ def mirror_fits(num_reqs: int, kv_len: int, cache: torch.Tensor, dtype: torch.dt
     cache: [2, Hkv, num_blocks, block_size, D]; a mirror holds the same elements per key.
     """
     cache_keys = cache.shape[2] * cache.shape[3]
-    ratio = torch.empty((), dtype=dtype).element_size() / cache.element_size()
+    ratio = dtype.itemsize / cache.element_size()
     return num_reqs * kv_len * ratio <= cache_keys * MIRROR_CACHE_SHARE
