@@ -33,11 +33,11 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Every operation is per row and exactly rounded, so a row's result does not depend on the other rows.
     """
     # abs + amax in x's dtype (exact; torch's inf-norm reduction is ~10x slower on the CPU), then float32
-    top = x.abs().amax(dim=-1, keepdim=True).float().clamp_(min=1e-30)
-    # |x| * (127 / top) <= 127 (1 + 2^-23)^2 < 127.5: rounded, it stays in -127..127 without a clamp. Converted
-    # first (a copy even of float32 x, which is not to be written): torch's mixed-dtype multiply is ~2x slower
-    q = x.to(torch.float32, copy=True).mul_(INT8_MAX / top).round_().to(torch.int8)
-    return q, top.div_(INT8_MAX)
+    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp_(min=1e-30).div_(INT8_MAX)
+    # |x| / scale <= 127 (1 + 2^-24) / (1 - 2^-24) < 127.5: rounded, it stays in -127..127 without a clamp.
+    # Converted first (a copy even of float32 x, which is not to be written): torch's mixed-dtype divide is slower
+    q = x.to(torch.float32, copy=True).div_(scale).round_().to(torch.int8)
+    return q, scale
 
 
 @functools.lru_cache(maxsize=None)
