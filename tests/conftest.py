@@ -22,3 +22,18 @@ def _release_memory_after_each_module():
     gc.collect()
     if _LIBC is not None and hasattr(_LIBC, "malloc_trim"):
         _LIBC.malloc_trim(0)
+
+
+@pytest.fixture(scope="session")
+def smollm2_transformers():
+    """transformers' own load of the embedded SmolLM2 GGUF file (fp32, eval mode): the reference of the loader's
+    weights (tests/loaders) and of the default model's tokens and logits (tests/models). Loaded once per run
+    (dequantizing the file in Python takes many seconds); read-only, ~0.6 GiB kept to the end of the run."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from llmplug.core.config import DEFAULT_MODEL
+    from llmplug.loaders.default_model import resolve_model_path
+
+    folder, name = os.path.split(resolve_model_path(DEFAULT_MODEL))
+    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()

@@ -330,8 +330,9 @@ def test_smollm2_config_equals_transformers_own_config(smollm2: Path) -> None:
 
 
 @pytest.mark.slow
-def test_smollm2_weights_equal_transformers_own_gguf_load(smollm2: Path) -> None:
-    expected = transformers_weights(smollm2)
+def test_smollm2_weights_equal_transformers_own_gguf_load(smollm2: Path, smollm2_transformers) -> None:
+    assert smollm2_transformers.name_or_path == str(smollm2.parent)  # transformers' load of this very file
+    expected = hf_state_dict(smollm2_transformers)
     count = 0
     for name, tensor in iter_gguf_weights(str(smollm2), torch.float32, progress=False):
         assert torch.equal(tensor, expected.pop(name)), name

@@ -27,16 +27,10 @@ NEW_TOKENS = 64
 
 
 @pytest.fixture(scope="module")
-def gguf_path() -> str:
-    return resolve_model_path(DEFAULT_MODEL)
-
-
-@pytest.fixture(scope="module")
-def hf_model(gguf_path):
-    from transformers import AutoModelForCausalLM
-
-    folder, name = os.path.split(gguf_path)
-    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+def hf_model(smollm2_transformers):
+    """transformers' own load of the same GGUF file (tests/conftest.py: loaded once, shared with tests/loaders)."""
+    assert smollm2_transformers.name_or_path == os.path.dirname(resolve_model_path(DEFAULT_MODEL))
+    return smollm2_transformers
 
 
 @pytest.fixture(scope="module")
