@@ -48,28 +48,6 @@ def test_a_row_is_bitwise_the_same_alone_among_other_rows_and_with_padded_keys(t
         torch.set_num_threads(previous)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_one_thread_gives_the_bits_of_two(head_dim) -> None:
-    """Small decode steps attend on one thread (torch_sdpa.ONE_THREAD_DECODE_KEYS), larger ones on all: a request
-    must get the same bits either way, for decode batches of (KV head x request) matrices of 1..96."""
-    torch.manual_seed(2)
-    previous = torch.get_num_threads()
-    try:
-        for batch, rows, length in ((1, 3, 64), (3, 3, 128), (96, 3, 320), (32, 1, 192), (8, 7, 512)):
-            q, keys, values = torch.randn(batch, rows, head_dim), torch.randn(batch, length, head_dim), torch.randn(
-                batch, length, head_dim
-            )
-            seen = (torch.arange(length)[None, :] < torch.randint(1, length + 1, (batch, 1)))[:, None, :]
-            seen = seen.expand(batch, rows, length)
-            results = []
-            for threads in (1, 2):
-                torch.set_num_threads(threads)
-                results.append(attend(q, keys, values, seen))
-            assert torch.equal(results[0], results[1]), (batch, rows, length)
-    finally:
-        torch.set_num_threads(previous)
-
-
 def test_keys_that_are_not_whole_tiles_are_an_error() -> None:
     with pytest.raises(ValueError, match="not whole tiles of 64"):
         softmax_weighted_sum(torch.zeros(1, 2, 70), torch.zeros(1, 70, 4), TILE)

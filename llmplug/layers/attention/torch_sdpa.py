@@ -39,9 +39,7 @@ window) instead of the causal one; a single request without a window is plain SD
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -359,43 +357,12 @@ def _plain(layer: "Attention") -> bool:
     return layer.alibi_slopes is None and layer.logit_softcap is None and layer.sinks is None
 
 
-# A CPU decode step with at most this many (request, key) pairs attends on one thread: its batched matmuls,
-# exp and softmax each open an OpenMP parallel region even for a few hundred elements, and the fork/join
-# of two threads costs more than their arithmetic (docs/benchmarks.md). MKL's batched matmul gives each
-# element the same bits on one thread as on two (every dot product stays on one thread, over D or a tile).
-ONE_THREAD_DECODE_KEYS = 2048
-
-
-@contextlib.contextmanager
-def _threads_for(keys: int, device: torch.device) -> Iterator[None]:
-    """torch's thread count set to one for the block when a CPU decode step has at most ONE_THREAD_DECODE_KEYS
-    (request, key) pairs; unchanged otherwise."""
-    threads = torch.get_num_threads()
-    if device.type != "cpu" or threads == 1 or keys > ONE_THREAD_DECODE_KEYS:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def _decode(
     layer: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, part: DecodePart, cache: torch.Tensor
 ) -> torch.Tensor:
     """q, k, v [B, heads * D] of one token per request over each request's cached keys -> [B, H * D]."""
-    keys = part.keys(layer.sliding_window, layer.attention_chunk)
-    with _threads_for(part.num_reqs * keys.kv_len, q.device):
-        return _decode_attend(layer, q, k, v, part, keys, cache)
-
-
-def _decode_attend(
-    layer: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, part: DecodePart, keys: DecodeKeys,
-    cache: torch.Tensor,
-) -> torch.Tensor:
-    """`_decode` over the step's key layout `keys`."""
     b, hkv, g, d = part.num_reqs, layer.num_kv_heads, layer.num_queries_per_kv, layer.head_dim
+    keys = part.keys(layer.sliding_window, layer.attention_chunk)
     keys_t, values = _decode_kv(layer, k, v, part, keys, cache)  # [Hkv * B, D, kv_len], [Hkv * B, kv_len, D]
     values = values[..., : layer.v_head_dim]  # values inside keys: their leading dims
     qh = q.view(b, hkv, g, d).transpose(0, 1).reshape(hkv * b, g, d).to(keys_t.dtype)  # [Hkv * B, G, D]
