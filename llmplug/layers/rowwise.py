@@ -21,14 +21,10 @@ VECTOR_ELEMENTS = 64  # a multiple of every SIMD width (in elements) torch's CPU
 
 
 def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """fn(x) for an element-wise `fn`, computed on rows padded to whole vectors (a no-op when they are).
-
-    Rows of whole vectors need no copy even when they lie apart (the gate half of a fused gate/up output): torch
-    runs the vectorized body over each row's contiguous elements.
-    """
+    """fn(x) for an element-wise `fn`, computed on rows padded to whole vectors (a no-op when they are)."""
     width = x.shape[-1]
     pad = -width % VECTOR_ELEMENTS
-    if pad == 0 and x.stride(-1) == 1:
+    if pad == 0 and x.is_contiguous():
         return fn(x)
     return fn(F.pad(x, (0, pad)))[..., :width]
 
