@@ -1,0 +1,85 @@
+"""llmplug's CPU kernels (`ops.cpp`): RMSNorm with its residual add, SiLU-and-mul, paged attention.
+
+Eager PyTorch runs each of these as 5–40 small ops, each a Python-level dispatch of a few microseconds,
+which at one decode token is most of their cost (docs/benchmarks.md). Here each is one call, with every
+output row computed by one thread in one fixed order: batch invariant by construction (docs/determinism.md).
+
+The source is compiled once with the host's compiler (`torch.utils.cpp_extension`, about a minute, for this
+CPU: `-march=native`) into a directory named by a hash of the source, the flags, torch's version and the CPU,
+under `TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`); every later process loads the library
+from there in milliseconds. `make setup` builds it (`python -m llmplug.layers.kernels.native`), else the first
+forward pass does. Where it cannot be built (no C++ compiler), the layers keep their torch paths and the log
+says why, once.
+
+`use_native(x)` is the layers' switch: the kernels run on CPU tensors in eager mode (a compiled forward fuses
+these ops itself). LLMPLUG_CPU_KERNELS=0 keeps the torch paths everywhere.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+__all__ = ["KERNELS_ENV", "native_available", "ops", "use_native"]
+
+logger = logging.getLogger(__name__)
+
+KERNELS_ENV = "LLMPLUG_CPU_KERNELS"  # "auto" (default): on CPU tensors when the kernels build; "0": never
+NAME = "llmplug_cpu_ops"
+SOURCE = Path(__file__).with_name("ops.cpp")
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++20"]
+LDFLAGS = ["-fopenmp", "-lmvec"]  # libmvec: glibc's vectorized expf
+
+
+def build_directory() -> Path:
+    """Where the kernels are built: one directory per source, flags, torch version and CPU (`-march=native`)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    flags = next((line for line in lines if line.startswith("flags")), "")
+    key = "\n".join([SOURCE.read_text(), *CFLAGS, *LDFLAGS, torch.__version__, platform.machine(), flags])
+    return Path(get_default_build_root()) / f"{NAME}_{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+@functools.cache
+def native_available() -> bool:
+    """Whether the kernels are loaded, building them on the first call of the first process (later processes load
+    the built library directly: no compiler, no lock); False, logged, if they cannot be built."""
+    directory = build_directory()
+    library = directory / f"{NAME}.so"
+    try:
+        if library.exists():
+            torch.ops.load_library(str(library))
+            return True
+        from torch.utils.cpp_extension import load
+
+        logger.info("building llmplug's CPU kernels in %s (once, about a minute)", directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        load(NAME, [str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, build_directory=str(directory),
+             is_python_module=False)
+    except (ImportError, OSError, RuntimeError) as exc:  # no compiler, no ninja, a failed build: torch paths serve
+        logger.warning("llmplug's CPU kernels could not be built (%s); the layers use their torch paths", exc)
+        return False
+    return True
+
+
+def ops() -> torch._ops._OpNamespace:
+    """The kernels, `torch.ops.llmplug_cpu` (built first if need be)."""
+    if not native_available():
+        raise RuntimeError("llmplug's CPU kernels are not available (see the log for why)")
+    return torch.ops.llmplug_cpu
+
+
+def use_native(x: torch.Tensor) -> bool:
+    """Whether the layers compute on `x` with these kernels: a CPU tensor in eager mode, the kernels built,
+    LLMPLUG_CPU_KERNELS not "0"."""
+    if x.device.type != "cpu" or os.environ.get(KERNELS_ENV, "auto") == "0" or torch.compiler.is_compiling():
+        return False
+    return native_available()

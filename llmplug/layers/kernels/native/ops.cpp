@@ -1,0 +1,489 @@
+// llmplug's CPU kernels: RMSNorm (with the residual add), SiLU-and-mul, rotary embedding, the KV cache write and
+// paged attention.
+//
+// Every output row is computed by one thread, by the same loops whatever else the call holds: a row's
+// bits depend only on its own inputs (and, for attention, its own keys), never on the number of rows,
+// the thread count or where a chunk of a prompt starts. That is the batch-invariant contract of
+// docs/determinism.md, here by construction. Arithmetic is float32; results round to the input dtype
+// where torch's eager ops round (the norm once, after its scale; the activation before the product).
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define LLMPLUG_AVX512 1
+#endif
+
+// glibc's vector variants of expf (libmvec): lets `#pragma omp simd` loops call them without -ffast-math
+extern "C" __attribute__((simd("notinbranch"))) float expf(float) noexcept;
+
+namespace {
+
+// Element types as their raw storage, with float32 conversions the compiler can vectorize.
+struct F32 {
+  using raw = float;
+  static inline float load(float v) { return v; }
+  static inline float store(float f) { return f; }
+#ifdef LLMPLUG_AVX512
+  static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+#endif
+};
+
+struct BF16 {
+  using raw = uint16_t;
+  static inline float load(uint16_t v) {
+    uint32_t u = uint32_t(v) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+  static inline uint16_t store(float f) {  // round to nearest even, as torch does; NaN stays NaN
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (u & 0x7fffffffu) > 0x7f800000u ? uint16_t(0x7fc0) : uint16_t(rounded);
+  }
+#ifdef LLMPLUG_AVX512
+  static inline __m512 load16(const uint16_t* p) {
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  }
+#endif
+};
+
+struct F16 {
+  using raw = at::Half;
+  static inline float load(at::Half v) { return static_cast<float>(v); }
+  static inline at::Half store(float f) { return at::Half(f); }
+#ifdef LLMPLUG_AVX512
+  static inline __m512 load16(const at::Half* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+#endif
+};
+
+// Calls fn.template operator()<Type>() for x's dtype.
+template <typename Fn>
+void dispatch(const at::Tensor& x, const char* op, Fn&& fn) {
+  switch (x.scalar_type()) {
+    case at::kFloat: fn.template operator()<F32>(); break;
+    case at::kBFloat16: fn.template operator()<BF16>(); break;
+    case at::kHalf: fn.template operator()<F16>(); break;
+    default: TORCH_CHECK(false, "llmplug_cpu::", op, ": unsupported dtype ", x.scalar_type());
+  }
+}
+
+// Rows per parallel task such that a task holds at least ~`work` elements: small calls stay on one thread.
+int64_t grain(int64_t elements_per_row, int64_t work = 1 << 15) {
+  return std::max<int64_t>(1, work / std::max<int64_t>(1, elements_per_row));
+}
+
+void check_rows(const at::Tensor& x, const char* op, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "llmplug_cpu::", op, ": ", name,
+              " must be [rows, columns] with contiguous columns, got shape ", x.sizes(), " strides ", x.strides());
+}
+
+// x [N, C] (rows may be strided) -> RMSNorm(x) [N, C]; with a residual [N, C], x + residual is rounded,
+// written into x, and normalized. weight [C] in x's dtype.
+at::Tensor rms_norm_impl(const at::Tensor& x, const std::optional<at::Tensor>& residual, const at::Tensor& weight,
+                         double eps) {
+  check_rows(x, "rms_norm", "x");
+  const int64_t rows = x.size(0), cols = x.size(1);
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == cols && weight.scalar_type() == x.scalar_type(),
+              "llmplug_cpu::rms_norm: weight must be contiguous [", cols, "] in x's dtype");
+  if (residual) {
+    check_rows(*residual, "rms_norm", "residual");
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(),
+                "llmplug_cpu::rms_norm: residual must match x");
+  }
+  at::Tensor out = at::empty({rows, cols}, x.options());
+  dispatch(x, "rms_norm", [&]<typename T>() {
+    using raw = typename T::raw;
+    raw* xp = reinterpret_cast<raw*>(x.data_ptr());
+    const raw* rp = residual ? reinterpret_cast<const raw*>(residual->data_ptr()) : nullptr;
+    const raw* wp = reinterpret_cast<const raw*>(weight.data_ptr());
+    raw* op = reinterpret_cast<raw*>(out.data_ptr());
+    const int64_t xs = x.stride(0), rs = residual ? residual->stride(0) : 0;
+    const float feps = static_cast<float>(eps);
+    at::parallel_for(0, rows, grain(cols), [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        raw* row = xp + i * xs;
+        if (rp) {
+          const raw* res = rp + i * rs;
+#pragma omp simd
+          for (int64_t c = 0; c < cols; ++c) row[c] = T::store(T::load(row[c]) + T::load(res[c]));
+        }
+        float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+        for (int64_t c = 0; c < cols; ++c) {
+          const float v = T::load(row[c]);
+          squares += v * v;
+        }
+        const float inv = 1.f / std::sqrt(squares / static_cast<float>(cols) + feps);
+        raw* o = op + i * cols;
+#pragma omp simd
+        for (int64_t c = 0; c < cols; ++c) o[c] = T::store(T::load(row[c]) * inv * T::load(wp[c]));
+      }
+    });
+  });
+  return out;
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return rms_norm_impl(x, std::nullopt, weight, eps);
+}
+
+at::Tensor fused_add_rms_norm(at::Tensor x, const at::Tensor& residual, const at::Tensor& weight, double eps) {
+  return rms_norm_impl(x, residual, weight, eps);
+}
+
+// x [N, 2d] = [gate | up] (rows may be strided) -> silu(gate) * up [N, d].
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  check_rows(x, "silu_and_mul", "x");
+  const int64_t rows = x.size(0), d = x.size(1) / 2;
+  TORCH_CHECK(x.size(1) == 2 * d, "llmplug_cpu::silu_and_mul: x needs an even number of columns, got ", x.size(1));
+  at::Tensor out = at::empty({rows, d}, x.options());
+  dispatch(x, "silu_and_mul", [&]<typename T>() {
+    using raw = typename T::raw;
+    const raw* xp = reinterpret_cast<const raw*>(x.data_ptr());
+    raw* op = reinterpret_cast<raw*>(out.data_ptr());
+    const int64_t xs = x.stride(0);
+    at::parallel_for(0, rows, grain(2 * d), [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const raw* gate = xp + i * xs;
+        const raw* up = gate + d;
+        raw* o = op + i * d;
+#pragma omp simd
+        for (int64_t c = 0; c < d; ++c) {
+          const float g = T::load(gate[c]);
+          o[c] = T::store(T::load(T::store(g / (1.f + expf(-g)))) * T::load(up[c]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// Rotary embedding in place: x [T, H, D] (rows may be strided), its first R dims rotated by cos, sin [T, R] (the
+// layout llmplug's RotaryCosSin builds: cos per dim, sin signed, pairs (i, i + R/2) rotate-half or (2i, 2i + 1)
+// interleaved). x * cos rounds before its partner's term is added, as torch's mul_ then addcmul_ round.
+void rotary_embedding(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, bool neox) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "llmplug_cpu::rotary_embedding: x must be [T, H, D], D contiguous");
+  const int64_t tokens = x.size(0), heads = x.size(1), rot = cos.size(-1);
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == tokens * rot && sin.numel() == tokens * rot &&
+                  rot <= x.size(2) && rot % 2 == 0 && cos.scalar_type() == x.scalar_type() &&
+                  sin.scalar_type() == x.scalar_type(),
+              "llmplug_cpu::rotary_embedding: cos and sin must be contiguous [T, R] in x's dtype, R even and <= D");
+  dispatch(x, "rotary_embedding", [&]<typename T>() {
+    using raw = typename T::raw;
+    raw* xp = reinterpret_cast<raw*>(x.data_ptr());
+    const raw* cp = reinterpret_cast<const raw*>(cos.data_ptr());
+    const raw* sp = reinterpret_cast<const raw*>(sin.data_ptr());
+    const int64_t half = rot / 2, ts = x.stride(0), hs = x.stride(1);
+    at::parallel_for(0, tokens, grain(heads * rot), [&](int64_t begin, int64_t end) {
+      std::vector<float> row(rot);
+      for (int64_t t = begin; t < end; ++t) {
+        const raw* c = cp + t * rot;
+        const raw* s = sp + t * rot;
+        for (int64_t h = 0; h < heads; ++h) {
+          raw* y = xp + t * ts + h * hs;
+          for (int64_t d = 0; d < rot; ++d) row[d] = T::load(y[d]);
+          for (int64_t d = 0; d < rot; ++d) {
+            const int64_t partner = neox ? (d < half ? d + half : d - half) : (d ^ 1);
+            y[d] = T::store(T::load(T::store(row[d] * T::load(c[d]))) + row[partner] * T::load(s[d]));
+          }
+        }
+      }
+    });
+  });
+}
+
+// Store this step's k [T, Hkv, D] and v [T, Hkv, Dv] (rows may be strided) at their slots (block * block_size +
+// offset) of key_cache [Hkv, num_blocks, block_size, D] and value_cache [Hkv, num_blocks, block_size, Dv].
+void reshape_and_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor key_cache, at::Tensor value_cache,
+                       const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.stride(2) == 1 && v.stride(2) == 1 && k.size(0) == v.size(0),
+              "llmplug_cpu::reshape_and_cache: k and v must be [T, Hkv, D], D contiguous");
+  TORCH_CHECK(key_cache.dim() == 4 && value_cache.dim() == 4 && key_cache.stride(3) == 1 &&
+                  value_cache.stride(3) == 1 && key_cache.size(0) == k.size(1) && key_cache.size(3) == k.size(2) &&
+                  value_cache.size(3) == v.size(2) && key_cache.scalar_type() == k.scalar_type() &&
+                  value_cache.scalar_type() == v.scalar_type(),
+              "llmplug_cpu::reshape_and_cache: the caches must be [Hkv, num_blocks, block_size, D] matching k and v");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                  slot_mapping.numel() == k.size(0),
+              "llmplug_cpu::reshape_and_cache: slot_mapping must be int64 [T]");
+  const int64_t tokens = k.size(0), kv_heads = k.size(1), block_size = key_cache.size(2);
+  const int64_t slots = key_cache.size(1) * block_size;
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "llmplug_cpu::reshape_and_cache: slot ", slot[t], " of token ", t,
+                " is outside the cache's ", slots, " slots");
+  const int64_t row_bytes_k = k.size(2) * k.element_size(), row_bytes_v = v.size(2) * v.element_size();
+  auto* kp = static_cast<const char*>(k.data_ptr());
+  auto* vp = static_cast<const char*>(v.data_ptr());
+  auto* kc = static_cast<char*>(key_cache.data_ptr());
+  auto* vc = static_cast<char*>(value_cache.data_ptr());
+  const int64_t es = k.element_size();
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int64_t block = slot[t] / block_size, offset = slot[t] % block_size;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      std::memcpy(kc + (h * key_cache.stride(0) + block * key_cache.stride(1) + offset * key_cache.stride(2)) * es,
+                  kp + (t * k.stride(0) + h * k.stride(1)) * es, row_bytes_k);
+      std::memcpy(vc + (h * value_cache.stride(0) + block * value_cache.stride(1) + offset * value_cache.stride(2)) * es,
+                  vp + (t * v.stride(0) + h * v.stride(1)) * es, row_bytes_v);
+    }
+  }
+}
+
+// sum_d q[d] * k[d] over n dims: 16 lanes of partial sums added as a tree where AVX-512 runs and n is whole
+// vectors (a scalar sum in order would be a chain of n dependent adds), else in order.
+template <typename T>
+inline float dot(const float* q, const typename T::raw* k, int64_t n) {
+#ifdef LLMPLUG_AVX512
+  if (n % 16 == 0) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t d = 0; d < n; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), T::load16(k + d), acc);
+    return _mm512_reduce_add_ps(acc);
+  }
+#endif
+  float sum = 0.f;
+  for (int64_t d = 0; d < n; ++d) sum += q[d] * T::load(k[d]);
+  return sum;
+}
+
+#ifdef LLMPLUG_AVX512
+// The 16 lane sums of acc[0..16) as one vector, lane k = sum of acc[k]: a transposing tree of shuffles and adds
+// (45 instructions for 16 sums, against ~8 for each alone). Every sum takes the same tree, whatever its lane.
+inline __m512 sum16(__m512 acc[16]) {
+  __m512 w[8], u[4], s[2];
+  for (int i = 0; i < 8; ++i)  // 128-bit quarters: q0 + q2, q1 + q3
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[i], acc[i + 8], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(acc[i], acc[i + 8], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 4; ++i)  // then the two remaining quarters: a quarter of 4 lanes per vector
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[i], w[i + 4], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(w[i], w[i + 4], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int i = 0; i < 2; ++i)  // lanes 0 + 2, 1 + 3
+    s[i] = _mm512_add_ps(_mm512_unpacklo_ps(u[i], u[i + 2]), _mm512_unpackhi_ps(u[i], u[i + 2]));
+  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(s[0], s[1], _MM_SHUFFLE(1, 0, 1, 0)),  // (0 + 2) + (1 + 3)
+                                 _mm512_shuffle_ps(s[0], s[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // r holds the sums of acc 0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15: put them in order
+  const __m512i order = _mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15);
+  return _mm512_permutexvar_ps(order, r);
+}
+
+// out[g * stride + k] = queries[g] . keys[k] over n dims (n a multiple of 16, at most kMaxDim) for the G queries
+// and k < count <= 16; each key is converted once. Every dot is the same chain of fused multiply-adds over its
+// dims and the same tree (sum16), whatever `count`, G and the other keys.
+constexpr int64_t kMaxDim = 512;
+
+template <typename T>
+inline void dot16(const float* queries, int64_t G, const typename T::raw* const* keys, int64_t count, int64_t n,
+                  float* out, int64_t stride) {
+  alignas(64) float converted[16 * kMaxDim];
+  for (int64_t k = 0; k < count; ++k)
+    for (int64_t d = 0; d < n; d += 16) _mm512_store_ps(converted + k * n + d, T::load16(keys[k] + d));
+  __m512 acc[16];
+  for (int64_t k = count; k < 16; ++k) acc[k] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const float* q = queries + g * n;
+    for (int64_t k = 0; k < count; ++k) {
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t d = 0; d < n; d += 16)
+        sum = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_load_ps(converted + k * n + d), sum);
+      acc[k] = sum;
+    }
+    _mm512_mask_storeu_ps(out + g * stride, static_cast<__mmask16>((1u << count) - 1), sum16(acc));
+  }
+}
+#endif
+
+// max of s[0..n), n >= 1 (exact in any order).
+inline float row_max(const float* s, int64_t n) {
+  float top = s[0];
+  int64_t j = 1;
+#ifdef LLMPLUG_AVX512
+  if (n >= 16) {
+    __m512 tops = _mm512_loadu_ps(s);
+    for (j = 16; j + 16 <= n; j += 16) tops = _mm512_max_ps(tops, _mm512_loadu_ps(s + j));
+    top = _mm512_reduce_max_ps(tops);
+  }
+#endif
+  for (; j < n; ++j) top = std::max(top, s[j]);
+  return top;
+}
+
+// acc[d] += p * v[d] over n dims.
+template <typename T>
+inline void axpy(float* acc, float p, const typename T::raw* v, int64_t n) {
+#ifdef LLMPLUG_AVX512
+  if (n % 16 == 0) {
+    const __m512 weight = _mm512_set1_ps(p);
+    for (int64_t d = 0; d < n; d += 16)
+      _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(weight, T::load16(v + d), _mm512_loadu_ps(acc + d)));
+    return;
+  }
+#endif
+  for (int64_t d = 0; d < n; ++d) acc[d] += p * T::load(v[d]);
+}
+
+// One (token, KV head) of paged_attention: its G query heads over keys lo..pos, read through the block table.
+// kD, kDv > 0 fix the head dims at compile time (fully unrolled loops); 0 reads them from `shape`.
+struct AttentionShape {
+  int64_t group, dim, dim_v, block_size, k_block_stride, k_row_stride, v_block_stride, v_row_stride;
+};
+
+template <typename T, int kD, int kDv>
+void attend_one(const typename T::raw* q, int64_t q_head_stride, const typename T::raw* keys,
+                const typename T::raw* values, const int64_t* table, int64_t lo, int64_t pos, float scale,
+                const AttentionShape& shape, float* queries, float* scores, float* acc, typename T::raw* out) {
+  using raw = typename T::raw;
+  const int64_t D = kD ? kD : shape.dim, Dv = kDv ? kDv : shape.dim_v, G = shape.group, n = pos + 1 - lo;
+  const int64_t bs = shape.block_size;
+  for (int64_t g = 0; g < G; ++g) {
+    const raw* row = q + g * q_head_stride;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) queries[g * D + d] = T::load(row[d]) * scale;
+  }
+#ifdef LLMPLUG_AVX512
+  if (D % 16 == 0 && D <= kMaxDim) {  // scores 16 keys at a time: partial sums of 16 lanes each, reduced together
+    const raw* group_keys[16];
+    int64_t block = lo / bs, offset = lo % bs;
+    for (int64_t j = lo; j <= pos; j += 16) {
+      const int64_t count = std::min<int64_t>(16, pos + 1 - j);
+      for (int64_t k = 0; k < count; ++k) {
+        group_keys[k] = keys + table[block] * shape.k_block_stride + offset * shape.k_row_stride;
+        if (++offset == bs) offset = 0, ++block;
+      }
+      dot16<T>(queries, G, group_keys, count, D, scores + (j - lo), n);
+    }
+  } else
+#endif
+  for (int64_t j = lo; j <= pos;) {  // scores, in key order, a block at a time
+    const int64_t block = j / bs, last = std::min(pos, (block + 1) * bs - 1);
+    const raw* key = keys + table[block] * shape.k_block_stride + (j % bs) * shape.k_row_stride;
+    for (; j <= last; ++j, key += shape.k_row_stride)
+      for (int64_t g = 0; g < G; ++g) scores[g * n + (j - lo)] = dot<T>(queries + g * D, key, D);
+  }
+  for (int64_t g = 0; g < G; ++g) {  // softmax, each row's weights normalized
+    float* s = scores + g * n;
+    const float top = row_max(s, n);
+    float total = 0.f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t j = 0; j < n; ++j) {
+      s[j] = expf(s[j] - top);
+      total += s[j];
+    }
+    const float inv = 1.f / total;
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) s[j] *= inv;
+  }
+  std::fill(acc, acc + G * Dv, 0.f);
+  for (int64_t j = lo; j <= pos;) {  // the weighted sum of the values, in key order
+    const int64_t block = j / bs, last = std::min(pos, (block + 1) * bs - 1);
+    const raw* value = values + table[block] * shape.v_block_stride + (j % bs) * shape.v_row_stride;
+    for (; j <= last; ++j, value += shape.v_row_stride)
+      for (int64_t g = 0; g < G; ++g) axpy<T>(acc + g * Dv, scores[g * n + (j - lo)], value, Dv);
+  }
+#pragma omp simd
+  for (int64_t e = 0; e < G * Dv; ++e) out[e] = T::store(acc[e]);
+}
+
+// Causal paged attention of every token of a step over its request's cached keys (this step's included).
+//
+// q [T, H, D] (rows may be strided); key_cache, value_cache [Hkv, num_blocks, block_size, D (Dv)] (the planes
+// of llmplug's torch_sdpa cache; the values may be the keys' first Dv dims, a strided view); block_tables
+// [B, max_blocks]; query_start_loc [B + 1]; seq_lens [B] (keys of each request after this step). Token i of
+// request r sits at position p = seq_len - q_len + i and sees keys j <= p, with a sliding window W > 0 only
+// p - W < j, with a chunk C > 0 only floor(p / C) * C <= j. -> [T, H * Dv] in q's dtype.
+// One task is (token, KV head): its G = H / Hkv query heads share each key read.
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                           const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                           const at::Tensor& seq_lens, double scale, int64_t window, int64_t chunk) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "llmplug_cpu::paged_attention: q must be [T, H, D], D contiguous");
+  TORCH_CHECK(key_cache.dim() == 4 && value_cache.dim() == 4 && key_cache.stride(3) == 1 && value_cache.stride(3) == 1,
+              "llmplug_cpu::paged_attention: caches must be [Hkv, num_blocks, block_size, D], D contiguous");
+  TORCH_CHECK(key_cache.scalar_type() == q.scalar_type() && value_cache.scalar_type() == q.scalar_type(),
+              "llmplug_cpu::paged_attention: q and the cache must share a dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && query_start_loc.scalar_type() == at::kLong &&
+                  seq_lens.scalar_type() == at::kLong && block_tables.stride(1) == 1 &&
+                  query_start_loc.is_contiguous() && seq_lens.is_contiguous(),
+              "llmplug_cpu::paged_attention: block_tables, query_start_loc and seq_lens must be int64");
+  const int64_t tokens = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t kv_heads = key_cache.size(0), block_size = key_cache.size(2), dim_v = value_cache.size(3);
+  const int64_t num_reqs = seq_lens.size(0), max_blocks = block_tables.size(1);
+  TORCH_CHECK(key_cache.size(3) == dim && heads % kv_heads == 0 && query_start_loc.size(0) == num_reqs + 1,
+              "llmplug_cpu::paged_attention: inconsistent shapes");
+  const AttentionShape shape{heads / kv_heads, dim, dim_v, block_size, key_cache.stride(1), key_cache.stride(2),
+                             value_cache.stride(1), value_cache.stride(2)};
+  const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  TORCH_CHECK(qsl[num_reqs] == tokens, "llmplug_cpu::paged_attention: query_start_loc ends at ", qsl[num_reqs],
+              " but q has ", tokens, " tokens");
+  // each token's request and position
+  std::vector<int64_t> token_req(tokens), token_pos(tokens);
+  int64_t longest = 0;
+  for (int64_t r = 0; r < num_reqs; ++r) {
+    const int64_t first = qsl[r], q_len = qsl[r + 1] - qsl[r];
+    TORCH_CHECK(q_len >= 0 && lens[r] >= q_len && lens[r] <= max_blocks * block_size,
+                "llmplug_cpu::paged_attention: request ", r, " has ", q_len, " queries, ", lens[r], " keys and ",
+                max_blocks, " blocks of ", block_size);
+    longest = std::max(longest, lens[r]);
+    for (int64_t i = 0; i < q_len; ++i) token_req[first + i] = r, token_pos[first + i] = lens[r] - q_len + i;
+  }
+  at::Tensor out = at::empty({tokens, heads * dim_v}, q.options());
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t table_stride = block_tables.stride(0);
+  const float fscale = static_cast<float>(scale);
+  dispatch(q, "paged_attention", [&]<typename T>() {
+    using raw = typename T::raw;
+    auto* attend = &attend_one<T, 0, 0>;
+    if (dim == 64 && dim_v == 64) attend = &attend_one<T, 64, 64>;
+    if (dim == 128 && dim_v == 128) attend = &attend_one<T, 128, 128>;
+    const raw* qp = reinterpret_cast<const raw*>(q.data_ptr());
+    const raw* kp = reinterpret_cast<const raw*>(key_cache.data_ptr());
+    const raw* vp = reinterpret_cast<const raw*>(value_cache.data_ptr());
+    raw* op = reinterpret_cast<raw*>(out.data_ptr());
+    const int64_t group = shape.group, tasks = tokens * kv_heads;
+    at::parallel_for(0, tasks, grain(longest * (dim + dim_v) * group, 1 << 16), [&](int64_t begin, int64_t end) {
+      std::vector<float> queries(group * dim), scores(group * longest), acc(group * dim_v);
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t t = task / kv_heads, kvh = task % kv_heads, pos = token_pos[t];
+        int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+        if (chunk > 0) lo = std::max(lo, pos / chunk * chunk);
+        attend(qp + t * q.stride(0) + kvh * group * q.stride(1), q.stride(1), kp + kvh * key_cache.stride(0),
+               vp + kvh * value_cache.stride(0), tables + token_req[t] * table_stride, lo, pos, fscale, shape,
+               queries.data(), scores.data(), acc.data(), op + (t * heads + kvh * group) * dim_v);
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(llmplug_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("fused_add_rms_norm(Tensor(a!) x, Tensor residual, Tensor weight, float eps) -> Tensor");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("rotary_embedding(Tensor(a!) x, Tensor cos, Tensor sin, bool neox) -> ()");
+  m.def("reshape_and_cache(Tensor k, Tensor v, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping) -> ()");
+  m.def(
+      "paged_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+      "Tensor query_start_loc, Tensor seq_lens, float scale, int window, int chunk) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(llmplug_cpu, CPU, m) {
+  m.impl("rms_norm", rms_norm);
+  m.impl("fused_add_rms_norm", fused_add_rms_norm);
+  m.impl("silu_and_mul", silu_and_mul);
+  m.impl("rotary_embedding", rotary_embedding);
+  m.impl("reshape_and_cache", reshape_and_cache);
+  m.impl("paged_attention", paged_attention);
+}

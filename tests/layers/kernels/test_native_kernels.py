@@ -1,0 +1,182 @@
+"""llmplug's CPU kernels (llmplug/layers/kernels/native) against torch's own ops and an attention computed in
+float64 from scratch, and the property they exist for: a row's bits never depend on the other rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llmplug.layers.activation import SiluAndMul
+from llmplug.layers.kernels.native import KERNELS_ENV, native_available, ops, use_native
+from llmplug.layers.layernorm import RMSNorm
+from llmplug.layers.rotary import get_rope
+
+pytestmark = pytest.mark.skipif(not native_available(), reason="llmplug's CPU kernels cannot be built here")
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rms_norm_matches_torch(dtype: torch.dtype) -> None:
+    """Within a few units in the last place of torch's F.rms_norm (the sum of squares adds in another order)."""
+    gen = torch.Generator().manual_seed(0)
+    x, residual = torch.randn(9, 576, generator=gen).to(dtype), torch.randn(9, 576, generator=gen).to(dtype)
+    weight = (torch.rand(576, generator=gen) + 0.5).to(dtype)
+    ulp = 4 * torch.finfo(dtype).eps  # float32: the sum's order moves the last bits
+    torch.testing.assert_close(ops().rms_norm(x, weight, 1e-5), F.rms_norm(x, (576,), weight, 1e-5), rtol=ulp, atol=ulp)
+    stream = x.clone()
+    out = ops().fused_add_rms_norm(stream, residual, weight, 1e-5)
+    assert torch.equal(stream, x + residual)  # the sum, rounded as torch's add rounds, is written into x
+    torch.testing.assert_close(out, F.rms_norm(x + residual, (576,), weight, 1e-5), rtol=ulp, atol=ulp)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_silu_and_mul_matches_torch(dtype: torch.dtype) -> None:
+    x = torch.randn(5, 2 * 1536, generator=torch.Generator().manual_seed(1)).to(dtype)
+    expected = F.silu(x[:, :1536]) * x[:, 1536:]
+    if dtype == torch.float32:  # a vectorized expf of its own: within an ulp or two
+        torch.testing.assert_close(ops().silu_and_mul(x), expected, rtol=1e-6, atol=1e-6)
+    else:  # rounded to 16 bits, the two agree exactly
+        assert torch.equal(ops().silu_and_mul(x), expected)
+
+
+def test_layers_take_the_kernels_on_cpu_tensors_and_the_switch_turns_them_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    monkeypatch.delenv(KERNELS_ENV, raising=False)
+    assert use_native(x)
+    norm, residual = RMSNorm(64).to(torch.bfloat16), torch.randn(4, 64, dtype=torch.bfloat16)
+    native_out, native_sum = norm(x.clone(), residual)
+    native_act = SiluAndMul()(x)
+    monkeypatch.setenv(KERNELS_ENV, "0")
+    assert not use_native(x)
+    torch_out, torch_sum = norm(x.clone(), residual)
+    assert torch.equal(native_out, torch_out) and torch.equal(native_sum, torch_sum)
+    assert torch.equal(native_act, SiluAndMul()(x))
+
+
+class PagedCase:
+    """Random requests in a shuffled paged cache [2, Hkv, num_blocks, block_size, D] and what the kernel reads."""
+
+    def __init__(self, seq_lens: list[int], heads: int = 6, kv_heads: int = 2, dim: int = 64, block_size: int = 4,
+                 dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.heads, self.kv_heads, self.dim, self.block_size = heads, kv_heads, dim, block_size
+        blocks_each = [-(-n // block_size) for n in seq_lens]
+        order = torch.randperm(sum(blocks_each) + 3, generator=gen).tolist()  # non-contiguous tables on purpose
+        self.tables, self.seq_lens = [], seq_lens
+        for count in blocks_each:
+            self.tables.append(order[:count])
+            order = order[count:]
+        num_blocks = sum(blocks_each) + 3
+        self.cache = (torch.randn(2, kv_heads, num_blocks, block_size, dim, generator=gen) * 2).to(dtype)
+        self.queries = {r: torch.randn(n, heads, dim, generator=gen).to(dtype) for r, n in enumerate(seq_lens)}
+
+    def run(self, reqs: list[int], q_lens: list[int], window: int = 0, chunk: int = 0, scale: float = 0.125):
+        """Attention of the last q_lens[i] tokens of each request reqs[i], in one call -> {req: [q_len, H * D]}."""
+        width = max(len(self.tables[r]) for r in reqs)
+        tables = torch.tensor([self.tables[r] + [0] * (width - len(self.tables[r])) for r in reqs])
+        q = torch.cat([self.queries[r][-n:] for r, n in zip(reqs, q_lens)])
+        starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()])
+        lens = torch.tensor([self.seq_lens[r] for r in reqs])
+        out = ops().paged_attention(q, self.cache[0], self.cache[1], tables, starts, lens, scale, window, chunk)
+        return {r: out[starts[i] : starts[i + 1]] for i, r in enumerate(reqs)}
+
+    def reference(self, r: int, window: int = 0, chunk: int = 0, scale: float = 0.125) -> torch.Tensor:
+        """Every token of request r, in float64 from contiguous keys and an explicit mask -> [n, H * D]."""
+        n, group = self.seq_lens[r], self.heads // self.kv_heads
+        bs = self.block_size
+        slots = torch.tensor([self.tables[r][j // bs] * bs + j % bs for j in range(n)])
+        keys, values = (self.cache[p].reshape(self.kv_heads, -1, self.dim)[:, slots].double() for p in (0, 1))
+        keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)  # [H, n, D]
+        scores = torch.einsum("ihd,hjd->hij", self.queries[r].double(), keys) * scale
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        seen = j <= i
+        if window:
+            seen &= j > i - window
+        if chunk:
+            seen &= j >= i // chunk * chunk
+        probs = scores.masked_fill(~seen, float("-inf")).softmax(-1)
+        return torch.einsum("hij,hjd->ihd", probs, values).reshape(n, -1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("window", "chunk"), [(0, 0), (5, 0), (0, 8), (7, 8)], ids=["full", "window", "chunk", "both"])
+def test_paged_attention_matches_a_float64_reference(dtype: torch.dtype, window: int, chunk: int) -> None:
+    case = PagedCase([1, 7, 23, 40], dtype=dtype)
+    got = case.run([0, 1, 2, 3], [1, 7, 23, 40], window, chunk)
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+    for r in range(4):
+        torch.testing.assert_close(got[r].double(), case.reference(r, window, chunk), rtol=tolerance, atol=tolerance)
+
+
+def test_values_inside_the_keys_read_their_leading_dims() -> None:
+    case = PagedCase([9, 14], kv_heads=1, heads=4, dtype=torch.float32)
+    case.cache[1] = case.cache[0]  # a latent layer's one plane: its values are the keys' first dims
+    expected = {r: case.reference(r).view(case.seq_lens[r], 4, 64)[..., :48] for r in range(2)}
+    tables = torch.tensor([case.tables[0] + [0] * (len(case.tables[1]) - len(case.tables[0])), case.tables[1]])
+    q = torch.cat([case.queries[0], case.queries[1]])
+    out = ops().paged_attention(
+        q, case.cache[0], case.cache[0][..., :48], tables, torch.tensor([0, 9, 23]), torch.tensor([9, 14]), 0.125, 0, 0
+    )
+    torch.testing.assert_close(out[:9].view(9, 4, 48).double(), expected[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[9:].view(14, 4, 48).double(), expected[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_rows_bits_do_not_depend_on_the_batch_or_the_chunking(threads: int) -> None:
+    """Request 2's tokens: a whole prompt alone, in a batch beside decodes and other prompts, as a chunk after its
+    cached context, and as one decode row each; bit for bit the same."""
+    case, before = PagedCase([5, 31, 64, 12]), torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        alone = case.run([2], [64])[2]
+        batched = case.run([0, 1, 2, 3], [1, 31, 64, 1])[2]
+        assert torch.equal(alone, batched)
+        for q_len in (1, 3, 17):  # the request's last q_len tokens as a later chunk (or a decode), beside others
+            tail = case.run([1, 2, 3], [2, q_len, 12])[2]
+            assert torch.equal(tail, alone[-q_len:])
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_bad_metadata_is_refused_by_name() -> None:
+    case = PagedCase([6])
+    q, keys, values, tables = case.queries[0], case.cache[0], case.cache[1], torch.tensor([case.tables[0]])
+    with pytest.raises(RuntimeError, match="query_start_loc ends at"):
+        ops().paged_attention(q, keys, values, tables, torch.tensor([0, 5]), torch.tensor([6]), 1.0, 0, 0)
+    with pytest.raises(RuntimeError, match="blocks of"):  # more keys than the table's blocks hold
+        ops().paged_attention(q, keys, values, tables, torch.tensor([0, 6]), torch.tensor([99]), 1.0, 0, 0)
+
+
+@pytest.mark.parametrize("neox", [True, False], ids=["neox", "interleaved"])
+@pytest.mark.parametrize("rotary_dim", [64, 32], ids=["full", "partial"])
+def test_rotary_gives_the_torch_paths_bits(monkeypatch: pytest.MonkeyPatch, neox: bool, rotary_dim: int) -> None:
+    rope = get_rope(64, rotary_dim, 512, 10000.0, is_neox_style=neox)
+    gen = torch.Generator().manual_seed(3)
+    positions = torch.randint(0, 512, (11,), generator=gen)
+    qkv = torch.randn(11, 9 * 64, generator=gen).to(torch.bfloat16)  # q and k heads inside a wider row
+    results = []
+    for mode in ("auto", "0"):
+        monkeypatch.setenv(KERNELS_ENV, mode)
+        rows = qkv.clone()
+        rope.cos_sin(positions, rows.dtype).apply_(rows[:, : 7 * 64].view(11, 7, 64))
+        results.append(rows)
+    assert torch.equal(results[0], results[1])
+    assert not torch.equal(results[0], qkv)  # it did rotate
+
+
+def test_reshape_and_cache_stores_each_tokens_heads_at_its_slot() -> None:
+    gen = torch.Generator().manual_seed(4)
+    kv = torch.randn(5, 2 * 3 * 16, generator=gen).to(torch.bfloat16)  # k and v side by side, as in a fused qkv row
+    k, v = kv[:, :48].view(5, 3, 16), kv[:, 48:].view(5, 3, 16)
+    cache = torch.zeros(2, 3, 6, 4, 16, dtype=torch.bfloat16)
+    slots = torch.tensor([17, 2, 23, 8, 9])
+    ops().reshape_and_cache(k, v, cache[0], cache[1], slots)
+    flat = cache.view(2, 3, 24, 16)
+    assert torch.equal(flat[0][:, slots], k.transpose(0, 1)) and torch.equal(flat[1][:, slots], v.transpose(0, 1))
+    untouched = torch.ones(24, dtype=torch.bool)
+    untouched[slots] = False
+    assert flat[:, :, untouched].abs().sum() == 0
+    with pytest.raises(RuntimeError, match="slot 24 of token 0 is outside the cache's 24 slots"):
+        ops().reshape_and_cache(k, v, cache[0], cache[1], torch.tensor([24, 0, 1, 2, 3]))
