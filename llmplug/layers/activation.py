@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmplug.layers.kernels import use_triton
+from llmplug.layers.kernels.native import ops, use_native
 from llmplug.layers.rowwise import rowwise
 from llmplug.layers.weight_utils import default_weight_loader, frozen_parameter
 
@@ -96,12 +97,15 @@ class SiluAndMul(ActivationAndMul):
         super().__init__("silu")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """[..., 2 * d] -> [..., d]; one Triton kernel on a GPU (`use_triton`)."""
+        """[..., 2 * d] -> [..., d]; one kernel: Triton on a GPU (`use_triton`), llmplug's own on the CPU
+        (`use_native`)."""
+        d = x.shape[-1] // 2
         if use_triton(x):
             from llmplug.layers.kernels.activation import silu_and_mul
 
-            d = x.shape[-1] // 2
             return silu_and_mul(x.reshape(-1, 2 * d)).view(*x.shape[:-1], d)
+        if use_native(x) and x.stride(-1) == 1:
+            return ops().silu_and_mul(x.reshape(-1, 2 * d)).view(*x.shape[:-1], d)
         return super().forward(x)
 
 

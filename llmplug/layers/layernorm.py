@@ -14,16 +14,20 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from llmplug.layers.kernels import use_triton
+from llmplug.layers.kernels.native import ops, use_native
 from llmplug.layers.weight_utils import default_weight_loader, frozen_parameter
 
 __all__ = ["LayerNorm", "NormConfig", "RMSNorm", "make_norm"]
+
+# rms_norm(rows [N, C], weight [C], eps, residual rows [N, C] or None) -> [N, C]; the sum written into rows
+RMSNormKernel = Callable[..., torch.Tensor]
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,25 +92,38 @@ class RMSNorm(_Norm):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """As `_Norm.forward`; on a GPU a plain RMSNorm (a weight, no offset) is one Triton kernel, residual add
-        included (`use_triton`)."""
-        if self.weight is not None and not self.weight_offset and use_triton(x):
-            return self._forward_triton(x, residual)
-        return super().forward(x, residual)
-
-    def _forward_triton(
-        self, x: torch.Tensor, residual: torch.Tensor | None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        from llmplug.layers.kernels.rms_norm import rms_norm
-
+        """As `_Norm.forward`; a plain RMSNorm (a weight, no offset) is one kernel, residual add included: Triton
+        on a GPU (`use_triton`), llmplug's own on the CPU (`use_native`)."""
+        kernel = self._kernel(x)
+        if kernel is None:
+            return super().forward(x, residual)
         if residual is None:
-            return rms_norm(x.reshape(-1, self.hidden_size), self.weight, self.variance_epsilon).view(x.shape)
+            return kernel(x.reshape(-1, self.hidden_size), self.weight, self.variance_epsilon).view(x.shape)
         rows = x.view(-1, self.hidden_size)  # a view: the kernel writes the sum into x
-        out = rms_norm(rows, self.weight, self.variance_epsilon, residual.reshape(-1, self.hidden_size))
+        out = kernel(rows, self.weight, self.variance_epsilon, residual.reshape(-1, self.hidden_size))
         return out.view(x.shape), x
+
+    def _kernel(self, x: torch.Tensor) -> RMSNormKernel | None:
+        """The fused kernel that normalizes x, if one does: rms_norm(rows, weight, eps, residual rows or None)."""
+        if self.weight is None or self.weight_offset:
+            return None
+        if use_triton(x):
+            from llmplug.layers.kernels.rms_norm import rms_norm
+
+            return rms_norm
+        return _native_rms_norm if use_native(x) and self.weight.dtype == x.dtype else None
 
     def _functional(self, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
         return F.rms_norm(x, (self.hidden_size,), weight, self.variance_epsilon)
+
+
+def _native_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """llmplug's CPU kernel with the Triton kernel's signature (`kernels.rms_norm.rms_norm`)."""
+    if residual is None:
+        return ops().rms_norm(x, weight, eps)
+    return ops().fused_add_rms_norm(x, residual, weight, eps)
 
 
 class LayerNorm(_Norm):

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from llmplug.layers.kernels import use_triton
+from llmplug.layers.kernels.native import ops, use_native
 
 __all__ = ["RotaryCosSin", "RotaryEmbedding", "RotaryPositions", "get_rope", "rope_inv_freq"]
 
@@ -36,6 +37,9 @@ class RotaryCosSin:
 
     def apply_(self, x: torch.Tensor) -> torch.Tensor:
         """Rotate x [T, num_heads, head_size] in place (any head count: q and k together); returns x."""
+        if x.dim() == 3 and x.stride(-1) == 1 and use_native(x):  # one kernel call, the bits of the ops below
+            ops().rotary_embedding(x, self.cos, self.sin, self.is_neox_style)
+            return x
         rotary_dim = self.cos.shape[-1]
         rot = x if rotary_dim == x.shape[-1] else x[..., :rotary_dim]
         partner = self._partner(rot)  # copied before rot is overwritten

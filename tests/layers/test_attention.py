@@ -11,6 +11,14 @@ import torch
 from llmplug.layers.attention import Attention, bind_kv_cache
 from llmplug.layers.attention.torch_sdpa import TorchSDPABackend
 from llmplug.layers.forward_context import CommonAttentionMetadata, forward_context
+from llmplug.layers.kernels.native import KERNELS_ENV
+
+
+@pytest.fixture(autouse=True, params=["auto", "0"], ids=["cpu-kernels", "torch-paths"])
+def kernel_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test on llmplug's CPU kernels (the default) and on the backend's torch paths."""
+    monkeypatch.setenv(KERNELS_ENV, request.param)
+
 
 BLOCK = 4
 D = 16

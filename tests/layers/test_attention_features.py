@@ -19,6 +19,14 @@ from llmplug.layers.attention.decode_mirror import DecodeMirror
 from llmplug.layers.attention.key_layout import DecodeKeys
 from llmplug.layers.attention.torch_sdpa import TorchSDPABackend
 from llmplug.layers.forward_context import CommonAttentionMetadata, forward_context
+from llmplug.layers.kernels.native import KERNELS_ENV
+
+
+@pytest.fixture(autouse=True, params=["auto", "0"], ids=["cpu-kernels", "torch-paths"])
+def kernel_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test on llmplug's CPU kernels (the default) and on the backend's torch paths."""
+    monkeypatch.setenv(KERNELS_ENV, request.param)
+
 
 D = 8
 SOFTCAP = 2.0  # scores here have std ~1, so tanh bends them visibly

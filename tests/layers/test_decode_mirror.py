@@ -13,6 +13,14 @@ from llmplug.layers.attention.decode_mirror import DecodeMirror
 from llmplug.layers.attention.key_layout import DecodeKeys
 from llmplug.layers.attention.torch_sdpa import TorchSDPABackend
 from llmplug.layers.forward_context import CommonAttentionMetadata, forward_context
+from llmplug.layers.kernels.native import KERNELS_ENV
+
+
+@pytest.fixture(autouse=True)
+def torch_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mirror belongs to the torch paths: llmplug's CPU kernels (on by default) read the cache in place."""
+    monkeypatch.setenv(KERNELS_ENV, "0")
+
 
 BLOCK = 4
 D = 8

@@ -52,6 +52,7 @@ from llmplug.layers.attention.features import softcap_, softmax_with_sinks
 from llmplug.layers.attention.fixed_order import key_tile, round_up, scores_fp32, softmax_weighted_sum
 from llmplug.layers.attention.key_layout import DecodeKeys, PrefillKeys, additive, decode_keys, prefill_keys
 from llmplug.layers.forward_context import CommonAttentionMetadata
+from llmplug.layers.kernels.native import ops, use_native
 
 if TYPE_CHECKING:
     from llmplug.layers.attention.layer import Attention
@@ -163,12 +164,31 @@ class PrefillPart:
 
 @dataclass(slots=True)
 class TorchSDPAMetadata:
-    """One step's metadata for TorchSDPABackend."""
+    """One step's metadata for TorchSDPABackend: the step as the runner flattened it (what llmplug's CPU kernels
+    read), and its decode and prefill parts for the torch paths, split when a layer first asks."""
 
-    slot_mapping: torch.Tensor  # [T] cache slot of each token
-    num_tokens: int
-    decode: DecodePart | None
-    prefill: PrefillPart | None
+    common: CommonAttentionMetadata
+    _parts: tuple[DecodePart | None, PrefillPart | None] | None = None
+
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        """[T] cache slot of each token."""
+        return self.common.slot_mapping
+
+    @property
+    def decode(self) -> DecodePart | None:
+        """Requests with one new token attending to their cached context (None: no such request)."""
+        return self._split()[0]
+
+    @property
+    def prefill(self) -> PrefillPart | None:
+        """Every other request (None: no such request)."""
+        return self._split()[1]
+
+    def _split(self) -> tuple[DecodePart | None, PrefillPart | None]:
+        if self._parts is None:
+            self._parts = _split_parts(self.common)
+        return self._parts
 
 
 def _select_tokens(reqs: list[int], starts: list[int], device: torch.device) -> TokenSelection:
@@ -583,18 +603,9 @@ class TorchSDPABackend(AttentionBackend):
 
     @classmethod
     def build_metadata(cls, common: CommonAttentionMetadata) -> TorchSDPAMetadata:
-        """Split the batch into its decode and prefill parts (their key layouts and masks are built when
-        the first layer asks for them, once per sliding window)."""
-        q_lens = list(common.query_lens_list) or (common.query_start_loc[1:] - common.query_start_loc[:-1]).tolist()
-        seq_lens = list(common.seq_lens_list) or common.seq_lens.tolist()
-        starts = [0, *itertools.accumulate(q_lens)]
-        is_decode = [q == 1 and s > 1 for q, s in zip(q_lens, seq_lens)]
-        decode_reqs = [r for r, flag in enumerate(is_decode) if flag]
-        prefill_reqs = [r for r, flag in enumerate(is_decode) if not flag]
-        tile = key_tile(common.block_size) if common.batch_invariant else None
-        decode = _build_decode(common, decode_reqs, starts, seq_lens, tile) if decode_reqs else None
-        prefill = _build_prefill(common, prefill_reqs, starts, q_lens, seq_lens, tile) if prefill_reqs else None
-        return TorchSDPAMetadata(common.slot_mapping, common.num_tokens, decode, prefill)
+        """The step's metadata; its decode and prefill parts (and their key layouts and masks) are built when the
+        first layer on the torch paths asks for them, once per step (per sliding window for the layouts)."""
+        return TorchSDPAMetadata(common)
 
     @classmethod
     def forward(
@@ -605,6 +616,8 @@ class TorchSDPABackend(AttentionBackend):
         if layer.values_in_keys:
             v = k[:, : layer.v_head_dim]  # one KV head: [T, Dv], a view of k
         cache = layer.kv_cache
+        if _native(layer, q, cache):
+            return _native_attention(layer, q, k, v, cache, metadata)
         if cache is not None:  # all of the step's k/v first: requests may read blocks others write now
             _write_kv(cache, k, v, metadata.slot_mapping)
         if not layer.causal:
@@ -621,6 +634,47 @@ class TorchSDPABackend(AttentionBackend):
         take = prefill.tokens.take
         prefill.tokens.put(out, _prefill(layer, take(q), take(k), take(v), prefill, cache))
         return out
+
+
+def _native(layer: "Attention", q: torch.Tensor, cache: torch.Tensor | None) -> bool:
+    """Whether llmplug's CPU kernels store and attend for this layer: a causal layer with a cache, plain scores (a
+    window or chunk allowed), CPU tensors in eager mode (`use_native`). Fixed per layer, so every step of a request
+    takes the same path: the kernel's rows are batch invariant by construction."""
+    return cache is not None and layer.causal and _plain(layer) and use_native(q)
+
+
+def _native_attention(
+    layer: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
+    metadata: TorchSDPAMetadata,
+) -> torch.Tensor:
+    """Store the step's k, v, then attend every token over its request's cached keys, each one kernel call:
+    q [T, H * D] -> [T, H * Dv]."""
+    layer.backend_state = None  # no decode mirror: the kernel reads the cache's blocks in place
+    num_tokens, kernels = q.shape[0], ops()
+    if cache.shape[0] == 2:
+        keys, values = k.view(num_tokens, layer.num_kv_heads, -1), v.view(num_tokens, layer.num_kv_heads, -1)
+        kernels.reshape_and_cache(keys, values, cache[0], cache[1], metadata.slot_mapping)
+    else:  # values inside the keys: one plane
+        _write_kv(cache, k, v, metadata.slot_mapping)
+    return kernels.paged_attention(
+        q.view(num_tokens, layer.num_heads, layer.head_dim), cache[0], cache[-1][..., : layer.v_head_dim],
+        metadata.common.block_tables, metadata.common.query_start_loc, metadata.common.seq_lens,
+        layer.scale, layer.sliding_window or 0, layer.attention_chunk or 0,
+    )
+
+
+def _split_parts(common: CommonAttentionMetadata) -> tuple[DecodePart | None, PrefillPart | None]:
+    """Split the batch into its decode and prefill parts."""
+    q_lens = list(common.query_lens_list) or (common.query_start_loc[1:] - common.query_start_loc[:-1]).tolist()
+    seq_lens = list(common.seq_lens_list) or common.seq_lens.tolist()
+    starts = [0, *itertools.accumulate(q_lens)]
+    is_decode = [q == 1 and s > 1 for q, s in zip(q_lens, seq_lens)]
+    decode_reqs = [r for r, flag in enumerate(is_decode) if flag]
+    prefill_reqs = [r for r, flag in enumerate(is_decode) if not flag]
+    tile = key_tile(common.block_size) if common.batch_invariant else None
+    decode = _build_decode(common, decode_reqs, starts, seq_lens, tile) if decode_reqs else None
+    prefill = _build_prefill(common, prefill_reqs, starts, q_lens, seq_lens, tile) if prefill_reqs else None
+    return decode, prefill
 
 
 def _require(cache: torch.Tensor | None) -> torch.Tensor:
