@@ -11,7 +11,8 @@ from .conftest import serve
 
 pytestmark = pytest.mark.slow
 
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+# a question whose greedy answer leads by >= 0.875 nats per token in bf16 (tests/loaders/test_gguf_int4.py, CHATS)
+QUESTION = [{"role": "user", "content": "What is the capital city of France? Answer in one sentence."}]
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +46,6 @@ def test_default_model_answers_like_offline(offline_then_served):
     completion = client.completions.create(model=default_server.model, prompt="The three primary colors are",
                                            temperature=0.8, seed=42, max_tokens=20)
     assert completion.choices[0].text == expected["seeded"].text
-    response = client.responses.create(model=default_server.model, input="What is the capital of France?",
+    response = client.responses.create(model=default_server.model, input=QUESTION[0]["content"],
                                        temperature=0, max_output_tokens=24)
     assert response.output_text == expected["greedy"].text
