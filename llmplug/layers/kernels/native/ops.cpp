@@ -194,10 +194,19 @@ void rotary_embedding(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin
         const raw* s = sp + t * rot;
         for (int64_t h = 0; h < heads; ++h) {
           raw* y = xp + t * ts + h * hs;
-          for (int64_t d = 0; d < rot; ++d) row[d] = T::load(y[d]);
-          for (int64_t d = 0; d < rot; ++d) {
-            const int64_t partner = neox ? (d < half ? d + half : d - half) : (d ^ 1);
-            y[d] = T::store(T::load(T::store(row[d] * T::load(c[d]))) + row[partner] * T::load(s[d]));
+          float* r = row.data();
+#pragma omp simd
+          for (int64_t d = 0; d < rot; ++d) r[d] = T::load(y[d]);
+          if (neox) {  // pairs (d, d + half)
+#pragma omp simd
+            for (int64_t d = 0; d < half; ++d) {
+              y[d] = T::store(T::load(T::store(r[d] * T::load(c[d]))) + r[d + half] * T::load(s[d]));
+              y[d + half] = T::store(T::load(T::store(r[d + half] * T::load(c[d + half]))) + r[d] * T::load(s[d + half]));
+            }
+          } else {  // pairs (2i, 2i + 1)
+#pragma omp simd
+            for (int64_t d = 0; d < rot; ++d)
+              y[d] = T::store(T::load(T::store(r[d] * T::load(c[d]))) + r[d ^ 1] * T::load(s[d]));
           }
         }
       }
