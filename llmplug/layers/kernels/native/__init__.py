@@ -1,4 +1,5 @@
-"""llmplug's CPU kernels (`ops.cpp`): RMSNorm with its residual add, SiLU-and-mul, paged attention.
+"""llmplug's CPU kernels (`ops.cpp`): RMSNorm with its residual add, SiLU-and-mul, rotary, the KV write, paged
+attention.
 
 Eager PyTorch runs each of these as 5–40 small ops, each a Python-level dispatch of a few microseconds,
 which at one decode token is most of their cost (docs/benchmarks.md). Here each is one call, with every
