@@ -115,7 +115,7 @@ class AsyncLLM:
             kwargs["model"] = model
         if not isinstance(config, EngineConfig):
             config = load_config(kwargs=kwargs, file=config, order=("file", "kwargs", "cli")).config
-        self._start(LLMEngine(config), config.model.model)
+        self._start(lambda: LLMEngine(config), config.model.model)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "AsyncLLM":
@@ -126,19 +126,39 @@ class AsyncLLM:
     def from_engine(cls, llm_engine: LLMEngine, model_name: str | None = None) -> "AsyncLLM":
         """Drive an existing LLMEngine (e.g. `LLM(...).llm_engine`); nothing else may step it from now on."""
         self = cls.__new__(cls)
-        self._start(llm_engine, model_name or llm_engine.config.model.model)
+        self._start(lambda: llm_engine, model_name or llm_engine.config.model.model)
         return self
 
-    def _start(self, llm_engine: LLMEngine, model_name: str) -> None:
-        self.llm_engine = llm_engine  # from now on only the engine thread touches it
+    def _start(self, make_engine: Callable[[], LLMEngine], model_name: str) -> None:
+        """Start the engine thread; it builds the engine with `make_engine`, then runs the step loop.
+
+        The engine is built on the thread that steps it, so one thread runs all of the process's torch
+        work. A second thread that ran parallel ops (building on the caller's thread) keeps an idle OpenMP
+        team; GNU OpenMP then counts more threads than cores and its workers sleep between parallel regions
+        instead of spinning: one stream decoded 1.4-1.8x slower (docs/platforms.md, "CPU threading").
+        """
         self.model_name = model_name  # the model as the user named it (config.model.model is resolved)
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._streams: dict[str, _RequestStream] = {}
         self._lock = threading.Lock()  # guards _streams and _dead_error across the two threads
         self._dead_error: EngineDeadError | None = None
-        self._stats: dict[str, Any] = self.llm_engine.engine_core.stats()
-        self._thread = threading.Thread(target=self._run_engine_loop, name="llmplug-engine", daemon=True)
+        built: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._thread = threading.Thread(
+            target=self._run_engine_thread, args=(make_engine, built), name="llmplug-engine", daemon=True
+        )
         self._thread.start()
+        built.result()  # the engine is up, or its construction error is raised here
+
+    def _run_engine_thread(self, make_engine: Callable[[], LLMEngine], built: concurrent.futures.Future) -> None:
+        """Build the engine (reporting success or the error through `built`), then run the step loop."""
+        try:
+            self.llm_engine = make_engine()  # from now on only this thread touches it
+            self._stats: dict[str, Any] = self.llm_engine.engine_core.stats()
+        except BaseException as exc:  # whatever it is, the constructor raises it
+            built.set_exception(exc)
+            return
+        built.set_result(None)
+        self._run_engine_loop()
 
     # --- what servers read -------------------------------------------------------------------
 

@@ -232,3 +232,35 @@ def test_shutdown_stops_the_thread(tiny_llama):
     engine = AsyncLLM(str(tiny_llama.path), **KWARGS)
     engine.shutdown()
     assert not engine._thread.is_alive() and engine.is_dead
+
+
+def test_the_engine_is_built_on_the_thread_that_steps_it(tiny_llama, monkeypatch):
+    """One thread runs all torch work: a second OpenMP team made GNU OpenMP stop spinning (docs/platforms.md)."""
+    import llmplug.engine.async_llm as async_llm
+
+    built_on = []
+    real_engine = async_llm.LLMEngine
+
+    def recording_engine(config):
+        built_on.append(threading.current_thread())
+        return real_engine(config)
+
+    monkeypatch.setattr(async_llm, "LLMEngine", recording_engine)
+    engine = AsyncLLM(str(tiny_llama.path), **KWARGS)
+    try:
+        assert built_on == [engine._thread] and engine._thread is not threading.current_thread()
+        out = asyncio.run(collect(engine, {"prompt_token_ids": [5, 17, 9]}, SamplingParams(max_tokens=3), "after"))
+        assert out[-1].finished and len(out[-1].outputs[0].token_ids) == 3
+    finally:
+        engine.shutdown()
+
+
+def test_a_construction_error_reaches_the_caller(tmp_path):
+    before = set(threading.enumerate())
+    with pytest.raises(Exception) as caught:
+        AsyncLLM(str(tmp_path / "no-such-model"), **KWARGS)
+    assert "no-such-model" in str(caught.value)
+    started = [t for t in threading.enumerate() if t not in before]
+    for thread in started:
+        thread.join(timeout=5)
+    assert [t.name for t in started] in ([], ["llmplug-engine"]) and not any(t.is_alive() for t in started)
