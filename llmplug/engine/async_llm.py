@@ -154,7 +154,7 @@ class AsyncLLM:
         try:
             self.llm_engine = make_engine()  # from now on only this thread touches it
             self._stats: dict[str, Any] = self.llm_engine.engine_core.stats()
-        except BaseException as exc:  # whatever it is, the constructor raises it
+        except BaseException as exc:  # noqa: BLE001 - whatever it is, the constructor raises it
             built.set_exception(exc)
             return
         built.set_result(None)

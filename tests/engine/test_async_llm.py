@@ -236,7 +236,7 @@ def test_shutdown_stops_the_thread(tiny_llama):
 
 def test_the_engine_is_built_on_the_thread_that_steps_it(tiny_llama, monkeypatch):
     """One thread runs all torch work: a second OpenMP team made GNU OpenMP stop spinning (docs/platforms.md)."""
-    import llmplug.engine.async_llm as async_llm
+    from llmplug.engine import async_llm
 
     built_on = []
     real_engine = async_llm.LLMEngine
