@@ -180,3 +180,26 @@ def test_reshape_and_cache_stores_each_tokens_heads_at_its_slot() -> None:
     assert flat[:, :, untouched].abs().sum() == 0
     with pytest.raises(RuntimeError, match="slot 24 of token 0 is outside the cache's 24 slots"):
         ops().reshape_and_cache(k, v, cache[0], cache[1], torch.tensor([24, 0, 1, 2, 3]))
+
+
+def test_the_build_directory_is_the_same_after_building(monkeypatch, tmp_path):
+    """torch's cpp_extension appends to the flag lists it is given: the build must hand it copies, or the key of
+    build_directory() changes in the process that built (and it names a directory that does not exist)."""
+    from llmplug.layers.kernels import native
+
+    calls = []
+
+    def fake_load(name, sources, extra_cflags, extra_ldflags, **kwargs):
+        calls.append(name)
+        extra_cflags.append("-DADDED_BY_TORCH")
+        extra_ldflags.append("-ltorch")
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr("torch.utils.cpp_extension.load", fake_load)
+    native.native_available.cache_clear()
+    try:
+        before = native.build_directory()
+        assert native.native_available() and calls == [native.NAME]
+        assert native.build_directory() == before
+    finally:
+        native.native_available.cache_clear()

@@ -46,7 +46,8 @@ def build_directory() -> Path:
     lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
     flags = next((line for line in lines if line.startswith("flags")), "")
     key = "\n".join([SOURCE.read_text(), *CFLAGS, *LDFLAGS, torch.__version__, platform.machine(), flags])
-    return Path(get_default_build_root()) / f"{NAME}_{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()  # as torch's own extensions
+    return Path(root) / f"{NAME}_{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
 @functools.cache
@@ -63,8 +64,9 @@ def native_available() -> bool:
 
         logger.info("building llmplug's CPU kernels in %s (once, about a minute)", directory)
         directory.mkdir(parents=True, exist_ok=True)
-        load(NAME, [str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, build_directory=str(directory),
-             is_python_module=False)
+        # copies: torch appends its own flags to the lists it is given, which would change build_directory()'s key
+        load(NAME, [str(SOURCE)], extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
+             build_directory=str(directory), is_python_module=False)
     except (ImportError, OSError, RuntimeError) as exc:  # no compiler, no ninja, a failed build: torch paths serve
         logger.warning("llmplug's CPU kernels could not be built (%s); the layers use their torch paths", exc)
         return False
