@@ -15,6 +15,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from llmplug.layers.kernels.native import ops, use_native
+
 __all__ = ["VECTOR_ELEMENTS", "rowwise", "rowwise_bmm"]
 
 VECTOR_ELEMENTS = 64  # a multiple of every SIMD width (in elements) torch's CPU kernels use, for every dtype
@@ -32,10 +34,15 @@ def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torc
 def rowwise_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [N, M, K] @ b [N, K, L] such that each row of the result does not depend on M.
 
-    MKL's batched matmul gives a row the same bits for any number of rows M >= 2 when `a` is contiguous, but
-    takes a matrix-vector kernel, which sums in another order, for one row (and other kernels for strided
-    views): `a` is made contiguous and a lone row computed as two.
+    On the CPU, llmplug's kernel (`llmplug_cpu::row_bmm`: each row's float32 sums on one thread in one fixed
+    order). Elsewhere, or without the kernels, MKL's batched matmul with `a` contiguous and a lone row computed
+    as two: on some CPUs that gives a row the same bits for any M >= 2 (it takes a matrix-vector kernel for
+    one row), but not on all (an AMD EPYC with AVX512-VP2INTERSECT changes kernels with M).
     """
+    if use_native(a):
+        if b.stride(2) != 1 and b.stride(1) != 1:
+            b = b.contiguous()
+        return ops().row_bmm(a, b)
     rows = a.shape[1]
     a = torch.cat([a, a], dim=1) if rows == 1 else a.contiguous()
     return torch.bmm(a, b)[:, :rows]

@@ -9,11 +9,9 @@ the plain paths of TorchSDPABackend differ in the last bits (in bf16, visibly).
 Here every request's keys are laid out from a tile-aligned position in tiles of `tile` keys (a fixed
 tile size, not a fixed number of tiles), and:
 
-- scores = q . k in float32 by one batched matmul of q [M, D] and the keys laid out [D, L] contiguous:
-  then MKL computes each score as the same dot product over the head dimension for any number of rows
-  M >= 2 and columns L (tested for head dims 16..256, 1 and 2 threads). A single row takes a
-  matrix-vector kernel that sums in another order, so a lone row is computed as two; keys left as a
-  transposed [L, D] view take kernels that differ with M for head dims above 64;
+- scores = q . k in float32 by one batched matmul of q [M, D] and the keys laid out [D, L] contiguous, whose
+  rows do not depend on M (`rowwise_bmm`: llmplug's CPU kernel; without it MKL, which keeps that on some
+  CPUs only);
 - the row maximum (exact in any order), then exp(score - max);
 - the softmax denominator and the weighted sum of the values fold tile by tile, in position order,
   each tile's sum and matmul always over exactly `tile` keys. A tile the row does not see (padding
@@ -26,6 +24,8 @@ fixes. The test is tests/layers/test_fixed_order_attention.py and, end to end, t
 from __future__ import annotations
 
 import torch
+
+from llmplug.layers.rowwise import rowwise_bmm
 
 __all__ = ["KEY_TILE", "key_tile", "round_up", "scores_fp32", "softmax_weighted_sum"]
 
@@ -43,14 +43,13 @@ def round_up(n: int, multiple: int) -> int:
 
 
 def _two_rows(x: torch.Tensor) -> torch.Tensor:
-    """x [N, M, K] with M >= 2: a single row is repeated, so a matmul takes its matrix-matrix kernel."""
+    """x [N, M, K] with M >= 2: a single row is repeated, so the element-wise ops see the same shapes."""
     return torch.cat([x, x], dim=1) if x.shape[1] == 1 else x
 
 
 def scores_fp32(q: torch.Tensor, keys_t: torch.Tensor) -> torch.Tensor:
     """q [N, M, D] . keys_t [N, D, L] in float32 -> [N, M, L] (unscaled); keys_t is made contiguous."""
-    rows = q.shape[1]
-    return torch.bmm(_two_rows(q.float()), keys_t.float().contiguous())[:, :rows]
+    return rowwise_bmm(q.float(), keys_t.float().contiguous())
 
 
 def softmax_weighted_sum(
@@ -75,7 +74,7 @@ def softmax_weighted_sum(
     for start in range(0, length, tile):
         weights = probs[:, :, start : start + tile]
         tile_total = weights.sum(dim=-1, keepdim=True)
-        tile_out = torch.bmm(weights, values[:, start : start + tile].float())
+        tile_out = rowwise_bmm(weights, values[:, start : start + tile].float())
         total = tile_total if total is None else total.add_(tile_total)
         out = tile_out if out is None else out.add_(tile_out)
     if sinks is not None:

@@ -203,3 +203,28 @@ def test_the_build_directory_is_the_same_after_building(monkeypatch, tmp_path):
         assert native.build_directory() == before
     finally:
         native.native_available.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("b_layout", ["rows", "columns"])
+def test_row_bmm_matches_float64_and_a_row_is_the_same_in_any_batch(dtype, b_layout) -> None:
+    """llmplug_cpu::row_bmm: a [N, M, K] (a strided view) @ b [N, K, L] with b's rows or its columns contiguous;
+    rows carry +-2^19 at two columns with equal weights, so any change of summation order shows."""
+    generator = torch.Generator().manual_seed(3)
+    a = torch.randn(16, 3, 100, generator=generator)
+    b = torch.randn(3, 100, 72, generator=generator)
+    for row in range(16):
+        first, last = row % 4, 99 - row % 4
+        b[:, last] = b[:, first]
+        a[row, :, first], a[row, :, last] = 2.0**19, -(2.0**19)
+    a, b = a.to(dtype).transpose(0, 1), b.to(dtype)  # a [3, 16, 100], strided
+    if b_layout == "columns":
+        b = b.transpose(1, 2).contiguous().transpose(1, 2)
+    full = ops().row_bmm(a, b)
+    assert full.dtype == dtype and full.shape == (3, 16, 72)
+    expected = torch.bmm(a.double(), b.double())
+    # the +-2^19 pairs cancel: float32 sums keep ~2^19 * 2^-24 of absolute error, whatever the order
+    rtol = 1e-4 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(full.double(), expected.to(dtype).double(), rtol=rtol, atol=1.0)
+    for rows in range(1, 17):
+        assert torch.equal(ops().row_bmm(a[:, :rows], b), full[:, :rows]), f"{rows} rows"

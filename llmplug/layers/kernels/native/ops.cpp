@@ -1,5 +1,5 @@
-// llmplug's CPU kernels: RMSNorm (with the residual add), SiLU-and-mul, rotary embedding, the KV cache write and
-// paged attention.
+// llmplug's CPU kernels: RMSNorm (with the residual add), SiLU-and-mul, rotary embedding, the KV cache write,
+// paged attention and a batched matmul whose rows do not depend on the batch.
 //
 // Every output row is computed by one thread, by the same loops whatever else the call holds: a row's
 // bits depend only on its own inputs (and, for attention, its own keys), never on the number of rows,
@@ -475,6 +475,59 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache, con
   return out;
 }
 
+
+// Batched matmul a [N, M, K] @ b [N, K, L] -> [N, M, L] in a's dtype, float32 sums, each output row on one
+// thread in one fixed order whatever M (MKL's batched matmul takes other kernels for other M on some CPUs).
+// b with contiguous rows: out[m] = sum over k, in order, of a[m, k] * b[k] (one fused multiply-add per k and
+// element); b with contiguous columns (a transposed view): each element a dot product over K in 16 lanes
+// summed in a fixed tree. a may be strided.
+at::Tensor row_bmm(const at::Tensor& a, const at::Tensor& b) {
+  TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && a.size(0) == b.size(0) && a.size(2) == b.size(1),
+              "llmplug_cpu::row_bmm: a [N, M, K] and b [N, K, L] expected, got ", a.sizes(), " and ", b.sizes());
+  TORCH_CHECK(a.scalar_type() == b.scalar_type(), "llmplug_cpu::row_bmm: a and b must share a dtype");
+  TORCH_CHECK(b.stride(2) == 1 || b.stride(1) == 1, "llmplug_cpu::row_bmm: b needs contiguous rows or columns");
+  const int64_t N = a.size(0), M = a.size(1), K = a.size(2), L = b.size(2);
+  at::Tensor out = at::empty({N, M, L}, a.options());
+  const bool rows_contiguous = b.stride(2) == 1;
+  dispatch(a, "row_bmm", [&]<typename T>() {
+    using raw = typename T::raw;
+    const raw* ap = reinterpret_cast<const raw*>(a.data_ptr());
+    const raw* bp = reinterpret_cast<const raw*>(b.data_ptr());
+    raw* op = reinterpret_cast<raw*>(out.data_ptr());
+    const int64_t as0 = a.stride(0), as1 = a.stride(1), as2 = a.stride(2), bs0 = b.stride(0), bs1 = b.stride(1),
+                  bs2 = b.stride(2);
+    at::parallel_for(0, N * M, grain(K * L, 1 << 14), [&](int64_t begin, int64_t end) {
+      std::vector<float> row(L), arow(K), column(K);
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t n = task / M, m = task % M;
+        for (int64_t k = 0; k < K; ++k) arow[k] = T::load(ap[n * as0 + m * as1 + k * as2]);
+        if (rows_contiguous) {
+          std::fill(row.begin(), row.end(), 0.f);
+          for (int64_t k = 0; k < K; ++k) {
+            const raw* brow = bp + n * bs0 + k * bs1;
+            const float av = arow[k];
+            float* r = row.data();
+#pragma omp simd
+            for (int64_t l = 0; l < L; ++l) r[l] = std::fma(av, T::load(brow[l]), r[l]);
+          }
+        } else {
+          for (int64_t l = 0; l < L; ++l) {
+            const raw* bcol = bp + n * bs0 + l * bs2;
+            float lanes[16] = {};
+            for (int64_t k = 0; k < K; ++k) lanes[k % 16] = std::fma(arow[k], T::load(bcol[k]), lanes[k % 16]);
+            for (int width = 8; width > 0; width /= 2)
+              for (int j = 0; j < width; ++j) lanes[j] += lanes[j + width];
+            row[l] = lanes[0];
+          }
+        }
+        raw* o = op + task * L;
+        for (int64_t l = 0; l < L; ++l) o[l] = T::store(row[l]);
+      }
+    });
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(llmplug_cpu, m) {
@@ -486,6 +539,7 @@ TORCH_LIBRARY(llmplug_cpu, m) {
   m.def(
       "paged_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
       "Tensor query_start_loc, Tensor seq_lens, float scale, int window, int chunk) -> Tensor");
+  m.def("row_bmm(Tensor a, Tensor b) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llmplug_cpu, CPU, m) {
@@ -495,4 +549,5 @@ TORCH_LIBRARY_IMPL(llmplug_cpu, CPU, m) {
   m.impl("rotary_embedding", rotary_embedding);
   m.impl("reshape_and_cache", reshape_and_cache);
   m.impl("paged_attention", paged_attention);
+  m.impl("row_bmm", row_bmm);
 }
