@@ -47,8 +47,8 @@ class ModelConfig(_Section):
             "quantizing the rest (group 32); none: dense only. An int4 layer computes at most 8 tokens per call "
             "with its int4 copy (decode) and more densely, unless batch_invariant is true: then every token "
             "count in int4. int8: every linear layer and the LM head with int8 weights (per output channel) "
-            "and int8 activations (per token), an exact int32 matmul: fastest for prefill and batches, batch "
-            "invariant. See docs/quantization.md."
+            "and int8 activations (per token), an exact int32 matmul: faster for batches and prefill where the "
+            "CPU's bf16 is slow, for one stream everywhere measured; batch invariant. See docs/quantization.md."
         ),
     )
     runner: Literal["auto", "generate", "pooling"] = Field(
