@@ -1,7 +1,8 @@
 """AsyncLLM: the engine for asyncio servers; `async for out in engine.generate(...)` streams a request.
 
 One background thread builds the LLMEngine, owns it and runs its step loop, so a long step never blocks the
-event loop that serves HTTP (and one thread runs all of the process's torch work: see `_start`). The two sides talk through two channels only:
+event loop that serves HTTP, and one thread runs all of the process's torch work (see `_start`). The two
+sides talk through two channels only:
 - commands (add, abort, calls such as update_weights or sleep, shutdown) go to the engine thread through a
   thread-safe queue, which the thread drains between steps; with nothing to run it blocks on that queue
   (no busy wait); a call's result or error comes back through a future;

@@ -42,11 +42,6 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def _two_rows(x: torch.Tensor) -> torch.Tensor:
-    """x [N, M, K] with M >= 2: a single row is repeated, so the element-wise ops see the same shapes."""
-    return torch.cat([x, x], dim=1) if x.shape[1] == 1 else x
-
-
 def scores_fp32(q: torch.Tensor, keys_t: torch.Tensor) -> torch.Tensor:
     """q [N, M, D] . keys_t [N, D, L] in float32 -> [N, M, L] (unscaled); keys_t is made contiguous."""
     return rowwise_bmm(q.float(), keys_t.float().contiguous())
@@ -63,10 +58,9 @@ def softmax_weighted_sum(
     rows, length = scores.shape[1], scores.shape[2]
     if length % tile:
         raise ValueError(f"fixed-order attention: {length} keys are not whole tiles of {tile}")
-    scores = _two_rows(scores)
-    top = scores.amax(dim=-1, keepdim=True)  # [N, M', 1]
+    top = scores.amax(dim=-1, keepdim=True)  # [N, M, 1]
     if sinks is not None:
-        sinks = _two_rows(sinks.expand(scores.shape[0], rows, 1))
+        sinks = sinks.expand(scores.shape[0], rows, 1)
         top = torch.maximum(top, sinks)
     top.clamp_(min=torch.finfo(top.dtype).min)  # a row that sees no key (max -inf): all its weights stay 0
     probs = scores.sub_(top).exp_()
@@ -80,4 +74,4 @@ def softmax_weighted_sum(
     if sinks is not None:
         total.add_(torch.exp(sinks - top))
     # a seen row's total is >= 1 (its largest weight is exp(0)); a row that sees no key has total 0 and out 0
-    return out.div_(total.clamp_(min=torch.finfo(total.dtype).tiny))[:, :rows]
+    return out.div_(total.clamp_(min=torch.finfo(total.dtype).tiny))

@@ -475,7 +475,6 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache, con
   return out;
 }
 
-
 // Batched matmul a [N, M, K] @ b [N, K, L] -> [N, M, L] in a's dtype, float32 sums, each output row on one
 // thread in one fixed order whatever M (MKL's batched matmul takes other kernels for other M on some CPUs).
 // b with contiguous rows: out[m] = sum over k, in order, of a[m, k] * b[k] (one fused multiply-add per k and
@@ -497,7 +496,7 @@ at::Tensor row_bmm(const at::Tensor& a, const at::Tensor& b) {
     const int64_t as0 = a.stride(0), as1 = a.stride(1), as2 = a.stride(2), bs0 = b.stride(0), bs1 = b.stride(1),
                   bs2 = b.stride(2);
     at::parallel_for(0, N * M, grain(K * L, 1 << 14), [&](int64_t begin, int64_t end) {
-      std::vector<float> row(L), arow(K), column(K);
+      std::vector<float> row(L), arow(K);
       for (int64_t task = begin; task < end; ++task) {
         const int64_t n = task / M, m = task % M;
         for (int64_t k = 0; k < K; ++k) arow[k] = T::load(ap[n * as0 + m * as1 + k * as2]);
