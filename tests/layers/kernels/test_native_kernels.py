@@ -123,18 +123,37 @@ def test_values_inside_the_keys_read_their_leading_dims() -> None:
     torch.testing.assert_close(out[9:].view(14, 4, 48).double(), expected[1], rtol=1e-5, atol=1e-5)
 
 
+# (query heads, KV heads, head dim): unrolled dims 64 and 128 (value sums in registers, 4 or 2 query heads at a
+# time, plus the rest), a dim of whole vectors read at run time (80), and one that is not (72)
+HEAD_SHAPES = [(6, 2, 64), (10, 2, 128), (5, 1, 80), (4, 2, 72)]
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), HEAD_SHAPES[1:], ids=["d128", "d80", "d72"])
+def test_paged_attention_of_other_head_shapes_matches_a_float64_reference(heads: int, kv_heads: int, dim: int) -> None:
+    case = PagedCase([3, 29], heads=heads, kv_heads=kv_heads, dim=dim, dtype=torch.float32)
+    got = case.run([0, 1], [3, 29], 6, 0)
+    for r in range(2):
+        torch.testing.assert_close(got[r].double(), case.reference(r, 6, 0), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
-def test_a_rows_bits_do_not_depend_on_the_batch_or_the_chunking(threads: int) -> None:
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), HEAD_SHAPES, ids=["d64", "d128", "d80", "d72"])
+@pytest.mark.parametrize(("window", "chunk"), [(0, 0), (7, 8)], ids=["full", "window+chunk"])
+def test_a_rows_bits_do_not_depend_on_the_batch_or_the_chunking(
+    threads: int, heads: int, kv_heads: int, dim: int, window: int, chunk: int
+) -> None:
     """Request 2's tokens: a whole prompt alone, in a batch beside decodes and other prompts, as a chunk after its
-    cached context, and as one decode row each; bit for bit the same."""
-    case, before = PagedCase([5, 31, 64, 12]), torch.get_num_threads()
+    cached context, and as one decode row each; bit for bit the same. A prompt's rows are attended in tiles of
+    several rows sharing their key reads, so the chunks below start and end inside other tiles."""
+    case = PagedCase([5, 31, 64, 12], heads=heads, kv_heads=kv_heads, dim=dim)
+    before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        alone = case.run([2], [64])[2]
-        batched = case.run([0, 1, 2, 3], [1, 31, 64, 1])[2]
+        alone = case.run([2], [64], window, chunk)[2]
+        batched = case.run([0, 1, 2, 3], [1, 31, 64, 1], window, chunk)[2]
         assert torch.equal(alone, batched)
         for q_len in (1, 3, 17):  # the request's last q_len tokens as a later chunk (or a decode), beside others
-            tail = case.run([1, 2, 3], [2, q_len, 12])[2]
+            tail = case.run([1, 2, 3], [2, q_len, 12], window, chunk)[2]
             assert torch.equal(tail, alone[-q_len:])
     finally:
         torch.set_num_threads(before)

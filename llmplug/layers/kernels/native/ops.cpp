@@ -11,6 +11,7 @@
 #include <torch/library.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -342,45 +343,45 @@ inline void axpy(float* acc, float p, const typename T::raw* v, int64_t n) {
   for (int64_t d = 0; d < n; ++d) acc[d] += p * T::load(v[d]);
 }
 
-// One (token, KV head) of paged_attention: its G query heads over keys lo..pos, read through the block table.
-// kD, kDv > 0 fix the head dims at compile time (fully unrolled loops); 0 reads them from `shape`.
+// Head dims and the cache's layout, shared by every task of a paged_attention call. kD, kDv > 0 below fix the
+// head dims at compile time (fully unrolled loops); 0 reads them from here.
 struct AttentionShape {
   int64_t group, dim, dim_v, block_size, k_block_stride, k_row_stride, v_block_stride, v_row_stride;
 };
 
-template <typename T, int kD, int kDv>
-void attend_one(const typename T::raw* q, int64_t q_head_stride, const typename T::raw* keys,
-                const typename T::raw* values, const int64_t* table, int64_t lo, int64_t pos, float scale,
-                const AttentionShape& shape, float* queries, float* scores, float* acc, typename T::raw* out) {
+// scores[i * n + (j - lo)] = queries[i] . key j for the `count` queries [count, D] (scaled) and keys lo..hi, read
+// through the block table; n = hi + 1 - lo. A dot's value depends only on its query and key (dot16, dot).
+template <typename T, int kD>
+void key_scores(const float* queries, int64_t count, const typename T::raw* keys, const int64_t* table, int64_t lo,
+                int64_t hi, const AttentionShape& shape, float* scores) {
   using raw = typename T::raw;
-  const int64_t D = kD ? kD : shape.dim, Dv = kDv ? kDv : shape.dim_v, G = shape.group, n = pos + 1 - lo;
-  const int64_t bs = shape.block_size;
-  for (int64_t g = 0; g < G; ++g) {
-    const raw* row = q + g * q_head_stride;
-#pragma omp simd
-    for (int64_t d = 0; d < D; ++d) queries[g * D + d] = T::load(row[d]) * scale;
-  }
+  const int64_t D = kD ? kD : shape.dim, n = hi + 1 - lo, bs = shape.block_size;
 #ifdef LLMPLUG_AVX512
-  if (D % 16 == 0 && D <= kMaxDim) {  // scores 16 keys at a time: partial sums of 16 lanes each, reduced together
+  if (D % 16 == 0 && D <= kMaxDim) {  // 16 keys at a time: partial sums of 16 lanes each, reduced together
     const raw* group_keys[16];
     int64_t block = lo / bs, offset = lo % bs;
-    for (int64_t j = lo; j <= pos; j += 16) {
-      const int64_t count = std::min<int64_t>(16, pos + 1 - j);
-      for (int64_t k = 0; k < count; ++k) {
+    for (int64_t j = lo; j <= hi; j += 16) {
+      const int64_t count_keys = std::min<int64_t>(16, hi + 1 - j);
+      for (int64_t k = 0; k < count_keys; ++k) {
         group_keys[k] = keys + table[block] * shape.k_block_stride + offset * shape.k_row_stride;
         if (++offset == bs) offset = 0, ++block;
       }
-      dot16<T>(queries, G, group_keys, count, D, scores + (j - lo), n);
+      dot16<T>(queries, count, group_keys, count_keys, D, scores + (j - lo), n);
     }
-  } else
+    return;
+  }
 #endif
-  for (int64_t j = lo; j <= pos;) {  // scores, in key order, a block at a time
-    const int64_t block = j / bs, last = std::min(pos, (block + 1) * bs - 1);
+  for (int64_t j = lo; j <= hi;) {  // in key order, a block at a time
+    const int64_t block = j / bs, last = std::min(hi, (block + 1) * bs - 1);
     const raw* key = keys + table[block] * shape.k_block_stride + (j % bs) * shape.k_row_stride;
     for (; j <= last; ++j, key += shape.k_row_stride)
-      for (int64_t g = 0; g < G; ++g) scores[g * n + (j - lo)] = dot<T>(queries + g * D, key, D);
+      for (int64_t i = 0; i < count; ++i) scores[i * n + (j - lo)] = dot<T>(queries + i * D, key, D);
   }
-  for (int64_t g = 0; g < G; ++g) {  // softmax, each row's weights normalized
+}
+
+// Each of the G rows scores[g * n .. g * n + n) replaced by its softmax.
+inline void softmax_rows(float* scores, int64_t G, int64_t n) {
+  for (int64_t g = 0; g < G; ++g) {
     float* s = scores + g * n;
     const float top = row_max(s, n);
     float total = 0.f;
@@ -393,15 +394,130 @@ void attend_one(const typename T::raw* q, int64_t q_head_stride, const typename 
 #pragma omp simd
     for (int64_t j = 0; j < n; ++j) s[j] *= inv;
   }
+}
+
+#ifdef LLMPLUG_AVX512
+// acc[g * 16 V + d] = sum over keys j = lo..pos, in key order, of probs[g * n + (j - lo)] * value j [d] for GN rows
+// and 16 V value dims, the sums in registers: each value is converted once for the GN rows. Every element is the
+// same chain of fused multiply-adds as `axpy` makes.
+template <typename T, int V, int GN>
+void weighted_rows(const float* probs, int64_t n, const typename T::raw* values, const int64_t* table, int64_t lo,
+                   int64_t pos, const AttentionShape& shape, float* acc) {
+  using raw = typename T::raw;
+  __m512 sums[GN][V];
+  for (int g = 0; g < GN; ++g)
+    for (int v = 0; v < V; ++v) sums[g][v] = _mm512_setzero_ps();
+  const int64_t bs = shape.block_size;
+  for (int64_t j = lo; j <= pos;) {
+    const int64_t block = j / bs, last = std::min(pos, (block + 1) * bs - 1);
+    const raw* value = values + table[block] * shape.v_block_stride + (j % bs) * shape.v_row_stride;
+    for (; j <= last; ++j, value += shape.v_row_stride) {
+      __m512 weight[GN];
+      for (int g = 0; g < GN; ++g) weight[g] = _mm512_set1_ps(probs[g * n + (j - lo)]);
+      for (int v = 0; v < V; ++v) {
+        const __m512 x = T::load16(value + 16 * v);
+        for (int g = 0; g < GN; ++g) sums[g][v] = _mm512_fmadd_ps(weight[g], x, sums[g][v]);
+      }
+    }
+  }
+  for (int g = 0; g < GN; ++g)
+    for (int v = 0; v < V; ++v) _mm512_storeu_ps(acc + (g * V + v) * 16, sums[g][v]);
+}
+#endif
+
+// acc[g * Dv + d] = sum over keys j = lo..pos, in key order, of probs[g * n + (j - lo)] * value j [d], g < G.
+template <typename T, int kDv>
+void weighted_sum(const float* probs, int64_t G, int64_t n, const typename T::raw* values, const int64_t* table,
+                  int64_t lo, int64_t pos, const AttentionShape& shape, float* acc) {
+  using raw = typename T::raw;
+#ifdef LLMPLUG_AVX512
+  if constexpr (kDv > 0 && kDv % 16 == 0 && kDv <= 256) {
+    constexpr int V = kDv / 16, GC = V >= 8 ? 2 : 4;  // at most 16 sums in registers
+    int64_t g = 0;
+    for (; g + GC <= G; g += GC) weighted_rows<T, V, GC>(probs + g * n, n, values, table, lo, pos, shape, acc + g * kDv);
+    float* rest = acc + g * kDv;
+    probs += g * n;
+    if (G - g == 3) weighted_rows<T, V, 3>(probs, n, values, table, lo, pos, shape, rest);
+    if (G - g == 2) weighted_rows<T, V, 2>(probs, n, values, table, lo, pos, shape, rest);
+    if (G - g == 1) weighted_rows<T, V, 1>(probs, n, values, table, lo, pos, shape, rest);
+    return;
+  }
+#endif
+  const int64_t Dv = kDv ? kDv : shape.dim_v, bs = shape.block_size;
   std::fill(acc, acc + G * Dv, 0.f);
-  for (int64_t j = lo; j <= pos;) {  // the weighted sum of the values, in key order
+  for (int64_t j = lo; j <= pos;) {  // in key order, a block at a time
     const int64_t block = j / bs, last = std::min(pos, (block + 1) * bs - 1);
     const raw* value = values + table[block] * shape.v_block_stride + (j % bs) * shape.v_row_stride;
     for (; j <= last; ++j, value += shape.v_row_stride)
-      for (int64_t g = 0; g < G; ++g) axpy<T>(acc + g * Dv, scores[g * n + (j - lo)], value, Dv);
+      for (int64_t g = 0; g < G; ++g) axpy<T>(acc + g * Dv, probs[g * n + (j - lo)], value, Dv);
   }
+}
+
+// The first key a query at position `pos` sees: a sliding window W > 0 starts at pos - W + 1, a chunk C > 0 at
+// floor(pos / C) * C.
+inline int64_t first_key(int64_t pos, int64_t window, int64_t chunk) {
+  int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+  return chunk > 0 ? std::max(lo, pos / chunk * chunk) : lo;
+}
+
+// A paged_attention task: `rows` consecutive query tokens of one request from `token` on (positions pos0..) and
+// one KV head.
+struct AttentionTile {
+  int64_t token, rows, pos0, request;
+};
+
+// Per-thread scratch of paged_attention, sized for the call's largest tile.
+struct AttentionScratch {
+  std::vector<float> queries, tile_scores, row_scores, acc;
+  AttentionScratch(int64_t rows, const AttentionShape& shape, int64_t longest)
+      : queries(rows * shape.group * shape.dim),
+        tile_scores(rows * shape.group * longest),
+        row_scores(rows > 1 ? shape.group * longest : 0),
+        acc(shape.group * shape.dim_v) {}
+};
+
+// One tile and KV head: the G query heads of each row over that row's keys. The tile's rows share each key read:
+// their scores come from one pass over the keys lo(first row)..last row's position; each row then takes the
+// softmax and weighted sum of exactly its own keys, as a tile of one row would (the same bits).
+template <typename T, int kD, int kDv>
+void attend_tile(const typename T::raw* q, int64_t q_token_stride, int64_t q_head_stride, const typename T::raw* keys,
+                 const typename T::raw* values, const int64_t* table, const AttentionTile& tile, int64_t window,
+                 int64_t chunk, float scale, const AttentionShape& shape, AttentionScratch& scratch,
+                 typename T::raw* out, int64_t out_token_stride) {
+  using raw = typename T::raw;
+  const int64_t D = kD ? kD : shape.dim, Dv = kDv ? kDv : shape.dim_v, G = shape.group;
+  float* queries = scratch.queries.data();
+  for (int64_t i = 0; i < tile.rows; ++i)
+    for (int64_t g = 0; g < G; ++g) {
+      const raw* row = q + i * q_token_stride + g * q_head_stride;
+      float* scaled = queries + (i * G + g) * D;
 #pragma omp simd
-  for (int64_t e = 0; e < G * Dv; ++e) out[e] = T::store(acc[e]);
+      for (int64_t d = 0; d < D; ++d) scaled[d] = T::load(row[d]) * scale;
+    }
+  const int64_t first = first_key(tile.pos0, window, chunk), last = tile.pos0 + tile.rows - 1;
+  const int64_t width = last + 1 - first;
+  key_scores<T, kD>(queries, tile.rows * G, keys, table, first, last, shape, scratch.tile_scores.data());
+  float* acc = scratch.acc.data();
+  for (int64_t i = 0; i < tile.rows; ++i) {
+    const int64_t pos = tile.pos0 + i, lo = first_key(pos, window, chunk), n = pos + 1 - lo;
+    float* scores = scratch.tile_scores.data();
+    if (tile.rows > 1) {  // the row's G score rows, laid out as a one-row tile's
+      scores = scratch.row_scores.data();
+      for (int64_t g = 0; g < G; ++g)
+        std::copy_n(scratch.tile_scores.data() + (i * G + g) * width + (lo - first), n, scores + g * n);
+    }
+    softmax_rows(scores, G, n);
+    weighted_sum<T, kDv>(scores, G, n, values, table, lo, pos, shape, acc);
+    raw* o = out + i * out_token_stride;
+#pragma omp simd
+    for (int64_t e = 0; e < G * Dv; ++e) o[e] = T::store(acc[e]);
+  }
+}
+
+// Query rows per paged_attention tile: a prompt's consecutive tokens share their keys' reads (scores for up to
+// 8 rows at a time), with the tile's scores kept within ~4 MiB.
+int64_t tile_rows(int64_t group, int64_t longest) {
+  return std::clamp<int64_t>((int64_t{1} << 20) / std::max<int64_t>(1, group * longest), 1, 8);
 }
 
 // Causal paged attention of every token of a step over its request's cached keys (this step's included).
@@ -411,7 +527,10 @@ void attend_one(const typename T::raw* q, int64_t q_head_stride, const typename 
 // [B, max_blocks]; query_start_loc [B + 1]; seq_lens [B] (keys of each request after this step). Token i of
 // request r sits at position p = seq_len - q_len + i and sees keys j <= p, with a sliding window W > 0 only
 // p - W < j, with a chunk C > 0 only floor(p / C) * C <= j. -> [T, H * Dv] in q's dtype.
-// One task is (token, KV head): its G = H / Hkv query heads share each key read.
+// One task is a tile of a request's consecutive tokens (one token when decoding) and a KV head: its G = H / Hkv
+// query heads share each key read. A row's result depends only on its own query and keys, never on its tile.
+// Tasks are ordered first, last, second, second to last, ... so that the threads' contiguous shares of a long
+// prompt (later rows see more keys) hold as much work each.
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                            const at::Tensor& seq_lens, double scale, int64_t window, int64_t chunk) {
@@ -435,40 +554,44 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache, con
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   TORCH_CHECK(qsl[num_reqs] == tokens, "llmplug_cpu::paged_attention: query_start_loc ends at ", qsl[num_reqs],
               " but q has ", tokens, " tokens");
-  // each token's request and position
-  std::vector<int64_t> token_req(tokens), token_pos(tokens);
-  int64_t longest = 0;
+  int64_t longest = 0, widest = 0;
   for (int64_t r = 0; r < num_reqs; ++r) {
-    const int64_t first = qsl[r], q_len = qsl[r + 1] - qsl[r];
+    const int64_t q_len = qsl[r + 1] - qsl[r];
     TORCH_CHECK(q_len >= 0 && lens[r] >= q_len && lens[r] <= max_blocks * block_size,
                 "llmplug_cpu::paged_attention: request ", r, " has ", q_len, " queries, ", lens[r], " keys and ",
                 max_blocks, " blocks of ", block_size);
-    longest = std::max(longest, lens[r]);
-    for (int64_t i = 0; i < q_len; ++i) token_req[first + i] = r, token_pos[first + i] = lens[r] - q_len + i;
+    longest = std::max(longest, lens[r]), widest = std::max(widest, q_len);
   }
+  const int64_t rows = std::min(tile_rows(shape.group, longest), std::max<int64_t>(1, widest));
+  std::vector<AttentionTile> tiles;
+  tiles.reserve(tokens);
+  for (int64_t r = 0; r < num_reqs; ++r)
+    for (int64_t i = 0, q_len = qsl[r + 1] - qsl[r]; i < q_len; i += rows)
+      tiles.push_back({qsl[r] + i, std::min(rows, q_len - i), lens[r] - q_len + i, r});
+  const int64_t num_tiles = static_cast<int64_t>(tiles.size());
   at::Tensor out = at::empty({tokens, heads * dim_v}, q.options());
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t table_stride = block_tables.stride(0);
   const float fscale = static_cast<float>(scale);
   dispatch(q, "paged_attention", [&]<typename T>() {
     using raw = typename T::raw;
-    auto* attend = &attend_one<T, 0, 0>;
-    if (dim == 64 && dim_v == 64) attend = &attend_one<T, 64, 64>;
-    if (dim == 128 && dim_v == 128) attend = &attend_one<T, 128, 128>;
+    auto* attend = &attend_tile<T, 0, 0>;
+    if (dim == 64 && dim_v == 64) attend = &attend_tile<T, 64, 64>;
+    if (dim == 128 && dim_v == 128) attend = &attend_tile<T, 128, 128>;
     const raw* qp = reinterpret_cast<const raw*>(q.data_ptr());
     const raw* kp = reinterpret_cast<const raw*>(key_cache.data_ptr());
     const raw* vp = reinterpret_cast<const raw*>(value_cache.data_ptr());
     raw* op = reinterpret_cast<raw*>(out.data_ptr());
-    const int64_t group = shape.group, tasks = tokens * kv_heads;
-    at::parallel_for(0, tasks, grain(longest * (dim + dim_v) * group, 1 << 16), [&](int64_t begin, int64_t end) {
-      std::vector<float> queries(group * dim), scores(group * longest), acc(group * dim_v);
+    const int64_t group = shape.group, tasks = num_tiles * kv_heads;
+    at::parallel_for(0, tasks, grain(rows * longest * (dim + dim_v) * group, 1 << 16), [&](int64_t begin, int64_t end) {
+      AttentionScratch scratch(rows, shape, longest);
       for (int64_t task = begin; task < end; ++task) {
-        const int64_t t = task / kv_heads, kvh = task % kv_heads, pos = token_pos[t];
-        int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
-        if (chunk > 0) lo = std::max(lo, pos / chunk * chunk);
-        attend(qp + t * q.stride(0) + kvh * group * q.stride(1), q.stride(1), kp + kvh * key_cache.stride(0),
-               vp + kvh * value_cache.stride(0), tables + token_req[t] * table_stride, lo, pos, fscale, shape,
-               queries.data(), scores.data(), acc.data(), op + (t * heads + kvh * group) * dim_v);
+        const int64_t order = task / kv_heads, kvh = task % kv_heads;
+        const AttentionTile& tile = tiles[order % 2 ? num_tiles - 1 - order / 2 : order / 2];
+        attend(qp + tile.token * q.stride(0) + kvh * group * q.stride(1), q.stride(0), q.stride(1),
+               kp + kvh * key_cache.stride(0), vp + kvh * value_cache.stride(0),
+               tables + tile.request * table_stride, tile, window, chunk, fscale, shape, scratch,
+               op + (tile.token * heads + kvh * group) * dim_v, heads * dim_v);
       }
     });
   });
