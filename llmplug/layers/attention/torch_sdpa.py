@@ -647,19 +647,20 @@ def _native_attention(
     layer: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
     metadata: TorchSDPAMetadata,
 ) -> torch.Tensor:
-    """Store the step's k, v, then attend every token over its request's cached keys, each one kernel call:
-    q [T, H * D] -> [T, H * Dv]."""
-    layer.backend_state = None  # no decode mirror: the kernel reads the cache's blocks in place
-    num_tokens, kernels = q.shape[0], ops()
-    if cache.shape[0] == 2:
-        keys, values = k.view(num_tokens, layer.num_kv_heads, -1), v.view(num_tokens, layer.num_kv_heads, -1)
-        kernels.reshape_and_cache(keys, values, cache[0], cache[1], metadata.slot_mapping)
-    else:  # values inside the keys: one plane
-        _write_kv(cache, k, v, metadata.slot_mapping)
-    return kernels.paged_attention(
-        q.view(num_tokens, layer.num_heads, layer.head_dim), cache[0], cache[-1][..., : layer.v_head_dim],
-        metadata.common.block_tables, metadata.common.query_start_loc, metadata.common.seq_lens,
-        layer.scale, layer.sliding_window or 0, layer.attention_chunk or 0,
+    """Store the step's k, v, then attend every token over its request's cached keys (one kernel call with two
+    planes, two with one): q [T, H * D] -> [T, H * Dv]."""
+    if layer.backend_state is not None:
+        layer.backend_state = None  # no decode mirror: the kernel reads the cache's blocks in place
+    common, window, chunk = metadata.common, layer.sliding_window or 0, layer.attention_chunk or 0
+    if cache.size(0) == 2:
+        return ops().cache_and_attend(
+            q, k, v, cache, common.slot_mapping, common.block_tables, common.query_start_loc, common.seq_lens,
+            layer.scale, window, chunk,
+        )
+    _write_kv(cache, k, v, common.slot_mapping)  # values inside the keys: one plane
+    return ops().paged_attention(
+        q.view(q.shape[0], layer.num_heads, layer.head_dim), cache[0], cache[0][..., : layer.v_head_dim],
+        common.block_tables, common.query_start_loc, common.seq_lens, layer.scale, window, chunk,
     )
 
 

@@ -168,6 +168,28 @@ def test_bad_metadata_is_refused_by_name() -> None:
         ops().paged_attention(q, keys, values, tables, torch.tensor([0, 6]), torch.tensor([99]), 1.0, 0, 0)
 
 
+def test_cache_and_attend_is_the_cache_write_then_attention() -> None:
+    """The fused call from a fused qkv row: the same cache and the same bits as the two kernels; a q, k or v whose
+    width does not fit the cache is refused by name."""
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, dim, tokens = 6, 2, 64, 7
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(torch.bfloat16)
+    q, k, v = qkv[:, : heads * dim], qkv[:, heads * dim : (heads + kv_heads) * dim], qkv[:, (heads + kv_heads) * dim :]
+    cache = torch.randn(2, kv_heads, 5, 4, dim, generator=gen).to(torch.bfloat16)
+    tables, starts, lens = torch.tensor([[3, 0, 4, 1]]), torch.tensor([0, tokens]), torch.tensor([tokens + 6])
+    slots = torch.tensor([tables[0, p // 4] * 4 + p % 4 for p in range(6, 6 + tokens)])
+    fused_cache, split_cache = cache.clone(), cache.clone()
+    fused = ops().cache_and_attend(q, k, v, fused_cache, slots, tables, starts, lens, 0.125, 0, 0)
+    ops().reshape_and_cache(k.view(tokens, kv_heads, dim), v.view(tokens, kv_heads, dim), split_cache[0],
+                            split_cache[1], slots)
+    split = ops().paged_attention(q.view(tokens, heads, dim), split_cache[0], split_cache[1], tables, starts, lens,
+                                  0.125, 0, 0)
+    assert torch.equal(fused_cache, split_cache) and not torch.equal(fused_cache, cache)
+    assert torch.equal(fused, split)
+    with pytest.raises(RuntimeError, match="cache_and_attend: q \\[T, H \\* D\\], k and v \\[T, Hkv \\* D\\] expected"):
+        ops().cache_and_attend(q, k[:, :-1], v, fused_cache, slots, tables, starts, lens, 0.125, 0, 0)
+
+
 @pytest.mark.parametrize("neox", [True, False], ids=["neox", "interleaved"])
 @pytest.mark.parametrize("rotary_dim", [64, 32], ids=["full", "partial"])
 def test_rotary_gives_the_torch_paths_bits(monkeypatch: pytest.MonkeyPatch, neox: bool, rotary_dim: int) -> None:

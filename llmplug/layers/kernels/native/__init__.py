@@ -83,6 +83,6 @@ def ops() -> torch._ops._OpNamespace:
 def use_native(x: torch.Tensor) -> bool:
     """Whether the layers compute on `x` with these kernels: a CPU tensor in eager mode, the kernels built,
     LLMPLUG_CPU_KERNELS not "0"."""
-    if x.device.type != "cpu" or os.environ.get(KERNELS_ENV, "auto") == "0" or torch.compiler.is_compiling():
+    if not x.is_cpu or os.environ.get(KERNELS_ENV, "auto") == "0" or torch.compiler.is_compiling():
         return False
     return native_available()

@@ -598,6 +598,28 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache, con
   return out;
 }
 
+// reshape_and_cache, then paged_attention, for a two-plane cache: q [T, H * D], k and v [T, Hkv * D] (rows may be
+// strided: slices of a fused qkv output), kv_cache [2 (K, V), Hkv, num_blocks, block_size, D]. One call per layer
+// and step instead of two and their views. -> [T, H * D] in q's dtype.
+at::Tensor cache_and_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor kv_cache,
+                            const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                            const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
+                            int64_t window, int64_t chunk) {
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2,
+              "llmplug_cpu::cache_and_attend: kv_cache must be [2, Hkv, num_blocks, block_size, D], got ",
+              kv_cache.sizes());
+  const int64_t tokens = q.size(0), kv_heads = kv_cache.size(1), dim = kv_cache.size(4);
+  TORCH_CHECK(q.dim() == 2 && k.dim() == 2 && v.dim() == 2 && q.size(1) % dim == 0 && k.size(1) == kv_heads * dim &&
+                  v.size(1) == kv_heads * dim && k.size(0) == tokens && v.size(0) == tokens,
+              "llmplug_cpu::cache_and_attend: q [T, H * D], k and v [T, Hkv * D] expected for a cache of ", kv_heads,
+              " KV heads of ", dim, " dims, got ", q.sizes(), ", ", k.sizes(), ", ", v.sizes());
+  const at::Tensor key_cache = kv_cache.select(0, 0), value_cache = kv_cache.select(0, 1);
+  reshape_and_cache(k.view({tokens, kv_heads, dim}), v.view({tokens, kv_heads, dim}), key_cache, value_cache,
+                    slot_mapping);
+  return paged_attention(q.view({tokens, q.size(1) / dim, dim}), key_cache, value_cache, block_tables,
+                         query_start_loc, seq_lens, scale, window, chunk);
+}
+
 // Batched matmul a [N, M, K] @ b [N, K, L] -> [N, M, L] in a's dtype, float32 sums, each output row on one
 // thread in one fixed order whatever M (MKL's batched matmul takes other kernels for other M on some CPUs).
 // b with contiguous rows: out[m] = sum over k, in order, of a[m, k] * b[k] (one fused multiply-add per k and
@@ -661,6 +683,9 @@ TORCH_LIBRARY(llmplug_cpu, m) {
   m.def(
       "paged_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
       "Tensor query_start_loc, Tensor seq_lens, float scale, int window, int chunk) -> Tensor");
+  m.def(
+      "cache_and_attend(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slot_mapping, Tensor block_tables, "
+      "Tensor query_start_loc, Tensor seq_lens, float scale, int window, int chunk) -> Tensor");
   m.def("row_bmm(Tensor a, Tensor b) -> Tensor");
 }
 
@@ -671,5 +696,6 @@ TORCH_LIBRARY_IMPL(llmplug_cpu, CPU, m) {
   m.impl("rotary_embedding", rotary_embedding);
   m.impl("reshape_and_cache", reshape_and_cache);
   m.impl("paged_attention", paged_attention);
+  m.impl("cache_and_attend", cache_and_attend);
   m.impl("row_bmm", row_bmm);
 }
