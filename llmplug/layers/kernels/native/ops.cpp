@@ -1,5 +1,5 @@
 // llmplug's CPU kernels: RMSNorm (with the residual add), SiLU-and-mul, rotary embedding, the KV cache write,
-// paged attention and a batched matmul whose rows do not depend on the batch.
+// paged attention (alone, or after the write in one call) and a batched matmul whose rows do not depend on the batch.
 //
 // Every output row is computed by one thread, by the same loops whatever else the call holds: a row's
 // bits depend only on its own inputs (and, for attention, its own keys), never on the number of rows,
