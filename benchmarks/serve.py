@@ -9,7 +9,9 @@ C clients each send `--requests-per-client` streaming chat requests back to back
 tokens at most). Reported per engine and C: requests/s, output tokens/s, time to first token (TTFT) and
 inter-token latency (ITL, the gaps between streamed chunks), median and p99, and llmplug/transformers
 ratios (throughput: higher is better for llmplug when > 1; latency: lower is better when < 1).
-Two llmplug rows: `llmplug` (the default, dense weights) and `llmplug-int8` (`--quantization int8`).
+Three llmplug rows: `llmplug` (the default, dense weights), `llmplug-int8` (`--quantization int8`) and, on
+request, `llmplug-int4` (`--quantization auto` on the GGUF itself: its own 4-bit blocks for decode, as
+llama-server reads them).
 Output tokens are counted by re-tokenizing each answer with the model's tokenizer, the same way for both.
 
 transformers cannot serve the GGUF file itself, so the default model is first exported (dequantized)
@@ -111,8 +113,12 @@ def llama_server_binary() -> str | None:
     return str(beside) if beside.is_file() else shutil.which("llama-server")
 
 
-# llmplug's rows: the default (dense) engine and the opt-in int8 weights and activations (docs/quantization.md)
-LLMPLUG_ENGINES: dict[str, list[str]] = {"llmplug": [], "llmplug-int8": ["--quantization", "int8"]}
+# llmplug's rows: the default (dense) engine, the opt-in int8 weights and activations, and the GGUF's own int4
+# blocks for decode (docs/quantization.md)
+LLMPLUG_ENGINES: dict[str, list[str]] = {
+    "llmplug": [], "llmplug-int8": ["--quantization", "int8"], "llmplug-int4": ["--quantization", "auto"],
+}
+GGUF_ENGINES = ("llama-server", "llmplug-int4")  # they serve the embedded GGUF itself, not the dense export
 
 
 def server_command(engine: str, model: str, port: int, max_seqs: int, dtype: str) -> list[str]:
@@ -300,7 +306,10 @@ def main() -> int:
     if "llama-server" in engines and (args.model or llama_server_binary() is None):
         print("[llama-server] skipped: it needs `make bench` (which builds it) and runs the embedded GGUF only", file=sys.stderr)
         engines.remove("llama-server")
-    models = {"llama-server": resolve_model_path(DEFAULT_MODEL)}
+    if "llmplug-int4" in engines and args.model:
+        print("[llmplug-int4] skipped: it runs the embedded GGUF's own 4-bit blocks only", file=sys.stderr)
+        engines.remove("llmplug-int4")
+    models = {engine: resolve_model_path(DEFAULT_MODEL) for engine in GGUF_ENGINES}
     results = {engine: bench_engine(engine, models.get(engine, model), args, tokenizer) for engine in engines}
     print(table(results))
     if args.json:

@@ -43,6 +43,7 @@ from llmplug.engine.sampling_state import (
     TokenMask,
 )
 from llmplug.layers.kernels import use_triton
+from llmplug.layers.kernels.native import ops, use_native
 
 BLOCK = 128  # tokens per block of the two-level argmax and CDF inversion
 _NEG_INF = float("-inf")
@@ -141,9 +142,8 @@ class Sampler:
         random = metadata.random
         if metadata.all_random:
             return self._sample_random(logits, random)
-        maxima = _block_reduce(logits, "amax")  # [B, NB]; NaN propagates through max
-        sampled = argmax(logits, maxima)  # [B]; for every row: cheaper than gathering the greedy rows first
-        sampleable = torch.isfinite(maxima.amax(dim=-1))  # [B]: no NaN, no +inf, not every token -inf
+        sampled, top = greedy(logits)  # [B] each; for every row: cheaper than gathering the greedy rows first
+        sampleable = torch.isfinite(top)  # [B]: no NaN, no +inf, not every token -inf
         if random is not None:
             x = torch.index_select(logits, 0, random.rows, out=self._buffer("x", random.num_rows, logits))
             random_tokens, random_ok = self._sample_random(x, random)
@@ -296,6 +296,16 @@ def apply_penalties(logits: torch.Tensor, penalties: PenaltyTensors) -> None:
 
 
 # --- sampling ---
+
+
+def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-wise argmax (first index of the maximum) of logits [B, V] float32 and the maximum: [B] int64, [B]
+    float32 (NaN for a row holding a NaN, whose index is then some column in range). One kernel call on the CPU
+    (llmplug's, `use_native`), else the two-level `argmax` below."""
+    if use_native(logits) and logits.dtype == torch.float32 and logits.stride(-1) == 1:
+        return ops().greedy(logits)
+    maxima = _block_reduce(logits, "amax")  # [B, NB]; NaN propagates through max
+    return argmax(logits, maxima), maxima.amax(dim=-1)
 
 
 def argmax(logits: torch.Tensor, maxima: torch.Tensor | None = None) -> torch.Tensor:

@@ -13,10 +13,12 @@ from llmplug.engine.sampler import (
     argmax,
     compute_prompt_logprobs,
     gather_logprobs,
+    greedy,
     inverse_cdf_sample,
     top_k,
 )
 from llmplug.engine.sampling_state import SamplingState, step_seed
+from llmplug.layers.kernels.native import KERNELS_ENV
 
 V = 300  # not a multiple of the sampler's block (128) nor of 32, to cover the short tails
 
@@ -79,6 +81,24 @@ def test_argmax_ties_pick_the_first_index():
     logits[0, [5, 200]] = 1.0
     logits[1, [299, 298]] = 2.0
     assert argmax(logits).tolist() == [5, 298, 0]
+
+
+@pytest.mark.parametrize("kernels", ["auto", "0"], ids=["cpu-kernel", "torch"])
+def test_greedy_takes_the_first_maximum_and_marks_a_nan_row(monkeypatch, kernels):
+    monkeypatch.setenv(KERNELS_ENV, kernels)
+    wide = torch.randn(6, V + 40)
+    logits = wide[:, :V]  # rows apart in memory, as a slice of a wider buffer
+    logits[0] = 0.0
+    logits[0, [5, 200]] = 1.0
+    logits[1, [299, 298]] = 50.0  # a tie: the first index wins
+    logits[3, 7] = float("nan")
+    logits[4] = float("-inf")
+    logits[5, 123] = float("inf")
+    tokens, top = greedy(logits)
+    assert tokens[[0, 1, 2, 4, 5]].tolist() == [5, 298, int(logits[2].argmax()), 0, 123]
+    assert 0 <= int(tokens[3]) < V  # junk, but in range
+    assert torch.equal(top[[0, 1, 2]], logits[[0, 1, 2]].amax(-1)) and top[3].isnan()
+    assert top[4] == float("-inf") and top[5] == float("inf")
 
 
 def test_greedy_rows_in_a_mixed_batch_take_the_argmax():

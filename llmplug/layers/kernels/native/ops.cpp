@@ -1,5 +1,6 @@
 // llmplug's CPU kernels: RMSNorm (with the residual add), SiLU-and-mul, rotary embedding, the KV cache write,
-// paged attention (alone, or after the write in one call) and a batched matmul whose rows do not depend on the batch.
+// paged attention (alone, or after the write in one call), greedy sampling and a batched matmul whose rows do not
+// depend on the batch.
 //
 // Every output row is computed by one thread, by the same loops whatever else the call holds: a row's
 // bits depend only on its own inputs (and, for attention, its own keys), never on the number of rows,
@@ -15,6 +16,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <tuple>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -620,6 +623,57 @@ at::Tensor cache_and_attend(const at::Tensor& q, const at::Tensor& k, const at::
                          query_start_loc, seq_lens, scale, window, chunk);
 }
 
+// Greedy choice of each row of logits [B, V] (float32, rows may be strided): the first column holding the row's
+// largest value, and that value; a row holding a NaN gives NaN and some column in range. Each row is one task.
+std::tuple<at::Tensor, at::Tensor> greedy(const at::Tensor& logits) {
+  check_rows(logits, "greedy", "logits");
+  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.size(1) > 0,
+              "llmplug_cpu::greedy: logits must be float32 with at least one column");
+  const int64_t rows = logits.size(0), vocab = logits.size(1), stride = logits.stride(0);
+  at::Tensor tokens = at::empty({rows}, logits.options().dtype(at::kLong));
+  at::Tensor top = at::empty({rows}, logits.options());
+  const float* lp = logits.data_ptr<float>();
+  int64_t* tp = tokens.data_ptr<int64_t>();
+  float* mp = top.data_ptr<float>();
+  at::parallel_for(0, rows, grain(vocab, 1 << 16), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* x = lp + r * stride;
+      float best = -std::numeric_limits<float>::infinity();
+      bool nan = false;
+      int64_t v = 0;
+#ifdef LLMPLUG_AVX512
+      __m512 tops = _mm512_set1_ps(best);
+      __mmask16 unordered = 0;
+      for (; v + 16 <= vocab; v += 16) {
+        const __m512 values = _mm512_loadu_ps(x + v);
+        unordered |= _mm512_cmp_ps_mask(values, values, _CMP_UNORD_Q);
+        tops = _mm512_max_ps(tops, values);
+      }
+      best = _mm512_reduce_max_ps(tops), nan = unordered != 0;
+#endif
+      for (; v < vocab; ++v) best = std::max(best, x[v]), nan |= std::isnan(x[v]);
+      if (nan) {
+        tp[r] = 0, mp[r] = std::numeric_limits<float>::quiet_NaN();
+        continue;
+      }
+      v = 0;
+#ifdef LLMPLUG_AVX512
+      const __m512 target = _mm512_set1_ps(best);
+      for (; v + 16 <= vocab; v += 16) {
+        const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + v), target, _CMP_EQ_OQ);
+        if (hit) {
+          v += __builtin_ctz(hit);
+          break;
+        }
+      }
+#endif
+      while (v < vocab && x[v] != best) ++v;
+      tp[r] = v, mp[r] = best;
+    }
+  });
+  return {tokens, top};
+}
+
 // Batched matmul a [N, M, K] @ b [N, K, L] -> [N, M, L] in a's dtype, float32 sums, each output row on one
 // thread in one fixed order whatever M (MKL's batched matmul takes other kernels for other M on some CPUs).
 // b with contiguous rows: out[m] = sum over k, in order, of a[m, k] * b[k] (one fused multiply-add per k and
@@ -686,6 +740,7 @@ TORCH_LIBRARY(llmplug_cpu, m) {
   m.def(
       "cache_and_attend(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slot_mapping, Tensor block_tables, "
       "Tensor query_start_loc, Tensor seq_lens, float scale, int window, int chunk) -> Tensor");
+  m.def("greedy(Tensor logits) -> (Tensor, Tensor)");
   m.def("row_bmm(Tensor a, Tensor b) -> Tensor");
 }
 
@@ -697,5 +752,6 @@ TORCH_LIBRARY_IMPL(llmplug_cpu, CPU, m) {
   m.impl("reshape_and_cache", reshape_and_cache);
   m.impl("paged_attention", paged_attention);
   m.impl("cache_and_attend", cache_and_attend);
+  m.impl("greedy", greedy);
   m.impl("row_bmm", row_bmm);
 }
