@@ -434,8 +434,8 @@ void weighted_sum(const float* probs, int64_t G, int64_t n, const typename T::ra
                   int64_t lo, int64_t pos, const AttentionShape& shape, float* acc) {
   using raw = typename T::raw;
 #ifdef LLMPLUG_AVX512
-  if constexpr (kDv > 0 && kDv % 16 == 0 && kDv <= 256) {
-    constexpr int V = kDv / 16, GC = V >= 8 ? 2 : 4;  // at most 16 sums in registers
+  if constexpr (kDv > 0 && kDv % 16 == 0 && kDv <= 128) {
+    constexpr int V = kDv / 16, GC = 256 / kDv;  // 4 (2) query heads of 64 (128) dims: 16 sums in registers
     int64_t g = 0;
     for (; g + GC <= G; g += GC) weighted_rows<T, V, GC>(probs + g * n, n, values, table, lo, pos, shape, acc + g * kDv);
     float* rest = acc + g * kDv;
