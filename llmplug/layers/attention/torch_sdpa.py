@@ -57,7 +57,15 @@ from llmplug.layers.kernels.native import ops, use_native
 if TYPE_CHECKING:
     from llmplug.layers.attention.layer import Attention
 
-__all__ = ["DecodePart", "PrefillPart", "TokenSelection", "TorchSDPABackend", "TorchSDPAMetadata"]
+__all__ = [
+    "DecodePart",
+    "PrefillPart",
+    "TokenSelection",
+    "TorchSDPABackend",
+    "TorchSDPAMetadata",
+    "native_attention",
+    "native_capable",
+]
 
 
 @dataclass(slots=True, frozen=True)
@@ -616,8 +624,8 @@ class TorchSDPABackend(AttentionBackend):
         if layer.values_in_keys:
             v = k[:, : layer.v_head_dim]  # one KV head: [T, Dv], a view of k
         cache = layer.kv_cache
-        if _native(layer, q, cache):
-            return _native_attention(layer, q, k, v, cache, metadata)
+        if cache is not None and native_capable(layer) and use_native(q):
+            return native_attention(layer, q, k, v, cache, metadata)
         if cache is not None:  # all of the step's k/v first: requests may read blocks others write now
             _write_kv(cache, k, v, metadata.slot_mapping)
         if not layer.causal:
@@ -636,14 +644,14 @@ class TorchSDPABackend(AttentionBackend):
         return out
 
 
-def _native(layer: "Attention", q: torch.Tensor, cache: torch.Tensor | None) -> bool:
-    """Whether llmplug's CPU kernels store and attend for this layer: a causal layer with a cache, plain scores (a
-    window or chunk allowed), CPU tensors in eager mode (`use_native`). Fixed per layer, so every step of a request
-    takes the same path: the kernel's rows are batch invariant by construction."""
-    return cache is not None and layer.causal and _plain(layer) and use_native(q)
+def native_capable(layer: "Attention") -> bool:
+    """Whether llmplug's CPU kernels store and attend for this layer when its cache is bound and the step's tensors are
+    CPU tensors in eager mode (`use_native`): a causal layer with plain scores (a window or chunk allowed). Fixed per
+    layer, so every step of a request takes the same path: the kernel's rows are batch invariant by construction."""
+    return layer.causal and _plain(layer)
 
 
-def _native_attention(
+def native_attention(
     layer: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
     metadata: TorchSDPAMetadata,
 ) -> torch.Tensor:

@@ -23,12 +23,13 @@ from llmplug.communicators.parallel_state import get_pp_group
 from llmplug.layers.activation import Activation
 from llmplug.layers.checkpoint_names import CheckpointNames, HeadLayout
 from llmplug.layers.decoder.arch import RECURRENT_MIXERS, DecoderArchConfig, RopeConfig
+from llmplug.layers.decoder.fast_path import DecoderFastPath
 from llmplug.layers.decoder.layer import DecoderLayer
 from llmplug.layers.layernorm import make_norm
 from llmplug.layers.linear import ReplicatedLinear
 from llmplug.layers.pipeline import IntermediateTensors, PPMissingLayer, pp_layer_range, skip_missing_layers
 from llmplug.layers.position_embedding import LearnedPositionEmbedding, SinusoidalPositionEmbedding
-from llmplug.layers.rotary import RotaryCosSin, RotaryEmbedding, get_rope
+from llmplug.layers.rotary import RotaryEmbedding, get_rope
 from llmplug.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from llmplug.layers.moe.experts import EXPERT_PARAMS
 from llmplug.layers.weight_utils import StackedParamsMap, load_mapped_weights
@@ -99,6 +100,9 @@ class DecoderModel(nn.Module):
         self.ropes: list[RopeConfig] = []  # distinct ropes, in the order of rotary_embs
         self.rotary_embs = nn.ModuleList()
         self.rope_of_layer = [self._rope_index(layer.rope) for layer in arch.layers]  # index into ropes, or None
+        on_stage_layers = slice(self.start_layer, self.end_layer)
+        # the stage's layers; plain ones as straight-line kernel calls on the CPU (decoder/fast_path.py)
+        self.run_layers = DecoderFastPath(list(self.layers[on_stage_layers]), self.rope_of_layer[on_stage_layers])
 
     def _position_embedding(self, prefix: str) -> nn.Module:
         arch = self.arch
@@ -153,8 +157,7 @@ class DecoderModel(nn.Module):
             hidden, residual = intermediate_tensors["hidden_states"], intermediate_tensors.tensors.get("residual")
         ropes = [emb.cos_sin(positions, hidden.dtype) for emb in self.rotary_embs]  # once per step for all layers
         query_scale = self._query_scale(positions, hidden.dtype)
-        for i in range(self.start_layer, self.end_layer):
-            hidden, residual = self.layers[i](hidden, residual, self._rope(ropes, i), query_scale)
+        hidden, residual = self.run_layers(hidden, residual, ropes, query_scale)
         if not self.is_last_stage:
             tensors = {"hidden_states": hidden} | ({} if residual is None else {"residual": residual})
             return IntermediateTensors(tensors)
@@ -178,10 +181,6 @@ class DecoderModel(nn.Module):
         if self.arch.head_transform:
             hidden = self.head_transform(hidden)
         return self.project_out(hidden) if self.arch.embedding_dim else hidden
-
-    def _rope(self, ropes: list[RotaryCosSin], layer: int) -> RotaryCosSin | None:
-        index = self.rope_of_layer[layer]
-        return None if index is None else ropes[index]
 
 
 class HeadTransform(nn.Module):

@@ -1,0 +1,186 @@
+"""The decoder's layers on the CPU: a plain pre-norm layer run as straight-line kernel calls.
+
+For one stream the modules' Python costs as much as their kernels: module calls and the per-call checks of
+each block (device, dtype, layout, LoRA, tensor parallelism) took ~70 us a layer around ~20 us of norm,
+rotary, attention and activation kernels (one int4 stream: 2 ms of a 6 ms forward). A layer of the common
+shape -- RMSNorm before attention and before a gated SiLU MLP, q/k/v attention (optional rotary and q/k
+norms) on llmplug's paged-attention kernel, one rank, no multipliers -- runs here as the calls its modules
+would make, with the same arguments in the same order, so its outputs are theirs bit for bit.
+
+The checks are made once each at the level where they can change: the layer's shape when the path is built,
+the step's (llmplug's CPU kernels in use, the activations' dtype, the torch_sdpa metadata, no global hooks)
+once a forward, and per layer what can change after loading (a module hook such as EAGLE's capture, LoRA
+slots, an unbound cache). A layer that fails them runs its modules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch.nn.modules import module as nn_module
+
+from llmplug.communicators.parallel_state import get_tp_group
+from llmplug.layers.activation import SiluAndMul
+from llmplug.layers.attention.layer import Attention
+from llmplug.layers.attention.torch_sdpa import TorchSDPAMetadata, native_attention, native_capable
+from llmplug.layers.decoder.attention import DecoderAttention
+from llmplug.layers.decoder.mlp import DecoderMLP
+from llmplug.layers.forward_context import get_forward_context
+from llmplug.layers.kernels.native import ops, use_native
+from llmplug.layers.layernorm import RMSNorm
+from llmplug.layers.linear import LinearBase
+from llmplug.layers.rotary import RotaryCosSin
+
+if TYPE_CHECKING:
+    from llmplug.layers.decoder.layer import DecoderLayer
+
+__all__ = ["DecoderFastPath"]
+
+
+@dataclass(frozen=True, slots=True)
+class _PlainLayer:
+    """The modules of one plain layer its straight-line run calls into (weights and caches are read at call time)."""
+
+    input_norm: RMSNorm
+    qkv: LinearBase
+    attention: DecoderAttention  # its q/k norms, if any
+    attn: Attention
+    o: LinearBase
+    mlp_norm: RMSNorm
+    gate_up: LinearBase
+    down: LinearBase
+    hook_dicts: tuple[dict, ...]  # every module's forward (pre-)hooks: a hook sends the layer through its modules
+    rotary_heads: int  # q and k heads, rotated together
+
+    @property
+    def linears(self) -> tuple[LinearBase, ...]:
+        return self.qkv, self.o, self.gate_up, self.down
+
+
+class DecoderFastPath:
+    """Runs a model's layers: plain ones as kernel calls when the step allows, the others as modules."""
+
+    def __init__(self, layers: list[DecoderLayer], rope_of_layer: list[int | None]) -> None:
+        self.layers, self.rope_of_layer = layers, rope_of_layer
+        self.plain = [_plain(layer) for layer in layers]
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        ropes: list[RotaryCosSin],
+        query_scale: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layers' (output, residual stream) for the first layer's input, as `DecoderLayer.forward` chains."""
+        metadata = get_forward_context().attn_metadata if self._step_allows(hidden, ropes, query_scale) else None
+        for layer, plain, rope_index in zip(self.layers, self.plain, self.rope_of_layer):
+            rope = None if rope_index is None else ropes[rope_index]
+            if metadata is not None and plain is not None and _layer_allows(plain, hidden, residual):
+                hidden, residual = _run(plain, hidden, residual, rope, metadata)
+            else:
+                hidden, residual = layer(hidden, residual, rope, query_scale)
+        return hidden, residual
+
+    def _step_allows(
+        self, hidden: torch.Tensor, ropes: list[RotaryCosSin], query_scale: torch.Tensor | None
+    ) -> bool:
+        """Whether this step may take the straight-line path at all (then each layer is checked)."""
+        if not use_native(hidden) or not any(self.plain) or query_scale is not None:
+            return False
+        if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+            return False
+        return all(type(rope) is RotaryCosSin for rope in ropes) and isinstance(
+            get_forward_context().attn_metadata, TorchSDPAMetadata
+        )
+
+
+def _plain(layer: DecoderLayer) -> _PlainLayer | None:
+    """The layer's parts if it has the plain shape the straight-line run computes, else None."""
+    attention, mlp = getattr(layer, "self_attn", None), layer.mlp
+    if (
+        layer.parallel
+        or layer.norm_after_residual
+        or layer.post_norm
+        or layer.parallel_mixer
+        or layer.mixer_kind != "attention"
+        or layer.residual_multiplier != 1.0
+        or get_tp_group().world_size != 1
+        or type(attention) is not DecoderAttention
+        or type(mlp) is not DecoderMLP
+        or not (_plain_norm(layer.input_layernorm) and _plain_norm(layer.post_attention_layernorm))
+    ):
+        return None
+    assert isinstance(attention, DecoderAttention) and isinstance(mlp, DecoderMLP)  # for the type checker
+    attn = attention.attn
+    if (
+        attention.gated
+        or attention.clip_qkv is not None
+        or attention.key_multiplier != 1.0
+        or not native_capable(attn)
+        or attn.values_in_keys is not None
+        or not mlp.gated
+        or type(mlp.act_fn) is not SiluAndMul
+        or mlp.gate_multiplier != 1.0
+        or mlp.down_multiplier != 1.0
+    ):
+        return None
+    hook_dicts = tuple(d for m in layer.modules() for d in (m._forward_hooks, m._forward_pre_hooks))
+    return _PlainLayer(
+        layer.input_layernorm, attention.qkv_proj, attention, attn, attention.o_proj, layer.post_attention_layernorm,
+        mlp.gate_up_proj, mlp.down_proj, hook_dicts, attention.num_heads + attention.num_kv_heads,
+    )
+
+
+def _plain_norm(norm: object) -> bool:
+    """Whether `norm` is a plain RMSNorm: a weight, no offset (one kernel call)."""
+    return type(norm) is RMSNorm and norm.weight is not None and not norm.weight_offset
+
+
+def _layer_allows(plain: _PlainLayer, hidden: torch.Tensor, residual: torch.Tensor | None) -> bool:
+    """The per-call conditions: no hooks, no LoRA, a bound two-plane cache, the norm kernels' layout and dtype."""
+    if any(plain.hook_dicts) or any(linear.lora is not None for linear in plain.linears):
+        return False
+    if hidden.dim() != 2 or hidden.stride(1) != 1 or (residual is not None and residual.stride(1) != 1):
+        return False
+    cache, dtype = plain.attn.kv_cache, hidden.dtype
+    if cache is None or cache.size(0) != 2:
+        return False
+    return plain.input_norm.weight.dtype == dtype and plain.mlp_norm.weight.dtype == dtype
+
+
+def _linear(layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+    """`layer(x)` on one rank without LoRA: its method's product."""
+    return layer.quant_method.apply(layer, x, layer.bias)
+
+
+def _run(
+    plain: _PlainLayer,
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    rope: RotaryCosSin | None,
+    metadata: TorchSDPAMetadata,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`DecoderLayer.forward` of a plain layer, as the kernel calls its modules make."""
+    kernels, norm, attention = ops(), plain.input_norm, plain.attention
+    if residual is None:  # the first layer: hidden is the stream itself
+        x, residual = kernels.rms_norm(hidden, norm.weight, norm.variance_epsilon), hidden
+    else:  # the kernel writes hidden + residual into hidden: the new stream
+        x, residual = kernels.fused_add_rms_norm(hidden, residual, norm.weight, norm.variance_epsilon), hidden
+    qkv = _linear(plain.qkv, x)
+    q_end, k_end = attention.q_size, attention.q_size + attention.kv_size
+    qk = qkv[:, :k_end].view(qkv.shape[0], plain.rotary_heads, attention.head_dim)
+    if not attention.qk_norm_after_rope:
+        attention._norm_qk_(qk)
+    if rope is not None:
+        kernels.rotary_embedding(qk, rope.cos, rope.sin, rope.is_neox_style)
+    if attention.qk_norm_after_rope:
+        attention._norm_qk_(qk)
+    attn = plain.attn
+    hidden = _linear(
+        plain.o, native_attention(attn, qkv[:, :q_end], qkv[:, q_end:k_end], qkv[:, k_end:], attn.kv_cache, metadata)
+    )
+    norm = plain.mlp_norm
+    x, residual = kernels.fused_add_rms_norm(hidden, residual, norm.weight, norm.variance_epsilon), hidden
+    return _linear(plain.down, kernels.silu_and_mul(_linear(plain.gate_up, x))), residual

@@ -1,0 +1,101 @@
+"""The decoder's CPU fast path (llmplug/layers/decoder/fast_path.py) gives its modules' outputs bit for bit, on
+the tiny Llama, Mistral, Qwen2 (biases) and Qwen3 (q/k norms, scaled rope) models: flattened prefill, a chunk
+between decodes, batched decodes; a hooked layer runs its modules (the hook fires) while the others stay fast."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmplug.layers.decoder import fast_path
+from llmplug.layers.decoder.fast_path import DecoderFastPath
+from llmplug.layers.kernels.native import native_available
+from llmplug.testing.paged import PagedHarness
+
+from .test_llama_parity import prompts
+from .tiny_models import TinyModel
+
+pytestmark = pytest.mark.skipif(not native_available(), reason="the fast path runs on llmplug's CPU kernels")
+
+
+def run_steps(model: torch.nn.Module, vocab: int) -> list[torch.Tensor]:
+    """Every step's logits: two prompts at once, then a third prompt in chunks between their decodes."""
+    harness = PagedHarness(model, num_blocks=96)
+    first, second, long = prompts(vocab, (7, 12, 17), seed=3)
+    harness.add("a", first)
+    harness.add("b", second)
+    harness.add("long", long)
+    steps = [harness.step([("a", len(first)), ("b", len(second))])]
+    for chunk in (6, 6, 5, 1, 1):  # the last two: all three decode together
+        for name in ("a", "b"):
+            harness.seqs[name].tokens.append(int(steps[-1][name][-1].argmax()))
+        if harness.seqs["long"].num_computed == len(harness.seqs["long"].tokens):  # its prompt is done
+            harness.seqs["long"].tokens.append(int(steps[-1]["long"][-1].argmax()))
+        steps.append(harness.step([("a", 1), ("long", chunk), ("b", 1)]))
+    return [torch.cat(list(step.values())) for step in steps]
+
+
+@pytest.fixture
+def layer_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The ids of the layer parts each straight-line run computed, in call order."""
+    runs: list[int] = []
+    run = fast_path._run
+
+    def counted(plain, *args):
+        runs.append(id(plain))
+        return run(plain, *args)
+
+    monkeypatch.setattr(fast_path, "_run", counted)
+    return runs
+
+
+def module_path_steps(model: torch.nn.Module, vocab: int) -> list[torch.Tensor]:
+    """run_steps with every layer through its modules."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(DecoderFastPath, "_step_allows", lambda *args: False)
+        return run_steps(model, vocab)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fast_path_gives_the_module_path_bits(tiny: TinyModel, dtype: str, layer_runs: list[int]) -> None:
+    model = tiny.load(dtype)
+    vocab = tiny.hf_model.config.vocab_size
+    fast_layers = model.model.run_layers
+    assert all(plain is not None for plain in fast_layers.plain), "every layer of these models is plain"
+    expected = module_path_steps(model, vocab)
+    assert layer_runs == []
+    got = run_steps(model, vocab)
+    assert len(layer_runs) == len(got) * len(fast_layers.layers)
+    for step, (a, b) in enumerate(zip(got, expected)):
+        assert torch.equal(a, b), f"step {step}: max diff {(a - b).abs().max().item():.3e}"
+
+
+def test_a_hooked_layer_runs_its_modules_and_the_others_stay_fast(tiny: TinyModel, layer_runs: list[int]) -> None:
+    model = tiny.load("bfloat16")
+    vocab = tiny.hf_model.config.vocab_size
+    expected = module_path_steps(model, vocab)
+    fast_layers = model.model.run_layers
+    hooked = fast_layers.layers[-1]
+    seen: list[int] = []
+    handle = hooked.mlp.down_proj.register_forward_hook(lambda module, args, out: seen.append(out.shape[0]))
+    try:
+        got = run_steps(model, vocab)
+    finally:
+        handle.remove()
+    assert len(seen) == len(got), "the hook fires once per step"
+    assert id(fast_layers.plain[-1]) not in layer_runs
+    assert len(layer_runs) == len(got) * (len(fast_layers.layers) - 1)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    layer_runs.clear()
+    run_steps(model, vocab)  # the hook removed: every layer is fast again
+    assert id(fast_layers.plain[-1]) in layer_runs
+
+
+def test_other_layer_shapes_run_their_modules(tiny: TinyModel) -> None:
+    model = tiny.load("float32")
+    layer = model.model.layers[0]
+    layer.residual_multiplier = 0.5  # a scaled residual (Granite): not the plain shape
+    assert DecoderFastPath([layer], [0]).plain == [None]
+    layer.residual_multiplier = 1.0
+    layer.mlp.act_fn = torch.nn.Identity()  # another activation
+    assert DecoderFastPath([layer], [0]).plain == [None]
