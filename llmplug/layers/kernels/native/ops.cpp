@@ -352,9 +352,21 @@ struct AttentionShape {
   int64_t group, dim, dim_v, block_size, k_block_stride, k_row_stride, v_block_stride, v_row_stride;
 };
 
+// Asks the memory system for the `rows` rows of `bytes` bytes each from `first` on (`stride` elements apart): a paged
+// cache's next block sits at an address the hardware prefetcher cannot guess.
+template <typename raw>
+inline void prefetch_rows(const raw* first, int64_t rows, int64_t stride, int64_t bytes) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const char* row = reinterpret_cast<const char*>(first + r * stride);
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b);
+  }
+}
+
 // scores[i * n + (j - lo)] = queries[i] . key j for the `count` queries [count, D] (scaled) and keys lo..hi, read
 // through the block table; n = hi + 1 - lo. A dot's value depends only on its query and key (dot16, dot).
-template <typename T, int kD>
+// kPrefetch: fetch each next block while the current one is computed on (a decode row reads its keys once, from
+// memory; a prompt's tiles find theirs cached, where the prefetches only cost).
+template <typename T, int kD, bool kPrefetch>
 void key_scores(const float* queries, int64_t count, const typename T::raw* keys, const int64_t* table, int64_t lo,
                 int64_t hi, const AttentionShape& shape, float* scores) {
   using raw = typename T::raw;
@@ -369,6 +381,9 @@ void key_scores(const float* queries, int64_t count, const typename T::raw* keys
         group_keys[k] = keys + table[block] * shape.k_block_stride + offset * shape.k_row_stride;
         if (++offset == bs) offset = 0, ++block;
       }
+      if (kPrefetch && block + (offset > 0) <= hi / bs)  // the block after the one the next 16 keys start in
+        prefetch_rows(keys + table[block + (offset > 0)] * shape.k_block_stride, bs, shape.k_row_stride,
+                      D * int64_t(sizeof(raw)));
       dot16<T>(queries, count, group_keys, count_keys, D, scores + (j - lo), n);
     }
     return;
@@ -499,7 +514,11 @@ void attend_tile(const typename T::raw* q, int64_t q_token_stride, int64_t q_hea
     }
   const int64_t first = first_key(tile.pos0, window, chunk), last = tile.pos0 + tile.rows - 1;
   const int64_t width = last + 1 - first;
-  key_scores<T, kD>(queries, tile.rows * G, keys, table, first, last, shape, scratch.tile_scores.data());
+  float* tile_scores = scratch.tile_scores.data();
+  if (tile.rows == 1)  // a decode row
+    key_scores<T, kD, true>(queries, G, keys, table, first, last, shape, tile_scores);
+  else
+    key_scores<T, kD, false>(queries, tile.rows * G, keys, table, first, last, shape, tile_scores);
   float* acc = scratch.acc.data();
   for (int64_t i = 0; i < tile.rows; ++i) {
     const int64_t pos = tile.pos0 + i, lo = first_key(pos, window, chunk), n = pos + 1 - lo;
