@@ -1,10 +1,11 @@
 """CompiledForward: a model's forward pass captured by torch.compile, with attention left opaque.
 
-The decoder's ~40 small ops per layer (norms, rotary, activation, residual adds, the linear calls' glue)
-cost more in eager dispatch than in arithmetic at decode sizes. torch.compile (inductor) fuses them into
-generated C++ loops; each Attention call becomes `torch.ops.llmplug.attention`, which the compiler does
-not trace into (the backend chooses its path from the step's metadata and writes the KV cache), so the
-graph is split around it, as vLLM does.
+The decoder's small ops per layer cost more in eager dispatch than in arithmetic at decode sizes.
+torch.compile (inductor) runs them from generated code; on the CPU llmplug's kernels (norms, rotary,
+SiLU-and-mul) stay one opaque call each, so the compiled forward computes eager's bits, and elsewhere
+inductor fuses the element-wise ops itself. Each Attention call becomes `torch.ops.llmplug.attention`, which
+the compiler does not trace into (the backend chooses its path from the step's metadata and writes the KV
+cache), so the graph is split around it, as vLLM does.
 
 One graph serves every token count: the token dimension is marked dynamic, so nothing is padded and no
 shape bucket is compiled apart (inductor's CPU code takes its sizes at run time; CUDA graphs would need

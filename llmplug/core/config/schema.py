@@ -228,8 +228,9 @@ class DeviceConfig(_Section):
     compile: bool = Field(
         False,
         description=(
-            "Run the model's forward through torch.compile (inductor), attention left as an opaque op; eager where "
-            "capturing fails. Costs a compile at the first steps (cached on disk); see docs/benchmarks.md."
+            "Run the model's forward through torch.compile (inductor), attention and llmplug's CPU kernels left as "
+            "opaque ops (so on the CPU it computes eager's bits); eager where capturing fails. Costs a compile at the "
+            "first steps (cached on disk); see docs/benchmarks.md."
         ),
     )
 

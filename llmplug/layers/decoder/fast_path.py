@@ -89,6 +89,8 @@ class DecoderFastPath:
         """Whether this step may take the straight-line path at all (then each layer is checked)."""
         if not use_native(hidden) or not any(self.plain) or query_scale is not None:
             return False
+        if torch.compiler.is_compiling():  # a compiled forward takes the modules: its attention is an opaque op
+            return False
         if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
             return False
         return all(type(rope) is RotaryCosSin for rope in ropes) and isinstance(

@@ -12,8 +12,9 @@ from there in milliseconds. `make setup` builds it (`python -m llmplug.layers.ke
 forward pass does. Where it cannot be built (no C++ compiler), the layers keep their torch paths and the log
 says why, once.
 
-`use_native(x)` is the layers' switch: the kernels run on CPU tensors in eager mode (a compiled forward fuses
-these ops itself). LLMPLUG_CPU_KERNELS=0 keeps the torch paths everywhere.
+`use_native(x)` is the layers' switch: the kernels run on CPU tensors, eager or compiled (in a torch.compile graph
+each is one opaque call, so the compiled forward computes eager's bits). LLMPLUG_CPU_KERNELS=0 keeps the torch
+paths everywhere.
 """
 
 from __future__ import annotations
@@ -50,15 +51,21 @@ def build_directory() -> Path:
     return Path(root) / f"{NAME}_{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
-@functools.cache
+@torch.compiler.assume_constant_result  # torch.compile calls it and takes the answer (no tracing into the build)
 def native_available() -> bool:
     """Whether the kernels are loaded, building them on the first call of the first process (later processes load
     the built library directly: no compiler, no lock); False, logged, if they cannot be built."""
+    return _load()
+
+
+@functools.cache
+def _load() -> bool:
     directory = build_directory()
     library = directory / f"{NAME}.so"
     try:
         if library.exists():
             torch.ops.load_library(str(library))
+            _register_fakes()
             return True
         from torch.utils.cpp_extension import load
 
@@ -70,7 +77,31 @@ def native_available() -> bool:
     except (ImportError, OSError, RuntimeError) as exc:  # no compiler, no ninja, a failed build: torch paths serve
         logger.warning("llmplug's CPU kernels could not be built (%s); the layers use their torch paths", exc)
         return False
+    _register_fakes()
     return True
+
+
+@functools.cache
+def _register_fakes() -> None:
+    """The kernels' output shapes for torch.compile's tracing (the kernels stay opaque calls in a compiled graph)."""
+    fakes = {
+        "rms_norm": lambda x, weight, eps: torch.empty_like(x),
+        "fused_add_rms_norm": lambda x, residual, weight, eps: torch.empty_like(x),
+        "silu_and_mul": lambda x: x.new_empty(x.shape[0], x.shape[1] // 2),
+        "rotary_embedding": lambda x, cos, sin, neox: None,
+        "reshape_and_cache": lambda k, v, key_cache, value_cache, slot_mapping: None,
+        "paged_attention": lambda q, key_cache, value_cache, *rest: q.new_empty(
+            q.shape[0], q.shape[1] * value_cache.shape[-1]
+        ),
+        "cache_and_attend": lambda q, k, v, kv_cache, *rest: q.new_empty(q.shape),
+        "greedy": lambda logits: (
+            logits.new_empty(logits.shape[0], dtype=torch.int64),
+            logits.new_empty(logits.shape[0]),
+        ),
+        "row_bmm": lambda a, b: a.new_empty(a.shape[0], a.shape[1], b.shape[2]),
+    }
+    for name, fake in fakes.items():
+        torch.library.register_fake(f"llmplug_cpu::{name}", fake)
 
 
 def ops() -> torch._ops._OpNamespace:
@@ -81,8 +112,9 @@ def ops() -> torch._ops._OpNamespace:
 
 
 def use_native(x: torch.Tensor) -> bool:
-    """Whether the layers compute on `x` with these kernels: a CPU tensor in eager mode, the kernels built,
-    LLMPLUG_CPU_KERNELS not "0"."""
-    if not x.is_cpu or os.environ.get(KERNELS_ENV, "auto") == "0" or torch.compiler.is_compiling():
+    """Whether the layers compute on `x` with these kernels: a CPU tensor, the kernels built, LLMPLUG_CPU_KERNELS
+    not "0". Under torch.compile too: each kernel is one opaque call in the graph, so a compiled forward computes
+    what the eager one does, bit for bit."""
+    if not x.is_cpu or os.environ.get(KERNELS_ENV, "auto") == "0":
         return False
     return native_available()
