@@ -99,3 +99,7 @@ def test_other_layer_shapes_run_their_modules(tiny: TinyModel) -> None:
     layer.residual_multiplier = 1.0
     layer.mlp.act_fn = torch.nn.Identity()  # another activation
     assert DecoderFastPath([layer], [0]).plain == [None]
+    other = model.model.layers[1]
+    assert DecoderFastPath([other], [0]).plain != [None]
+    other.__class__ = type("FamilyLayer", (type(other),), {})  # a subclass may compute otherwise
+    assert DecoderFastPath([other], [0]).plain == [None]

@@ -16,9 +16,8 @@ slots, an unbound cache). A layer that fails them runs its modules.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import torch
+from torch import nn
 from torch.nn.modules import module as nn_module
 
 from llmplug.communicators.parallel_state import get_tp_group
@@ -26,15 +25,13 @@ from llmplug.layers.activation import SiluAndMul
 from llmplug.layers.attention.layer import Attention
 from llmplug.layers.attention.torch_sdpa import TorchSDPAMetadata, native_attention, native_capable
 from llmplug.layers.decoder.attention import DecoderAttention
+from llmplug.layers.decoder.layer import DecoderLayer
 from llmplug.layers.decoder.mlp import DecoderMLP
 from llmplug.layers.forward_context import get_forward_context
 from llmplug.layers.kernels.native import ops, use_native
 from llmplug.layers.layernorm import RMSNorm
 from llmplug.layers.linear import LinearBase
 from llmplug.layers.rotary import RotaryCosSin
-
-if TYPE_CHECKING:
-    from llmplug.layers.decoder.layer import DecoderLayer
 
 __all__ = ["DecoderFastPath"]
 
@@ -62,7 +59,7 @@ class _PlainLayer:
 class DecoderFastPath:
     """Runs a model's layers: plain ones as kernel calls when the step allows, the others as modules."""
 
-    def __init__(self, layers: list[DecoderLayer], rope_of_layer: list[int | None]) -> None:
+    def __init__(self, layers: list[nn.Module], rope_of_layer: list[int | None]) -> None:
         self.layers, self.rope_of_layer = layers, rope_of_layer
         self.plain = [_plain(layer) for layer in layers]
 
@@ -98,8 +95,11 @@ class DecoderFastPath:
         )
 
 
-def _plain(layer: DecoderLayer) -> _PlainLayer | None:
-    """The layer's parts if it has the plain shape the straight-line run computes, else None."""
+def _plain(layer: nn.Module) -> _PlainLayer | None:
+    """The layer's parts if it has the plain shape the straight-line run computes, else None (a layer of another
+    class, a subclass included, may compute otherwise)."""
+    if type(layer) is not DecoderLayer:
+        return None
     attention, mlp = getattr(layer, "self_attn", None), layer.mlp
     if (
         layer.parallel
