@@ -646,8 +646,8 @@ class TorchSDPABackend(AttentionBackend):
 
 def native_capable(layer: "Attention") -> bool:
     """Whether llmplug's CPU kernels store and attend for this layer when its cache is bound and the step's tensors are
-    CPU tensors in eager mode (`use_native`): a causal layer with plain scores (a window or chunk allowed). Fixed per
-    layer, so every step of a request takes the same path: the kernel's rows are batch invariant by construction."""
+    CPU tensors (`use_native`): a causal layer with plain scores (a window or chunk allowed). Fixed per layer, so
+    every step of a request takes the same path: the kernel's rows are batch invariant by construction."""
     return layer.causal and _plain(layer)
 
 
