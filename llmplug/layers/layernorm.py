@@ -107,9 +107,14 @@ class RMSNorm(_Norm):
         out = kernel(rows, self.weight, self.variance_epsilon, residual.reshape(-1, self.hidden_size))
         return out.view(x.shape), x
 
+    @property
+    def plain(self) -> bool:
+        """A weight and no offset: the form the fused kernels compute (one call, the residual add included)."""
+        return self.weight is not None and not self.weight_offset
+
     def _kernel(self, x: torch.Tensor) -> RMSNormKernel | None:
         """The fused kernel that normalizes x, if one does: rms_norm(rows, weight, eps, residual rows or None)."""
-        if self.weight is None or self.weight_offset:
+        if not self.plain:
             return None
         if use_triton(x):
             from llmplug.layers.kernels.rms_norm import rms_norm

@@ -136,8 +136,8 @@ def _plain(layer: nn.Module) -> _PlainLayer | None:
 
 
 def _plain_norm(norm: object) -> bool:
-    """Whether `norm` is a plain RMSNorm: a weight, no offset (one kernel call)."""
-    return type(norm) is RMSNorm and norm.weight is not None and not norm.weight_offset
+    """Whether `norm` is a plain RMSNorm (one kernel call)."""
+    return type(norm) is RMSNorm and norm.plain
 
 
 def _layer_allows(plain: _PlainLayer, hidden: torch.Tensor, residual: torch.Tensor | None) -> bool:
