@@ -96,7 +96,9 @@ def test_disconnect_mid_stream_aborts_the_request(server):
     assert metrics(server)["llmplug_num_requests_running"] == 0
 
 
-def test_client_timeout_on_a_non_streamed_request_aborts_it(server):
+def test_client_timeout_on_a_non_streamed_request_aborts_it(default_server):
+    # the real default model: the tiny one now writes its 250 tokens (its context's limit) within the 0.3 s timeout
+    server = default_server
     server.wait_idle()
     aborted = metrics(server)['llmplug_requests_total{outcome=abort}']
     impatient = server.client(timeout=0.3)
