@@ -212,6 +212,8 @@ class KVCacheManager:
         self.state_slots: dict[str, int] = {}  # request id -> its state slot (models with recurrent mixers)
         self.block_tables: dict[str, list[int]] = {}  # request id -> block ids, in token order
         self.num_cached_blocks: dict[str, int] = {}  # request id -> leading blocks already hashed
+        # request id -> leading blocks of its table the workers hold as they are (the rest is sent next step)
+        self.num_sent_blocks: dict[str, int] = {}
         self._stats = PrefixCacheStats()
         # Requests whose lookup was counted but not yet allocated: a request that waits for blocks is
         # looked up every step, and counting each lookup would skew the hit rate towards it.
@@ -347,6 +349,7 @@ class KVCacheManager:
         # Tail first: its blocks are the least likely to be shared, so they are evicted first.
         self.pool.free(reversed(block_table))
         self.num_cached_blocks.pop(request.request_id, None)
+        self.num_sent_blocks.pop(request.request_id, None)
         self._counted_req_ids.discard(request.request_id)
 
     def trim(self, request: Request, num_tokens: int) -> None:
@@ -357,10 +360,21 @@ class KVCacheManager:
         if len(block_table) > keep:
             self.pool.free(reversed(block_table[keep:]))
             del block_table[keep:]
+            if self.num_sent_blocks.get(request.request_id, 0) > keep:
+                self.num_sent_blocks[request.request_id] = keep
 
     def get_block_ids(self, request: Request) -> list[int]:
         """A copy of the request's block table."""
         return list(self.block_tables.get(request.request_id, ()))
+
+    def take_block_table_update(self, request: Request, whole: bool = False) -> tuple[int, list[int]]:
+        """What the workers' copy of the request's block table lacks: how many of its leading blocks stay,
+        and the blocks that follow them (all blocks when `whole`: the workers hold no table for it). From now
+        on the workers are taken to hold the whole table."""
+        block_table = self.block_tables.get(request.request_id, [])
+        num_kept = 0 if whole else self.num_sent_blocks.get(request.request_id, 0)
+        self.num_sent_blocks[request.request_id] = len(block_table)
+        return num_kept, block_table[num_kept:]
 
     def get_state_slot(self, request: Request) -> int | None:
         """The request's recurrent-state slot (None for a model without recurrent mixers)."""

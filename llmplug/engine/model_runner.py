@@ -16,6 +16,7 @@ import torch
 from llmplug.core.config import EngineConfig
 from llmplug.core.errors import ConfigError
 from llmplug.core.plugins import PluginRegistry
+from llmplug.engine.block_table import BlockTable
 from llmplug.engine.pipeline_stage import PipelineStage
 from llmplug.engine.sampler import Sampler
 from llmplug.engine.spec_decode.verifier import DraftVerifier
@@ -92,6 +93,7 @@ class ModelRunner:
         self.sampler: Sampler | None = None
         self.num_state_slots = 0  # recurrent-state slots, set with the KV cache
         self.prompt_token_ids: dict[str, list[int]] = {}
+        self.block_table = BlockTable(config.scheduler.max_num_seqs)  # each running request's KV blocks
         # prompt positions whose logprobs were sent, kept across preemption: a recomputed prefill sends none twice
         self.prompt_logprobs_sent: dict[str, int] = {}
         self.lora_manager: LoRAManager | None = None  # built by load_model when lora.enable_lora
@@ -199,13 +201,14 @@ class ModelRunner:
         num_tokens = min(num_tokens, num_seqs * max_model_len)  # what the scheduler could ever put in a step
         num_seqs = max(1, min(num_seqs, num_tokens))
         lens = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
-        requests, next_block = [], 0
-        for i, n in enumerate(lens):
-            blocks = list(range(next_block, next_block + -(-n // self.block_size)))
-            next_block += len(blocks)
-            requests.append(ScheduledRequest(f"profile-{i}", [0] * n, 0, blocks, samples=True, new=None, state_slot=i))
-        self.initialize_kv_cache(next_block)
-        batch = self.prepare_inputs(SchedulerOutput(requests, num_tokens, set(), set()))
+        requests = [ScheduledRequest(f"profile-{i}", [0] * n, 0, samples=True, new=None, state_slot=i)
+                    for i, n in enumerate(lens)]
+        # request i holds the next num_blocks[i] blocks after those of the requests before it
+        num_blocks = np.array([-(-n // self.block_size) for n in lens], dtype=np.int64)
+        column = np.arange(num_blocks.max())
+        block_tables = np.where(column < num_blocks[:, None], (np.cumsum(num_blocks) - num_blocks)[:, None] + column, 0)
+        self.initialize_kv_cache(int(num_blocks.sum()))
+        batch = self.prepare_inputs(requests, block_tables)
 
         @torch.inference_mode()
         def run() -> None:
@@ -222,6 +225,7 @@ class ModelRunner:
 
     # ---- one step -----------------------------------------------------------------------------
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        self.block_table.apply(scheduler_output)
         for req_id in scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids:
             self.sampling_state.remove_request(req_id)
             self.prompt_token_ids.pop(req_id, None)
@@ -238,9 +242,9 @@ class ModelRunner:
                 if new.lora_request is not None:
                     self.lora_of[new.req_id] = new.lora_request
 
-    def prepare_inputs(self, scheduler_output: SchedulerOutput) -> BatchInputs:
-        """Flatten the scheduled tokens of all requests into one batch (numpy, then one copy to torch)."""
-        reqs = scheduler_output.requests
+    def prepare_inputs(self, reqs: list[ScheduledRequest], block_tables: np.ndarray) -> BatchInputs:
+        """Flatten the scheduled tokens of all requests into one batch (numpy, then one copy to torch);
+        `block_tables` [len(reqs), max_blocks]: each request's KV blocks, zero-padded."""
         bs = self.block_size
         query_lens = np.fromiter((len(r.token_ids) for r in reqs), dtype=np.int64, count=len(reqs))
         computed = np.fromiter((r.num_computed_tokens for r in reqs), dtype=np.int64, count=len(reqs))
@@ -251,14 +255,11 @@ class ModelRunner:
         # positions: computed[i] + 0..query_lens[i]-1 for each request, without a per-token loop
         req_index = np.repeat(np.arange(len(reqs)), query_lens)
         positions = np.arange(num_tokens, dtype=np.int64) - query_start_loc[req_index] + computed[req_index]
-        max_blocks = max(len(r.block_ids) for r in reqs)
-        block_tables = np.zeros((len(reqs), max(max_blocks, 1)), dtype=np.int64)
-        for i, r in enumerate(reqs):
-            block_tables[i, : len(r.block_ids)] = r.block_ids
-        # slot of each token: its block (from its request's table) * block_size + offset in block
-        if max_blocks:
+        has_cache = block_tables.shape[1] > 0
+        if has_cache:  # slot of each token: its block (from its request's table) * block_size + offset in block
             slot_mapping = block_tables[req_index, positions // bs] * bs + positions % bs
         else:  # a pooling engine's step: no KV cache, nothing is stored
+            block_tables = np.zeros((len(reqs), 1), dtype=np.int64)
             slot_mapping = np.zeros(num_tokens, dtype=np.int64)
         input_ids = np.fromiter((t for r in reqs for t in r.token_ids), dtype=np.int64, count=num_tokens)
         # the last position of each request that samples; with draft tokens, also each draft's position
@@ -285,7 +286,7 @@ class ModelRunner:
             query_lens_list=tuple(query_lens.tolist()),
             seq_lens_list=tuple(seq_lens.tolist()),
             # an engine without a KV cache (pooling) runs each prompt whole, outside the mode's guarantee
-            batch_invariant=self.config.model.batch_invariant_on and max_blocks > 0,
+            batch_invariant=self.config.model.batch_invariant_on and has_cache,
         )
         sample_req_ids = [r.req_id for r in reqs if r.samples]
         recurrent = None
@@ -303,7 +304,8 @@ class ModelRunner:
         self._update_states(scheduler_output)
         if not scheduler_output.requests:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        batch = self.prepare_inputs(scheduler_output)
+        requests = scheduler_output.requests
+        batch = self.prepare_inputs(requests, self.block_table.gather([r.req_id for r in requests]))
         attn_metadata = self.attn_backend.build_metadata(batch.common)
         model_kwargs = self._model_kwargs(scheduler_output)
         lora_mapping = self._lora_mapping(scheduler_output, batch)

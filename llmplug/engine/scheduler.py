@@ -392,13 +392,16 @@ class Scheduler:
     ) -> ScheduledRequest:
         start = request.num_computed_tokens
         reaches_end = start + num_new_tokens == request.num_tokens
+        num_kept_blocks, new_block_ids = (0, []) if request.is_pooling else (
+            self.kv_cache_manager.take_block_table_update(request, whole=new is not None))
         return ScheduledRequest(
             req_id=request.request_id,
             token_ids=request.all_token_ids[start : start + num_new_tokens] + draft.token_ids,
             num_computed_tokens=start,
-            block_ids=[] if request.is_pooling else self.kv_cache_manager.get_block_ids(request),
             samples=reaches_end and not request.is_pooling,
             new=new,
+            num_kept_blocks=num_kept_blocks,
+            new_block_ids=new_block_ids,
             spec_token_ids=draft.token_ids,
             spec_probs=draft.probs,
             pools=request.is_pooling,

@@ -33,9 +33,12 @@ class ScheduledRequest:
     req_id: str
     token_ids: list[int]  # all_token_ids[num_computed_tokens : num_computed_tokens + n], then spec_token_ids
     num_computed_tokens: int  # before this step
-    block_ids: list[int]  # the request's whole block table
     samples: bool  # the chunk reaches the last known token, so a token is sampled
     new: NewRequestData | None  # set when the worker has no state for the request
+    # the request's block table, as an update of the worker's copy (engine/block_table.py): keep its first
+    # num_kept_blocks blocks, then new_block_ids (a new or resumed request: 0 kept, the whole table)
+    num_kept_blocks: int = 0
+    new_block_ids: list[int] = field(default_factory=list)
     # speculative decoding: draft tokens, the tail of token_ids, verified in this step (each position samples)
     spec_token_ids: list[int] = field(default_factory=list)
     # their draft distributions [len(spec_token_ids), V] when they were sampled; None: certain drafts (one-hot q)

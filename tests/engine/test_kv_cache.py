@@ -227,3 +227,26 @@ def test_a_request_failing_alone_loses_the_names_its_step_gave_it():
     kv.free(bad)
     assert list(kv.pool.cached_block_ids) == ok.block_hashes[:1]
     assert kv.get_computed_blocks(req("bad2", [9, 8, 7, 6, 5]))[1] == 0
+
+
+def test_block_table_updates_send_only_what_the_workers_lack():
+    kv = KVCacheManager(num_blocks=8, block_size=BS)
+    a = req("a", list(range(10)))
+    prefill(kv, a)
+    table = kv.get_block_ids(a)
+    assert kv.take_block_table_update(a, whole=True) == (0, table)  # new: the whole table
+    a.append_output_token(10)
+    assert kv.allocate_slots(a, 1)  # 11 tokens: still 3 blocks
+    assert kv.take_block_table_update(a) == (3, [])
+    for token in (11, 12):
+        a.num_computed_tokens += 1
+        a.append_output_token(token)
+        assert kv.allocate_slots(a, 1)
+    # not scheduled in between: what both allocations added comes at once (the second crossed into block 4)
+    assert kv.take_block_table_update(a) == (3, kv.get_block_ids(a)[3:]) and len(kv.get_block_ids(a)) == 4
+    kv.trim(a, 9)  # rejected drafts: blocks 3 and 4 go; the workers keep the first three
+    assert kv.take_block_table_update(a) == (3, [])
+    kv.trim(a, 4)
+    assert kv.allocate_slots(a, 8)  # a replaced tail is sent from where it differs
+    assert kv.take_block_table_update(a) == (1, kv.get_block_ids(a)[1:])
+    assert kv.take_block_table_update(a, whole=True) == (0, kv.get_block_ids(a))  # resumed: whole again

@@ -26,7 +26,7 @@ def test_pooling_prompts_run_whole_and_finish_in_their_step() -> None:
     steps = []
     while sched.has_unfinished_requests():
         out = sched.schedule()
-        assert all(s.pools and not s.samples and s.block_ids == [] for s in out.requests)
+        assert all(s.pools and not s.samples and s.new_block_ids == [] for s in out.requests)
         assert all(len(s.token_ids) == sched.requests[s.req_id].num_prompt_tokens for s in out.requests)
         done = sched.update_from_output(out, ModelRunnerOutput([], []))
         assert {r.request_id for r in done} == {s.req_id for s in out.requests}

@@ -13,6 +13,7 @@ import pytest
 
 from llmplug.core.errors import InvalidRequestError
 from llmplug.core.params import SamplingParams
+from llmplug.engine.block_table import BlockTable
 from llmplug.engine.kv_cache import KVCacheManager
 from llmplug.engine.request import Request, RequestStatus
 from llmplug.engine.scheduler import Scheduler
@@ -83,10 +84,12 @@ def test_request_prefills_decodes_and_finishes_at_max_tokens():
     out, updated = step(sched)
     (first,) = out.requests
     assert first.token_ids == request.prompt_token_ids and first.num_computed_tokens == 0 and first.samples
-    assert first.new is not None and first.new.output_token_ids == [] and first.block_ids == [0, 1, 2]
+    assert first.new is not None and first.new.output_token_ids == [] and first.new_block_ids == [0, 1, 2]
     assert updated == [request] and request.num_computed_tokens == 10
     out, _ = step(sched)
     assert out.requests[0].token_ids == [1010] and out.requests[0].new is None
+    # the worker holds the table: a decode within the last block sends no block
+    assert out.requests[0].num_kept_blocks == 3 and out.requests[0].new_block_ids == []
     _, updated = step(sched)
     assert updated == [request] and request.status is RequestStatus.FINISHED_LENGTH
     assert request.output_token_ids == [1010, 1011, 1012]
@@ -171,7 +174,7 @@ def test_prefix_hit_skips_cached_tokens_even_within_one_step():
     sa, sb = out.requests
     assert sa.num_computed_tokens == 0 and len(sa.token_ids) == 10
     assert sb.num_computed_tokens == 8 and sb.token_ids == prompt[8:]
-    assert sb.block_ids[:2] == sa.block_ids[:2] and sb.block_ids[2] != sa.block_ids[2]
+    assert sb.new_block_ids[:2] == sa.new_block_ids[:2] and sb.new_block_ids[2] != sa.new_block_ids[2]
     assert (a.num_cached_tokens, b.num_cached_tokens) == (0, 8)
     assert sched.kv_cache_manager.prefix_cache_stats.hits == 8
     run_until_done(sched)
@@ -393,16 +396,24 @@ def test_random_load_with_aborts_keeps_blocks_consistent_and_leaks_nothing(polic
     rng = random.Random(0)
     sched = make_scheduler(num_blocks=12, max_num_seqs=6, max_num_batched_tokens=24, policy=policy)
     prefixes = [[rng.randrange(50) for _ in range(rng.randrange(1, 12))] for _ in range(3)]
+    worker = BlockTable()  # the worker's copy, kept from the steps' updates alone
     for i in range(150):
         if rng.random() < 0.5:
             prompt = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(1, 8))]
             sched.add_request(make_request(f"r{i}", prompt, priority=rng.randrange(3), max_tokens=rng.randrange(1, 20)))
         if rng.random() < 0.1 and sched.requests:
             sched.finish_requests(rng.choice(list(sched.requests)), RequestStatus.FINISHED_ABORTED)
-        out, _ = step(sched, choose=lambda r: rng.randrange(3, 60))
+        out = sched.schedule()
+        worker.apply(out)
         for s in out.requests:
-            assert len(s.block_ids) * 4 >= s.num_computed_tokens + len(s.token_ids)
+            table = sched.kv_cache_manager.block_tables[s.req_id]
+            assert worker.block_ids(s.req_id) == table and len(table) * 4 >= s.num_computed_tokens + len(s.token_ids)
+        sampling = [s.req_id for s in out.requests if s.samples]
+        tokens = [[rng.randrange(3, 60)] for _ in sampling]
+        sched.update_from_output(out, ModelRunnerOutput(sampling, tokens))
         check_block_invariants(sched)
-    run_until_done(sched)
+    for out in run_until_done(sched) + [sched.schedule()]:
+        worker.apply(out)
     assert sched.num_preemptions > 0 and sched.kv_cache_manager.prefix_cache_stats.hits > 0
     assert_no_leak(sched)
+    assert worker.row_of == {}  # every finished request's row was dropped

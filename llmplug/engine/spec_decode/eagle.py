@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from llmplug.core.config import EngineConfig
@@ -31,6 +32,7 @@ from llmplug.layers.decoder.model import DecoderForCausalLM
 from llmplug.layers.forward_context import forward_context
 
 if TYPE_CHECKING:
+    from llmplug.engine.block_table import BlockTable
     from llmplug.engine.model_runner import BatchInputs, ModelRunner
 
 
@@ -87,9 +89,15 @@ class EagleProposer:
                   for layer in self.attention_layers()]
         bind_kv_cache(self.head, caches, backend)
 
-    def _scratch(self, row: int) -> list[int]:
-        first = self.num_blocks + row * self.scratch_per_row
-        return list(range(first, first + self.scratch_per_row))
+    def _block_tables(self, block_table: BlockTable, req_ids: list[str]) -> np.ndarray:
+        """Each request's blocks in the target's table, then its batch row's scratch blocks [len(req_ids), ...]."""
+        own, num_own = block_table.gather(req_ids), block_table.lengths(req_ids)
+        per_row = self.scratch_per_row
+        tables = np.zeros((len(req_ids), own.shape[1] + per_row), dtype=np.int64)
+        tables[:, : own.shape[1]] = own
+        scratch = self.num_blocks + per_row * np.arange(len(req_ids))[:, None] + np.arange(per_row)
+        np.put_along_axis(tables, num_own[:, None] + np.arange(per_row), scratch, axis=1)
+        return tables
 
     # ---- drafting -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -102,20 +110,22 @@ class EagleProposer:
             return {}
         target_hidden = hidden_states if self.method == "eagle" else torch.cat(
             [self.aux[i] for i in self.head.config.aux_layer_ids], dim=-1)  # [T, 3 * hidden]
-        batch = runner.prepare_inputs(SchedulerOutput(requests, sum(len(r.token_ids) for r in requests), set(), set()))
+        tables = self._block_tables(runner.block_table, [r.req_id for r in requests])
+        batch = runner.prepare_inputs(requests, tables)
         index = torch.tensor(rows, device=hidden_states.device)
         out, state = self._run(runner, batch, self.head.reduce(target_hidden[index]))
-        drafting = [r for r in requests if r.samples]
-        if not drafting:
+        drafting_rows = [i for i, r in enumerate(requests) if r.samples]
+        if not drafting_rows:
             return {}
+        drafting, tables = [requests[i] for i in drafting_rows], tables[drafting_rows]
         tokens = [self._draft_tokens(out[batch.sample_indices])]  # each [S]
         state = state[batch.sample_indices]
         for step in range(1, self.num_tokens):
             positions = [r.num_computed_tokens + len(r.token_ids) + step - 1 for r in drafting]
             if max(positions) >= self.max_position:  # past the rotary table: no further drafts for anyone
                 break
-            chain = [ScheduledRequest(r.req_id, [0], p, r.block_ids, True, None) for r, p in zip(drafting, positions)]
-            batch = runner.prepare_inputs(SchedulerOutput(chain, len(chain), set(), set()))
+            chain = [ScheduledRequest(r.req_id, [0], p, True, None) for r, p in zip(drafting, positions)]
+            batch = runner.prepare_inputs(chain, tables)
             batch.input_ids = tokens[-1]  # the drafts stay on the device: no host read per position
             out, state = self._run(runner, batch, state)
             tokens.append(self._draft_tokens(out))
@@ -125,7 +135,7 @@ class EagleProposer:
     def _kept_positions(self, scheduler_output: SchedulerOutput, output: ModelRunnerOutput, runner: ModelRunner
                         ) -> tuple[list[ScheduledRequest], list[int]]:
         """The head's share of the step: per request, the positions the target kept with the token after each
-        (as a ScheduledRequest over the head's block table), and their rows in the target's hidden states."""
+        (as a ScheduledRequest), and their rows in the target's hidden states."""
         sampled = dict(zip(output.req_ids, output.sampled_token_ids))
         requests, rows, start = [], [], 0
         for r in scheduler_output.requests:
@@ -140,8 +150,7 @@ class EagleProposer:
                 following = (state.prompt_token_ids + state.output_token_ids)[r.num_computed_tokens + q]
                 next_ids = r.token_ids[1:] + [following]
             rows.extend(range(start, start + len(next_ids)))
-            block_ids = r.block_ids + self._scratch(len(requests))
-            requests.append(ScheduledRequest(r.req_id, next_ids, r.num_computed_tokens, block_ids, r.samples, None))
+            requests.append(ScheduledRequest(r.req_id, next_ids, r.num_computed_tokens, r.samples, None))
             start += q
         return requests, rows
 
