@@ -52,7 +52,7 @@ def layer_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def module_path_steps(model: torch.nn.Module, vocab: int) -> list[torch.Tensor]:
     """run_steps with every layer through its modules."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(DecoderFastPath, "_step_allows", lambda *args: False)
+        patch.setattr(DecoderFastPath, "_step_metadata", lambda *args: None)
         return run_steps(model, vocab)
 
 

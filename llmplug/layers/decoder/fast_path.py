@@ -71,7 +71,7 @@ class DecoderFastPath:
         query_scale: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The layers' (output, residual stream) for the first layer's input, as `DecoderLayer.forward` chains."""
-        metadata = get_forward_context().attn_metadata if self._step_allows(hidden, ropes, query_scale) else None
+        metadata = self._step_metadata(hidden, ropes, query_scale)
         for layer, plain, rope_index in zip(self.layers, self.plain, self.rope_of_layer):
             rope = None if rope_index is None else ropes[rope_index]
             if metadata is not None and plain is not None and _layer_allows(plain, hidden, residual):
@@ -80,19 +80,21 @@ class DecoderFastPath:
                 hidden, residual = layer(hidden, residual, rope, query_scale)
         return hidden, residual
 
-    def _step_allows(
+    def _step_metadata(
         self, hidden: torch.Tensor, ropes: list[RotaryCosSin], query_scale: torch.Tensor | None
-    ) -> bool:
-        """Whether this step may take the straight-line path at all (then each layer is checked)."""
+    ) -> TorchSDPAMetadata | None:
+        """The step's attention metadata if this step may take the straight-line path at all (then each layer
+        is checked), else None."""
         if not use_native(hidden) or not any(self.plain) or query_scale is not None:
-            return False
+            return None
         if torch.compiler.is_compiling():  # a compiled forward takes the modules: its attention is an opaque op
-            return False
+            return None
         if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
-            return False
-        return all(type(rope) is RotaryCosSin for rope in ropes) and isinstance(
-            get_forward_context().attn_metadata, TorchSDPAMetadata
-        )
+            return None
+        metadata = get_forward_context().attn_metadata
+        if not isinstance(metadata, TorchSDPAMetadata) or any(type(rope) is not RotaryCosSin for rope in ropes):
+            return None
+        return metadata
 
 
 def _plain(layer: nn.Module) -> _PlainLayer | None:
