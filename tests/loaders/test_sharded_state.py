@@ -32,12 +32,18 @@ llm.shutdown()
 
 
 def files_opened_per_process(trace: Path, pattern: str) -> dict[int, set[str]]:
-    """pid -> names of the files matching `pattern` that it opened successfully (from `strace -f -e openat`)."""
+    """pid -> names of the files matching `pattern` that it opened successfully, from `strace -ff -o trace`.
+
+    One file per process (`trace.<pid>`): with a single shared file strace splits a call that another process
+    interrupts into `<unfinished ...>` and `<... resumed>` lines, and such a split open would be missed.
+    """
     opened: dict[int, set[str]] = defaultdict(set)
-    for line in trace.read_text().splitlines():
-        match = re.match(r'^(\d+)\s+openat\([^,]+, "([^"]+)".*\) = \d+', line)
-        if match and re.search(pattern, match.group(2)):
-            opened[int(match.group(1))].add(os.path.basename(match.group(2)))
+    for per_process in trace.parent.glob(f"{trace.name}.*"):
+        pid = int(per_process.suffix[1:])
+        for line in per_process.read_text().splitlines():
+            match = re.match(r'^openat\([^,]+, "([^"]+)".*\) = \d+', line)
+            if match and re.search(pattern, match.group(1)):
+                opened[pid].add(os.path.basename(match.group(1)))
     return dict(opened)
 
 
@@ -57,7 +63,7 @@ def test_save_sharded_then_each_tp_rank_opens_only_its_own_files(tmp_path):
     run = subprocess.run(
         # --seccomp-bpf: only openat stops the traced processes (without it every syscall of the engine and its
         # workers is stopped twice, to be filtered out afterwards); what is recorded is the same
-        ["strace", "-f", "--seccomp-bpf", "-e", "trace=openat", "-o", str(trace), sys.executable, "-c",
+        ["strace", "-ff", "--seccomp-bpf", "-e", "trace=openat", "-o", str(trace), sys.executable, "-c",
          LOAD_AND_GENERATE, str(out)],
         env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
         capture_output=True, text=True, timeout=300,
