@@ -7,6 +7,10 @@ import os
 
 import pytest
 
+# one line per test module with its wall time and memory, and a summary at the end (issue 34: the suite must fit
+# the 24 GiB machine, and CI's log must show which module grew)
+pytest_plugins = ["tests.rss_report"]
+
 # Triton kernels run in triton's interpreter (numpy on the host): the tests check them on CPU tensors.
 # Triton reads this when a kernel module is imported, so it is set before any test imports one.
 os.environ.setdefault("TRITON_INTERPRET", "1")
