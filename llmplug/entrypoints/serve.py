@@ -17,7 +17,8 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                    "only); 0.0.0.0 listens on every interface.")
     g.add_argument("--port", type=int, default=8000, help="Port to listen on. Default: 8000.")
     g.add_argument("--api-key", action="append", metavar="KEY",
-                   help="Require 'Authorization: Bearer KEY' on every /v1 route (repeatable: several keys). "
+                   help="Require 'Authorization: Bearer KEY' on every route but /health, /version and /metrics "
+                        "(repeatable: several keys). "
                         "Default: the LLMPLUG_API_KEY environment variable; unset: no authentication.")
     g.add_argument("--allowed-origins", metavar="A,B,...",
                    help="Origins allowed by CORS, comma-separated ('*' for any). Default: CORS off.")
@@ -43,7 +44,7 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                    help="PEFT adapter folders served as models NAME (a request's `model` picks one); loaded and "
                         "checked at start-up.")
     g.add_argument("--allow-runtime-lora-updating", action="store_true",
-                   help="Add /v1/load_lora_adapter and /v1/unload_lora_adapter (behind --api-key like every /v1 "
+                   help="Add /v1/load_lora_adapter and /v1/unload_lora_adapter (behind --api-key like every "
                         "route). Default: off.")
     g.add_argument("--lora-resolver", action="append", metavar="NAME",
                    help="An llmplug.lora_resolvers plugin asked for adapters a request's `model` names that are not "

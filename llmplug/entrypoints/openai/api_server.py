@@ -5,8 +5,9 @@ pooling model (embeddings, classifiers, cross-encoders) /v1/embeddings, /v1/scor
 /rerank and /v2/rerank, /classify and /v1/classify, /pooling; the other kind's routes answer 400 naming
 the model's kind. With `allow_runtime_lora_updating` also /v1/load_lora_adapter and
 /v1/unload_lora_adapter; LoRA adapters (`lora_modules`, loaded at start-up) are models of their own:
-listed in /v1/models and chosen by a request's `model`. API key and rate limit apply to every /v1 route.
-/health, /version, /metrics, /openapi.json (the request schemas with their bounds). Every error answers
+listed in /v1/models and chosen by a request's `model`. /health, /version, /metrics, /openapi.json (the
+request schemas with their bounds). The routes are grouped by concern in `routers`; API key and rate limit
+apply to every route but the open ones (`security.OPEN_PATHS`: /health, /version, /metrics). Every error answers
 with OpenAI's error body.
 Shutdown (SIGTERM or SIGINT): uvicorn stops accepting connections, lets in-flight requests finish for
 up to `shutdown_timeout` seconds, cancels the rest (which aborts them in the engine), then the engine
@@ -21,7 +22,6 @@ import logging
 import os
 import signal
 import threading
-import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,29 +39,16 @@ from llmplug.core.plugins import PluginRegistry
 from llmplug.engine.async_llm import AsyncLLM
 from llmplug.entrypoints.openai.admission import AdmissionControl
 from llmplug.entrypoints.openai.errors import OpenAIError, error_body, error_response, status_phrase
-from llmplug.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from llmplug.entrypoints.openai.metrics import ServerMetrics
 from llmplug.entrypoints.openai.prompt_renderer import PromptRenderer, load_chat_template
-from llmplug.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    CompletionRequest,
-    CompletionResponse,
-    ErrorResponse,
-    LoadLoRAAdapterRequest,
-    ModelCard,
-    ModelList,
-    ResponseObject,
-    ResponsesRequest,
-    UnloadLoRAAdapterRequest,
-)
-from llmplug.entrypoints.openai.protocol_pooling import (
-    ClassifyRequest,
-    EmbeddingRequest,
-    PoolingRequest,
-    RerankRequest,
-    ScoreRequest,
-)
 from llmplug.entrypoints.openai.reply import ReplyParsers, check_parser_names
+from llmplug.entrypoints.openai.routers import (
+    generation_router,
+    health_router,
+    kind_guards,
+    models_router,
+    pooling_router,
+)
 from llmplug.entrypoints.openai.security import AccessMiddleware, BodySizeLimitMiddleware, RateLimit
 from llmplug.entrypoints.openai.serving_chat import OpenAIServingChat
 from llmplug.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -143,103 +130,19 @@ def build_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> FastA
     app = FastAPI(title="llmplug", version=__version__, docs_url=None, redoc_url=None, openapi_url="/openapi.json",
                   lifespan=lifespan)
     app.state.engine, app.state.metrics, app.state.model_names = engine, metrics, names
-    app.state.adapters = adapters
+    app.state.adapters, app.state.admission = adapters, admission
     parsers = ReplyParsers.load(settings.tool_call_parser, settings.enable_auto_tool_choice,
                                 settings.reasoning_parser, engine.get_tokenizer(), engine.llm_engine.registry)
     shared = (engine, names, metrics, renderer, admission)
     chat = OpenAIServingChat(*shared, parsers, adapters=adapters)
-    completion = OpenAIServingCompletion(*shared, adapters=adapters)
-    responses = OpenAIServingResponses(*shared, parsers, adapters=adapters)
-    pooling = OpenAIServingPooling(*shared)
-    generates, pools = _kind_guards(engine)
+    generates, pools = kind_guards(engine)
     pooling_model = engine.pooling is not None  # /openapi.json lists the routes of the model's kind
-    started = int(time.time())
-
-    @app.get("/health")
-    async def health() -> Response:
-        engine.check_health()
-        return Response(status_code=200)
-
-    @app.get("/version")
-    async def version() -> dict[str, str]:
-        return {"version": __version__}
-
-    @app.get("/metrics")
-    async def prometheus_metrics() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
-
-    @app.get("/v1/models")
-    async def list_models() -> Response:
-        cards = [model_card(name) for name in [*names, *adapters.by_name]]
-        return _json(ModelList(data=cards))
-
-    @app.get("/v1/models/{model_id:path}")
-    async def retrieve_model(model_id: str) -> Response:
-        return _json(model_card(chat.check_model(model_id)))
-
-    def model_card(name: str) -> ModelCard:
-        """The base model's card, or an adapter's: its folder as root, the base model as parent."""
-        lora = adapters.get(name)
-        if lora is None:
-            return ModelCard(id=name, created=started, root=engine.config.model.model, max_model_len=engine.max_model_len)
-        return ModelCard(id=name, created=started, root=lora.lora_path, parent=names[0],
-                         max_model_len=engine.max_model_len)
-
-    if settings.allow_runtime_lora_updating:
-        @app.post("/v1/load_lora_adapter")
-        async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
-            await adapters.load(body.lora_name, body.lora_path)
-            return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
-
-        @app.post("/v1/unload_lora_adapter")
-        async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
-            await adapters.unload(body.lora_name)
-            return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
-
-    @app.post("/v1/chat/completions", responses=_responses(ChatCompletionResponse), include_in_schema=not pooling_model)
-    async def chat_completions(body: ChatCompletionRequest, raw_request: Request) -> Response:
-        generates("/v1/chat/completions")
-        return await chat.create(body, raw_request)
-
-    @app.post("/v1/completions", responses=_responses(CompletionResponse), include_in_schema=not pooling_model)
-    async def completions(body: CompletionRequest, raw_request: Request) -> Response:
-        generates("/v1/completions")
-        return await completion.create(body, raw_request)
-
-    @app.post("/v1/responses", responses=_responses(ResponseObject), include_in_schema=not pooling_model)
-    async def create_response(body: ResponsesRequest, raw_request: Request) -> Response:
-        generates("/v1/responses")
-        return await responses.create(body, raw_request)
-
-    @app.post("/v1/embeddings", include_in_schema=pooling_model)
-    async def embeddings(body: EmbeddingRequest, raw_request: Request) -> Response:
-        pools("/v1/embeddings")
-        return await pooling.embeddings(body, raw_request)
-
-    @app.post("/v1/score", include_in_schema=pooling_model)
-    @app.post("/score", include_in_schema=pooling_model)
-    async def score(body: ScoreRequest, raw_request: Request) -> Response:
-        pools("/score")
-        return await pooling.score(body, raw_request)
-
-    @app.post("/v1/rerank", include_in_schema=pooling_model)
-    @app.post("/rerank", include_in_schema=pooling_model)
-    @app.post("/v2/rerank", include_in_schema=pooling_model)
-    async def rerank(body: RerankRequest, raw_request: Request) -> Response:
-        pools("/rerank")
-        return await pooling.rerank(body, raw_request)
-
-    @app.post("/v1/classify", include_in_schema=pooling_model)
-    @app.post("/classify", include_in_schema=pooling_model)
-    async def classify(body: ClassifyRequest, raw_request: Request) -> Response:
-        pools("/classify")
-        return await pooling.classify(body, raw_request)
-
-    @app.post("/pooling", include_in_schema=pooling_model)
-    async def pool(body: PoolingRequest, raw_request: Request) -> Response:
-        pools("/pooling")
-        return await pooling.pooling(body, raw_request)
-
+    app.include_router(health_router(engine, metrics))
+    app.include_router(models_router(engine, names, adapters, chat.check_model, settings.allow_runtime_lora_updating))
+    app.include_router(generation_router(chat, OpenAIServingCompletion(*shared, adapters=adapters),
+                                         OpenAIServingResponses(*shared, parsers, adapters=adapters), generates,
+                                         in_schema=not pooling_model))
+    app.include_router(pooling_router(OpenAIServingPooling(*shared), pools, in_schema=pooling_model))
     _add_exception_handlers(app)
     # Middleware runs outermost-last-added: CORS, then HTTP metrics, API key and rate limit, body size. The
     # access check comes before the body is read: an unauthenticated client cannot make the server read 8 MiB.
@@ -250,41 +153,6 @@ def build_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> FastA
         app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins, allow_methods=["*"],
                            allow_headers=["*"], allow_credentials=False)
     return app
-
-
-def _kind_guards(engine: AsyncLLM) -> tuple[Any, Any]:
-    """(for generation routes, for pooling routes): each raises a 400 naming the model's kind when the route
-    is not for it."""
-    info = engine.pooling
-
-    def generates(route: str) -> None:
-        if info is not None:
-            raise OpenAIError(400, f"{route} generates text, but {engine.model_name} is a pooling model (tasks: "
-                                   f"{', '.join(info.tasks)}); use /v1/embeddings, /v1/score, /v1/rerank, /classify "
-                                   "or /pooling", code="wrong_model_kind")
-
-    def pools(route: str) -> None:
-        if info is None:
-            raise OpenAIError(400, f"{route} needs a pooling model (embeddings, classifier, cross-encoder), but "
-                                   f"{engine.model_name} generates text; serve a pooling model, or this one with "
-                                   "--runner pooling to embed with it", code="wrong_model_kind")
-
-    return generates, pools
-
-
-def _responses(answer: type) -> dict[int | str, dict[str, Any]]:
-    """What a generation route answers, for the OpenAPI schema: `answer`, a stream, or an error body
-    (400, 401, 404, 413, 429; 503 when the waiting queue is full or the engine is dead)."""
-    return {
-        200: {"model": answer, "description": "The answer, or with `stream` a text/event-stream of chunks.",
-              "content": {"text/event-stream": {}}},
-        "4XX": {"model": ErrorResponse, "description": "The request cannot be served as sent."},
-        503: {"model": ErrorResponse, "description": "Busy (Retry-After says when to retry) or the engine is dead."},
-    }
-
-
-def _json(model: Any) -> Response:
-    return Response(model.model_dump_json(), media_type="application/json")
 
 
 def _add_exception_handlers(app: FastAPI) -> None:

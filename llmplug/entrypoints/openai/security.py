@@ -1,7 +1,8 @@
 """What guards the server: API keys, per-client rate limits and a request body size limit (ASGI middleware).
 
-- Every `/v1` route needs `Authorization: Bearer <key>` when API keys are configured; keys are compared
-  in constant time (hmac.compare_digest) and a wrong key gets 401.
+- Every route but `OPEN_PATHS` needs `Authorization: Bearer <key>` when API keys are configured: the
+  policy is opt-out by that explicit list, so a route added later is guarded too. Keys are compared in
+  constant time (hmac.compare_digest) and a wrong key gets 401.
 - The rate limit is a token bucket per client: per API key when keys are configured, else per client
   address. Over the limit: 429 with `Retry-After` (whole seconds until the next request is allowed).
 - A body over the size limit gets 413 before the app reads it; the body is read here, bounded, and
@@ -29,6 +30,9 @@ Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+# The only routes served without the API key and the rate limit: load balancers and Prometheus call them.
+OPEN_PATHS = frozenset({"/health", "/version", "/metrics"})
 
 _PERIODS = {"s": 1.0, "sec": 1.0, "second": 1.0, "m": 60.0, "min": 60.0, "minute": 60.0, "h": 3600.0,
             "hour": 3600.0}
@@ -112,7 +116,7 @@ async def _no_receive() -> dict[str, Any]:
 
 
 class AccessMiddleware:
-    """API-key check and rate limit of the `/v1` routes."""
+    """API-key check and rate limit of every route but OPEN_PATHS (and CORS preflights, which carry no key)."""
 
     def __init__(self, app: ASGIApp, api_keys: list[str], rate_limit: RateLimit | None):
         self.app = app
@@ -120,7 +124,7 @@ class AccessMiddleware:
         self.buckets = TokenBuckets(rate_limit) if rate_limit else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1") or scope["method"] == "OPTIONS":
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or scope["method"] == "OPTIONS":
             await self.app(scope, receive, send)
             return
         token = _bearer_token(scope)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 
 import openai
 import pytest
 
 from llmplug.core.errors import ConfigError
-from llmplug.entrypoints.openai.api_server import ServerSettings
-from llmplug.entrypoints.openai.security import RateLimit, TokenBuckets
+from llmplug.entrypoints.openai.api_server import ServerSettings, build_app
+from llmplug.entrypoints.openai.security import OPEN_PATHS, RateLimit, TokenBuckets
 
 from .conftest import serve
 
@@ -44,6 +45,46 @@ def test_missing_or_wrong_api_key_gets_401(guarded):
         assert got["www-authenticate"] == "Bearer"
     with pytest.raises(openai.AuthenticationError):
         guarded.client(api_key="wrong").models.list()
+
+
+def leaf_routes(routes: list) -> list:
+    """The routes in `routes`, those of included routers too (FastAPI keeps an included router as one entry
+    that holds the router; no prefixes are used)."""
+    leaves = []
+    for route in routes:
+        inner = getattr(route, "original_router", None)
+        leaves += leaf_routes(inner.routes) if inner is not None else [route]
+    return leaves
+
+
+def route_calls(app) -> list[tuple[str, str]]:
+    """(method, path) of every route of `app`, path parameters filled in."""
+    calls = []
+    for route in leaf_routes(app.routes):
+        path = re.sub(r"\{[^}]+\}", "some-id", route.path)
+        calls += [(method, path) for method in sorted(getattr(route, "methods", None) or ["GET"])]
+    return calls
+
+
+def test_every_route_but_the_open_ones_needs_the_key(engine):
+    """Walks the app's own routes, so a route added later is checked without anyone listing it here."""
+    settings = ServerSettings(api_keys=["key-a"], allow_runtime_lora_updating=True)
+    calls = route_calls(build_app(engine, settings))
+    paths = {path for _, path in calls}
+    assert OPEN_PATHS <= paths and {"/score", "/rerank", "/v2/rerank", "/classify", "/pooling"} <= paths
+    assert len(calls) >= 20, calls
+    with serve(engine, settings) as running:
+        for method, path in calls:
+            json_body = {"Content-Type": "application/json"}
+            for key in (None, "wrong"):
+                headers = {**json_body, **({"Authorization": f"Bearer {key}"} if key else {})}
+                status = request(running, method, path, body=b"{}" if method == "POST" else None, headers=headers)[0]
+                assert status == (200 if path in OPEN_PATHS else 401), (method, path, key, status)
+            status = request(running, method, path, body=b"{}" if method == "POST" else None,
+                             headers={**json_body, "Authorization": "Bearer key-a"})[0]
+            assert status not in (401, 403) and status < 500, (method, path, status)
+        reply = running.client(api_key="key-a").completions.create(model=running.model, prompt="hi", max_tokens=2)
+        assert reply.choices[0].finish_reason in ("length", "stop")
 
 
 def test_either_key_works_and_open_routes_need_none(guarded):
