@@ -143,6 +143,7 @@ class AsyncLLM:
         self._streams: dict[str, _RequestStream] = {}
         self._lock = threading.Lock()  # guards _streams and _dead_error across the two threads
         self._dead_error: EngineDeadError | None = None
+        self._busy_since: float | None = None  # monotonic start of the engine thread's current work; None: idle
         built: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._thread = threading.Thread(
             target=self._run_engine_thread, args=(make_engine, built), name="llmplug-engine", daemon=True
@@ -209,6 +210,15 @@ class AsyncLLM:
         """Raise EngineDeadError when the engine can no longer serve requests."""
         if self._dead_error is not None:
             raise self._dead_error
+
+    def busy_for(self) -> float:
+        """Seconds the engine thread has spent on its current step or command (0.0 while it waits for work).
+
+        A thread that runs steps back to back starts over at each one, so a large value means one step or
+        command has not ended: a stalled engine, which `check_health` alone would not report.
+        """
+        since = self._busy_since  # one read: the engine thread may reset it meanwhile
+        return 0.0 if since is None else max(time.monotonic() - since, 0.0)
 
     # --- requests ----------------------------------------------------------------------------
 
@@ -378,6 +388,7 @@ class AsyncLLM:
                 # stats first: whoever sees an output also sees the stats of the step that made it
                 self._stats = engine.engine_core.stats()
                 self._publish(outputs)
+                self._busy_since = time.monotonic()  # progress: the next step (or wait) starts now
         except Exception as exc:  # a broken step: no later step can be trusted
             logger.exception("the engine loop failed; failing every in-flight request")
             if isinstance(exc, EngineDeadError):
@@ -392,7 +403,12 @@ class AsyncLLM:
     def _apply_commands(self, block: bool) -> bool:
         """Run queued commands (waiting for the first when `block`); False once shutdown was asked."""
         try:
-            command = self._commands.get() if block else self._commands.get_nowait()
+            if block:
+                self._busy_since = None  # waiting for work is not being stuck
+                command = self._commands.get()
+                self._busy_since = time.monotonic()
+            else:
+                command = self._commands.get_nowait()
         except queue.Empty:
             return True
         while True:

@@ -37,6 +37,10 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                    help="Name clients use as `model` (repeatable). Default: the model as given.")
     g.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="On SIGTERM, how long in-flight requests may take to finish. Default: 30.")
+    g.add_argument("--health-stall-timeout", type=_non_negative, default=60.0, metavar="SECONDS",
+                   help="/health answers 503 (code engine_stalled) once the engine's current step or command has "
+                        "run this long while work waits: a stalled engine, not only a dead one, fails the load "
+                        "balancer's check. 0: off. Default: 60.")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="Server log level. Default: info.")
     g = parser.add_argument_group("LoRA adapters (the engine needs --enable-lora; see docs/lora.md)")
@@ -62,6 +66,13 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                         "name (in tree: deepseek_r1, qwen3). Structured output then constrains the answer only. "
                         "Default: none.")
     add_engine_args(parser, model_positional=True)
+
+
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
 
 
 def _positive(text: str) -> int:

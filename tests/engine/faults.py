@@ -7,6 +7,7 @@ gets, inside an engine step, on the engine's only (in-process) worker.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -36,6 +37,20 @@ def break_forward(engine: Any, message: str, *, error: type[BaseException] = Run
         raise error(message)
 
     model.forward = broken  # an instance attribute over the class's method; `heal` removes it
+
+
+def block_forward(engine: Any, release: threading.Event) -> None:
+    """Make the next forward pass wait until `release` is set, as a hung kernel or collective would stall a
+    step; the passes after it run as before."""
+    model = model_runner(engine).model
+    forward = model.forward
+
+    def blocked(*args, **kwargs):
+        del model.forward  # this pass only: the class's method is back for the next
+        release.wait()
+        return forward(*args, **kwargs)
+
+    model.forward = blocked
 
 
 @contextlib.contextmanager

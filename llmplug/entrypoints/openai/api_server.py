@@ -81,6 +81,7 @@ class ServerSettings:
     chat_template: str | None = None  # template text; None: the model's own
     served_model_names: list[str] = field(default_factory=list)  # empty: the engine's model
     shutdown_timeout: float = 30.0  # grace period for in-flight requests on SIGTERM
+    health_stall_timeout: float = 60.0  # /health answers 503 once one step or command has run longer; 0: off
     log_level: str = "info"
     tool_call_parser: str | None = None  # `llmplug.tool_parsers` name: the format of the model's tool calls
     enable_auto_tool_choice: bool = False  # tool_choice "auto": the model decides, the tool parser reads
@@ -102,7 +103,8 @@ class ServerSettings:
             max_body_bytes=args.max_body_bytes, max_waiting_requests=args.max_waiting_requests,
             chat_template=load_chat_template(args.chat_template) if args.chat_template else None,
             served_model_names=list(args.served_model_name or []),
-            shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
+            shutdown_timeout=args.shutdown_timeout, health_stall_timeout=args.health_stall_timeout,
+            log_level=args.log_level,
             tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
             reasoning_parser=args.reasoning_parser,
             lora_modules=parse_lora_modules(args.lora_modules or []),
@@ -137,7 +139,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> FastA
     chat = OpenAIServingChat(*shared, parsers, adapters=adapters)
     generates, pools = kind_guards(engine)
     pooling_model = engine.pooling is not None  # /openapi.json lists the routes of the model's kind
-    app.include_router(health_router(engine, metrics))
+    app.include_router(health_router(engine, metrics, settings.health_stall_timeout))
     app.include_router(models_router(engine, names, adapters, chat.check_model, settings.allow_runtime_lora_updating))
     app.include_router(generation_router(chat, OpenAIServingCompletion(*shared, adapters=adapters),
                                          OpenAIServingResponses(*shared, parsers, adapters=adapters), generates,

@@ -47,13 +47,22 @@ from llmplug.entrypoints.openai.serving_responses import OpenAIServingResponses
 Guard = Callable[[str], None]  # raises a 400 when the route is not for the served model's kind
 
 
-def health_router(engine: AsyncLLM, metrics: ServerMetrics) -> APIRouter:
-    """/health, /version, /metrics: the open routes (security.OPEN_PATHS), for load balancers and Prometheus."""
+def health_router(engine: AsyncLLM, metrics: ServerMetrics, stall_timeout: float) -> APIRouter:
+    """/health, /version, /metrics: the open routes (security.OPEN_PATHS), for load balancers and Prometheus.
+
+    /health answers 503 for a dead engine, and for a stalled one: a step or command running for more than
+    `stall_timeout` seconds (0: never reported) while work waits, which a load balancer must see too.
+    """
     router = APIRouter()
 
     @router.get("/health")
     async def health() -> Response:
         engine.check_health()
+        busy = engine.busy_for()
+        if 0 < stall_timeout < busy:
+            raise OpenAIError(503, f"The engine is stalled: its current step or command has run for {busy:.0f} s "
+                                   f"while work waits (--health-stall-timeout is {stall_timeout:g} s).",
+                              code="engine_stalled")
         return Response(status_code=200)
 
     @router.get("/version")

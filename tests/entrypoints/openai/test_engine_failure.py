@@ -6,6 +6,7 @@ import asyncio
 import http.client
 import json
 import threading
+import time
 
 import openai
 import pytest
@@ -14,7 +15,8 @@ import torch
 from llmplug import AsyncLLM, SamplingParams
 from llmplug.core.errors import EngineDeadError
 
-from tests.engine.faults import break_forward
+from llmplug.entrypoints.openai.api_server import ServerSettings
+from tests.engine.faults import block_forward, break_forward
 
 from .conftest import ENGINE_KWARGS, serve
 
@@ -75,3 +77,39 @@ def test_engine_death_fails_streams_and_health(tiny_chat_model):
             assert get(server, "/version")[0] == 200  # the server itself still answers
     finally:
         engine.shutdown()
+
+
+def timed_get(server, path: str) -> tuple[int, dict | None]:
+    """`get`, checking that the answer took less than a second (a load balancer's check must not hang)."""
+    start = time.monotonic()
+    answer = get(server, path)
+    assert time.monotonic() - start < 1.0, f"{path} took {time.monotonic() - start:.2f} s"
+    return answer
+
+
+def test_a_stalled_engine_fails_health_until_it_steps_again(engine):
+    """A step that does not end (a hung kernel) is a 503 on /health once it has run past the threshold, though
+    the engine thread is alive; the engine idle for longer than the threshold is healthy."""
+    release, reply = threading.Event(), {}
+    with serve(engine, ServerSettings(health_stall_timeout=0.5)) as server:
+        try:
+            time.sleep(0.6)
+            assert timed_get(server, "/health")[0] == 200  # idle is not stalled
+            block_forward(engine, release)
+            client = server.client(timeout=60)
+            waiter = threading.Thread(target=lambda: reply.update(answer=client.completions.create(
+                model=server.model, prompt="hi", max_tokens=4)))
+            waiter.start()
+            deadline = time.monotonic() + 20
+            while (answer := timed_get(server, "/health"))[0] == 200 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            status, body = answer
+            assert status == 503 and body["error"]["code"] == "engine_stalled", answer
+            assert "stalled" in body["error"]["message"] and not reply
+        finally:
+            release.set()
+        waiter.join(30)
+        assert reply["answer"].choices[0].finish_reason == "length"  # the stalled request itself completes
+        assert timed_get(server, "/health")[0] == 200
+        again = server.client().completions.create(model=server.model, prompt="hi", max_tokens=4)
+        assert again.choices[0].finish_reason == "length"
