@@ -22,6 +22,10 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                         "Default: the LLMPLUG_API_KEY environment variable; unset: no authentication.")
     g.add_argument("--allowed-origins", metavar="A,B,...",
                    help="Origins allowed by CORS, comma-separated ('*' for any). Default: CORS off.")
+    g.add_argument("--allowed-hosts", metavar="H1,H2,...",
+                   help="Host header names served, comma-separated ('*' for any); other requests get 400. Default: "
+                        "localhost,127.0.0.1,::1 when --host is a loopback address (so a web page cannot reach a "
+                        "local server by DNS rebinding), any host otherwise.")
     g.add_argument("--rate-limit", metavar="N/UNIT",
                    help="Requests allowed per API key (or per client address without keys), e.g. 10/s, 600/min; "
                         "bursts up to N. Over it: 429 with Retry-After. Default: no limit.")

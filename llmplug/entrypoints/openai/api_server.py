@@ -49,7 +49,13 @@ from llmplug.entrypoints.openai.routers import (
     models_router,
     pooling_router,
 )
-from llmplug.entrypoints.openai.security import AccessMiddleware, BodySizeLimitMiddleware, RateLimit
+from llmplug.entrypoints.openai.security import (
+    AccessMiddleware,
+    BodySizeLimitMiddleware,
+    HostCheckMiddleware,
+    RateLimit,
+    default_allowed_hosts,
+)
 from llmplug.entrypoints.openai.serving_chat import OpenAIServingChat
 from llmplug.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from llmplug.entrypoints.openai.serving_engine import ClientDisconnected
@@ -75,6 +81,7 @@ class ServerSettings:
     port: int = 8000
     api_keys: list[str] = field(default_factory=list)  # empty: no authentication
     allowed_origins: list[str] = field(default_factory=list)  # empty: no CORS headers
+    allowed_hosts: list[str] | None = None  # Host header names served ("*": any); None: the default for `host`
     rate_limit: RateLimit | None = None  # per API key or client address
     max_body_bytes: int = 8 * 1024 * 1024
     max_waiting_requests: int = 1024  # sequences waiting for the running batch; past it: 503 with Retry-After
@@ -99,6 +106,8 @@ class ServerSettings:
         return cls(
             host=args.host, port=args.port, api_keys=keys,
             allowed_origins=[o.strip() for o in (args.allowed_origins or "").split(",") if o.strip()],
+            allowed_hosts=[h.strip() for h in args.allowed_hosts.split(",") if h.strip()] if args.allowed_hosts
+            else None,
             rate_limit=RateLimit.parse(args.rate_limit) if args.rate_limit else None,
             max_body_bytes=args.max_body_bytes, max_waiting_requests=args.max_waiting_requests,
             chat_template=load_chat_template(args.chat_template) if args.chat_template else None,
@@ -146,10 +155,14 @@ def build_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> FastA
                                          in_schema=not pooling_model))
     app.include_router(pooling_router(OpenAIServingPooling(*shared), pools, in_schema=pooling_model))
     _add_exception_handlers(app)
-    # Middleware runs outermost-last-added: CORS, then HTTP metrics, API key and rate limit, body size. The
-    # access check comes before the body is read: an unauthenticated client cannot make the server read 8 MiB.
+    # Middleware runs outermost-last-added: CORS, then HTTP metrics, Host check, API key and rate limit, body
+    # size. The access check comes before the body is read: an unauthenticated client cannot make the server
+    # read 8 MiB.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(AccessMiddleware, api_keys=settings.api_keys, rate_limit=settings.rate_limit)
+    allowed_hosts = settings.allowed_hosts if settings.allowed_hosts is not None else \
+        default_allowed_hosts(settings.host)
+    app.add_middleware(HostCheckMiddleware, allowed_hosts=allowed_hosts)
     app.add_middleware(_HttpMetricsMiddleware, metrics=metrics)
     if settings.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins, allow_methods=["*"],

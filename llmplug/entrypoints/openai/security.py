@@ -1,4 +1,10 @@
-"""What guards the server: API keys, per-client rate limits and a request body size limit (ASGI middleware).
+"""What guards the server: the Host allow-list, API keys, per-client rate limits and a request body size limit
+(ASGI middleware).
+
+- A request whose Host header names no allowed host gets 400 before anything else runs. On by default
+  for a loopback bind (localhost, 127.0.0.1, ::1): a web page whose DNS name is rebound to 127.0.0.1
+  reaches a loopback server from the visitor's browser, but its requests carry the page's own name, so a
+  keyless local server is not open to every site its user visits.
 
 - Every route but `OPEN_PATHS` needs `Authorization: Bearer <key>` when API keys are configured: the
   policy is opt-out by that explicit list, so a route added later is guarded too. Keys are compared in
@@ -13,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import math
 import re
 import threading
@@ -159,6 +166,51 @@ class AccessMiddleware:
         limit = self.buckets.limit
         unit = {1.0: "s", 60.0: "min", 3600.0: "h"}.get(limit.period, f"{limit.period:g} s")
         return f"{limit.requests:g}/{unit} per client"
+
+
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+
+
+def default_allowed_hosts(bind_host: str) -> list[str]:
+    """The Host names a server listening on `bind_host` accepts by default: the loopback names for a loopback
+    bind, any ("*") otherwise (a server on a public address is reached under names only its operator knows)."""
+    return list(LOOPBACK_HOSTS) if _is_loopback(bind_host) else ["*"]
+
+
+def _is_loopback(host: str) -> bool:
+    if host.lower().rstrip(".") == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def host_name(header: str) -> str:
+    """The host of a Host header, without its port: 'Example.com:80' -> 'example.com', '[::1]:8000' -> '::1'."""
+    value = header.strip().lower()
+    if value.startswith("["):  # an IPv6 literal, whose colons are not the port's
+        return value[1:value.find("]")] if "]" in value else value
+    if value.count(":") == 1:  # name:port (a bare IPv6 literal has more colons)
+        value = value.partition(":")[0]
+    return value.rstrip(".")
+
+
+class HostCheckMiddleware:
+    """Answers 400 to a request whose Host header is not in `allowed_hosts` ("*": any host)."""
+
+    def __init__(self, app: ASGIApp, allowed_hosts: list[str]):
+        self.app = app
+        self.any = "*" in allowed_hosts
+        self.allowed = frozenset(host_name(h) for h in allowed_hosts)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or self.any or host_name(_header(scope, b"host") or "") in self.allowed:
+            await self.app(scope, receive, send)
+            return
+        # the client's Host is not echoed: it is the client's text
+        await _send_error(send, 400, "The Host header names a host this server does not serve (see "
+                                     "--allowed-hosts).", "invalid_host", scope=scope)
 
 
 class BodySizeLimitMiddleware:

@@ -21,6 +21,7 @@ from llmplug.lora.request import LoRARequest
 from llmplug.entrypoints.openai.admission import AdmissionControl
 from llmplug.entrypoints.openai.errors import OpenAIError, error_body
 from llmplug.entrypoints.openai.guided import guided_decoding_params
+from llmplug.entrypoints.openai.loggable import loggable_list
 from llmplug.entrypoints.openai.metrics import ServerMetrics
 from llmplug.entrypoints.openai.prompt_renderer import PromptRenderer
 from llmplug.entrypoints.openai.serving_lora import ServedAdapters
@@ -131,11 +132,12 @@ class OpenAIServing:
             raise OpenAIError(400, str(exc), param=exc.param) from exc
 
     def log_ignored_fields(self, body: OpenAIModel, endpoint: str) -> None:
-        """Log the request fields this server does not know: they are ignored, as vLLM ignores them."""
+        """Log the request fields this server does not know: they are ignored, as vLLM ignores them. The
+        names are the client's text: logged escaped, cut short and at most MAX_ITEMS of them."""
         ignored = ignored_fields(body)
         if ignored:
             logger.warning("%s: these request fields are not known to this server and are ignored: %s",
-                           endpoint, ", ".join(ignored))
+                           endpoint, loggable_list(ignored))
 
     # --- generation --------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ from typing import Any, Protocol, runtime_checkable
 from llmplug.core.plugins import PluginRegistry
 from llmplug.engine.async_llm import AsyncLLM
 from llmplug.entrypoints.openai.errors import OpenAIError
+from llmplug.entrypoints.openai.loggable import loggable
 from llmplug.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ class ServedAdapters:
         request = LoRARequest(name, max((r.lora_int_id for r in loaded), default=0) + 1, path)
         await self.engine.add_lora(request)  # InvalidRequestError (a 400) when it does not fit
         self.by_name[name] = request
-        logger.info("LoRA adapter %r loaded from %s", name, path)
+        logger.info("LoRA adapter %s loaded from %s", loggable(name), loggable(path, 300))  # the client's text
         return request
 
     async def unload(self, name: str) -> None:

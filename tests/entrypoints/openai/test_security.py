@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import re
 
 import openai
@@ -11,7 +12,8 @@ import pytest
 
 from llmplug.core.errors import ConfigError
 from llmplug.entrypoints.openai.api_server import ServerSettings, build_app
-from llmplug.entrypoints.openai.security import OPEN_PATHS, RateLimit, TokenBuckets
+from llmplug.entrypoints.openai.loggable import loggable
+from llmplug.entrypoints.openai.security import OPEN_PATHS, RateLimit, TokenBuckets, default_allowed_hosts, host_name
 
 from .conftest import serve
 
@@ -174,3 +176,38 @@ def test_the_api_key_is_checked_before_the_body_is_read(guarded, framing):
     reply = guarded.client(api_key="key-a").chat.completions.create(
         model=guarded.model, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     assert reply.choices[0].finish_reason in ("length", "stop")
+
+
+def test_a_loopback_server_refuses_foreign_host_headers(server):
+    """DNS rebinding: a page on evil.example whose name now resolves to 127.0.0.1 sends `Host: evil.example`."""
+    for host in ("evil.example", f"evil.example:{server.port}", "127.0.0.1.evil.example", ""):
+        for path in ("/v1/models", "/health"):
+            status, body, _ = request(server, "GET", path, headers={"Host": host})
+            assert status == 400 and json.loads(body)["error"]["code"] == "invalid_host", (host, path)
+    for host in (f"127.0.0.1:{server.port}", f"localhost:{server.port}", "LOCALHOST", f"[::1]:{server.port}"):
+        assert request(server, "GET", "/v1/models", headers={"Host": host})[0] == 200, host
+    assert server.client().models.list().data[0].id == server.model
+
+
+def test_allowed_hosts_flag_replaces_the_default(engine):
+    with serve(engine, ServerSettings(allowed_hosts=["api.example"])) as running:
+        assert request(running, "GET", "/v1/models", headers={"Host": "api.example:443"})[0] == 200
+        assert request(running, "GET", "/v1/models", headers={"Host": "127.0.0.1"})[0] == 400
+    with serve(engine, ServerSettings(allowed_hosts=["*"])) as running:
+        assert request(running, "GET", "/v1/models", headers={"Host": "anything.example"})[0] == 200
+    assert default_allowed_hosts("0.0.0.0") == ["*"] and default_allowed_hosts("192.168.1.5") == ["*"]
+    assert "127.0.0.1" in default_allowed_hosts("127.0.0.1") == default_allowed_hosts("localhost")
+    assert [host_name(h) for h in ("Api.Example:80", "[::1]:8000", "localhost.", "::1")] == \
+        ["api.example", "::1", "localhost", "::1"]
+
+
+def test_client_text_is_logged_on_one_line_and_cut_short(server, caplog):
+    fields = {"forged\nERROR root: the server was hacked": 1, "x" * 100_000: 1,
+              **{f"extra_{i}": i for i in range(30)}}
+    with caplog.at_level(logging.WARNING, logger="llmplug.entrypoints.openai.serving_engine"):
+        reply = server.client().completions.create(model=server.model, prompt="hi", max_tokens=2, extra_body=fields)
+    assert reply.choices[0].finish_reason in ("length", "stop")
+    [logged] = [r.getMessage() for r in caplog.records if "not known" in r.getMessage()]
+    assert "\n" not in logged and "forged\\x0aERROR" in logged
+    assert len(logged) < 3000 and "more characters" in logged and "(and 12 more)" in logged
+    assert loggable("a\x1b[31mb\u2028c") == "a\\x1b[31mb\\u2028c" and loggable("é" * 5, 3) == "ééé... (2 more characters)"
