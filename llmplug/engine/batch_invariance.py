@@ -37,11 +37,13 @@ def resolve_batch_invariant(config: EngineConfig, platform: type, registry: Plug
         }
         off = [name for name, blocks in blockers.items() if blocks]
         model.batch_invariant = not off
+        model._invariance_asked = False
         if off:
             logger.info("batch-invariant mode off (auto): not with %s", ", ".join(off))
         return
     if not model.batch_invariant:
         return
+    model._invariance_asked = True
     if not backend_invariant:
         raise ConfigError(
             f"model.batch_invariant needs an attention backend that reduces in a fixed order; "
@@ -64,3 +66,21 @@ def _model_gap(config: EngineConfig, registry: PluginRegistry) -> str | None:
     if gap is None:
         return f"{model_class.__name__} does not declare batch_invariance_gap"
     return gap(hf_config)
+
+
+def settle_row_invariance(config: EngineConfig, row_variant: list[str]) -> None:
+    """After the workers packed their weights: where some weight found no row plan on this CPU (oneDNN sums its
+    rows in an order that depends on their number, and neither padding nor fixed tiles fix it;
+    layers/row_invariance.py), the mode cannot hold. `auto` turns it off with one log line naming the weights
+    and the kernel; an explicit `true` is refused by name."""
+    model = config.model
+    if not model.batch_invariant_on or not row_variant:
+        return
+    why = (f"on this CPU oneDNN's packed linear kernel sums a row of {', '.join(row_variant)} in an order that "
+           "depends on the number of rows, and no row plan (padding, fixed row tiles) makes it invariant")
+    if model._invariance_asked:
+        raise ConfigError(f"model.batch_invariant cannot hold for {model.model}: {why}; turn it off "
+                          "(--no-batch-invariant), or cap oneDNN's ISA (ONEDNN_MAX_CPU_ISA) to a kernel family "
+                          "that holds it (docs/determinism.md)")
+    model.batch_invariant = False
+    logger.warning("batch-invariant mode off (auto): %s", why)

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Iterable
 from llmplug.core.config import EngineConfig
 from llmplug.core.errors import ConfigError, EngineDeadError, EngineStateError, InvalidRequestError
 from llmplug.core.plugins import PluginRegistry
+from llmplug.engine.batch_invariance import settle_row_invariance
 from llmplug.engine.guided_decoding import grammar_bitmask, wait_for_any
 from llmplug.engine.kv_cache import KVCacheManager
 from llmplug.engine.output_processor import EngineCoreOutput
@@ -39,7 +40,13 @@ class EngineCore:
         self.config = config
         executor_cls = registry.load("llmplug.executors", config.parallel.executor)
         self.executor = executor_cls(config, registry=registry)
-        self.model_info = self.executor.collective_rpc("model_info")[0]
+        infos = self.executor.collective_rpc("model_info")
+        self.model_info = infos[0]
+        try:
+            settle_row_invariance(config, sorted({weight for info in infos for weight in info["row_variant"]}))
+        except ConfigError:
+            self.executor.shutdown()
+            raise
         self.pooling = self.model_info.get("pooling")  # the pooling model's tasks and defaults; None: it generates
         self.max_model_len = self._resolve_max_model_len()
         num_blocks = 0 if self.pooling else self._num_blocks()

@@ -22,6 +22,7 @@ from llmplug.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from llmplug.engine.sleep_mode import SleepingWeights, sleep_weights, wake_weights
 from llmplug.engine.weight_update import WeightBatch, load_weight_batch
 from llmplug.layers.attention import attention_layers, bind_kv_cache
+from llmplug.layers.packed_linear import row_variant_weights
 from llmplug.layers.recurrent import bind_state_cache
 from llmplug.loaders.base import finish_loading
 from llmplug.lora.request import LoRARequest
@@ -194,6 +195,7 @@ class Worker:
             "block_bytes": spec.block_bytes,
             "pooling": runner.pooling_info,
             "num_state_slots": spec.num_state_slots,
+            "row_variant": row_variant_weights(runner.model),
         }
 
     # ---- LoRA adapters (called through Executor.collective_rpc) ----

@@ -21,7 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["PrepackedLinearMethod", "prepack_supported"]
+from llmplug.layers.row_invariance import RowPlan, cached_row_plan, cancelling_weight, find_row_plan
+
+__all__ = ["PrepackedLinearMethod", "packed_methods", "prepack_supported", "row_plan_for", "row_variant_weights"]
 
 log = logging.getLogger(__name__)
 
@@ -54,53 +56,68 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
 
 
 @functools.lru_cache(maxsize=None)
-def lone_row_differs(out_features: int, in_features: int, dtype: torch.dtype, num_threads: int) -> bool:
-    """Whether oneDNN computes a lone row of an [out, in] weight in another summation order than the same row
-    among 8 (the kernel is chosen by shape, dtype and thread count, not by the data; `num_threads`, torch's
-    current thread count, is part of the cache key).
+def row_plan_for(out_features: int, in_features: int, dtype: torch.dtype, num_threads: int) -> RowPlan | None:
+    """How oneDNN's packed linear must be called here so that an [out, in] weight gives each row the same bits for
+    any number of rows (layers/row_invariance.py), or None where no plan holds. The kernel is chosen by shape,
+    dtype, ISA and thread count, not by the data, so this is probed once per (shape, dtype, thread count) on
+    inputs that show any change of summation order; `num_threads` is torch's current thread count."""
+    def probe() -> RowPlan | None:
+        packed = torch.ops.mkldnn._reorder_linear_weight(cancelling_weight(out_features, in_features).to(dtype))
+        return find_row_plan(lambda x: _packed_linear(x, packed, None), in_features, dtype)
 
-    Probed on rows built to show any order difference: each holds +2^20 and -2^20 at two columns whose weights
-    are equal, so the products cancel exactly, but the small terms summed between them lose low bits to the
-    large running sum, and how many depends on the order. Equal orders give equal bits.
-    """
-    generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(out_features, in_features, generator=generator)
-    x = torch.randn(8, in_features, generator=generator)
-    for row in range(8):
-        first, last = row % 4, in_features - 1 - row % 4
-        weight[:, last] = weight[:, first]
-        x[row, first], x[row, last] = 2.0**20, -(2.0**20)
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype))
-    x = x.to(dtype)
-    batched = _packed_linear(x, packed, None)
-    return any(not torch.equal(_packed_linear(x[i : i + 1], packed, None), batched[i : i + 1]) for i in range(8))
+    dtype_name = str(dtype).removeprefix("torch.")
+    plan = cached_row_plan(f"onednn-linear-{out_features}x{in_features}-{dtype_name}", probe)
+    if plan is None:
+        log.info("oneDNN's packed linear [%d x %d] %s sums rows in an order that depends on their number, and no "
+                 "row plan holds here", out_features, in_features, dtype_name)
+    return plan
 
 
 class PrepackedLinearMethod:
     """x W^T + b with W packed once into oneDNN's layout.
 
-    row_invariant (batch-invariant mode): a lone row gets the result it gets among other rows. oneDNN gives a
-    row the same result for any number of rows >= 2, but for one row and a long reduction (SmolLM2's
-    1536 -> 576 down projection) it takes a matrix-vector kernel that sums in another order; such weights
-    (found by a probe at packing time) compute a lone row as two.
+    row_invariant (batch-invariant mode): a row gets the same bits for any number of rows. Where oneDNN's kernel
+    does not give that by itself (a one-row kernel for long reductions on AVX-512, M-dependent blocking on AMX),
+    the weight's `row_plan` (probed per shape when packing) pads or tiles the rows; `row_variant` marks a weight
+    for which no plan holds (the engine then turns the mode off, or refuses it).
     """
 
     def __init__(self, weight: torch.Tensor, row_invariant: bool = False) -> None:
         self.weight = weight.detach()  # the dense weight (a view of the parameter), for the compiler
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight)
-        out_features, in_features = weight.shape
-        # batch-invariant mode, where oneDNN's one-row kernel sums otherwise: compute a lone row as two
-        self.lone_row_as_two = row_invariant and lone_row_differs(
-            out_features, in_features, weight.dtype, torch.get_num_threads()
-        )
+        plan = row_plan_for(*weight.shape, weight.dtype, torch.get_num_threads()) if row_invariant else None
+        self.row_variant = row_invariant and plan is None
+        self.row_plan = None if plan == RowPlan() else plan  # None: one plain call for any number of rows
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if torch.compiler.is_compiling():  # the packed tensor is opaque to the compiler, the dense weight is not
             return F.linear(x, self.weight, bias)
-        if self.lone_row_as_two and x.numel() == x.shape[-1]:  # one row
-            two = x.reshape(1, -1).repeat(2, 1)
-            return _packed_linear(two, self.packed, bias)[:1].view(*x.shape[:-1], -1)
-        return _packed_linear(x, self.packed, bias)
+        if self.row_plan is None:
+            return _packed_linear(x, self.packed, bias)
+        rows = self.row_plan(lambda part: _packed_linear(part, self.packed, bias), x.reshape(-1, x.shape[-1]))
+        return rows.view(*x.shape[:-1], -1)
+
+    def describe(self) -> str:
+        """The weight's shape and dtype, as the engine's messages name it: "[576 x 1536] bfloat16"."""
+        out_features, in_features = self.weight.shape
+        return f"[{out_features} x {in_features}] {str(self.weight.dtype).removeprefix('torch.')}"
 
     def __repr__(self) -> str:
-        return "dense(packed)"
+        return "dense(packed)" if self.row_plan is None else f"dense(packed, {self.row_plan})"
+
+
+def packed_methods(model: nn.Module) -> list[PrepackedLinearMethod]:
+    """Every packed weight of `model`: layers' `quant_method`s and the lists MoE experts and routers keep."""
+    found = []
+    for module in model.modules():
+        for value in vars(module).values():
+            items = value if isinstance(value, (list, tuple)) else (value,)
+            for item in items:
+                parts = item if isinstance(item, tuple) else (item,)
+                found.extend(part for part in parts if isinstance(part, PrepackedLinearMethod))
+    return found
+
+
+def row_variant_weights(model: nn.Module) -> list[str]:
+    """The shapes of `model`'s packed weights for which batch-invariant mode found no row plan on this CPU."""
+    return sorted({method.describe() for method in packed_methods(model) if method.row_variant})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
+from llmplug.core.cpuinfo import cpu_flags
 from llmplug.core.errors import ConfigError
 from llmplug.platforms.base import BasePlatform
 from llmplug.platforms.cpu_threads import threads_per_process
@@ -21,16 +22,6 @@ _NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 _UNLIMITED_CGROUP_MEMORY = 1 << 60  # cgroup v1 reports "no limit" as a number near 2**63
 
 
-def _cpuinfo_flags() -> set[str]:
-    """The feature flags /proc/cpuinfo lists (x86 "flags", Arm "Features"); empty where it does not exist."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return set()
-    return {flag for line in lines if line.startswith(("flags", "Features")) for flag in line.split(":", 1)[1].split()}
-
-
 def _torch_cpu_flags() -> set[str]:
     """The CPU capabilities torch detected (torch.cpu.get_capabilities, recent torch only), as a set of names."""
     import torch
@@ -44,7 +35,7 @@ def _torch_cpu_flags() -> set[str]:
 def has_native_bf16() -> bool:
     """Whether the CPU computes bf16 in hardware (else bf16 is emulated and slower than float32)."""
     # /proc/cpuinfo first: it answers on Linux without importing torch
-    return bool(_NATIVE_BF16_FLAGS & _cpuinfo_flags()) or bool(_NATIVE_BF16_FLAGS & _torch_cpu_flags())
+    return bool(_NATIVE_BF16_FLAGS & cpu_flags()) or bool(_NATIVE_BF16_FLAGS & _torch_cpu_flags())
 
 
 def _meminfo() -> dict[str, int]:

@@ -111,15 +111,17 @@ def cancelling_rows(out_features: int, in_features: int, rows: int, dtype: torch
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(576, 576), (192, 576), (1536, 576), (576, 1536), (256, 4096)])
-def test_the_lone_row_probe_leaves_no_layer_whose_lone_row_sums_otherwise(dtype, shape) -> None:
-    """Batch-invariant mode computes a lone row as two only where oneDNN's one-row kernel sums in another order
-    (a probe at packing time); on inputs that expose any summation-order change, every shape of SmolLM2 (and a
-    longer reduction) gives row 0 the same bits alone and among 2..16 rows, whatever the probe decided."""
-    weight, x = cancelling_rows(*shape, rows=16, dtype=dtype, seed=3)
+def test_the_row_probe_leaves_no_layer_whose_rows_sum_otherwise(dtype, shape) -> None:
+    """Batch-invariant mode pads or tiles rows only where oneDNN's kernel sums in another order for some row count
+    (a probe at packing time, layers/row_invariance.py); on inputs that expose any summation-order change, every
+    shape of SmolLM2 (and a longer reduction) gives row 0 the same bits alone and among 2..16, 33, 65 and 130
+    rows, whatever the probe decided."""
+    weight, x = cancelling_rows(*shape, rows=130, dtype=dtype, seed=3)
     method = PrepackedLinearMethod(weight, row_invariant=True)
+    assert not method.row_variant
     alone = method.apply(None, x[:1], None)
-    for rows in range(2, 17):
+    for rows in (*range(2, 17), 33, 65, 130):
         assert torch.equal(method.apply(None, x[:rows], None)[:1], alone), f"row 0 changed among {rows} rows"
     plain = PrepackedLinearMethod(weight)
-    if not method.lone_row_as_two:  # the probe found the one-row kernel sums like the others: so it does here
+    if method.row_plan is None:  # the probe found the kernel sums every row count alike: so it does here
         assert torch.equal(plain.apply(None, x[:1], None), plain.apply(None, x[:4], None)[:1])

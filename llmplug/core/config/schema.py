@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
@@ -91,6 +91,10 @@ class ModelConfig(_Section):
             "The batch-invariant mode packs them (float32 too) whatever this says."
         ),
     )
+
+    # whether batch_invariant was asked for (true) rather than resolved from auto; set at engine start
+    # (engine/batch_invariance.py), not a setting
+    _invariance_asked: bool = PrivateAttr(False)
 
     @property
     def batch_invariant_on(self) -> bool:
