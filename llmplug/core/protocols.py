@@ -202,8 +202,11 @@ class GuidedDecodingBackend(Protocol):
     Constructed once per engine, in the engine process, as `Backend(tokenizer, vocab_size,
     eos_token_id)`: the model's own tokenizer, the width of the model's logits and the token that ends
     a sequence. Building the backend's tokenizer data is costly, so it happens once, on first use, and
-    is reused by every compile. `unsupported_feature` and `validate` run in the engine's step thread
-    when a request arrives (keep them cheap); `compile` runs in a thread pool, off the step loop.
+    is reused by every compile. `unsupported_feature` runs on the thread that adds a request (keep it
+    cheap); `validate` and `compile` run in a thread pool, off the step loop and the event loop. A backend
+    that builds a whole automaton whose size can run away may name, as `automaton_states`, a module-level
+    function of the constraint that builds it with light imports and returns its number of states: the
+    engine runs it first in a separate process under a time budget (`decoding.guided_compile_timeout_s`).
     Constraints arrive as `GuidedDecodingParams` whose `whitespace_flexible` is resolved to a bool.
     """
 

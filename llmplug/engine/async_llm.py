@@ -240,6 +240,7 @@ class AsyncLLM:
         """
         params = sampling_params or SamplingParams()
         request_id = request_id or f"req-{uuid.uuid4().hex}"
+        await self._compile_grammar(params)
         stream = self._register(request_id)
         self._commands.put(_AddRequest(request_id, prompt, params, priority, time.time(), lora_request))
         finished = False
@@ -261,6 +262,16 @@ class AsyncLLM:
             self._unregister(request_id)
             if not finished:  # the consumer went away: stop the request
                 self._commands.put(_AbortRequests([request_id]))
+
+    async def _compile_grammar(self, params: SamplingParams) -> None:
+        """Check and compile the request's guided-decoding constraint before it is queued, in the engine's
+        compile pool (neither the event loop nor the engine thread waits on it): a bad or too costly
+        constraint is its InvalidRequestError here, and the engine finds the grammar compiled in its cache.
+        The guided-decoding manager is thread-safe, the one part of the engine this thread touches."""
+        if params.guided_decoding is not None:
+            self.check_health()
+            # shielded: a client that leaves must not cancel a compile that other requests may share
+            await asyncio.shield(asyncio.wrap_future(self.llm_engine.guided.prepare(params.guided_decoding)))
 
     async def beam_search(
         self, prompt: PromptType, params: BeamSearchParams, request_id: str | None = None

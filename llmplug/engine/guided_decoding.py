@@ -2,10 +2,13 @@
 
 `GuidedDecodingManager` (one per engine, engine process) resolves each request's constraint to a
 backend (`decoding.guided_backend` or the request's own `backend`; `auto` picks, per request, the first
-installed backend in `AUTO_ORDER` that supports the constraint), validates it while the request is
-added (bad input is an InvalidRequestError, a 400 through the server) and compiles it in a thread
-pool, caching compiled grammars by (backend, constraint). Each request holds a `RequestGrammar`: the
-scheduler keeps the request out of the waiting queue until its grammar is ready, feeds the matcher
+installed backend in `AUTO_ORDER` that supports the constraint), then checks and compiles it in a
+thread pool, off the engine thread and the event loop, caching the compiled grammars by (backend,
+constraint). Bad input is an InvalidRequestError (a 400 through the server, which awaits the compile
+before queueing). What a backend builds whole and can grow exponentially (outlines' and
+lm-format-enforcer's automata) is measured first in the grammar sandbox, under
+`decoding.guided_compile_timeout_s` and `decoding.guided_max_states`, so that one client's regex costs
+only its own request. Each request holds a `RequestGrammar`: the scheduler keeps the request out of the waiting queue until its grammar is ready, feeds the matcher
 every sampled token and finishes the request when the matcher terminates; `grammar_bitmask` fills
 the step's bitmask rows of the requests under a grammar (only those: no work for the others).
 A constraint with `start_after_token_ids` (the end of a model's reasoning) leaves its request's tokens
@@ -28,6 +31,7 @@ from llmplug.core.errors import InvalidRequestError, PluginError
 from llmplug.core.params import GuidedDecodingParams
 from llmplug.core.plugins import PluginRegistry, get_registry
 from llmplug.core.protocols import CompiledGrammar, GrammarMatcher, GuidedDecodingBackend
+from llmplug.engine.grammar_sandbox import SandboxCrash, SandboxTimeout, run_sandboxed
 
 if TYPE_CHECKING:
     from llmplug.engine.request import Request
@@ -101,6 +105,37 @@ def check_json_schema(schema: dict | bool) -> None:
         raise InvalidRequestError(f"guided_decoding.json is not a valid JSON schema at {where}: {exc.message}") from None
 
 
+def check_automaton(backend: GuidedDecodingBackend, constraint: GuidedDecodingParams, config: DecodingConfig) -> None:
+    """InvalidRequestError when the automaton `backend` would build whole for `constraint` takes longer than
+    `decoding.guided_compile_timeout_s` to build or has more than `decoding.guided_max_states` states.
+
+    Measured in the grammar sandbox (a process killed past the budget), so a runaway regex costs that
+    request its budget and nothing else. Backends without `automaton_states` build nothing that can run away.
+    """
+    measure = getattr(backend, "automaton_states", None)
+    if measure is None:
+        return
+    what = f"guided_decoding {constraint.kind} for the {backend.name} backend"
+    budget = config.guided_compile_timeout_s
+    try:
+        states = run_sandboxed(measure, constraint, budget)
+    except SandboxTimeout:
+        raise InvalidRequestError(
+            f"{what}: its automaton took longer than {budget:g} s to build (decoding.guided_compile_timeout_s, "
+            "--guided-compile-timeout-s); simplify the constraint or use the xgrammar or llguidance backend"
+        ) from None
+    except SandboxCrash as exc:
+        raise InvalidRequestError(f"{what}: building its automaton failed ({exc}); simplify the constraint") from None
+    except Exception:  # noqa: BLE001 - the library rejects the constraint: validate() says why, in its words
+        return
+    if states > config.guided_max_states:
+        raise InvalidRequestError(
+            f"{what}: its automaton has {states} states, more than {config.guided_max_states} "
+            "(decoding.guided_max_states, --guided-max-states); simplify the constraint or use the xgrammar "
+            "or llguidance backend"
+        )
+
+
 def wait_for_any(grammars: Sequence[RequestGrammar], timeout: float) -> None:
     """Block until one of `grammars` is compiled or `timeout` seconds pass."""
     wait([g._future for g in grammars], timeout=timeout, return_when=FIRST_COMPLETED)
@@ -122,12 +157,18 @@ class GuidedDecodingManager:
         self.config = config
         self.registry = registry or get_registry()
         self._backends: dict[str, GuidedDecodingBackend] = {}
+        self._backends_lock = threading.Lock()
         self._cache: OrderedDict[tuple, Future[CompiledGrammar]] = OrderedDict()
         self._lock = threading.Lock()  # the cache is also touched by the pool's done-callbacks
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="llmplug-grammar")
 
     def prepare(self, params: GuidedDecodingParams) -> Future[CompiledGrammar]:
-        """Choose the backend, validate and start compiling (or reuse the cached compile); the future is shared."""
+        """Choose the backend and start checking and compiling in the pool (or reuse the cached future, shared).
+
+        Cheap and safe on any thread: what depends on the constraint's content (its JSON schema's validity,
+        the backend's parse, the automaton's size, the compile) runs in the pool, and its InvalidRequestError
+        comes out of the future. Unknown backends and unsupported features are raised here.
+        """
         if self.tokenizer is None or self.eos_token_id is None:
             raise InvalidRequestError("guided decoding needs the model's tokenizer and end-of-sequence token")
         outside = [t for t in params.start_after_token_ids if t >= self.vocab_size]
@@ -142,16 +183,22 @@ class GuidedDecodingManager:
             if future is not None:
                 self._cache.move_to_end(key)
                 return future
-        if constraint.kind == "json":
-            check_json_schema(constraint.schema)
-        backend = self.select(constraint)
+        candidates = self._candidates(constraint)
         with self._lock:
-            future = self._pool.submit(backend.compile, constraint)
-            self._cache[key] = future
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
+            future = self._cache.get(key)
+            if future is None:
+                future = self._pool.submit(self._build, constraint, candidates)
+                self._cache[key] = future
+                while len(self._cache) > CACHE_SIZE:
+                    self._cache.popitem(last=False)
         future.add_done_callback(lambda done: self._forget_failed(key, done))
         return future
+
+    def _build(self, constraint: GuidedDecodingParams, candidates: list[GuidedDecodingBackend]) -> CompiledGrammar:
+        """Check the constraint with the first candidate that accepts it, and compile it (on a pool thread)."""
+        if constraint.kind == "json":
+            check_json_schema(constraint.schema)
+        return self._first_valid(constraint, candidates).compile(constraint)
 
     def resolve(self, params: GuidedDecodingParams) -> GuidedDecodingParams:
         """The constraint with the engine's defaults filled in (backend name, whitespace)."""
@@ -165,25 +212,32 @@ class GuidedDecodingManager:
 
     def select(self, constraint: GuidedDecodingParams) -> GuidedDecodingBackend:
         """The backend for a resolved constraint, validated; InvalidRequestError says what is wrong."""
-        if constraint.backend == "auto":
-            return self._select_auto(constraint)
-        backend = self.backend(constraint.backend)
-        feature = backend.unsupported_feature(constraint)
-        if feature is not None:
-            raise self._unsupported(constraint, feature, f"the {backend.name} backend")
-        backend.validate(constraint)
-        return backend
+        return self._first_valid(constraint, self._candidates(constraint))
 
-    def _select_auto(self, constraint: GuidedDecodingParams) -> GuidedDecodingBackend:
+    def _candidates(self, constraint: GuidedDecodingParams) -> list[GuidedDecodingBackend]:
+        """The backends that may serve a resolved constraint, in order: the one it names, or for `auto` every
+        installed one that supports its feature (no look at its content: cheap)."""
+        if constraint.backend != "auto":
+            backend = self.backend(constraint.backend)
+            feature = backend.unsupported_feature(constraint)
+            if feature is not None:
+                raise self._unsupported(constraint, feature, f"the {backend.name} backend")
+            return [backend]
         installed = self._installed()
         if not installed:
             raise InvalidRequestError("guided decoding: no backend is installed; pip install 'llmplug[guided]'")
         capable = [b for b in installed if b.unsupported_feature(constraint) is None]
         if not capable:
             raise self._unsupported(constraint, installed[0].unsupported_feature(constraint), "any installed backend")
+        return capable
+
+    def _first_valid(self, constraint: GuidedDecodingParams,
+                     candidates: Sequence[GuidedDecodingBackend]) -> GuidedDecodingBackend:
+        """The first of `candidates` whose automaton fits the budget and that accepts the constraint."""
         errors = []
-        for backend in capable:
+        for backend in candidates:
             try:
+                check_automaton(backend, constraint, self.config)
                 backend.validate(constraint)
                 return backend
             except InvalidRequestError as exc:
@@ -192,13 +246,14 @@ class GuidedDecodingManager:
 
     def backend(self, name: str) -> GuidedDecodingBackend:
         """The backend registered as `name`, built on first use (InvalidRequestError when unknown or broken)."""
-        if name not in self._backends:
-            try:
-                cls = self.registry.load(GROUP, name)
-            except PluginError as exc:
-                raise InvalidRequestError(f"guided decoding backend {name!r} is not available: {exc}") from exc
-            self._backends[name] = cls(self.tokenizer, self.vocab_size, self.eos_token_id)
-        return self._backends[name]
+        with self._backends_lock:  # requests are prepared on the engine thread and the server's
+            if name not in self._backends:
+                try:
+                    cls = self.registry.load(GROUP, name)
+                except PluginError as exc:
+                    raise InvalidRequestError(f"guided decoding backend {name!r} is not available: {exc}") from exc
+                self._backends[name] = cls(self.tokenizer, self.vocab_size, self.eos_token_id)
+            return self._backends[name]
 
     def _installed(self) -> list[GuidedDecodingBackend]:
         """Every backend that loads here, in `auto` order."""

@@ -54,7 +54,7 @@ def test_invalid_constraint_and_unknown_backend_are_clear_errors(manager):
     with pytest.raises(InvalidRequestError, match="guided_decoding regex rejected by"):
         chosen(manager, regex="(ab")  # auto: every capable backend rejects it, each says why
     with pytest.raises(InvalidRequestError, match="not a valid JSON schema at properties/a/type"):
-        manager.prepare(GuidedDecodingParams(json={"type": "object", "properties": {"a": {"type": "nonsense"}}}))
+        manager.prepare(GuidedDecodingParams(json={"type": "object", "properties": {"a": {"type": "nonsense"}}})).result()
     with pytest.raises(InvalidRequestError, match="'nope' is not available"):
         chosen(manager, regex="a", backend="nope")
 

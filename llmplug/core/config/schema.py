@@ -262,6 +262,21 @@ class DecodingConfig(_Section):
     max_n: int = Field(128, gt=0, description="Most completions (`n`) one request may ask for.")
     max_stop_strings: int = Field(64, ge=0, description="Most stop strings one request may give.")
     max_stop_string_length: int = Field(256, gt=0, description="Longest stop string, in characters.")
+    guided_compile_timeout_s: float = Field(
+        5.0, gt=0,
+        description=(
+            "Longest the automaton of one guided-decoding constraint may take to build where a backend builds it "
+            "whole (outlines, lm_format_enforcer); measured in a separate process killed past it, and the "
+            "request is a 400."
+        ),
+    )
+    guided_max_states: int = Field(
+        4096, gt=0,
+        description=(
+            "Most states that automaton may have (outlines' compile costs milliseconds per state on a large "
+            "vocabulary); past it the request is a 400."
+        ),
+    )
 
 
 class SpeculativeConfig(_Section):

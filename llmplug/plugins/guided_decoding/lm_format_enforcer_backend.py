@@ -2,11 +2,14 @@
 
 lm-format-enforcer walks a character-level parser over a prefix tree of the vocabulary. Its
 transformers helper does not import on transformers 5, so its tokenizer data is built here from the
-model's tokenizer directly. It has no context-free grammars.
+model's tokenizer directly. It has no context-free grammars. A regex's parser holds the regex's whole
+automaton (interegular's, built in pure Python and exponential in the worst case): it is measured in the
+grammar sandbox first (`automaton_states`), then built once per constraint and shared by every matcher.
 """
 
 from __future__ import annotations
 
+import interegular
 import numpy as np
 import torch
 from lmformatenforcer import (
@@ -18,6 +21,7 @@ from lmformatenforcer import (
 )
 
 from llmplug.core.params import GuidedDecodingParams
+from llmplug.plugins.guided_decoding.automata import fsm_states
 from llmplug.plugins.guided_decoding.common import Compiled, GuidedBackendBase, choice_regex, token_bytes
 
 LLMPLUG_PLUGIN_API_VERSION = "1.1"
@@ -69,6 +73,7 @@ class LMFormatEnforcerBackend(GuidedBackendBase):
     # not json_object: for an object without listed properties, lm-format-enforcer allows a trailing comma
     # ({"a":1,}), which is not JSON; `auto` sends such requests to another backend
     features = frozenset({"json", "regex", "choice"})
+    automaton_states = staticmethod(fsm_states)
 
     def _build_tokenizer_data(self) -> TokenEnforcerTokenizerData:
         regular = [
@@ -83,20 +88,27 @@ class LMFormatEnforcerBackend(GuidedBackendBase):
         # an incomplete UTF-8 sequence at the end is not text yet
         return self.tokenizer.decode(token_ids).rstrip("\ufffd")
 
-    def parser(self, constraint: GuidedDecodingParams) -> CharacterLevelParser:
-        """A character-level parser at the start of the constraint."""
-        kind = constraint.kind
-        if kind == "json":
-            return JsonSchemaParser(constraint.schema)
-        return RegexParser(constraint.regex if kind == "regex" else choice_regex(constraint.choice))
-
     def _check(self, constraint: GuidedDecodingParams) -> None:
-        self.parser(constraint)
+        # the syntax only: the automaton is measured in the sandbox and built by _compile, once
+        if constraint.kind == "json":
+            JsonSchemaParser(constraint.schema)
+        else:
+            interegular.parse_pattern(_regex(constraint))
 
     def _compile(self, constraint: GuidedDecodingParams) -> Compiled:
-        # nothing to compile ahead: the state lives in each request's enforcer, which walks the vocabulary
-        # on demand; what one constraint's matchers share is the tokenizer data and the allowed-token cache
+        # the state lives in each request's enforcer, which walks the vocabulary on demand; what one
+        # constraint's matchers share is the tokenizer data, the regex's automaton and the allowed-token cache
         data, compact, cache = self.tokenizer_data, not constraint.whitespace_flexible, {}
-        return Compiled(
-            lambda: LMFormatEnforcerMatcher(data, self.parser(constraint), self.eos_token_id, cache, compact)
-        )
+        if constraint.kind == "json":
+            def parser() -> CharacterLevelParser:
+                return JsonSchemaParser(constraint.schema)
+        else:
+            automaton = RegexParser(_regex(constraint)).context
+
+            def parser() -> CharacterLevelParser:
+                return RegexParser(automaton)
+        return Compiled(lambda: LMFormatEnforcerMatcher(data, parser(), self.eos_token_id, cache, compact))
+
+
+def _regex(constraint: GuidedDecodingParams) -> str:
+    return constraint.regex if constraint.kind == "regex" else choice_regex(constraint.choice)

@@ -7,15 +7,12 @@ own tokenizer. It has no context-free grammars.
 
 from __future__ import annotations
 
-import json
-from functools import lru_cache
-
 import outlines_core
 import torch
-from outlines_core.json_schema import build_regex_from_schema
 
 from llmplug.core.params import GuidedDecodingParams
-from llmplug.plugins.guided_decoding.common import Compiled, GuidedBackendBase, choice_regex, token_bytes
+from llmplug.plugins.guided_decoding.automata import outlines_index_states, outlines_regex
+from llmplug.plugins.guided_decoding.common import Compiled, GuidedBackendBase, token_bytes
 
 LLMPLUG_PLUGIN_API_VERSION = "1.1"
 
@@ -58,17 +55,12 @@ class OutlinesMatcher:
         return self._ended
 
 
-@lru_cache(maxsize=1)
-def _byte_vocabulary() -> outlines_core.Vocabulary:
-    """Every single byte as a token: enough to check that a regex compiles, at a fraction of the cost."""
-    return outlines_core.Vocabulary(256, {bytes([b]): [b] for b in range(256)})
-
-
 class OutlinesBackend(GuidedBackendBase):
     """Guided decoding with outlines-core (regular constraints only)."""
 
     name = "outlines"
     features = frozenset({"json", "json_object", "regex", "choice"})
+    automaton_states = staticmethod(outlines_index_states)  # the index is the regex's whole DFA
 
     def _build_tokenizer_data(self) -> outlines_core.Vocabulary:
         by_bytes: dict[bytes, list[int]] = {}
@@ -77,20 +69,12 @@ class OutlinesBackend(GuidedBackendBase):
                 by_bytes.setdefault(piece, []).append(token_id)
         return outlines_core.Vocabulary(self.eos_token_id, by_bytes)
 
-    def _regex(self, constraint: GuidedDecodingParams) -> str:
-        kind = constraint.kind
-        if kind in ("json", "json_object"):
-            whitespace = None if constraint.whitespace_flexible else ""
-            return build_regex_from_schema(json.dumps(constraint.schema), whitespace_pattern=whitespace)
-        if kind == "regex":
-            return constraint.regex
-        return choice_regex(constraint.choice)
-
     def _check(self, constraint: GuidedDecodingParams) -> None:
-        regex = self._regex(constraint)  # a schema outlines cannot turn into a regex fails here
-        if constraint.kind in ("regex", "choice"):  # (a schema's regex is valid by construction, and can be huge)
-            outlines_core.Index(regex, _byte_vocabulary())
+        if constraint.kind in ("regex", "choice"):
+            outlines_index_states(constraint)  # over single bytes: a fraction of the compile's cost
+        else:
+            outlines_regex(constraint)  # a schema outlines cannot turn into a regex fails here (its regex is valid)
 
     def _compile(self, constraint: GuidedDecodingParams) -> Compiled:
-        index = outlines_core.Index(self._regex(constraint), self.tokenizer_data)
+        index = outlines_core.Index(outlines_regex(constraint), self.tokenizer_data)
         return Compiled(lambda: OutlinesMatcher(index, self.eos_token_id))
