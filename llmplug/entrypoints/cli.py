@@ -106,7 +106,7 @@ def _plugins_table(rows: list[dict[str, Any]]) -> str:
 
 
 def _engine_commands() -> dict[str, Subcommand]:
-    from llmplug.entrypoints import generate, models_list, save_sharded, serve, tensorize
+    from llmplug.entrypoints import collect_env, generate, models_list, save_sharded, serve, tensorize
 
     return {
         "models": Subcommand("List the model architectures: family and whether TP, PP, GGUF and int4 work.",
@@ -123,6 +123,9 @@ def _engine_commands() -> dict[str, Subcommand]:
                                 tensorize.tensorize_arguments, tensorize.run_tensorize),
         "save-sharded": Subcommand("Save each tensor-parallel rank's weights so a TP engine loads only its own.",
                                    save_sharded.add_arguments, save_sharded.run),
+        "collect-env": Subcommand("Print the CPU, its flags, the oneDNN ISA and versions, threads, and the kernel "
+                                  "each linear layer of the default model gets here.",
+                                  collect_env.add_arguments, collect_env.run),
     }
 
 
