@@ -111,7 +111,8 @@ def _engine_commands() -> dict[str, Subcommand]:
     return {
         "models": Subcommand("List the model architectures: family and whether TP, PP, GGUF and int4 work.",
                              models_list.add_arguments, models_list.run),
-        "run": Subcommand("Answer a few demo prompts with the model (default: the embedded SmolLM2) and print tok/s.",
+        "run": Subcommand("Answer a few demo prompts with the model (default: the embedded SmolLM2, in float32) "
+                          "and print tok/s.",
                           generate._run_arguments, generate._run_demo),
         "generate": Subcommand("Complete prompts and print the completions.",
                                generate._generate_arguments, generate._run_generate),
