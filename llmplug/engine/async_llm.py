@@ -6,8 +6,9 @@ sides talk through two channels only:
 - commands (add, abort, calls such as update_weights or sleep, shutdown) go to the engine thread through a
   thread-safe queue, which the thread drains between steps; with nothing to run it blocks on that queue
   (no busy wait); a call's result or error comes back through a future;
-- outputs go back through `loop.call_soon_threadsafe`, once per step and event loop, into one asyncio
-  queue per request.
+- outputs go back through `loop.call_soon_threadsafe`, once per step and event loop, into one stream per
+  request (`RequestStream`), which merges an output into an unread one: a consumer that falls behind
+  costs one pending output, not one per step.
 An error in adding one request (InvalidRequestError) reaches that request only. A failure inside a step
 ends only the requests it concerns (their last output has finish_reason "abort" and `error` set; see
 EngineCore.step). An exception that escapes a step is fatal (a dead worker, a device error): every
@@ -35,6 +36,7 @@ from llmplug.core.params import BeamSearchParams, PoolingParams, RequestOutputKi
 from llmplug.engine.beam_search import next_token_logprobs, start_search, step_params
 from llmplug.engine.input_processor import PromptType
 from llmplug.engine.llm_engine import LLMEngine
+from llmplug.engine.request_stream import RequestStream
 from llmplug.lora.request import LoRARequest
 
 if TYPE_CHECKING:
@@ -85,24 +87,8 @@ class _Shutdown:
 _Command = _AddRequest | _AbortRequests | _Call | _Shutdown
 
 
-# --- one request's stream on the event loop's side -----------------------------------------------
-
-
 class _Aborted:
-    """Queue item: the request was aborted through `AsyncLLM.abort`."""
-
-
-@dataclass(eq=False)
-class _RequestStream:
-    """The asyncio queue one `generate` call reads its outputs (or its error) from."""
-
-    request_id: str
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-
-    def put(self, item: RequestOutput | BaseException | _Aborted) -> None:
-        """Called on `loop` only."""
-        self.queue.put_nowait(item)
+    """Stream item: the request was aborted through `AsyncLLM.abort`."""
 
 
 class AsyncLLM:
@@ -140,7 +126,7 @@ class AsyncLLM:
         """
         self.model_name = model_name  # the model as the user named it (config.model.model is resolved)
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
-        self._streams: dict[str, _RequestStream] = {}
+        self._streams: dict[str, RequestStream] = {}
         self._lock = threading.Lock()  # guards _streams and _dead_error across the two threads
         self._dead_error: EngineDeadError | None = None
         self._busy_since: float | None = None  # monotonic start of the engine thread's current work; None: idle
@@ -241,13 +227,13 @@ class AsyncLLM:
         params = sampling_params or SamplingParams()
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         await self._compile_grammar(params)
-        stream = self._register(request_id)
+        stream = self._register(request_id, delta=params.output_kind == RequestOutputKind.DELTA)
         self._commands.put(_AddRequest(request_id, prompt, params, priority, time.time(), lora_request))
         finished = False
         try:
             last: RequestOutput | None = None
             while not finished:
-                item = await stream.queue.get()
+                item = await stream.get()
                 if isinstance(item, BaseException):
                     finished = True  # the engine forgot it already (failed add, dead engine)
                     raise item
@@ -299,11 +285,11 @@ class AsyncLLM:
         InvalidRequestError for a bad request, RequestFailedError when a failure inside a step ended it,
         EngineDeadError when the engine died."""
         request_id = request_id or f"pool-{uuid.uuid4().hex}"
-        stream = self._register(request_id)
+        stream = self._register(request_id, delta=False)
         self._commands.put(_AddRequest(request_id, prompt, pooling_params, priority, time.time()))
         answered = False
         try:
-            item = await stream.queue.get()
+            item = await stream.get()
             answered = True
             if isinstance(item, BaseException):
                 raise item
@@ -375,13 +361,13 @@ class AsyncLLM:
             self._commands.put(_Shutdown())
             self._thread.join(timeout)
 
-    def _register(self, request_id: str) -> _RequestStream:
+    def _register(self, request_id: str, delta: bool) -> RequestStream:
         with self._lock:
             if self._dead_error is not None:
                 raise self._dead_error
             if request_id in self._streams:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use; ids must be unique")
-            stream = self._streams[request_id] = _RequestStream(request_id, asyncio.get_running_loop())
+            stream = self._streams[request_id] = RequestStream(request_id, asyncio.get_running_loop(), delta)
         return stream
 
     def _unregister(self, request_id: str) -> None:
@@ -455,7 +441,7 @@ class AsyncLLM:
 
     def _deliver(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
         """Hand items to their streams: one call_soon_threadsafe per event loop."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_RequestStream, Any]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
         with self._lock:
             for request_id, item in items:
                 stream = self._streams.get(request_id)
@@ -502,7 +488,7 @@ async def _final(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
     return last
 
 
-def _put_all(batch: list[tuple[_RequestStream, Any]]) -> None:
+def _put_all(batch: list[tuple[RequestStream, Any]]) -> None:
     for stream, item in batch:
         stream.put(item)
 

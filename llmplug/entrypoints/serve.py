@@ -41,6 +41,10 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                    help="Name clients use as `model` (repeatable). Default: the model as given.")
     g.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="On SIGTERM, how long in-flight requests may take to finish. Default: 30.")
+    g.add_argument("--stream-send-timeout", type=_non_negative, default=30.0, metavar="SECONDS",
+                   help="A response whose client reads nothing for this long, once its buffers are full, is dropped "
+                        "and its request aborted (its admission slots and KV blocks freed): a client that stops "
+                        "reading its stream cannot hold them. 0: wait forever. Default: 30.")
     g.add_argument("--health-stall-timeout", type=_non_negative, default=60.0, metavar="SECONDS",
                    help="/health answers 503 (code engine_stalled) once the engine's current step or command has "
                         "run this long while work waits: a stalled engine, not only a dead one, fails the load "

@@ -38,6 +38,7 @@ from llmplug.core.errors import EngineDeadError, InvalidRequestError
 from llmplug.core.plugins import PluginRegistry
 from llmplug.engine.async_llm import AsyncLLM
 from llmplug.entrypoints.openai.admission import AdmissionControl
+from llmplug.entrypoints.openai.backpressure import SendTimeoutMiddleware
 from llmplug.entrypoints.openai.errors import OpenAIError, error_body, error_response, status_phrase
 from llmplug.entrypoints.openai.metrics import ServerMetrics
 from llmplug.entrypoints.openai.prompt_renderer import PromptRenderer, load_chat_template
@@ -88,6 +89,7 @@ class ServerSettings:
     chat_template: str | None = None  # template text; None: the model's own
     served_model_names: list[str] = field(default_factory=list)  # empty: the engine's model
     shutdown_timeout: float = 30.0  # grace period for in-flight requests on SIGTERM
+    stream_send_timeout: float = 30.0  # a stream whose client reads nothing this long is aborted; 0: never
     health_stall_timeout: float = 60.0  # /health answers 503 once one step or command has run longer; 0: off
     log_level: str = "info"
     tool_call_parser: str | None = None  # `llmplug.tool_parsers` name: the format of the model's tool calls
@@ -112,7 +114,8 @@ class ServerSettings:
             max_body_bytes=args.max_body_bytes, max_waiting_requests=args.max_waiting_requests,
             chat_template=load_chat_template(args.chat_template) if args.chat_template else None,
             served_model_names=list(args.served_model_name or []),
-            shutdown_timeout=args.shutdown_timeout, health_stall_timeout=args.health_stall_timeout,
+            shutdown_timeout=args.shutdown_timeout, stream_send_timeout=args.stream_send_timeout,
+            health_stall_timeout=args.health_stall_timeout,
             log_level=args.log_level,
             tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
             reasoning_parser=args.reasoning_parser,
@@ -156,8 +159,9 @@ def build_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> FastA
     app.include_router(pooling_router(OpenAIServingPooling(*shared), pools, in_schema=pooling_model))
     _add_exception_handlers(app)
     # Middleware runs outermost-last-added: CORS, then HTTP metrics, Host check, API key and rate limit, body
-    # size. The access check comes before the body is read: an unauthenticated client cannot make the server
-    # read 8 MiB.
+    # size, send timeout. The access check comes before the body is read: an unauthenticated client cannot
+    # make the server read 8 MiB.
+    app.add_middleware(SendTimeoutMiddleware, send_timeout=settings.stream_send_timeout)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(AccessMiddleware, api_keys=settings.api_keys, rate_limit=settings.rate_limit)
     allowed_hosts = settings.allowed_hosts if settings.allowed_hosts is not None else \

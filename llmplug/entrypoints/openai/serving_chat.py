@@ -11,11 +11,12 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from llmplug.core.outputs import CompletionOutput, RequestOutput
 from llmplug.engine.async_llm import AsyncLLM
 from llmplug.entrypoints.openai.admission import AdmissionControl
+from llmplug.entrypoints.openai.backpressure import EventStreamResponse
 from llmplug.entrypoints.openai.errors import OpenAIError
 from llmplug.entrypoints.openai.guided import guided_decoding_params
 from llmplug.entrypoints.openai.metrics import ServerMetrics
@@ -91,7 +92,7 @@ class OpenAIServingChat(OpenAIServing):
             # wait for the first output here, so an error the engine finds gets its status code
             first = await until_disconnected(raw_request, anext(outputs))
             stream = self._stream(first, outputs, request_id, model, body, len(prompt_ids), reader)
-            return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
+            return EventStreamResponse(stream, headers=SSE_HEADERS)
         final = await until_disconnected(raw_request, last_output(outputs))
         response = ChatCompletionResponse(
             id=request_id, model=model, created=now(),

@@ -7,9 +7,10 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from llmplug.core.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from llmplug.entrypoints.openai.backpressure import EventStreamResponse
 from llmplug.entrypoints.openai.errors import OpenAIError
 from llmplug.entrypoints.openai.protocol import (
     CompletionChoice,
@@ -75,7 +76,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if body.stream:
             first = await until_disconnected(raw_request, anext(outputs))
             stream = self._stream(first, outputs, request_id, model, body, prompts)
-            return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
+            return EventStreamResponse(stream, headers=SSE_HEADERS)
         finals = await until_disconnected(raw_request, _collect(outputs, len(prompts)))
         choices, num_generated, cached = [], 0, 0
         for i, (prompt, final) in enumerate(zip(prompts, finals)):

@@ -387,7 +387,8 @@ async def merge(streams: list[AsyncGenerator[T, None]]) -> AsyncGenerator[tuple[
         finally:
             await streams[0].aclose()
         return
-    queue: asyncio.Queue = asyncio.Queue()
+    # bounded: behind a slow consumer the pumps wait, and each request's engine stream merges its outputs
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
     done = object()
 
     async def pump(index: int, stream: AsyncIterator[T]) -> None:

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from llmplug.core.outputs import CompletionOutput, RequestOutput
+from llmplug.entrypoints.openai.backpressure import EventStreamResponse
 from llmplug.entrypoints.openai.errors import OpenAIError
 from llmplug.entrypoints.openai.protocol import (
     IncompleteDetails,
@@ -73,8 +74,7 @@ class OpenAIServingResponses(OpenAIServingChat):
         builder = _ResponseBuilder(response_id, model, body, len(prompt_ids), reader)
         if body.stream:
             first = await until_disconnected(raw_request, anext(outputs))
-            return StreamingResponse(builder.events(first, outputs), media_type="text/event-stream",
-                                     headers=SSE_HEADERS)
+            return EventStreamResponse(builder.events(first, outputs), headers=SSE_HEADERS)
         final = await until_disconnected(raw_request, last_output(outputs))
         completion = final.outputs[0]
         builder.add_tokens(completion, final.num_cached_tokens)
