@@ -178,6 +178,11 @@ class GuidedDecodingManager:
             )
         constraint = self.resolve(params)
         key = (constraint.backend, constraint.cache_key)  # as asked ("auto" too): a hit was validated before
+        if len(key[1][1]) > self.config.max_constraint_chars:  # the constraint as JSON text
+            raise InvalidRequestError(
+                f"guided_decoding {constraint.kind} is {len(key[1][1])} characters as JSON, more than the engine's "
+                f"limit of {self.config.max_constraint_chars} (decoding.max_constraint_chars)", param="guided_decoding"
+            )
         with self._lock:
             future = self._cache.get(key)
             if future is not None:

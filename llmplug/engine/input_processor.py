@@ -7,7 +7,7 @@ from typing import Any, Union
 
 from llmplug.core.errors import InvalidRequestError
 from llmplug.core.params import SamplingParams
-from llmplug.engine.request_limits import RequestLimits, check_params
+from llmplug.engine.request_limits import RequestLimits, check_list_sizes, check_params
 
 # A prompt is text, or a dict with "prompt" (text) or "prompt_token_ids".
 PromptType = Union[str, dict[str, Any]]
@@ -40,6 +40,7 @@ class InputProcessor:
         params = params.clone()
         if params.max_tokens is None:  # all the room the context leaves
             params.max_tokens = self.max_model_len - len(token_ids)
+        check_list_sizes(params, self.limits)
         params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words) if params.bad_words else None
         check_params(params, len(token_ids), self.limits)
         return text, token_ids, params

@@ -26,6 +26,9 @@ class RequestLimits:
     max_n: int
     max_stop_strings: int
     max_stop_string_length: int
+    max_allowed_token_ids: int
+    max_bad_words: int
+    max_bad_word_length: int
 
     @classmethod
     def of(cls, vocab_size: int, max_model_len: int, decoding: DecodingConfig) -> "RequestLimits":
@@ -33,7 +36,26 @@ class RequestLimits:
         return cls(
             vocab_size, max_model_len, decoding.max_logprobs, decoding.max_n,
             decoding.max_stop_strings, decoding.max_stop_string_length,
+            decoding.max_allowed_token_ids, decoding.max_bad_words, decoding.max_bad_word_length,
         )
+
+
+def check_list_sizes(params: SamplingParams, limits: RequestLimits) -> None:
+    """InvalidRequestError when a list of `params` that costs work per item is past its cap (checked before
+    that work: bad words are tokenized, allowed token ids turned into a mask)."""
+    allowed = params.allowed_token_ids or ()
+    if len(allowed) > limits.max_allowed_token_ids:
+        _fail("allowed_token_ids", f"<{len(allowed)} ids>", f"has more than the engine's limit of "
+              f"{limits.max_allowed_token_ids} ids (decoding.max_allowed_token_ids)")
+    words = params.bad_words or ()
+    if len(words) > limits.max_bad_words:
+        _fail("bad_words", f"<{len(words)} words>",
+              f"has more than the engine's limit of {limits.max_bad_words} words (decoding.max_bad_words)")
+    too_long = next((w for w in words if len(w) > limits.max_bad_word_length), None)
+    if too_long is not None:
+        _fail("bad_words", f"{too_long[:20]!r}... ({len(too_long)} characters)",
+              f"holds a word longer than the engine's limit of {limits.max_bad_word_length} characters "
+              "(decoding.max_bad_word_length)")
 
 
 def check_params(params: SamplingParams, num_prompt_tokens: int, limits: RequestLimits) -> None:

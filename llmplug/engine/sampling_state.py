@@ -43,6 +43,7 @@ class RequestSamplingState:
     output_token_ids: list[int]  # the live list: the sampler's logits processors read it
     stop_ids: list[int]  # tokens masked while fewer than min_tokens are generated
     generator: torch.Generator | None  # only for seeded requests
+    allowed_ids: torch.Tensor | None = None  # [K] int64, allowed_token_ids as a tensor, made once per request
 
     @property
     def uses_penalties(self) -> bool:
@@ -253,8 +254,9 @@ class SamplingState:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device)
+        allowed = self._long(params.allowed_token_ids) if params.allowed_token_ids else None
         self.requests[req_id] = RequestSamplingState(
-            params, list(prompt_token_ids), list(output_token_ids), stop_ids, generator
+            params, list(prompt_token_ids), list(output_token_ids), stop_ids, generator, allowed
         )
         self._invalidate_if_cached(req_id)
 
@@ -334,11 +336,11 @@ class SamplingState:
         rows = [i for i, s in enumerate(states) if s.params.allowed_token_ids]
         if not rows:
             return None
-        allowed = [states[i].params.allowed_token_ids for i in rows]
-        width = self.vocab_size or 1 + max(max(ids) for ids in allowed)
+        allowed = [states[i].allowed_ids for i in rows]  # tensors made when each request was added
+        width = self.vocab_size or 1 + max(int(ids.max()) for ids in allowed)
         forbidden = torch.ones(len(rows), width, dtype=torch.bool, device=self.device)  # [A, V]
         for j, ids in enumerate(allowed):
-            forbidden[j, self._long(ids)] = False
+            forbidden[j, ids] = False
         return AllowedTokens(self._long(rows), forbidden)
 
     def _logit_bias(self, states: list[RequestSamplingState]) -> LogitBias | None:

@@ -262,6 +262,21 @@ class DecodingConfig(_Section):
     max_n: int = Field(128, gt=0, description="Most completions (`n`) one request may ask for.")
     max_stop_strings: int = Field(64, ge=0, description="Most stop strings one request may give.")
     max_stop_string_length: int = Field(256, gt=0, description="Longest stop string, in characters.")
+    max_prompts: int = Field(256, gt=0, description="Most prompts one completions request may give.")
+    max_pooling_inputs: int = Field(
+        2048, gt=0,
+        description="Most inputs one pooling request may give (embeddings, classify, pooling; score pairs and rerank "
+                    "documents).",
+    )
+    max_allowed_token_ids: int = Field(8192, gt=0, description="Longest `allowed_token_ids` list of a request.")
+    max_bad_words: int = Field(128, ge=0, description="Most `bad_words` one request may give.")
+    max_bad_word_length: int = Field(256, gt=0, description="Longest bad word, in characters.")
+    max_tools: int = Field(128, ge=0, description="Most tools one chat or responses request may declare.")
+    max_constraint_chars: int = Field(
+        65536, gt=0,
+        description="Longest structured-output constraint of a request, in characters: a JSON schema as JSON text, a "
+                    "regex, a grammar, the choices together, the tools' parameter schemas together.",
+    )
     guided_compile_timeout_s: float = Field(
         5.0, gt=0,
         description=(

@@ -39,8 +39,10 @@ class AdmissionControl:
 
     @contextlib.contextmanager
     def admit(self, num_sequences: int) -> Iterator[None]:
-        """Count `num_sequences` as in flight while the block runs; 503 when the waiting queue is full."""
-        if self.num_waiting >= self.max_waiting:
+        """Count `num_sequences` (every engine request the request creates: n x prompts, pooling inputs) as in
+        flight while the block runs; 503 when they do not fit in the waiting queue. An empty queue takes any
+        one request: its size is bounded by the request caps (request_caps.py), and it must be able to run."""
+        if self.num_waiting and self.num_waiting + num_sequences > self.max_waiting:
             raise OpenAIError(
                 503, f"The server is busy: {self.num_waiting} requests are waiting for the running batch (the limit "
                      f"is {self.max_waiting}); retry in {RETRY_AFTER_S} s.",

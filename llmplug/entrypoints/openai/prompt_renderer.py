@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from llmplug.core.errors import ConfigError
+from llmplug.engine.pooling import pair_prompt
 from llmplug.entrypoints.openai.errors import OpenAIError
 
 # The variable the template renders the conversation from; apply_chat_template sets it.
@@ -84,6 +85,11 @@ class PromptRenderer:
         """Token ids of a completion prompt, as the offline engine tokenizes it."""
         tokenizer = self.need_tokenizer()
         return await self._off_loop(lambda: list(tokenizer.encode(text)))
+
+    async def encode_pairs(self, pairs: list[tuple[str, str]]) -> list[dict[str, Any]]:
+        """Each text pair as a cross-encoder's tokenizer joins it (`pair_prompt`), tokenized off the event loop."""
+        tokenizer = self.need_tokenizer()
+        return await self._off_loop(lambda: [pair_prompt(tokenizer, a, b) for a, b in pairs])
 
     async def render_chat(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any],
                           client_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:

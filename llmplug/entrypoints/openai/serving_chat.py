@@ -74,6 +74,7 @@ class OpenAIServingChat(OpenAIServing):
     async def create(self, body: ChatCompletionRequest, raw_request: Request) -> Response:
         """Answer one chat completion request."""
         model, lora = await self.resolve_model(body.model)
+        self.check_caps(body)
         self.log_ignored_fields(body, "/v1/chat/completions")
         _check_supported(body)
         named = body.tool_choice.function.name if isinstance(body.tool_choice, NamedToolChoice) else None

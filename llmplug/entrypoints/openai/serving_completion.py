@@ -62,6 +62,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create(self, body: CompletionRequest, raw_request: Request) -> Response:
         """Answer one completions request (n completions of each of its prompts)."""
         model, lora = await self.resolve_model(body.model)
+        self.check_caps(body)
         self.log_ignored_fields(body, "/v1/completions")
         _check_supported(body)
         prompts = await self._prompts(body.prompt)
@@ -71,8 +72,9 @@ class OpenAIServingCompletion(OpenAIServing):
             max_tokens = self.max_tokens(body.max_tokens, len(prompt.token_ids), "max_tokens", "prompt")
             params = self.sampling_params(body, max_tokens, body.logprobs, body.stream)
             beam = self.beam_search_params(body, params, lora)
-            streams.append(self.generate(prompt.text, prompt.token_ids, params, f"{request_id}-{i}", lora, beam))
-        outputs = merge(streams)
+            streams.append(self.generate(prompt.text, prompt.token_ids, params, f"{request_id}-{i}", lora, beam,
+                                         admit=False))
+        outputs = self.admitted(merge(streams), body.n * len(prompts))  # every prompt's n sequences, at once
         if body.stream:
             first = await until_disconnected(raw_request, anext(outputs))
             stream = self._stream(first, outputs, request_id, model, body, prompts)

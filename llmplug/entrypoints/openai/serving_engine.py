@@ -24,6 +24,7 @@ from llmplug.entrypoints.openai.guided import guided_decoding_params
 from llmplug.entrypoints.openai.loggable import loggable_list
 from llmplug.entrypoints.openai.metrics import ServerMetrics
 from llmplug.entrypoints.openai.prompt_renderer import PromptRenderer
+from llmplug.entrypoints.openai.request_caps import check_request_caps
 from llmplug.entrypoints.openai.serving_lora import ServedAdapters
 from llmplug.entrypoints.openai.protocol import (
     ChatLogprob,
@@ -78,6 +79,11 @@ class OpenAIServing:
         lora = await self.adapters.resolve(model) if model else None
         return self.check_model(model), lora
 
+    def check_caps(self, body: OpenAIModel) -> None:
+        """A 400 when the request asks for more than a cap allows (prompts, inputs, token-id lists, tools, ...):
+        the first check of every handler, before any work per item."""
+        check_request_caps(body, self.engine.config.decoding)
+
     def check_prompt_length(self, num_prompt_tokens: int, param: str) -> None:
         """400 when the prompt leaves no room to generate a token."""
         if num_prompt_tokens >= self.max_model_len:
@@ -131,6 +137,16 @@ class OpenAIServing:
         except InvalidRequestError as exc:
             raise OpenAIError(400, str(exc), param=exc.param) from exc
 
+    async def admitted(self, outputs: AsyncGenerator[T, None], num_sequences: int) -> AsyncGenerator[T, None]:
+        """`outputs` of a request of several prompts, admitted as a whole: its `num_sequences` are counted (a 503
+        at the first output when they do not fit) until they end."""
+        with self.admission.admit(num_sequences):
+            try:
+                async for item in outputs:
+                    yield item
+            finally:
+                await outputs.aclose()
+
     def log_ignored_fields(self, body: OpenAIModel, endpoint: str) -> None:
         """Log the request fields this server does not know: they are ignored, as vLLM ignores them. The
         names are the client's text: logged escaped, cut short and at most MAX_ITEMS of them."""
@@ -143,7 +159,8 @@ class OpenAIServing:
 
     async def generate(self, prompt_text: str | None, prompt_ids: list[int], params: SamplingParams,
                        request_id: str, lora: LoRARequest | None = None,
-                       beam: BeamSearchParams | None = None) -> AsyncGenerator[RequestOutput, None]:
+                       beam: BeamSearchParams | None = None, admit: bool = True
+                       ) -> AsyncGenerator[RequestOutput, None]:
         """The engine's outputs of one request, recorded in the metrics however the request ends.
 
         With `beam`, the request is a beam search: one finished output whose completions are the best beams.
@@ -153,7 +170,7 @@ class OpenAIServing:
         last with finish_reason "abort"), then a 500 OpenAIError carrying the engine's reason: a stream
         reports it as an error event, a whole answer as its error body.
         """
-        with self.admission.admit(params.n):
+        with self.admission.admit(params.n) if admit else contextlib.nullcontext():  # else: the caller admitted
             tracker = self.metrics.track(len(prompt_ids))
             delta = params.output_kind == RequestOutputKind.DELTA
             prompt = {"prompt": prompt_text, "prompt_token_ids": prompt_ids}

@@ -20,7 +20,7 @@ from fastapi.responses import Response
 from llmplug.core.errors import InvalidRequestError, RequestFailedError
 from llmplug.core.outputs import PoolingRequestOutput
 from llmplug.core.params import PoolingParams
-from llmplug.engine.pooling import pair_prompt, resolve_pooling_params, score_pairs
+from llmplug.engine.pooling import resolve_pooling_params, score_pairs
 from llmplug.entrypoints.openai.errors import OpenAIError
 from llmplug.entrypoints.openai.protocol_pooling import (
     ClassifyData,
@@ -65,6 +65,7 @@ class OpenAIServingPooling(OpenAIServing):
     async def embeddings(self, body: EmbeddingRequest, raw_request: Request) -> Response:
         """OpenAI's embeddings: one vector per input, as floats or base64 float32."""
         model = self.check_model(body.model)
+        self.check_caps(body)
         params = self._params("embed", "dimensions", dimensions=body.dimensions, normalize=body.normalize)
         inputs = await self._inputs(body.input)
         outputs = await self._run(raw_request, inputs, params, "embd")
@@ -75,6 +76,7 @@ class OpenAIServingPooling(OpenAIServing):
     async def score(self, body: ScoreRequest, raw_request: Request) -> Response:
         """vLLM's score: the relevance of each (text_1, text_2) pair."""
         model = self.check_model(body.model)
+        self.check_caps(body)
         first = body.text_1 if body.text_1 is not None else body.queries
         second = body.text_2 if body.text_2 is not None else body.documents
         if first is None or second is None:
@@ -86,6 +88,7 @@ class OpenAIServingPooling(OpenAIServing):
     async def rerank(self, body: RerankRequest, raw_request: Request) -> Response:
         """Jina's / Cohere's rerank: the documents by relevance to the query, the best `top_n`."""
         model = self.check_model(body.model)
+        self.check_caps(body)
         documents = [d if isinstance(d, str) else d.text for d in body.documents]
         if not documents:
             raise OpenAIError(400, "documents must not be empty", param="documents")
@@ -100,6 +103,7 @@ class OpenAIServingPooling(OpenAIServing):
     async def classify(self, body: ClassifyRequest, raw_request: Request) -> Response:
         """Class probabilities of each input, with the most likely label."""
         model = self.check_model(body.model)
+        self.check_caps(body)
         params = self._params("classify", "input")
         inputs = await self._inputs(body.input)
         outputs = await self._run(raw_request, inputs, params, "classify")
@@ -114,6 +118,7 @@ class OpenAIServingPooling(OpenAIServing):
     async def pooling(self, body: PoolingRequest, raw_request: Request) -> Response:
         """The raw pooled output of each input for `task` (default: the model's first)."""
         model = self.check_model(body.model)
+        self.check_caps(body)
         params = self._params(body.task, "task")
         inputs = await self._inputs(body.input)
         outputs = await self._run(raw_request, inputs, params, "pool")
@@ -182,7 +187,7 @@ class OpenAIServingPooling(OpenAIServing):
             raise OpenAIError(400, str(error), param="text_2") from None
         if "score" in self.engine.pooling.tasks:
             params = self._params("score", "model")
-            inputs = [_Input(pair_prompt(self.renderer.need_tokenizer(), a, b), None) for a, b in pairs]
+            inputs = [_Input(prompt, None) for prompt in await self.renderer.encode_pairs(pairs)]
             for i, item in enumerate(inputs):
                 self._check(item, f"pair {i}")
             outputs = await self._run(raw_request, inputs, params, "score")

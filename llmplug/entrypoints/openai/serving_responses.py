@@ -57,6 +57,7 @@ class OpenAIServingResponses(OpenAIServingChat):
     async def create(self, body: ResponsesRequest, raw_request: Request) -> Response:
         """Answer one responses request."""
         model, lora = await self.resolve_model(body.model)
+        self.check_caps(body)
         self.log_ignored_fields(body, "/v1/responses")
         _check_supported(body)
         named = body.tool_choice.name if isinstance(body.tool_choice, ResponsesNamedToolChoice) else None

@@ -7,7 +7,7 @@ import contextlib
 import http.client
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 HEALTH_LIMIT_S = 1.0
@@ -31,12 +31,13 @@ class Liveness:
 
 
 @contextlib.contextmanager
-def watching(server) -> Iterator[Liveness]:
-    """Poll `/health` (every 0.2 s) and send a 4-token completion (every 2 s) until the block ends, then check."""
+def watching(server, request: Callable[[], None] | None = None) -> Iterator[Liveness]:
+    """Poll `/health` (every 0.2 s) and send a 4-token completion (every 2 s; on a pooling server, `request`
+    instead) until the block ends, then check."""
     seen, stop = Liveness(), threading.Event()
+    request = request or (lambda: _complete(server))
     threads = [threading.Thread(target=_every, args=(stop, 0.2, lambda: _health(server), seen.health_s, seen.errors)),
-               threading.Thread(target=_every, args=(stop, 2.0, lambda: _complete(server), seen.completion_s,
-                                                     seen.errors))]
+               threading.Thread(target=_every, args=(stop, 2.0, request, seen.completion_s, seen.errors))]
     for thread in threads:
         thread.start()
     try:
