@@ -14,6 +14,7 @@ from llmplug.engine.request_stream import RequestStream
 from llmplug.entrypoints.openai.api_server import ServerSettings
 
 from .conftest import serve
+from .liveness import watching
 from .test_streaming import metrics, wait_for
 
 
@@ -92,10 +93,10 @@ def test_a_client_that_stops_reading_is_aborted_and_frees_its_slots(engine):
                 "ignore_eos": True, "logprobs": 20, "temperature": 1.0}
         sock = slow_reader(server.port, body)
         try:
-            wait_for(lambda: server.engine.stats()["num_running"] == 64)
-            assert health_seconds(server) < 1.0
-            timed_completion(server, 5.0)  # served beside the stuck stream (the running batch has room)
-            wait_for(lambda: metrics(server)["llmplug_requests_total{outcome=abort}"] == aborted + 1, timeout=60)
+            wait_for(lambda: server.engine.stats()["num_running"] == 64)  # its 64 slots no longer wait
+            with watching(server):  # /health within 1 s, a 4-token completion every 2 s within 5 s, meanwhile
+                wait_for(lambda: metrics(server)["llmplug_requests_total{outcome=abort}"] == aborted + 1,
+                         timeout=60)
             server.wait_idle()  # no running sequence, no KV block left
             assert health_seconds(server) < 1.0
             timed_completion(server, 5.0)  # admitted: the 64 slots were freed (a leak would make it a 503)
