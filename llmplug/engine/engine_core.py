@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import TYPE_CHECKING, Iterable
 
@@ -28,6 +29,7 @@ logger = logging.getLogger(__name__)
 # a pooling step's default token budget (vLLM's): no KV cache to share the memory with, and fewer, larger
 # steps pool a batch faster; at least the context length, so that the longest prompt fits whole
 POOLING_MAX_NUM_BATCHED_TOKENS = 32768
+_LORA_LOADS = itertools.count(1)  # every adapter load of the process, numbered (never reused)
 GRAMMAR_WAIT_S = 0.05  # longest a step with nothing else to do waits for a grammar (new requests wait too)
 
 
@@ -74,6 +76,8 @@ class EngineCore:
             max_loras=config.lora.max_loras if config.lora.enable_lora else None,
         )
         self.loras: dict[int, LoRARequest] = {}  # adapters loaded on the workers, by lora_int_id
+        # the load each adapter's K/V belong to: ids may be reused after a removal, loads never are
+        self.lora_loads: dict[int, int] = {}
         self.asleep: frozenset[str] = frozenset()  # the SLEEP_TAGS that are asleep now
         self.dead_error: EngineDeadError | None = None  # set by a fatal error; every later step raises it
 
@@ -133,6 +137,8 @@ class EngineCore:
             raise EngineStateError(
                 f"the engine is asleep ({', '.join(sorted(self.asleep))}); call wake_up() before adding requests"
             )
+        if request.lora_request is not None:
+            request.lora_load = self.lora_loads.get(request.lora_int_id)
         self.scheduler.add_request(request)
 
     # ---- LoRA adapters ------------------------------------------------------------------------------
@@ -153,6 +159,7 @@ class EngineCore:
             )
         self.executor.collective_rpc("add_lora", (lora_request,))
         self.loras[lora_request.lora_int_id] = lora_request
+        self.lora_loads[lora_request.lora_int_id] = next(_LORA_LOADS)
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Unload an adapter from every worker; False when none was loaded under that id.

@@ -333,8 +333,9 @@ class KVCacheManager:
         """request.block_hashes extended to cover its first `num_full_blocks` blocks."""
         hashes, tokens, size = request.block_hashes, request.all_token_ids, self.block_size
         parent = hashes[-1] if hashes else None
-        # K/V computed under an adapter are the adapter's: its id is part of every block's name
-        extra = () if request.lora_request is None else (request.lora_int_id,)
+        # K/V computed under an adapter are the adapter's: its id and load are part of every block's name (an id
+        # can name another adapter after a removal; a load is never reused)
+        extra = () if request.lora_request is None else (request.lora_int_id, request.lora_load)
         for i in range(len(hashes), num_full_blocks):
             parent = hash_block(parent, tuple(tokens[i * size : (i + 1) * size]), extra)
             hashes.append(parent)

@@ -62,6 +62,7 @@ class Request:
     pooling_params: PoolingParams | None = None  # set for pooling requests (task and defaults resolved)
     token_type_ids: list[int] | None = None  # pooling: the segment of each prompt token (text pairs)
     lora_request: LoRARequest | None = None  # the adapter it runs with; None: the base model
+    lora_load: int | None = None  # which load of that adapter (EngineCore numbers them): part of its blocks' names
 
     @property
     def lora_int_id(self) -> int | None:

@@ -63,6 +63,27 @@ def test_prefix_cache_is_never_shared_across_adapters(base: TinyModel, adapters:
     assert list(plain.outputs[0].token_ids) == greedy_reference(base.hf_model, prompt, GREEDY.max_tokens)[0]
 
 
+@llama_only
+def test_an_id_given_to_another_adapter_after_a_removal_never_meets_the_old_ones_blocks(
+        base: TinyModel, adapters: dict[str, Adapter]) -> None:
+    llm = lora_llm(base)
+    prompt = prompts(base.hf_model.config.vocab_size, (17,))[0]  # four full blocks of 4
+    first, second = adapters["qv8"], adapters["all8"]
+    try:
+        run = lambda adapter: llm.generate(as_inputs([prompt]), GREEDY, lora_request=adapter.request(1),  # noqa: E731
+                                           use_tqdm=False)[0]
+        run(first)
+        assert llm.remove_lora(1)
+        b = run(second)  # id 1 again, other weights: the blocks cached under the first adapter must not match
+        assert llm.remove_lora(1)
+        a_again = run(first)  # even the same folder, loaded anew, starts a new load
+    finally:
+        llm.shutdown()
+    assert b.num_cached_tokens == 0 and a_again.num_cached_tokens == 0
+    assert list(b.outputs[0].token_ids) == expected_tokens(second, prompt)
+    assert list(a_again.outputs[0].token_ids) == expected_tokens(first, prompt)
+
+
 def _copy(adapter: Adapter, dest: Path) -> Path:
     shutil.copytree(adapter.path, dest)
     return dest

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any, Protocol, runtime_checkable
 
 from llmplug.core.plugins import PluginRegistry
@@ -44,6 +45,24 @@ def parse_lora_modules(specs: list[str]) -> dict[str, str]:
     return modules
 
 
+class _AdapterIds:
+    """The ids of the adapters servers load: increasing, never reused in the process (an id unloaded and given
+    to another adapter could meet state kept under the old one)."""
+
+    def __init__(self) -> None:
+        self._last = 0
+        self._lock = threading.Lock()  # servers on several event loops may share one engine
+
+    def after(self, floor: int) -> int:
+        """A new id above every id handed out and above `floor` (the engine's own adapters)."""
+        with self._lock:
+            self._last = max(self._last, floor) + 1
+            return self._last
+
+
+_ADAPTER_IDS = _AdapterIds()
+
+
 class ServedAdapters:
     """The adapters served by name, each loaded into the engine (and so checked) before it is listed."""
 
@@ -68,7 +87,7 @@ class ServedAdapters:
             raise OpenAIError(400, f"The model name `{name}` is already served; unload it first or choose another.",
                               param="lora_name", code="lora_name_taken")
         loaded = await self.engine.list_loras()  # the engine may hold adapters of others (offline use, tests)
-        request = LoRARequest(name, max((r.lora_int_id for r in loaded), default=0) + 1, path)
+        request = LoRARequest(name, _ADAPTER_IDS.after(max((r.lora_int_id for r in loaded), default=0)), path)
         await self.engine.add_lora(request)  # InvalidRequestError (a 400) when it does not fit
         self.by_name[name] = request
         logger.info("LoRA adapter %s loaded from %s", loggable(name), loggable(path, 300))  # the client's text

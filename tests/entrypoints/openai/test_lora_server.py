@@ -92,6 +92,20 @@ def test_runtime_endpoints_need_the_key_and_a_broken_adapter_is_a_400(lora_engin
             complete(client, "all")
 
 
+def test_runtime_adapter_ids_are_never_reused(lora_engine, adapters, expected) -> None:
+    settings = ServerSettings(allow_runtime_lora_updating=True)
+    with serve(lora_engine, settings) as running:
+        url, client, ids = running.base_url + "/v1", running.client(), []
+        for name, adapter in (("x", "all8"), ("x", "qv8"), ("y", "qv8")):
+            load = {"lora_name": name, "lora_path": str(adapters[adapter].path)}
+            assert httpx.post(f"{url}/load_lora_adapter", json=load).status_code == 200
+            assert complete(client, name) == expected[adapter]
+            ids.append(next(r.lora_int_id for r in running.engine.llm_engine.engine_core.list_loras()
+                            if r.lora_name == name))
+            assert httpx.post(f"{url}/unload_lora_adapter", json={"lora_name": name}).status_code == 200
+        assert ids == sorted(set(ids)), ids  # each load a new, larger id, though each was the only one loaded
+
+
 def test_runtime_endpoints_are_off_without_the_flag(lora_engine, adapters) -> None:
     with serve(lora_engine) as running:
         load = {"lora_name": "x", "lora_path": str(adapters["qv8"].path)}
