@@ -21,6 +21,7 @@ import uvicorn
 
 from llmplug import LLM, AsyncLLM
 from llmplug.entrypoints.openai.api_server import ServerSettings, build_app
+from fastapi import FastAPI
 from llmplug.loaders.default_model import resolve_model_path
 from llmplug.loaders.gguf import load_gguf_tokenizer
 from tests.models.tiny_models import save_tiny_llama
@@ -62,6 +63,7 @@ class RunningServer:
 
     def client(self, api_key: str = "none", **kwargs) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=api_key, max_retries=0, **kwargs)
+    app: FastAPI  # what tests look into: app.state.admission, ...
 
     def async_client(self, api_key: str = "none", **kwargs) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key=api_key, max_retries=0, **kwargs)
@@ -97,7 +99,7 @@ def serve(engine: AsyncLLM, settings: ServerSettings | None = None) -> Iterator[
             raise RuntimeError("the test server did not start")
         time.sleep(0.01)
     try:
-        yield RunningServer(engine, f"http://127.0.0.1:{settings.port}", settings.port, app.state.model_names[0])
+        yield RunningServer(engine, f"http://127.0.0.1:{settings.port}", settings.port, app.state.model_names[0], app)
     finally:
         server.should_exit = True
         thread.join(10)

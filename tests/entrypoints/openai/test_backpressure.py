@@ -6,8 +6,11 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import logging
 import socket
+import threading
 import time
+from collections import Counter
 
 from llmplug.core.outputs import CompletionOutput, RequestOutput
 from llmplug.engine.request_stream import RequestStream
@@ -102,3 +105,65 @@ def test_a_client_that_stops_reading_is_aborted_and_frees_its_slots(engine):
             timed_completion(server, 5.0)  # admitted: the 64 slots were freed (a leak would make it a 503)
         finally:
             sock.close()
+
+
+async def chat_clients(server, stop: threading.Event, seen: Counter) -> None:
+    """Six clients that read whole greedy streams and three that leave each stream after two chunks, until `stop`."""
+    client = server.async_client(timeout=60)
+
+    async def reader() -> None:
+        while not stop.is_set():
+            stream = await client.chat.completions.create(
+                model=server.model, messages=[{"role": "user", "content": "hi"}], max_tokens=16, temperature=0,
+                stream=True)
+            seen["answered"] += bool([chunk async for chunk in stream])
+
+    async def leaver() -> None:
+        while not stop.is_set():
+            stream = await client.chat.completions.create(
+                model=server.model, messages=[{"role": "user", "content": "hi"}], max_tokens=64, stream=True,
+                extra_body={"ignore_eos": True})
+            chunks = 0
+            async for _ in stream:
+                chunks += 1
+                if chunks == 2:
+                    break
+            await stream.close()
+            seen["left"] += 1
+
+    try:
+        await asyncio.gather(*[reader() for _ in range(6)], *[leaver() for _ in range(3)])
+    finally:
+        await client.close()
+
+
+def test_slow_readers_among_other_clients_leave_no_block_and_no_slot_held(engine, caplog):
+    """A small soak: slow readers come one after another while other clients read their streams or leave them;
+    afterwards no KV block and no admission slot is held, and no request got a 5xx."""
+    with serve(engine, ServerSettings(stream_send_timeout=0.5)) as server, \
+            caplog.at_level(logging.WARNING, logger="llmplug.entrypoints.openai.backpressure"):
+        server.wait_idle()
+        before, stop, seen = metrics(server), threading.Event(), Counter()
+        clients = threading.Thread(target=lambda: asyncio.run(chat_clients(server, stop, seen)))
+        clients.start()
+        body = {"model": server.model, "prompt": "hi", "max_tokens": 240, "n": 64, "stream": True,
+                "ignore_eos": True, "logprobs": 20, "temperature": 1.0}
+        try:
+            for dropped in (1, 2):
+                sock = slow_reader(server.port, body)
+                try:
+                    wait_for(lambda: sum("read nothing" in r.getMessage() for r in caplog.records) == dropped,
+                             timeout=90)
+                finally:
+                    sock.close()
+        finally:
+            stop.set()
+            clients.join(120)
+        assert seen["answered"] > 0 and seen["left"] > 0, seen
+        server.wait_idle()
+        kv = engine.llm_engine.engine_core.kv_cache_manager
+        assert kv.num_free_blocks == kv.num_blocks  # no leaked KV block
+        assert server.app.state.admission.in_flight == 0  # no admission slot held
+        after = metrics(server)
+        assert not [k for k, v in after.items() if "status=5" in k and v > before.get(k, 0.0)]
+        timed_completion(server, 5.0)
