@@ -69,15 +69,15 @@ def _model_gap(config: EngineConfig, registry: PluginRegistry) -> str | None:
 
 
 def settle_row_invariance(config: EngineConfig, row_variant: list[str]) -> None:
-    """After the workers packed their weights: where some weight found no row plan on this CPU (oneDNN sums its
+    """After the workers set up their weights: where some weight found no row plan on this CPU (its kernel sums
     rows in an order that depends on their number, and neither padding nor fixed tiles fix it;
     layers/row_invariance.py), the mode cannot hold. `auto` turns it off with one log line naming the weights
     and the kernel; an explicit `true` is refused by name."""
     model = config.model
     if not model.batch_invariant_on or not row_variant:
         return
-    why = (f"on this CPU oneDNN's packed linear kernel sums a row of {', '.join(row_variant)} in an order that "
-           "depends on the number of rows, and no row plan (padding, fixed row tiles) makes it invariant")
+    why = (f"on this CPU the linear kernel of {', '.join(row_variant)} sums a row in an order that depends on the "
+           "number of rows, and no row plan (padding, fixed row tiles) makes it invariant")
     if model._invariance_asked:
         raise ConfigError(f"model.batch_invariant cannot hold for {model.model}: {why}; turn it off "
                           "(--no-batch-invariant), or cap oneDNN's ISA (ONEDNN_MAX_CPU_ISA) to a kernel family "

@@ -1,4 +1,5 @@
-"""Dense linear layers with their weight pre-packed into oneDNN's blocked layout (CPU, bf16 and fp16).
+"""Dense linear methods for the CPU: the weight pre-packed into oneDNN's blocked layout (bf16, fp16; float32 in
+batch-invariant mode), and row plans that keep a row's bits independent of the number of rows.
 
 `F.linear` on a bf16 CPU tensor goes through oneDNN, which re-lays-out ("reorders") the weight into its
 blocked format on every call. For decode-sized inputs that reorder costs as much as the matmul itself:
@@ -10,12 +11,17 @@ The packed copy sits next to the layer's dense weight, which stays the parameter
 updates and the tied embedding use; `ModelConfig.prepack_weights=false` turns packing off to save that
 memory. A new weight (`weight_loader`) makes the layer dense again until `process_weights_after_loading`
 packs it anew, so a packed copy is never stale.
+
+In batch-invariant mode every dense weight, packed or not, is called by its row plan (layers/row_invariance.py),
+probed per shape, dtype and kernel on this CPU.
 """
 
 from __future__ import annotations
 
+import abc
 import functools
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +29,10 @@ from torch import nn
 
 from llmplug.layers.row_invariance import RowPlan, cached_row_plan, cancelling_weight, find_row_plan
 
-__all__ = ["PrepackedLinearMethod", "packed_methods", "prepack_supported", "row_plan_for", "row_variant_weights"]
+__all__ = [
+    "PrepackedLinearMethod", "RowPlannedDenseMethod", "cpu_dense_method", "prepack_supported", "row_plan_for", "row_planned_methods",
+    "row_variant_weights",
+]
 
 log = logging.getLogger(__name__)
 
@@ -55,69 +64,127 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+# the kernels a row plan is probed for, each given the probe's weight: oneDNN's packed linear, and torch's F.linear
+# (MKL or oneDNN inside, by dtype) for weights that cannot be packed here
+_KERNELS: dict[str, Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]] = {
+    "oneDNN packed": lambda weight: functools.partial(_call_packed, torch.ops.mkldnn._reorder_linear_weight(weight)),
+    "torch F.linear": lambda weight: functools.partial(_call_dense, weight),
+}
+
+
+def _call_packed(packed: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return _packed_linear(x, packed, None)
+
+
+def _call_dense(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, weight)
+
+
 @functools.lru_cache(maxsize=None)
-def row_plan_for(out_features: int, in_features: int, dtype: torch.dtype, num_threads: int) -> RowPlan | None:
-    """How oneDNN's packed linear must be called here so that an [out, in] weight gives each row the same bits for
-    any number of rows (layers/row_invariance.py), or None where no plan holds. The kernel is chosen by shape,
+def row_plan_for(kernel: str, out_features: int, in_features: int, dtype: torch.dtype, num_threads: int) -> RowPlan | None:
+    """How `kernel` (a key of _KERNELS) must be called here so that an [out, in] weight gives each row the same bits
+    for any number of rows (layers/row_invariance.py), or None where no plan holds. The kernel is chosen by shape,
     dtype, ISA and thread count, not by the data, so this is probed once per (shape, dtype, thread count) on
     inputs that show any change of summation order; `num_threads` is torch's current thread count."""
     def probe() -> RowPlan | None:
-        packed = torch.ops.mkldnn._reorder_linear_weight(cancelling_weight(out_features, in_features).to(dtype))
-        return find_row_plan(lambda x: _packed_linear(x, packed, None), in_features, dtype)
+        matmul = _KERNELS[kernel](cancelling_weight(out_features, in_features).to(dtype))
+        return find_row_plan(matmul, in_features, dtype)
 
     dtype_name = str(dtype).removeprefix("torch.")
-    plan = cached_row_plan(f"onednn-linear-{out_features}x{in_features}-{dtype_name}", probe)
+    plan = cached_row_plan(f"{kernel.replace(' ', '-')}-{out_features}x{in_features}-{dtype_name}", probe)
     if plan is None:
-        log.info("oneDNN's packed linear [%d x %d] %s sums rows in an order that depends on their number, and no "
-                 "row plan holds here", out_features, in_features, dtype_name)
+        log.info("%s [%d x %d] %s sums rows in an order that depends on their number, and no row plan holds here",
+                 kernel, out_features, in_features, dtype_name)
     return plan
 
 
-class PrepackedLinearMethod:
-    """x W^T + b with W packed once into oneDNN's layout.
+class _RowPlannedLinear(abc.ABC):
+    """A dense linear method that, in batch-invariant mode (`row_invariant`), gives a row the same bits for any
+    number of rows. Where its kernel does not by itself (oneDNN's one-row kernel for long reductions on AVX-512,
+    M-dependent blocking on AMX, MKL's float32 GEMM), the weight's `row_plan` (probed per shape when the layer
+    is set up) pads or tiles the rows; `row_variant` marks a weight for which no plan holds (the engine then
+    turns the mode off, or refuses it)."""
 
-    row_invariant (batch-invariant mode): a row gets the same bits for any number of rows. Where oneDNN's kernel
-    does not give that by itself (a one-row kernel for long reductions on AVX-512, M-dependent blocking on AMX),
-    the weight's `row_plan` (probed per shape when packing) pads or tiles the rows; `row_variant` marks a weight
-    for which no plan holds (the engine then turns the mode off, or refuses it).
-    """
+    kernel: str  # a key of _KERNELS
 
-    def __init__(self, weight: torch.Tensor, row_invariant: bool = False) -> None:
-        self.weight = weight.detach()  # the dense weight (a view of the parameter), for the compiler
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight)
-        plan = row_plan_for(*weight.shape, weight.dtype, torch.get_num_threads()) if row_invariant else None
+    def __init__(self, weight: torch.Tensor, row_invariant: bool) -> None:
+        self.weight = weight.detach()  # the dense weight (a view of the parameter)
+        threads = torch.get_num_threads()
+        plan = row_plan_for(self.kernel, *weight.shape, weight.dtype, threads) if row_invariant else None
         self.row_variant = row_invariant and plan is None
         self.row_plan = None if plan == RowPlan() else plan  # None: one plain call for any number of rows
 
+    @abc.abstractmethod
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x W^T + b with the kernel, for any rows."""
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if torch.compiler.is_compiling():  # the packed tensor is opaque to the compiler, the dense weight is not
-            return F.linear(x, self.weight, bias)
-        if self.row_plan is None:
-            return _packed_linear(x, self.packed, bias)
-        rows = self.row_plan(lambda part: _packed_linear(part, self.packed, bias), x.reshape(-1, x.shape[-1]))
+        if self.row_plan is None or torch.compiler.is_compiling():
+            return self.matmul(x, bias)
+        rows = self.row_plan(lambda part: self.matmul(part, bias), x.reshape(-1, x.shape[-1]))
         return rows.view(*x.shape[:-1], -1)
 
     def describe(self) -> str:
-        """The weight's shape and dtype, as the engine's messages name it: "[576 x 1536] bfloat16"."""
+        """The weight and its kernel, as the engine's messages name them: "[576 x 1536] bfloat16 (oneDNN packed)"."""
         out_features, in_features = self.weight.shape
-        return f"[{out_features} x {in_features}] {str(self.weight.dtype).removeprefix('torch.')}"
+        return f"[{out_features} x {in_features}] {str(self.weight.dtype).removeprefix('torch.')} ({self.kernel})"
+
+
+class PrepackedLinearMethod(_RowPlannedLinear):
+    """x W^T + b with W packed once into oneDNN's layout (row plans: see _RowPlannedLinear)."""
+
+    kernel = "oneDNN packed"
+
+    def __init__(self, weight: torch.Tensor, row_invariant: bool = False) -> None:
+        super().__init__(weight, row_invariant)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # the packed tensor is opaque to the compiler, the dense weight is not
+            return F.linear(x, self.weight, bias)
+        return _packed_linear(x, self.packed, bias)
 
     def __repr__(self) -> str:
         return "dense(packed)" if self.row_plan is None else f"dense(packed, {self.row_plan})"
 
 
-def packed_methods(model: nn.Module) -> list[PrepackedLinearMethod]:
-    """Every packed weight of `model`: layers' `quant_method`s and the lists MoE experts and routers keep."""
+class RowPlannedDenseMethod(_RowPlannedLinear):
+    """F.linear with the layer's dense weight, in batch-invariant mode where the weight cannot be packed for oneDNN
+    here (bf16 / fp16 without AVX-512, other devices' dtypes): MKL's and oneDNN's unpacked kernels also sum in
+    orders that depend on the number of rows (on 2 AVX2 cores float32 needs tiles of 32 rows)."""
+
+    kernel = "torch F.linear"
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, self.weight, bias)
+
+    def __repr__(self) -> str:
+        return "dense" if self.row_plan is None else f"dense({self.row_plan})"
+
+
+def cpu_dense_method(weight: torch.Tensor, pack: bool, row_invariant: bool) -> _RowPlannedLinear | None:
+    """The method a dense 2-D weight computes with: packed for oneDNN where `pack` asks for it and oneDNN packs
+    its dtype here; else, in batch-invariant mode on the CPU, F.linear by its row plan; None: plain F.linear."""
+    if pack and prepack_supported(weight.device.type, weight.dtype):
+        return PrepackedLinearMethod(weight, row_invariant)
+    if row_invariant and weight.device.type == "cpu":
+        return RowPlannedDenseMethod(weight, row_invariant=True)
+    return None
+
+
+def row_planned_methods(model: nn.Module) -> list[_RowPlannedLinear]:
+    """Every dense weight of `model` with a row plan: layers' `quant_method`s and the lists MoE experts and routers
+    keep."""
     found = []
     for module in model.modules():
         for value in vars(module).values():
             items = value if isinstance(value, (list, tuple)) else (value,)
             for item in items:
                 parts = item if isinstance(item, tuple) else (item,)
-                found.extend(part for part in parts if isinstance(part, PrepackedLinearMethod))
+                found.extend(part for part in parts if isinstance(part, _RowPlannedLinear))
     return found
 
 
 def row_variant_weights(model: nn.Module) -> list[str]:
-    """The shapes of `model`'s packed weights for which batch-invariant mode found no row plan on this CPU."""
-    return sorted({method.describe() for method in packed_methods(model) if method.row_variant})
+    """`model`'s weights (shape, dtype, kernel) for which batch-invariant mode found no row plan on this CPU."""
+    return sorted({method.describe() for method in row_planned_methods(model) if method.row_variant})

@@ -35,7 +35,7 @@ from torch import nn
 
 from llmplug.core.errors import ModelLoadError
 from llmplug.layers.int8_linear import Int8LinearMethod, int8_matmul_exact
-from llmplug.layers.packed_linear import PrepackedLinearMethod, prepack_supported
+from llmplug.layers.packed_linear import cpu_dense_method
 
 __all__ = [
     "DENSE",
@@ -396,9 +396,8 @@ def linear_method_for(weight: torch.Tensor, options: LinearOptions) -> LinearMet
 
 
 def _dense_method_for(weight: torch.Tensor, options: LinearOptions) -> LinearMethod:
-    if options.packs(weight.dtype) and weight.dim() == 2 and prepack_supported(weight.device.type, weight.dtype):
-        return PrepackedLinearMethod(weight, options.row_invariant)
-    return DENSE
+    method = cpu_dense_method(weight, options.packs(weight.dtype), options.row_invariant) if weight.dim() == 2 else None
+    return DENSE if method is None else method
 
 
 def _fill_by_quantizing(weight: torch.Tensor, staging: _Staging | None, group_size: int) -> Int4Groups:

@@ -8,6 +8,7 @@ nothing holds, `auto` turns the mode off with one log line naming the weight and
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
@@ -81,7 +82,7 @@ def test_a_row_count_dependent_kernel_is_padded_and_answers_do_not_depend_on_the
     llm = engine(checkpoint)
     try:
         assert llm.llm_engine.config.model.batch_invariant is True
-        methods = packed_linear.packed_methods(llm.llm_engine.engine_core.executor.worker.model_runner.model)
+        methods = packed_linear.row_planned_methods(llm.llm_engine.engine_core.executor.worker.model_runner.model)
         assert methods and all(str(m.row_plan) == "at least 9 rows" for m in methods)
         alone = [answers(llm, [p])[0] for p in PROMPTS]
         assert answers(llm, PROMPTS) == alone
@@ -109,7 +110,7 @@ def test_auto_turns_the_mode_off_naming_the_weight_where_no_plan_holds(kernel, c
         assert llm.llm_engine.config.model.batch_invariant is False
         lines = [r.getMessage() for r in caplog.records if r.name == "llmplug.engine.batch_invariance"]
         assert len(lines) == 1 and "batch-invariant mode off" in lines[0] and "float32" in lines[0]
-        assert "[" in lines[0] and " x " in lines[0]  # names the weight's shape
+        assert re.search(r"\[\d+ x \d+\] float32 \(oneDNN packed\)", lines[0])  # names the weight and kernel
         assert answers(llm, PROMPTS[:1])[0][0]  # the engine still serves
     finally:
         llm.shutdown()

@@ -30,12 +30,12 @@ from llmplug.layers.decoder.arch import DecoderArchConfig
 from llmplug.layers.linear import MergedColumnParallelLinear, divide
 from llmplug.layers.moe.experts import group_by_expert
 from llmplug.layers.moe.router import Router
-from llmplug.layers.packed_linear import PrepackedLinearMethod, prepack_supported
+from llmplug.layers.packed_linear import cpu_dense_method
 from llmplug.layers.rotary import RotaryCosSin
 from llmplug.layers.weight_utils import ShardId, check_shape, frozen_parameter
 
 if TYPE_CHECKING:
-    from llmplug.layers.quantization import LinearOptions
+    from llmplug.layers.quantization import LinearMethod, LinearOptions
 
 __all__ = ["MixtureOfAttention", "StackedExpertLinear"]
 
@@ -55,14 +55,14 @@ class StackedExpertLinear(nn.Module):
         sizes = [out_features, in_features]
         sizes[shard_dim] = divide(sizes[shard_dim], self.tp_size, "expert projection features")
         self.weight = frozen_parameter(torch.empty(num_experts, *sizes), self.weight_loader)
-        self.packed: list[PrepackedLinearMethod] | None = None  # per expert, see process_weights_after_loading
+        self.packed: list[LinearMethod] | None = None  # per expert, see process_weights_after_loading
 
     def process_weights_after_loading(self, options: LinearOptions) -> None:
         """Pack every expert's weight for oneDNN where wanted, as the MoE experts do (in batch-invariant mode
         always: F.linear's float32 kernel changes with the number of rows an expert gets)."""
-        weight = self.weight
-        packs = options.packs(weight.dtype) and prepack_supported(weight.device.type, weight.dtype)
-        self.packed = [PrepackedLinearMethod(w, options.row_invariant) for w in weight] if packs else None
+        packs, invariant = options.packs(self.weight.dtype), options.row_invariant
+        methods = [cpu_dense_method(w, packs, invariant) for w in self.weight]
+        self.packed = methods if methods and methods[0] is not None else None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId | None = None) -> None:
         """Copy this rank's slice of the checkpoint's stacked [E, out, in] tensor."""

@@ -35,8 +35,8 @@ from llmplug.layers.activation import ClampedSwiGLU, gated_activation
 from llmplug.layers.kernels import use_triton
 from llmplug.layers.linear import divide
 from llmplug.layers.moe.config import MoEConfig
-from llmplug.layers.packed_linear import PrepackedLinearMethod, prepack_supported
-from llmplug.layers.quantization import LinearOptions
+from llmplug.layers.packed_linear import cpu_dense_method
+from llmplug.layers.quantization import LinearMethod, LinearOptions
 from llmplug.layers.weight_utils import ExpertParamsMap, ExpertShard, ShardId, check_shape, frozen_parameter
 
 __all__ = ["EXPERT_PARAMS", "FusedExperts", "group_by_expert"]
@@ -90,7 +90,7 @@ class FusedExperts(nn.Module):
             else ClampedSwiGLU(config.swiglu_alpha, config.swiglu_limit)
         )
         # per local expert (gate_up, down) packed for oneDNN; None: F.linear on the dense weights
-        self.packed: list[tuple[PrepackedLinearMethod, PrepackedLinearMethod]] | None = None
+        self.packed: list[tuple[LinearMethod, LinearMethod]] | None = None
 
     def _stacked(self, data: torch.Tensor, parts: int) -> nn.Parameter:
         param = frozen_parameter(data, self.weight_loader)
@@ -118,17 +118,14 @@ class FusedExperts(nn.Module):
             dst.copy_(loaded)
 
     def process_weights_after_loading(self, options: LinearOptions) -> None:
-        """Pack every local expert's weights for oneDNN where that is supported and wanted (options.prepack)."""
-        weight = self.gate_up_proj
-        self.packed = None
-        if options.packs(weight.dtype) and prepack_supported(weight.device.type, weight.dtype):
-            self.packed = [
-                (
-                    PrepackedLinearMethod(self.gate_up_proj[e], options.row_invariant),
-                    PrepackedLinearMethod(self.down_proj[e], options.row_invariant),
-                )
-                for e in range(self.num_local_experts)
-            ]
+        """Pack every local expert's weights for oneDNN where that is supported and wanted (options.prepack); in
+        batch-invariant mode call them by their row plans (layers/packed_linear.py)."""
+        packs, invariant = options.packs(self.gate_up_proj.dtype), options.row_invariant
+        methods = [
+            (cpu_dense_method(self.gate_up_proj[e], packs, invariant), cpu_dense_method(self.down_proj[e], packs, invariant))
+            for e in range(self.num_local_experts)
+        ]
+        self.packed = methods if methods and methods[0][0] is not None else None  # None: plain F.linear
 
     def _slice_index(self) -> tuple[int, int]:
         """(this rank's slice, slices) of each expert's intermediate features."""

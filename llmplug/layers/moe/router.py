@@ -9,12 +9,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmplug.layers.moe.config import RouterConfig
-from llmplug.layers.packed_linear import PrepackedLinearMethod, prepack_supported
+from llmplug.layers.packed_linear import cpu_dense_method
 from llmplug.layers.rowwise import rowwise
 from llmplug.layers.weight_utils import check_shape, default_weight_loader, frozen_parameter
 
 if TYPE_CHECKING:
-    from llmplug.layers.quantization import LinearOptions
+    from llmplug.layers.quantization import LinearMethod, LinearOptions
 
 __all__ = ["Router", "select_experts"]
 
@@ -39,15 +39,13 @@ class Router(nn.Module):
         if config.correction_bias:
             bias = torch.empty(num_experts, dtype=torch.float32)
             self.e_score_correction_bias = frozen_parameter(bias, _load_flattened)
-        self.packed: PrepackedLinearMethod | None = None  # batch-invariant mode: see process_weights_after_loading
+        self.packed: LinearMethod | None = None  # batch-invariant mode: see process_weights_after_loading
 
     def process_weights_after_loading(self, options: LinearOptions) -> None:
-        """Batch-invariant mode: the logits through oneDNN's packed matmul, which gives a row the same bits for
-        any number of rows; F.linear's float32 kernel (MKL) changes with the row count, and the routing weights
+        """Batch-invariant mode: the logits through oneDNN's packed matmul (or F.linear where it cannot pack), by
+        the weight's row plan: F.linear's float32 kernel (MKL) changes with the row count, and the routing weights
         of a token would then depend on its batch. Redone after every weight update, as for linear layers."""
-        weight = self.weight
-        invariant = options.row_invariant and prepack_supported(weight.device.type, weight.dtype)
-        self.packed = PrepackedLinearMethod(weight, row_invariant=True) if invariant else None
+        self.packed = cpu_dense_method(self.weight, options.row_invariant, options.row_invariant)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (weights [T, top_k] float32, expert ids [T, top_k] int64)."""
