@@ -32,8 +32,19 @@ def _torch_cpu_flags() -> set[str]:
     return {name for name, present in get_capabilities().items() if present is True}
 
 
+# oneDNN ISA caps (ONEDNN_MAX_CPU_ISA) under which its kernels may use the CPU's bf16 instructions
+_BF16_ISA_CAPS = frozenset({
+    "AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX10_1_512", "AVX512_CORE_AMX", "AVX10_1_512_AMX",
+    "AVX512_CORE_AMX_FP16", "AVX10_1_512_AMX_FP16", "AVX10_2_512", "AVX10_2_512_AMX_2", "ALL", "DEFAULT",
+})
+
+
 def has_native_bf16() -> bool:
-    """Whether the CPU computes bf16 in hardware (else bf16 is emulated and slower than float32)."""
+    """Whether bf16 is computed in hardware here (else it is emulated and slower than float32): the CPU has the
+    instructions and oneDNN's ISA cap (`ONEDNN_MAX_CPU_ISA`, if set) lets its kernels use them."""
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
+    if cap and cap.upper() not in _BF16_ISA_CAPS:
+        return False
     # /proc/cpuinfo first: it answers on Linux without importing torch
     return bool(_NATIVE_BF16_FLAGS & cpu_flags()) or bool(_NATIVE_BF16_FLAGS & _torch_cpu_flags())
 

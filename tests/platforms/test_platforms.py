@@ -118,9 +118,18 @@ def test_listing_and_choosing_platform_modules_imports_no_torch():
 # --- dtypes and config -------------------------------------------------------------------------------------
 
 
-def test_cpu_prefers_bfloat16_exactly_when_the_cpu_has_native_bf16():
+def test_cpu_prefers_bfloat16_exactly_when_the_cpu_has_native_bf16(monkeypatch):
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     native = bool({"avx512_bf16", "amx_bf16", "bf16"} & _cpu_flags())
     assert CpuPlatform.preferred_dtype() == ("bfloat16" if native else "float32")
+
+
+@pytest.mark.parametrize("cap", ["AVX2", "AVX512_CORE", "avx512_core_vnni"])
+def test_an_isa_cap_below_bf16_makes_float32_preferred(monkeypatch, cap):
+    """Under ONEDNN_MAX_CPU_ISA without bf16 instructions oneDNN emulates bf16 (several times slower than float32
+    on 2 AVX2 cores), whatever the CPU has."""
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+    assert CpuPlatform.preferred_dtype() == "float32"
 
 
 def test_auto_dtype_resolves_to_the_platforms_preferred_dtype():
