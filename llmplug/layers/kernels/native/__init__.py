@@ -6,8 +6,8 @@ which at one decode token is most of their cost (docs/benchmarks.md). Here each 
 output row computed by one thread in one fixed order: batch invariant by construction (docs/determinism.md).
 
 The source is compiled once with the host's compiler (`torch.utils.cpp_extension`, about a minute, for this
-CPU: `-march=native`) into a directory named by a hash of the source, the flags, torch's version and the CPU,
-under `TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`); every later process loads the library
+CPU: `-march=native`, or `$LLMPLUG_CPU_MARCH`) into a directory named by a hash of the source, the flags,
+torch's version and the CPU, under `TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`); every later process loads the library
 from there in milliseconds. `make setup` builds it (`python -m llmplug.layers.kernels.native`), else the first
 forward pass does. Where it cannot be built (no C++ compiler), the layers keep their torch paths and the log
 says why, once.
@@ -28,14 +28,22 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["KERNELS_ENV", "native_available", "ops", "use_native"]
+__all__ = ["KERNELS_ENV", "MARCH_ENV", "cflags", "native_available", "ops", "use_native"]
 
 logger = logging.getLogger(__name__)
 
 KERNELS_ENV = "LLMPLUG_CPU_KERNELS"  # "auto" (default): on CPU tensors when the kernels build; "0": never
 NAME = "llmplug_cpu_ops"
 SOURCE = Path(__file__).with_name("ops.cpp")
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++20"]
+MARCH_ENV = "LLMPLUG_CPU_MARCH"  # the target CPU of the build: "native" (default) or a generic one, e.g. x86-64-v2
+
+
+def cflags() -> list[str]:
+    """The compiler's flags: for this CPU (`-march=native`), or for `$LLMPLUG_CPU_MARCH` (the tests build the
+    generic code paths too, which CPUs without AVX-512 run)."""
+    return ["-O3", f"-march={os.environ.get(MARCH_ENV) or 'native'}", "-fopenmp", "-fno-math-errno", "-std=c++20"]
+
+
 LDFLAGS = ["-fopenmp", "-lmvec"]  # libmvec: glibc's vectorized expf
 
 
@@ -46,7 +54,7 @@ def build_directory() -> Path:
     cpuinfo = Path("/proc/cpuinfo")
     lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
     flags = next((line for line in lines if line.startswith("flags")), "")
-    key = "\n".join([SOURCE.read_text(), *CFLAGS, *LDFLAGS, torch.__version__, platform.machine(), flags])
+    key = "\n".join([SOURCE.read_text(), *cflags(), *LDFLAGS, torch.__version__, platform.machine(), flags])
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()  # as torch's own extensions
     return Path(root) / f"{NAME}_{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
@@ -71,8 +79,8 @@ def _load() -> bool:
 
         logger.info("building llmplug's CPU kernels in %s (once, about a minute)", directory)
         directory.mkdir(parents=True, exist_ok=True)
-        # copies: torch appends its own flags to the lists it is given, which would change build_directory()'s key
-        load(NAME, [str(SOURCE)], extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
+        # fresh lists: torch appends its own flags to the lists it is given, which would change build_directory()'s key
+        load(NAME, [str(SOURCE)], extra_cflags=cflags(), extra_ldflags=list(LDFLAGS),
              build_directory=str(directory), is_python_module=False)
     except (ImportError, OSError, RuntimeError) as exc:  # no compiler, no ninja, a failed build: torch paths serve
         logger.warning("llmplug's CPU kernels could not be built (%s); the layers use their torch paths", exc)

@@ -1,0 +1,80 @@
+"""Every oneDNN kernel family this CPU has, not only its best one.
+
+oneDNN picks its kernels by the best ISA the CPU has (AVX2, AVX-512, AVX-512 VNNI/BF16, AMX) unless
+`ONEDNN_MAX_CPU_ISA` caps it, and each family sums in its own order. Users' CPUs are of every family, but one
+test process sees only the best one here; so the guarantees that depend on the kernels (batch invariance of
+the packed linear layers, the row plans, the int8 path: VNNI vs AMX-INT8) are run again in a subprocess
+under each cap this CPU supports. A machine with AMX covers five families, an AVX-512 BF16 one four, an
+AVX2-only one one (the subprocess then proves the cap is honoured end to end)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from llmplug.core.cpuinfo import cpu_flags
+from llmplug.layers.kernels.native import MARCH_ENV
+
+ROOT = Path(__file__).resolve().parents[2]
+_AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+# oneDNN's ISA caps (its names) and the CPU flags each needs
+CAPS = {
+    "AVX2": {"avx2"},
+    "AVX512_CORE": _AVX512,
+    "AVX512_CORE_VNNI": _AVX512 | {"avx512_vnni"},
+    "AVX512_CORE_BF16": _AVX512 | {"avx512_vnni", "avx512_bf16"},
+    "AVX512_CORE_AMX": _AVX512 | {"avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"},
+}
+# what depends on the kernel family: the packed linear layers' row plans, the tiny families' invariance in
+# bf16 / float32 / int8, the int8 matmul's exactness; and, under every cap but the CPU's best (which the
+# uncapped suite runs), the default model's 32 chat prompts alone vs together
+TESTS = [
+    "tests/layers/test_packed_linear.py",
+    "tests/layers/test_int8_linear.py",
+    "tests/engine/test_batch_invariance_property.py::test_logits_and_tokens_do_not_depend_on_batch_chunks_prefix_hits_or_preemption",
+]
+DEFAULT_MODEL_PAIR = "tests/engine/test_batch_invariance.py::test_32_chat_prompts_alone_and_in_a_batch_of_32_are_identical"
+PROPERTY_FAMILIES = "LlamaForCausalLM or Qwen2MoeForCausalLM"  # dense and MoE experts; every family runs uncapped
+
+
+def supported(cap: str) -> bool:
+    return CAPS[cap] <= cpu_flags()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cap", list(CAPS))
+def test_the_kernel_dependent_guarantees_hold_under_each_isa_cap(cap: str, tmp_path) -> None:
+    if not supported(cap):
+        pytest.skip(f"this CPU lacks {sorted(CAPS[cap] - cpu_flags())} for ONEDNN_MAX_CPU_ISA={cap}")
+    best = [c for c in CAPS if supported(c)][-1]
+    tests = TESTS if cap == best else [*TESTS, DEFAULT_MODEL_PAIR]
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": cap, "ONEDNN_VERBOSE": "0"}
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *tests, "-k",
+               f"not LlamaForCausalLM-bfloat16-int4 and ({PROPERTY_FAMILIES} or not logits_and_tokens)"]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
+    tail = done.stdout[-3000:] + done.stderr[-2000:]
+    assert done.returncode == 0, f"under ONEDNN_MAX_CPU_ISA={cap}:\n{tail}"
+    assert " passed" in done.stdout and " failed" not in done.stdout, tail
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the generic x86-64 build")
+def test_the_generic_build_of_llmplugs_cpu_kernels_passes_their_tests() -> None:
+    """llmplug's C++ kernels are built per machine (`-march=native`): an AVX-512 machine runs their AVX-512 code,
+    users without it the generic loops. Built for x86-64-v2 in a subprocess, the generic code passes the
+    kernels' tests (against their torch references) here too."""
+    env = {**os.environ, MARCH_ENV: "x86-64-v2"}
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
+               "tests/layers/kernels/test_native_kernels.py", "tests/layers/kernels/test_paged_attention.py"]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    tail = done.stdout[-3000:] + done.stderr[-2000:]
+    assert done.returncode == 0, tail
+    assert " passed" in done.stdout and " skipped" not in done.stdout.splitlines()[-1], tail
+    probe = "from llmplug.layers.kernels.native import cflags, native_available; print(native_available(), cflags())"
+    built = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=600)
+    assert built.stdout.startswith("True") and "-march=x86-64-v2" in built.stdout, built.stderr[-2000:]
