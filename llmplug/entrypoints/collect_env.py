@@ -154,8 +154,9 @@ def kernel_rows(shapes: dict[str, tuple[int, int]], dtype: Any) -> list[dict[str
             x = torch.randn(num_rows, in_features).to(dtype)
             call = (lambda: _packed_linear(x, packed, None)) if packed_here else (lambda: torch.nn.functional.linear(x, weight))
             row[f"kernel_{num_rows}_rows"] = _implementation_of(onednn_verbose(call)) or NOT_ONEDNN
-        plan = row_plan_for(out_features, in_features, dtype, torch.get_num_threads()) if packed_here else None
-        row["row_plan"] = str(plan or "none") if packed_here else None
+        kernel = "oneDNN packed" if packed_here else "torch F.linear"
+        plan = row_plan_for(kernel, out_features, in_features, dtype, torch.get_num_threads())
+        row["row_plan"] = f"{kernel}: {plan or 'none'}"
         rows.append(row)
     return rows
 

@@ -69,10 +69,10 @@ def test_every_linear_shape_of_the_default_model_names_its_kernel(capped_report)
     assert {name: row["shape"] for name, row in kernels.items()} == DEFAULT_MODEL_SHAPES
     for row in kernels.values():
         assert row["kernel_1_rows"] and row["kernel_8_rows"] and row["kernel_256_rows"]
-        if row["packed"]:  # a packed shape runs a oneDNN kernel, and the probe chose how to call it
+        kernel = "oneDNN packed" if row["packed"] else "torch F.linear"  # the probe chose how to call it
+        assert re.fullmatch(rf"{kernel}: (none|any rows|at least \d+ rows|tiles of \d+ rows)", row["row_plan"])
+        if row["packed"]:  # a packed shape runs a oneDNN kernel
             assert NOT_ONEDNN not in (row["kernel_1_rows"], row["kernel_8_rows"], row["kernel_256_rows"])
-            assert row["row_plan"] == "none" or re.fullmatch(r"any rows|at least \d+ rows|tiles of \d+ rows",
-                                                             row["row_plan"])
             if CAPS == ["AVX2"]:
                 assert "avx512" not in row["kernel_1_rows"] and "amx" not in row["kernel_256_rows"]
 
