@@ -3,7 +3,8 @@
     python benchmarks/batch_invariance.py                      # default model, 32 x 64 and 1 x 64, 3 rounds
     python benchmarks/batch_invariance.py --output-len 128 --rounds 5
 
-Greedy, dense bf16 (the defaults), prefix caching off. Each round measures off, then on, for the batch
+Greedy, dense, in the platform's preferred dtype (bf16 with native bf16, else float32; `--dtype`), prefix
+caching off; the CPU it ran on is printed with the result. Each round measures off, then on, for the batch
 and for one stream, so slow phases of a shared machine hit both; rows are medians over the rounds, in
 output tokens per CPU second of the process (time.process_time, steadier than wall time when other jobs
 share the machine).
@@ -29,7 +30,13 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dtype", default=None, help="default: the CPU platform's preferred dtype")
     args = parser.parse_args()
+
+    from llmplug.core.cpuinfo import cpu_model_name
+    from llmplug.platforms.cpu import CpuPlatform
+
+    dtype = args.dtype or CpuPlatform.preferred_dtype()
 
     from llmplug.core.config import DEFAULT_MODEL
     from llmplug.loaders.default_model import resolve_model_path
@@ -40,10 +47,11 @@ def main() -> None:
     for _ in range(args.rounds):
         for batch in (prompts, prompts[:1]):
             for invariant in (False, True):
-                speed = bench_llmplug(model, batch, args.output_len, "bfloat16", clock=time.process_time,
+                speed = bench_llmplug(model, batch, args.output_len, dtype, clock=time.process_time,
                                       enable_prefix_caching=False, batch_invariant=invariant)
                 rows.setdefault(f"{len(batch)} x {args.output_len}, invariant={invariant}", []).append(speed)
-    result = {name: round(statistics.median(values), 3) for name, values in rows.items()}
+    result: dict[str, object] = {"cpu": cpu_model_name(), "dtype": dtype}
+    result |= {name: round(statistics.median(values), 3) for name, values in rows.items()}
     for batch in (len(prompts), 1):
         off = result[f"{batch} x {args.output_len}, invariant=False"]
         on = result[f"{batch} x {args.output_len}, invariant=True"]
