@@ -50,7 +50,7 @@ class RequestGrammar:
     def __init__(self, future: Future[CompiledGrammar], start_after_token_ids: Sequence[int] = ()) -> None:
         self._future = future
         self._matcher: GrammarMatcher | None = None
-        self._rejected = False
+        self._terminated = False  # whether the grammar is complete or rejected a token, as of the last accept
         self._start_after = tuple(start_after_token_ids)
         self._recent: deque[int] = deque(maxlen=len(self._start_after))  # the last output tokens, to spot it
 
@@ -78,7 +78,8 @@ class RequestGrammar:
 
     def accept(self, token_id: int) -> None:
         """Advance by a sampled token; a token the grammar forbids (all tokens masked) ends the request.
-        Before the grammar applies, the token only counts towards the sequence that starts it."""
+        Before the grammar applies, the token only counts towards the sequence that starts it. The matcher's
+        termination is asked here too, so that whatever it raises meets the caller's per-request guard."""
         if not self.active:
             self._recent.append(token_id)
             if tuple(self._recent) == self._start_after:
@@ -86,11 +87,12 @@ class RequestGrammar:
             return
         if not self.matcher.accept_token(token_id):
             logger.warning("guided decoding: sampled token %d is not allowed by the grammar; stopping", token_id)
-            self._rejected = True
+            self._terminated = True
+        self._terminated = self._terminated or self.matcher.is_terminated()
 
     def is_terminated(self) -> bool:
-        """True when the request must stop: the grammar is complete, or it rejected a token."""
-        return self.active and (self._rejected or self.matcher.is_terminated())
+        """True when the request must stop: the grammar is complete, or it rejected a token (as of `accept`)."""
+        return self._terminated
 
 
 def check_json_schema(schema: dict | bool) -> None:

@@ -215,6 +215,8 @@ class LLMEngine:
         processed = self.output_processor.process(core_outputs)
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort, RequestStatus.FINISHED_STOPPED)
+        if processed.reqs_failed:  # their output processing raised: they end, the others go on
+            self.engine_core.abort_requests(processed.reqs_failed)
         for out in processed.request_outputs:
             if out.finished:
                 self.hooks.llmplug_request_event(event="finished", request_id=out.request_id, info={})

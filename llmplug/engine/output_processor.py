@@ -11,11 +11,14 @@ While a request runs, text that could be the start of a stop string is held back
 With n > 1 the engine core runs one child request per completion, with ids `child_ids[i]` (the engine
 names them f"{i}_{request_id}"); the parent's RequestOutput puts child i at CompletionOutput index i.
 Without a tokenizer (skip_tokenizer_init) or with detokenize=False, text is "" and decoded_token None.
+A failure while processing one request's update (detokenizing, a stop check, building its output) ends
+that request alone, with finish reason "abort" and the reason in `error`, as a failure inside a step does.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +31,8 @@ from llmplug.engine.detokenizer import IncrementalDetokenizer
 
 __all__ = ["EngineCoreOutput", "LogprobsLists", "OutputProcessor", "ProcessedOutputs"]
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(slots=True)
 class ProcessedOutputs:
@@ -35,6 +40,7 @@ class ProcessedOutputs:
 
     request_outputs: list[RequestOutput]  # to hand to the user, one per request that has something new
     reqs_to_abort: list[str]  # child ids the engine core must abort: a stop string finished them here
+    reqs_failed: list[str] = field(default_factory=list)  # child ids whose output processing failed: abort them
 
 
 @dataclass(eq=False)
@@ -124,6 +130,7 @@ class OutputProcessor:
         now = time.time()
         changed: dict[str, list[CompletionState]] = {}
         reqs_to_abort: list[str] = []
+        failed: list[str] = []
         for update in updates:
             request_id = self._parent_of.get(update.req_id)
             if request_id is None:
@@ -132,15 +139,39 @@ class OutputProcessor:
             completion = request.children[update.req_id]
             if completion.finished:
                 continue  # a stop string finished it here; the core had not seen the abort yet
-            if self._apply(request, completion, update, now) and update.finish_reason is None:
-                reqs_to_abort.append(update.req_id)
+            try:
+                if self._apply(request, completion, update, now) and update.finish_reason is None:
+                    reqs_to_abort.append(update.req_id)
+            except Exception as error:  # a detokenizer's or a stop check's failure: this completion ends, not the step
+                _fail(completion, f"its output processing failed: {error!r}")
+                failed.append(update.req_id)
             if update.new_token_ids or completion.finished:  # a prompt-logprobs chunk alone waits
                 changed.setdefault(request_id, []).append(completion)
-        outputs = [o for rid, cs in changed.items() if (o := self._make_output(self.requests[rid], cs))]
-        for request_id in changed:
+        outputs = []
+        for request_id, completions in changed.items():
+            output = self._guarded_output(self.requests[request_id], completions, failed)
+            if output is not None:
+                outputs.append(output)
             if self.requests[request_id].finished:
                 self._forget(request_id)
-        return ProcessedOutputs(outputs, reqs_to_abort)
+        return ProcessedOutputs(outputs, reqs_to_abort, failed)
+
+    def _guarded_output(self, request: RequestState, changed: list[CompletionState],
+                        failed: list[str]) -> RequestOutput | None:
+        """`_make_output`, guarded: when it raises, the request's unfinished completions end (their child ids go
+        to `failed`) and the output says so, without text."""
+        try:
+            return self._make_output(request, changed)
+        except Exception as error:  # the request cannot go on; the other requests of the step can
+            why = f"its output failed to build: {error!r}"
+            logger.error("request %s aborted: %s", request.request_id, why)
+            for child_id, completion in request.children.items():
+                if not completion.finished:
+                    failed.append(child_id)
+                completion.detokenizer = None  # the text is what failed: the last output holds none
+                completion.error = completion.error or why
+                completion.finish_reason = completion.finish_reason or "abort"
+            return self._make_output(request, list(request.children.values()))
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
         """Forget requests (by request id or child id) without output; return the child ids to abort in the core."""
@@ -292,3 +323,10 @@ class OutputProcessor:
         request = self.requests.pop(request_id)
         for child_id in request.children:
             self._parent_of.pop(child_id, None)
+
+
+def _fail(completion: CompletionState, why: str) -> None:
+    """End a completion whose output processing raised: finish reason "abort", the reason in `error`."""
+    logger.error("a completion was aborted: %s", why)
+    completion.finish_reason, completion.error = "abort", why
+    completion.detokenizer = None  # its text is what failed: nothing more is decoded

@@ -241,3 +241,42 @@ def test_duplicate_request_id_is_rejected(tokenizer):
     start(processor, SamplingParams())
     with pytest.raises(InvalidRequestError, match="already in use"):
         start(processor, SamplingParams())
+
+
+# --- failure isolation ---
+
+
+class _BrokenDetokenizer:
+    """A detokenizer whose `method` raises (a tokenizer's bug met on some token)."""
+
+    def __init__(self, detokenizer, method: str) -> None:
+        self._detokenizer, self._method = detokenizer, method
+
+    def __getattr__(self, name):
+        if name == self._method:
+            raise RuntimeError(f"detokenizer bug in {name}")
+        return getattr(self._detokenizer, name)
+
+
+@pytest.mark.parametrize("method", ["update", "get_next_output_text"])
+@pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE])
+def test_a_failure_in_output_processing_ends_its_request_only(tokenizer, ids, method, kind):
+    processor = OutputProcessor(tokenizer)
+    params = SamplingParams(output_kind=kind)
+    start(processor, params, "bad")
+    start(processor, params, "good")
+    processor.process([EngineCoreOutput("bad", ids[:1], None, None), EngineCoreOutput("good", ids[:1], None, None)])
+    completion = processor.requests["bad"].children["bad"]
+    completion.detokenizer = _BrokenDetokenizer(completion.detokenizer, method)
+    processed = processor.process([EngineCoreOutput("bad", ids[1:2], None, None),
+                                   EngineCoreOutput("good", ids[1:2], None, None)])
+    assert processed.reqs_failed == ["bad"]  # the engine core aborts it; the step goes on
+    bad = next(o for o in processed.request_outputs if o.request_id == "bad")
+    assert bad.finished and bad.outputs[0].finish_reason == "abort"
+    assert f"detokenizer bug in {method}" in bad.outputs[0].error
+    assert "bad" not in processor.requests  # forgotten
+    outputs, _ = run(processor, "good", ids[2:])
+    final = outputs[-1].outputs[0]
+    assert final.finish_reason == "length" and final.error is None
+    text = final.text if kind == RequestOutputKind.CUMULATIVE else None
+    assert text is None or text == TEXT

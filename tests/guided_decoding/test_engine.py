@@ -127,7 +127,7 @@ class _RaisingMatcher:
         return getattr(self._matcher, name)
 
 
-@pytest.mark.parametrize("method", ["fill_bitmask", "accept_token"])
+@pytest.mark.parametrize("method", ["fill_bitmask", "accept_token", "is_terminated"])
 def test_a_grammar_that_raises_ends_its_request_only(tiny_llm, method):
     requests = mixed_requests()
     expected = run(tiny_llm, requests)
@@ -179,3 +179,27 @@ def test_grammar_applies_only_after_the_reasoning_end_sequence(tiny_llm):
     with pytest.raises(InvalidRequestError, match="start_after_token_ids"):
         tiny_llm.generate(["(1+"], SamplingParams(guided_decoding=GuidedDecodingParams(
             choice=choices, start_after_token_ids=(10**9,))), use_tqdm=False)
+
+
+def test_a_failure_in_output_processing_ends_its_request_only_and_frees_its_blocks(tiny_llm):
+    """The output processor's per-request guard, through the engine: the broken request is aborted in the core
+    (its blocks freed), the others finish as they would alone."""
+    requests = mixed_requests()
+    expected = run(tiny_llm, requests)
+    ids = [tiny_llm.add_request(prompt, params) for prompt, params in requests]
+    finished = {o.request_id: o for o in tiny_llm.step() if o.finished}
+    completion = tiny_llm.llm_engine.output_processor.requests[ids[1]].children[ids[1]]
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("detokenizer bug")
+
+    completion.detokenizer.update = broken
+    while tiny_llm.llm_engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in tiny_llm.step() if o.finished})
+    bad = finished[ids[1]].outputs[0]
+    assert bad.finish_reason == "abort" and "detokenizer bug" in bad.error
+    others = [(finished[i].outputs[0].text, list(finished[i].outputs[0].token_ids)) for i in ids if i != ids[1]]
+    assert others == [e for i, e in enumerate(expected) if i != 1]
+    kv = tiny_llm.llm_engine.engine_core.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_blocks
+    assert run(tiny_llm, requests[:2]) == expected[:2]  # the next requests are served
