@@ -147,3 +147,45 @@ def test_arguments_stream_before_the_call_is_complete():
     stream = parser("qwen3_xml").stream()
     stream.feed("<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n<parameter=days>\n")
     assert stream.num_calls == 1 and stream._arguments == ['{"city": "Oslo"']
+
+
+def _reread(tool_parser: ToolParser, text: str, step: int) -> tuple[int, int]:
+    """Stream `text` in pieces of `step` characters: (characters read again from the resume point, summed over
+    the deltas; characters the JSON scans visited)."""
+    from llmplug.plugins.tool_parsers import base
+
+    visited, reread = [0], [0]
+    scan, read = base.JsonScan._bracketed_end, tool_parser.snapshot_after
+
+    def counting_scan(self, text):
+        visited[0] += len(text) - self.pos
+        return scan(self, text)
+
+    def counting_read(text, final, resume):
+        reread[0] += len(text) - resume.pos
+        return read(text, final, resume)
+
+    base.JsonScan._bracketed_end = counting_scan
+    tool_parser.snapshot_after = counting_read
+    try:
+        content, calls = streamed(tool_parser, [text[i:i + step] for i in range(0, len(text), step)])
+    finally:
+        base.JsonScan._bracketed_end = scan
+    whole = parser(tool_parser.name).extract(text)
+    assert (content or None, calls) == (whole.content, [(c.name, c.arguments) for c in whole.tool_calls])
+    return reread[0], visited[0]
+
+
+@pytest.mark.parametrize("name", ["hermes", "qwen3_xml"])
+def test_streamed_content_and_finished_calls_are_read_once(name):
+    call = CASES[name][0][0]
+    part = "Some words. " * 100 + (call + "\nand then " * 20) * 5 + "the end. " * 100
+    once, _ = _reread(parser(name), part, 3)
+    twice, _ = _reread(parser(name), part * 2, 3)
+    assert twice < 2.5 * once  # linear in the output (read from the start at every delta, it would be 4x)
+
+
+def test_a_long_call_is_scanned_once_as_it_streams():
+    arguments = '{"city": "' + "x" * 2000 + '"}'
+    _, visited = _reread(parser("hermes"), '<tool_call>{"name": "get_weather", "arguments": ' + arguments + "}</tool_call>", 2)
+    assert visited < 2 * len(arguments)  # read from the call's start at every delta: ~len^2 / 4

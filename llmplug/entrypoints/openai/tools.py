@@ -24,7 +24,15 @@ from typing import Any, Sequence
 from llmplug.entrypoints.openai.errors import OpenAIError
 from llmplug.entrypoints.openai.guided import Constraint
 from llmplug.plugins.partial_text import skip_space
-from llmplug.plugins.tool_parsers.base import PartialCall, Snapshot, ToolParser, json_value_end, read_json_calls
+from llmplug.plugins.tool_parsers.base import (
+    START,
+    PartialCall,
+    Resume,
+    Snapshot,
+    ToolParser,
+    json_value_end,
+    read_json_calls,
+)
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -129,9 +137,15 @@ class NamedCallParser(ToolParser):
         self.function = function
 
     def snapshot(self, text: str, final: bool) -> Snapshot:
+        return self.snapshot_after(text, final, START)
+
+    def snapshot_after(self, text: str, final: bool, resume: Resume) -> Snapshot:
+        """The whole answer read at every delta, but its JSON scanned once (the scan goes on where it stopped)."""
+        scans = resume.state if resume.state is not None else {}
         start = skip_space(text, 0)
-        end = json_value_end(text, start) if start < len(text) else None
-        return Snapshot("", (PartialCall(self.function, text[start:end], complete=end is not None),))
+        end = json_value_end(text, start, scans) if start < len(text) else None
+        call = PartialCall(self.function, text[start:end], complete=end is not None)
+        return Snapshot("", (call,), resume=Resume(state=scans))
 
 
 def reply_tool_parser(choice: ToolChoice | None, auto_parser: type[ToolParser] | None) -> ToolParser | None:

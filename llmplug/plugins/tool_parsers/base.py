@@ -7,11 +7,18 @@ extend what they were — so it holds back text that may still turn into a call 
 tag, a call whose name is not complete). `extract` (a whole output) and `ToolCallStream` (deltas as the
 output arrives) are both built on it, so a streamed answer adds up to the whole one, however the text
 was split into deltas.
+
+Read from the start at every delta, a stream costs time quadratic in its length. A parser whose reading
+can start over at a settled point (after a complete call, inside content that can no longer become a
+call) also implements `snapshot_after(text, final, resume)`: the reading from a `Resume` on, which names
+the next such point. The stream then reads each delta from the last settled point, so content and
+finished calls are read once (the in-tree tagged formats do: hermes, qwen3_xml, mistral's content).
 """
 
 from __future__ import annotations
 
 import abc
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass, field
@@ -25,9 +32,12 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "CallRead",
+    "JsonScan",
     "ExtractedToolCalls",
     "NotACall",
     "PartialCall",
+    "Resume",
+    "START",
     "Snapshot",
     "StreamDelta",
     "ToolCall",
@@ -60,12 +70,32 @@ class PartialCall:
 
 
 @dataclass(frozen=True, slots=True)
+class Resume:
+    """Where the reading of a growing text may start over: at `pos`, with `num_content` characters of content
+    and `num_calls` complete calls before it read for good; `after_call`: a call ends there (the content that
+    follows counts only when it is more than whitespace)."""
+
+    pos: int = 0
+    num_content: int = 0
+    num_calls: int = 0
+    after_call: bool = False
+    state: Any = field(default=None, compare=False)  # the parser's own, to go on from (e.g. its JSON scans)
+
+
+START = Resume()
+
+
+@dataclass(frozen=True, slots=True)
 class Snapshot:
-    """What a text holds: content (text for the user) and calls; `malformed` when a call marker led to no call."""
+    """What a text holds: content (text for the user) and calls; `malformed` when a call marker led to no call.
+
+    Read with `snapshot_after(..., resume)`, the content and calls are those after `resume`, and `resume` is
+    the next point where a longer text's reading may start over (None: where this one started)."""
 
     content: str
     calls: tuple[PartialCall, ...] = ()
     malformed: bool = False
+    resume: Resume | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,13 +148,18 @@ class ToolParser(abc.ABC):
     def snapshot(self, text: str, final: bool) -> Snapshot:
         """The content and calls of `text`; with `final` False, hold back what may still become a call."""
 
-    def read(self, text: str, final: bool) -> Snapshot | None:
-        """`snapshot`, guarded: a parser that finds no call where its format says one starts (NotACall) makes
-        the whole text content when `final`, and waits (None) before."""
+    def snapshot_after(self, text: str, final: bool, resume: Resume) -> Snapshot:
+        """The reading of `text` from `resume` on (see Snapshot). This default reads from the start every
+        time and never names a resume point; a parser that can start over overrides it."""
+        return self.snapshot(text, final)
+
+    def read(self, text: str, final: bool, resume: Resume = START) -> Snapshot | None:
+        """`snapshot_after`, guarded: a parser that finds no call where its format says one starts (NotACall)
+        makes the text from `resume` on content when `final`, and waits (None) before."""
         try:
-            return self.snapshot(text, final)
+            return self.snapshot_after(text, final, resume)
         except NotACall:
-            return Snapshot(text, malformed=True) if final else None
+            return Snapshot(text[resume.pos:], malformed=True) if final else None
 
     def extract(self, text: str) -> ExtractedToolCalls:
         """The content and calls of a whole output; a call that cannot be read leaves the whole text as content."""
@@ -157,12 +192,14 @@ def _as_content(text: str, why: str) -> ExtractedToolCalls:
 
 
 class ToolCallStream:
-    """Turns output deltas into content and call deltas by comparing snapshots of the growing text."""
+    """Turns output deltas into content and call deltas by comparing snapshots of the growing text, each read
+    from the last point the parser settled (`Resume`)."""
 
     def __init__(self, parser: ToolParser) -> None:
         self.parser = parser
         self.text = ""
-        self._content = ""  # content sent so far
+        self._resume = START
+        self._content = ""  # content sent past the resume point
         self._arguments: list[str] = []  # per call sent: its argument text sent so far
 
     @property
@@ -173,18 +210,19 @@ class ToolCallStream:
     def feed(self, delta: str) -> StreamDelta:
         """What `delta`, the output's next text, adds."""
         self.text += delta
-        return self._diff(self.parser.read(self.text, final=False))
+        return self._diff(self.parser.read(self.text, False, self._resume))
 
     def finish(self) -> StreamDelta:
         """What the end of the output releases (text held back because it might have become a call)."""
-        return self._diff(self.parser.read(self.text, final=True))
+        return self._diff(self.parser.read(self.text, True, self._resume))
 
     def _diff(self, snapshot: Snapshot | None) -> StreamDelta:
         if snapshot is None:
             return StreamDelta()
         delta = StreamDelta(content=extension(self._content, snapshot.content, "tool-call content"))
         self._content += delta.content
-        for index, call in enumerate(snapshot.calls):
+        first = self._resume.num_calls  # the snapshot's calls come after the resume point's
+        for index, call in enumerate(snapshot.calls, start=first):
             if index == len(self._arguments):
                 self._arguments.append(call.arguments)
                 delta.tool_calls.append(ToolCallDelta(index, call.name, call.arguments))
@@ -193,6 +231,9 @@ class ToolCallStream:
             if added:
                 self._arguments[index] += added
                 delta.tool_calls.append(ToolCallDelta(index, arguments=added))
+        if snapshot.resume is not None:  # what lies before the new point is read for good: forget it
+            self._content = self._content[snapshot.resume.num_content - self._resume.num_content:]
+            self._resume = snapshot.resume
         return delta
 
 
@@ -203,33 +244,58 @@ _OBJECT_END = regex.compile(r"\s*\}")
 _SCALAR_END = regex.compile(r"[,}\]\s]")
 
 
-def json_value_end(text: str, start: int) -> int | None:
+def json_value_end(text: str, start: int, scans: dict[int, JsonScan] | None = None) -> int | None:
     """The index past the JSON value that begins at `text[start]`, judged by brackets and strings only;
-    None while it is open. A scalar ends where a delimiter follows it."""
-    if text[start] not in '{["':
-        end = _SCALAR_END.search(text, start)
+    None while it is open. A scalar ends where a delimiter follows it. With `scans` (kept across the readings
+    of one growing text), the scan of a value goes on from where the last reading stopped."""
+    if scans is None:
+        return JsonScan(start).end(text)
+    return scans.setdefault(start, JsonScan(start)).end(text)
+
+
+class JsonScan:
+    """A scan for the end of the JSON value at `start` that can go on as the text grows (brackets and strings
+    only); it remembers where it stopped, so a streamed value is scanned once however many deltas it takes."""
+
+    __slots__ = ("start", "pos", "depth", "in_string", "escaped", "found")
+
+    def __init__(self, start: int) -> None:
+        self.start, self.pos, self.depth, self.in_string, self.escaped = start, start, 0, False, False
+        self.found: int | None = None
+
+    def end(self, text: str) -> int | None:
+        """The index past the value in `text` (which extends the texts scanned before), or None while it is open."""
+        if self.found is None:
+            self.found = self._scalar_end(text) if text[self.start] not in '{["' else self._bracketed_end(text)
+        return self.found
+
+    def _scalar_end(self, text: str) -> int | None:
+        end = _SCALAR_END.search(text, self.pos)
+        self.pos = len(text)
         return end.start() if end else None
-    depth, in_string, escaped = 0, False, False
-    for i in range(start, len(text)):
-        char = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif char == "\\":
-                escaped = True
+
+    def _bracketed_end(self, text: str) -> int | None:
+        for i in range(self.pos, len(text)):
+            char = text[i]
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif char == "\\":
+                    self.escaped = True
+                elif char == '"':
+                    self.in_string = False
+                    if self.depth == 0:
+                        return i + 1
             elif char == '"':
-                in_string = False
-                if depth == 0:
+                self.in_string = True
+            elif char in "{[":
+                self.depth += 1
+            elif char in "}]":
+                self.depth -= 1
+                if self.depth == 0:
                     return i + 1
-        elif char == '"':
-            in_string = True
-        elif char in "{[":
-            depth += 1
-        elif char in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return None
+        self.pos = len(text)
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,11 +310,11 @@ class CallRead:
 _HOLD = CallRead(None, None)
 
 
-def read_json_call(text: str, start: int, final: bool) -> CallRead:
+def read_json_call(text: str, start: int, final: bool, scans: dict[int, JsonScan] | None = None) -> CallRead:
     """The call whose JSON object `{"name": ..., "arguments" | "parameters": {...}}` begins at `text[start]`.
 
     Name first (the usual order) streams the arguments as they are written; any other layout is read once
-    its object is complete. Raises NotACall when the object is not a call.
+    its object is complete. Raises NotACall when the object is not a call. `scans`: see json_value_end.
     """
     if start >= len(text):
         if final:
@@ -256,12 +322,12 @@ def read_json_call(text: str, start: int, final: bool) -> CallRead:
         return _HOLD
     header = _CALL_HEADER.match(text, start, partial=True)
     if header is not None and not header.partial:
-        read = _read_after_header(text, json.loads(f'"{header[1]}"'), header.end(), final)
+        read = _read_after_header(text, json.loads(f'"{header[1]}"'), header.end(), final, scans)
         if read is not None:
             return read
     elif header is not None and not final:
         return _HOLD
-    end = json_value_end(text, start)
+    end = json_value_end(text, start, scans)
     if end is None:
         if final:
             raise NotACall(text[start:])
@@ -269,11 +335,12 @@ def read_json_call(text: str, start: int, final: bool) -> CallRead:
     return CallRead(_call_from_object(text[start:end]), end)
 
 
-def _read_after_header(text: str, name: str, args_start: int, final: bool) -> CallRead | None:
+def _read_after_header(text: str, name: str, args_start: int, final: bool,
+                       scans: dict[int, JsonScan] | None) -> CallRead | None:
     """The call once its name is known; None when the object goes on past its arguments (read it whole)."""
     if args_start == len(text):
         return CallRead(PartialCall(name), None)
-    args_end = json_value_end(text, args_start)
+    args_end = json_value_end(text, args_start, scans)
     if text[args_start] == '"':  # arguments given as a string of JSON: released whole
         if args_end is None:
             return CallRead(PartialCall(name), None)
@@ -337,21 +404,24 @@ def arguments_json(items: Sequence[tuple[str, Any]], complete: bool) -> str:
 
 
 def read_tagged_calls(text: str, final: bool, start_tag: str, end_tag: str,
-                      read_body: Callable[[str, int, bool], CallRead]) -> Snapshot:
-    """Calls that each sit between `start_tag` and `end_tag`, with content around them.
+                      read_body: Callable[[str, int, bool], CallRead], resume: Resume = START,
+                      state: Any = None) -> Snapshot:
+    """Calls that each sit between `start_tag` and `end_tag`, with content around them, read from `resume` on.
 
     `read_body(text, pos, final)` reads one call from `pos` (after the start tag and whitespace). A region
     whose body is not a call is content, and marks the snapshot malformed. Content between and after calls
-    counts only when it is more than whitespace.
+    counts only when it is more than whitespace. The snapshot's `resume` is past the last closed call, or
+    past the content that can no longer become a call (or `resume` itself), and carries `state` along.
     """
-    segments, calls, pos, malformed = [], [], 0, False
+    reading = _TaggedReading(resume, state)
+    pos = resume.pos
     closing = regex.compile(r"\s*" + regex.escape(end_tag))
     while True:
         start = text.find(start_tag, pos)
         if start < 0:
-            segments.append(text[pos:] if final else hold_back(text[pos:], start_tag))
+            reading.add_content(text[pos:] if final else hold_back(text[pos:], start_tag), pos)
             break
-        segments.append(text[pos:start])
+        reading.add_segment(text[pos:start])
         try:
             read = read_body(text, skip_space(text, start + len(start_tag)), final)
         except NotACall:
@@ -359,16 +429,51 @@ def read_tagged_calls(text: str, final: bool, start_tag: str, end_tag: str,
             if end < 0 and not final:
                 break  # the region is still open: its extent, and so the content, is not known yet
             pos = len(text) if end < 0 else end + len(end_tag)
-            segments.append(text[start:pos])
-            malformed = True
+            reading.add_segment(text[start:pos])
+            reading.malformed = True
             continue
         if read.call is not None:
-            calls.append(read.call)
+            reading.calls.append(read.call)
         if read.end is None:
             break
         close = closing.match(text, read.end, partial=not final)
         if close is not None and close.partial:
             break
         pos = read.end if close is None else close.end()  # a missing end tag is forgiven
-    content = segments[0] + "".join(s for s in segments[1:] if s.strip())
-    return Snapshot(content, tuple(calls), malformed)
+        reading.settle(pos, after_call=True)
+    return reading.snapshot()
+
+
+class _TaggedReading:
+    """The content segments and calls of a tagged reading from a resume point, and the next resume point."""
+
+    def __init__(self, resume: Resume, state: Any) -> None:
+        self.start, self.state = resume, state
+        self.resume: Resume | None = None
+        self.content = ""
+        self.calls: list[PartialCall] = []
+        self.malformed = False
+        self._blank_counts = not resume.after_call  # the first segment counts even when blank, unless after a call
+        self._first = True
+
+    def add_segment(self, segment: str) -> None:
+        """Content between calls: the first one counts (unless it follows a call), later ones when not blank."""
+        if (self._first and self._blank_counts) or segment.strip():
+            self.content += segment
+        self._first = False
+
+    def add_content(self, segment: str, pos: int) -> None:
+        """The last segment, up to where a call may still start: it is settled when it counts."""
+        counts = (self._first and self._blank_counts) or bool(segment.strip())
+        self.add_segment(segment)
+        if counts and segment:
+            self.settle(pos + len(segment), after_call=False)  # the rest of it counts as it comes
+
+    def settle(self, pos: int, after_call: bool) -> None:
+        """Everything read up to `pos` is final: a later reading may start there."""
+        self.resume = Resume(pos, self.start.num_content + len(self.content), self.start.num_calls + len(self.calls),
+                             after_call, self.state)
+
+    def snapshot(self) -> Snapshot:
+        resume = self.resume or dataclasses.replace(self.start, state=self.state)
+        return Snapshot(self.content, tuple(self.calls), self.malformed, resume)

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
-from llmplug.plugins.tool_parsers.base import Snapshot, ToolParser, read_json_call, read_tagged_calls
+import functools
+
+from llmplug.plugins.tool_parsers.base import START, Resume, Snapshot, ToolParser, read_json_call, read_tagged_calls
 
 LLMPLUG_PLUGIN_API_VERSION = "1.2"
 
@@ -16,4 +18,9 @@ class HermesToolParser(ToolParser):
                    'JSON object>}</tool_call>, once per call.')
 
     def snapshot(self, text: str, final: bool) -> Snapshot:
-        return read_tagged_calls(text, final, "<tool_call>", "</tool_call>", read_json_call)
+        return self.snapshot_after(text, final, START)
+
+    def snapshot_after(self, text: str, final: bool, resume: Resume) -> Snapshot:
+        scans = resume.state if resume.state is not None else {}  # a call's JSON is scanned once as it streams
+        body = functools.partial(read_json_call, scans=scans)
+        return read_tagged_calls(text, final, "<tool_call>", "</tool_call>", body, resume, scans)

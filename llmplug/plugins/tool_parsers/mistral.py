@@ -8,8 +8,10 @@ import regex
 
 from llmplug.plugins.partial_text import hold_back, skip_space
 from llmplug.plugins.tool_parsers.base import (
+    START,
     NotACall,
     PartialCall,
+    Resume,
     Snapshot,
     ToolParser,
     json_value_end,
@@ -31,10 +33,16 @@ class MistralToolParser(ToolParser):
                    'name>, "arguments": <arguments as a JSON object>}, ...].')
 
     def snapshot(self, text: str, final: bool) -> Snapshot:
-        marker = text.find(TOOL_CALLS)
+        return self.snapshot_after(text, final, START)
+
+    def snapshot_after(self, text: str, final: bool, resume: Resume) -> Snapshot:
+        """Content before the marker is settled as it comes (the reading resumes past it); the calls after
+        the marker are read whole at each delta."""
+        marker = text.find(TOOL_CALLS, resume.pos)
         if marker < 0:
-            return Snapshot(text if final else hold_back(text, TOOL_CALLS))
-        content, start = text[:marker], skip_space(text, marker + len(TOOL_CALLS))
+            content = text[resume.pos:] if final else hold_back(text[resume.pos:], TOOL_CALLS)
+            return Snapshot(content, resume=Resume(resume.pos + len(content), resume.num_content + len(content)))
+        content, start = text[resume.pos:marker], skip_space(text, marker + len(TOOL_CALLS))
         try:
             if text.startswith("[", start):
                 calls, _ = read_json_calls(text, start, final)
@@ -43,7 +51,7 @@ class MistralToolParser(ToolParser):
         except NotACall:
             if not final:
                 return Snapshot(content)
-            return Snapshot(text, malformed=True)
+            return Snapshot(text[resume.pos:], malformed=True)
         return Snapshot(content, tuple(calls))
 
 

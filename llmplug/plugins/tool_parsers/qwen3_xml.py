@@ -20,9 +20,11 @@ from typing import Any
 import regex
 
 from llmplug.plugins.tool_parsers.base import (
+    START,
     CallRead,
     NotACall,
     PartialCall,
+    Resume,
     Snapshot,
     ToolParser,
     arguments_json,
@@ -45,7 +47,10 @@ class Qwen3XmlToolParser(ToolParser):
                    "</function>\n</tool_call>, with one <parameter> per argument, once per call.")
 
     def snapshot(self, text: str, final: bool) -> Snapshot:
-        return read_tagged_calls(text, final, "<tool_call>", "</tool_call>", self._read_function)
+        return self.snapshot_after(text, final, START)
+
+    def snapshot_after(self, text: str, final: bool, resume: Resume) -> Snapshot:
+        return read_tagged_calls(text, final, "<tool_call>", "</tool_call>", self._read_function, resume)
 
     def _read_function(self, text: str, pos: int, final: bool) -> CallRead:
         head = _FUNCTION.match(text, pos, partial=not final)

@@ -47,3 +47,22 @@ def test_a_forced_answer_cut_short_comes_back_as_content():
     extracted = RequiredCallsParser(TOOLS).extract(cut)
     assert extracted.content == cut and extracted.tool_calls == []
     assert json.loads(NamedCallParser("now").extract("{}").tool_calls[0].arguments) == {}
+
+
+def test_a_forced_calls_arguments_are_scanned_once_as_they_stream(monkeypatch):
+    from llmplug.plugins.tool_parsers import base
+
+    visited, scan = [0], base.JsonScan._bracketed_end
+
+    def counting_scan(self, text):
+        visited[0] += len(text) - self.pos
+        return scan(self, text)
+
+    monkeypatch.setattr(base.JsonScan, "_bracketed_end", counting_scan)
+    arguments = '{"city": "' + "x" * 2000 + '"}'
+    stream, sent = NamedCallParser("get_weather").stream(), ""
+    for i in range(0, len(arguments), 2):
+        for call in stream.feed(arguments[i:i + 2]).tool_calls:
+            sent += call.arguments
+    assert sent == arguments
+    assert visited[0] < 2 * len(arguments)  # scanned from the start at every delta: ~len^2 / 4
