@@ -132,13 +132,14 @@ def tiny_guided_model(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.fixture(scope="session")
+# package and module scopes, not session: an engine holds its model and KV cache until its fixture ends
+@pytest.fixture(scope="package")
 def tiny_llm(tiny_guided_model) -> LLM:
     """The offline engine on the tiny model."""
     return LLM(str(tiny_guided_model), dtype="float32", max_model_len=512, block_size=16)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # its one user is test_generation.py
 def smollm_llm() -> LLM:
     """The offline engine on the embedded default model (SmolLM2-135M-Instruct)."""
     return LLM(max_model_len=512)

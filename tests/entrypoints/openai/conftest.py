@@ -1,5 +1,8 @@
 """Fixtures of the server tests: a tiny Llama with SmolLM2's real tokenizer, and real uvicorn servers on 127.0.0.1.
 
+The engines and servers are package-scoped: every user is in this package, and each holds its model and KV cache,
+so they end with it rather than with the session (the rest of the suite ran beside them, issue 34).
+
 Every server runs in a thread of the test process (its own event loop), so tests can also look at the
 engine behind it. The engine's forward pass keeps per-step state in a module global, so an offline
 `LLM` must only run while the server's engine is idle: `offline()` waits for that.
@@ -18,10 +21,10 @@ from pathlib import Path
 import openai
 import pytest
 import uvicorn
+from fastapi import FastAPI
 
 from llmplug import LLM, AsyncLLM
 from llmplug.entrypoints.openai.api_server import ServerSettings, build_app
-from fastapi import FastAPI
 from llmplug.loaders.default_model import resolve_model_path
 from llmplug.loaders.gguf import load_gguf_tokenizer
 from tests.models.tiny_models import save_tiny_llama
@@ -60,10 +63,10 @@ class RunningServer:
     base_url: str
     port: int
     model: str
+    app: FastAPI  # what tests look into: app.state.admission, ...
 
     def client(self, api_key: str = "none", **kwargs) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=api_key, max_retries=0, **kwargs)
-    app: FastAPI  # what tests look into: app.state.admission, ...
 
     def async_client(self, api_key: str = "none", **kwargs) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key=api_key, max_retries=0, **kwargs)
@@ -105,22 +108,22 @@ def serve(engine: AsyncLLM, settings: ServerSettings | None = None) -> Iterator[
         thread.join(10)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def engine(tiny_chat_model) -> Iterator[AsyncLLM]:
-    """One AsyncLLM on the tiny chat model, shared by the servers of the session."""
+    """One AsyncLLM on the tiny chat model, shared by the servers of the package."""
     eng = AsyncLLM(str(tiny_chat_model), **ENGINE_KWARGS)
     yield eng
     eng.shutdown()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def server(engine) -> Iterator[RunningServer]:
     """A server with default settings (no API key, no rate limit)."""
     with serve(engine) as running:
         yield running
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def default_server() -> Iterator[RunningServer]:
     """A server on the real default model (SmolLM2-135M-Instruct, GGUF), shared by the fuzz and soak tests.
 
@@ -135,7 +138,7 @@ def default_server() -> Iterator[RunningServer]:
         engine.shutdown()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def offline_llm(tiny_chat_model) -> LLM:
     """The offline engine on the same model: the reference the server's answers must equal."""
     return LLM(str(tiny_chat_model), **ENGINE_KWARGS)
