@@ -111,7 +111,7 @@ def test_over_the_rate_limit_gets_429_and_others_are_unaffected(engine):
         reply = other.chat.completions.create(model=running.model, messages=[{"role": "user", "content": "hi"}],
                                               max_tokens=2)
         assert reply.choices[0].finish_reason in ("length", "stop")
-        assert request(running, "GET", "/health")[0] == 200  # only /v1 is limited
+        assert request(running, "GET", "/health")[0] == 200  # the open routes are not limited
 
 
 def test_rate_limit_without_keys_is_per_client_address(engine):
@@ -120,7 +120,9 @@ def test_rate_limit_without_keys_is_per_client_address(engine):
         status, _, headers = request(running, "GET", "/v1/models")
         assert status == 429 and 1 <= int(headers["retry-after"]) <= 30
         assert request(running, "GET", "/v1/models", source="127.0.0.2")[0] == 200  # another client
-        assert request(running, "GET", "/health")[0] == 200  # only /v1 is limited
+        for path in ("/score", "/v2/rerank", "/pooling", "/openapi.json"):  # every route counts, not only /v1
+            assert request(running, "POST" if path != "/openapi.json" else "GET", path, body=b"{}")[0] == 429, path
+        assert request(running, "GET", "/health")[0] == 200  # the open routes are not limited
 
 
 def test_body_over_the_limit_gets_413(guarded):
