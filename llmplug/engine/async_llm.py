@@ -227,6 +227,9 @@ class AsyncLLM:
         params = sampling_params or SamplingParams()
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         await self._compile_grammar(params)
+        if params.bad_words:  # tokenized here, off the event loop and the engine thread (the engine reuses them)
+            await asyncio.get_running_loop().run_in_executor(None, self.llm_engine.processor.bad_words_token_ids,
+                                                             params)
         stream = self._register(request_id, delta=params.output_kind == RequestOutputKind.DELTA)
         self._commands.put(_AddRequest(request_id, prompt, params, priority, time.time(), lora_request))
         finished = False

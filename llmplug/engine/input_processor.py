@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import numbers
-from typing import Any, Union
+import threading
+from collections import OrderedDict
+from typing import Any, Sequence, Union
 
 from llmplug.core.errors import InvalidRequestError
 from llmplug.core.params import SamplingParams
@@ -13,12 +15,17 @@ from llmplug.engine.request_limits import RequestLimits, check_list_sizes, check
 PromptType = Union[str, dict[str, Any]]
 
 
+BAD_WORDS_CACHE_SIZE = 64  # bad-word lists kept tokenized (shared read-only by the requests that give them)
+
+
 class InputProcessor:
     """Tokenizes prompts and checks prompts and sampling parameters against the model and the engine's limits."""
 
     def __init__(self, tokenizer: Any | None, limits: RequestLimits):
         self.tokenizer = tokenizer
         self.limits = limits
+        self._bad_words: OrderedDict[tuple[str, ...], list[list[int]]] = OrderedDict()  # words -> sequences, LRU
+        self._lock = threading.Lock()  # AsyncLLM fills the cache from a worker thread, the engine thread reads it
 
     @property
     def vocab_size(self) -> int:
@@ -41,7 +48,7 @@ class InputProcessor:
         if params.max_tokens is None:  # all the room the context leaves
             params.max_tokens = self.max_model_len - len(token_ids)
         check_list_sizes(params, self.limits)
-        params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words) if params.bad_words else None
+        params.bad_words_token_ids = self.bad_words_token_ids(params) if params.bad_words else None
         check_params(params, len(token_ids), self.limits)
         return text, token_ids, params
 
@@ -51,7 +58,23 @@ class InputProcessor:
         self._validate(token_ids, generates=False)
         return text, token_ids
 
-    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+    def bad_words_token_ids(self, params: SamplingParams) -> list[list[int]]:
+        """The token sequences of `params.bad_words` (their counts checked first), cached by the words: AsyncLLM
+        tokenizes them on a worker thread before queueing the request, and the engine thread finds them here."""
+        check_list_sizes(params, self.limits)
+        key = tuple(params.bad_words)
+        with self._lock:
+            if key in self._bad_words:
+                self._bad_words.move_to_end(key)
+                return self._bad_words[key]
+        sequences = self._bad_words_token_ids(params.bad_words)
+        with self._lock:
+            self._bad_words[key] = sequences
+            while len(self._bad_words) > BAD_WORDS_CACHE_SIZE:
+                self._bad_words.popitem(last=False)
+        return sequences
+
+    def _bad_words_token_ids(self, words: Sequence[str]) -> list[list[int]]:
         """Each bad word's token sequences: alone and after a space, as it would appear mid-text (as vLLM)."""
         if self.tokenizer is None:
             raise InvalidRequestError(

@@ -3,6 +3,7 @@ field, the cap and its flag, while the server keeps answering others; the next g
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -86,3 +87,20 @@ def test_admission_counts_every_sequence_a_request_creates():
         with admission.admit(1):
             assert admission.in_flight == 4
     assert admission.in_flight == 0
+
+
+def test_bad_words_are_tokenized_off_the_engine_thread_once(server, monkeypatch):
+    processor = server.engine.llm_engine.processor
+    threads, tokenize = [], processor._bad_words_token_ids
+
+    def spy(words):
+        threads.append(threading.current_thread().name)
+        return tokenize(words)
+
+    monkeypatch.setattr(processor, "_bad_words_token_ids", spy)
+    words = ["zebra", "quartz lamp"]
+    for _ in range(2):
+        status, reply, _ = post(server, "/v1/completions", {"model": server.model, "prompt": "a", "max_tokens": 3,
+                                                            "bad_words": words})
+        assert status == 200, reply
+    assert len(threads) == 1 and threads[0] != "llmplug-engine", threads  # cached for the second request
