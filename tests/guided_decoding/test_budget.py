@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from llmplug.core.config import DecodingConfig
 from llmplug.core.errors import InvalidRequestError
@@ -85,5 +86,28 @@ def test_lm_format_enforcer_builds_a_regex_automaton_once_per_constraint(tokeniz
         for _ in range(3):
             compiled.matcher()
         assert len(built) == count  # matchers share the compiled automaton
+    finally:
+        manager.shutdown()
+
+
+def test_lm_format_enforcer_builds_a_schemas_patterns_while_compiling(tokenizer, monkeypatch):
+    """The automata of a schema's `pattern`s are built in the compile pool, not on first use in a step."""
+    import interegular
+
+    built = []
+    parse = interegular.parse_pattern
+    monkeypatch.setattr(interegular, "parse_pattern", lambda regex: built.append(regex) or parse(regex))
+    schema = {"type": "object", "properties": {"label": {"type": "string", "pattern": "^[ab]{1,3}$"}},
+              "required": ["label"], "additionalProperties": False}
+    manager = manager_with(tokenizer)
+    try:
+        compiled = manager.prepare(GuidedDecodingParams(json=schema, backend="lm_format_enforcer")).result(60)
+        assert built == ["[ab]{1,3}"]
+        matcher = compiled.matcher()
+        bitmask = torch.full((1, (len(tokenizer) + 31) // 32), -1, dtype=torch.int32)
+        for char in '{"label":"ab':
+            matcher.fill_bitmask(bitmask, 0)
+            assert matcher.accept_token(tokenizer.convert_tokens_to_ids(char)), char
+        assert built == ["[ab]{1,3}"]  # nothing built while generating
     finally:
         manager.shutdown()

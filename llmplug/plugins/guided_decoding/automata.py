@@ -17,7 +17,7 @@ from typing import Any
 from llmplug.core.params import GuidedDecodingParams
 from llmplug.plugins.guided_decoding.common import choice_regex
 
-__all__ = ["fsm_states", "outlines_index_states", "outlines_regex"]
+__all__ = ["fsm_states", "outlines_index_states", "outlines_regex", "schema_patterns"]
 
 
 def outlines_regex(constraint: GuidedDecodingParams) -> str:
@@ -53,20 +53,20 @@ def fsm_states(constraint: GuidedDecodingParams) -> int:
     import interegular
 
     if constraint.kind in ("json", "json_object"):
-        regexes = list(_patterns(constraint.schema))
+        regexes = list(schema_patterns(constraint.schema))
     else:
         regexes = [constraint.regex if constraint.kind == "regex" else choice_regex(constraint.choice)]
     return sum(len(interegular.parse_pattern(regex).to_fsm().states) for regex in regexes)
 
 
-def _patterns(schema: Any) -> Iterator[str]:
+def schema_patterns(schema: Any) -> Iterator[str]:
     """Every string `pattern` in a JSON schema, however deep."""
     if isinstance(schema, dict):
         for key, value in schema.items():
             if key == "pattern" and isinstance(value, str):
                 yield value
             else:
-                yield from _patterns(value)
+                yield from schema_patterns(value)
     elif isinstance(schema, list):
         for item in schema:
-            yield from _patterns(item)
+            yield from schema_patterns(item)

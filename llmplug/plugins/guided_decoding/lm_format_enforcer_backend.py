@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from lmformatenforcer import (
     CharacterLevelParser,
+    CharacterLevelParserConfig,
     JsonSchemaParser,
     RegexParser,
     TokenEnforcer,
@@ -21,7 +22,7 @@ from lmformatenforcer import (
 )
 
 from llmplug.core.params import GuidedDecodingParams
-from llmplug.plugins.guided_decoding.automata import fsm_states
+from llmplug.plugins.guided_decoding.automata import fsm_states, schema_patterns
 from llmplug.plugins.guided_decoding.common import Compiled, GuidedBackendBase, choice_regex, token_bytes
 
 LLMPLUG_PLUGIN_API_VERSION = "1.1"
@@ -100,14 +101,31 @@ class LMFormatEnforcerBackend(GuidedBackendBase):
         # constraint's matchers share is the tokenizer data, the regex's automaton and the allowed-token cache
         data, compact, cache = self.tokenizer_data, not constraint.whitespace_flexible, {}
         if constraint.kind == "json":
+            context = _schema_context(constraint.schema, data)
+
             def parser() -> CharacterLevelParser:
-                return JsonSchemaParser(constraint.schema)
+                return JsonSchemaParser(context)
         else:
             automaton = RegexParser(_regex(constraint)).context
 
             def parser() -> CharacterLevelParser:
                 return RegexParser(automaton)
         return Compiled(lambda: LMFormatEnforcerMatcher(data, parser(), self.eos_token_id, cache, compact))
+
+
+def _schema_context(schema: dict, data: TokenEnforcerTokenizerData) -> JsonSchemaParser._Context:
+    """A schema's parser context, shared by its matchers, with the automata of its `pattern`s built now (in the
+    compile pool) and kept with it. Left alone, lm-format-enforcer builds each on first use, on the engine
+    thread, into a cache that its contexts share for the whole process and never empties."""
+    context = JsonSchemaParser(schema).context
+    config = CharacterLevelParserConfig(alphabet=data.tokenizer_alphabet)  # as TokenEnforcer configures parsers
+    context.regex_parser_cache = {key: RegexParser(key, config) for key in map(_unanchored, schema_patterns(schema))}
+    return context
+
+
+def _unanchored(pattern: str) -> str:
+    """A `pattern` as lm-format-enforcer keys it: without a leading ^ and a trailing $."""
+    return pattern.removeprefix("^").removesuffix("$")
 
 
 def _regex(constraint: GuidedDecodingParams) -> str:
