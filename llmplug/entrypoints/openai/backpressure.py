@@ -17,6 +17,8 @@ import anyio
 from starlette.responses import StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from llmplug.entrypoints.openai.loggable import loggable
+
 logger = logging.getLogger(__name__)
 
 
@@ -45,7 +47,7 @@ class SendTimeoutMiddleware:
         except SlowReader:  # the response is half sent: uvicorn closes the connection when the app returns
             client = scope.get("client")
             logger.warning("%s %s: the client at %s read nothing for %g s (--stream-send-timeout); its request "
-                           "was aborted", scope["method"], scope["path"], client[0] if client else "?",
+                           "was aborted", scope["method"], loggable(scope["path"]), client[0] if client else "?",
                            self.send_timeout)
         finally:
             watch.close()
