@@ -2,8 +2,10 @@
 
 import ctypes
 import ctypes.util
+import functools
 import gc
 import os
+import sys
 
 import pytest
 
@@ -29,8 +31,19 @@ TEST_KV_CACHE_BYTES = 512 * 2**20
 _GROWTH_WORTH_COLLECTING = 256 * 2**20
 
 
+def _forget_fastapi_endpoints() -> None:
+    """Empty FastAPI's process-wide caches keyed by endpoint function (fastapi.dependencies.models, 4096 entries
+    each): they hold every app's route closures, and through them each served engine, model and KV cache, long
+    after the server and its fixture ended. Only a classification cache: a live app refills it on its next request."""
+    models = sys.modules.get("fastapi.dependencies.models")
+    for value in vars(models).values() if models is not None else ():
+        if isinstance(value, functools._lru_cache_wrapper):
+            value.cache_clear()
+
+
 def _release_memory() -> None:
     """Collect garbage cycles and hand the free pages glibc keeps back to the system."""
+    _forget_fastapi_endpoints()
     gc.collect()
     if _LIBC is not None and hasattr(_LIBC, "malloc_trim"):
         _LIBC.malloc_trim(0)
