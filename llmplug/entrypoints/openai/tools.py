@@ -120,11 +120,17 @@ class RequiredCallsParser(ToolParser):
     name = "required"
 
     def snapshot(self, text: str, final: bool) -> Snapshot:
+        return self.snapshot_after(text, final, START)
+
+    def snapshot_after(self, text: str, final: bool, resume: Resume) -> Snapshot:
+        """The whole array read at every delta, but each call's JSON scanned once (the scans go on where they
+        stopped)."""
+        scans = resume.state if resume.state is not None else {}
         start = skip_space(text, 0)
         if start == len(text):
-            return Snapshot("")
-        calls, _ = read_json_calls(text, start, final)
-        return Snapshot("", tuple(calls))
+            return Snapshot("", resume=Resume(state=scans))
+        calls, _ = read_json_calls(text, start, final, scans)
+        return Snapshot("", tuple(calls), resume=Resume(state=scans))
 
 
 class NamedCallParser(ToolParser):

@@ -373,15 +373,17 @@ def _call_from_object(text: str) -> PartialCall:
 _ITEM_SEPARATOR = regex.compile(r"\s*([,\]])")
 
 
-def read_json_calls(text: str, start: int, final: bool) -> tuple[list[PartialCall], int | None]:
+def read_json_calls(text: str, start: int, final: bool,
+                    scans: dict[int, JsonScan] | None = None) -> tuple[list[PartialCall], int | None]:
     """The calls of a JSON array of call objects that begins at `text[start]` (`[`): the calls so far and the
-    index past the array (None while it is open). Raises NotACall when an item is not a call."""
+    index past the array (None while it is open). Raises NotACall when an item is not a call. `scans`: see
+    json_value_end."""
     calls: list[PartialCall] = []
     pos = skip_space(text, start + 1)
     if text.startswith("]", pos):
         return calls, pos + 1
     while True:
-        read = read_json_call(text, pos, final)
+        read = read_json_call(text, pos, final, scans)
         if read.call is not None:
             calls.append(read.call)
         if read.end is None:

@@ -66,3 +66,20 @@ def test_a_forced_calls_arguments_are_scanned_once_as_they_stream(monkeypatch):
             sent += call.arguments
     assert sent == arguments
     assert visited[0] < 2 * len(arguments)  # scanned from the start at every delta: ~len^2 / 4
+
+
+def test_required_calls_are_scanned_once_as_they_stream(monkeypatch):
+    from llmplug.plugins.tool_parsers import base
+
+    visited, scan = [0], base.JsonScan._bracketed_end
+
+    def counting_scan(self, text):
+        visited[0] += len(text) - self.pos
+        return scan(self, text)
+
+    monkeypatch.setattr(base.JsonScan, "_bracketed_end", counting_scan)
+    calls = [{"name": "get_weather", "parameters": {"city": "x" * 500}} for _ in range(4)]
+    text = json.dumps(calls)
+    got_content, got_calls = streamed(RequiredCallsParser(TOOLS), [text[i:i + 3] for i in range(0, len(text), 3)])
+    assert got_content == "" and [json.loads(a) for _, a in got_calls] == [c["parameters"] for c in calls]
+    assert visited[0] < 2 * len(text)  # scanned from each call's start at every delta: ~len^2 / 6
