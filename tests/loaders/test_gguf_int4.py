@@ -7,6 +7,7 @@ engine's own output with `quantization=none`.
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -152,6 +153,9 @@ def smollm2_outputs() -> dict[str, list[list[int]]]:
         results = [llm.generate([prompt], params, use_tqdm=False)[0] for prompt in prompts]
         outputs[quantization] = [list(r.outputs[0].token_ids) for r in results]
         outputs[quantization + " text"] = [r.outputs[0].text for r in results]
+        # freed before the next engine loads (its reference cycles would keep the model until a collection)
+        del llm
+        gc.collect()
     return outputs
 
 
