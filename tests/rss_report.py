@@ -10,7 +10,8 @@ process). After each module's last teardown (its module fixtures released) it wr
   module's start by writing 5 to /proc/self/clear_refs, so it is this module's, not the run's so far;
 - `children now`: the resident sets of pytest's live descendants (engine worker processes kept by fixtures);
 - `children peak`: the largest child that has exited and been waited for, over the run so far (RUSAGE_CHILDREN
-  cannot be reset); a `^` marks the module that raised it.
+  cannot be reset); a `^` marks the module that raised it. A child forked from pytest counts the pages it still
+  shares with pytest as its own, so a fork shows about pytest's size here without costing it twice.
 
 At the end: the run's peak with its module, the ten modules of highest peak, and a warning when the peak is over
 `rss_budget_gb` (pyproject's pytest settings). Off with `-p no:tests.rss_report`.
