@@ -5,6 +5,8 @@ forward gives the eager engine's greedy tokens and log-probabilities, bit for bi
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 
 from llmplug import LLM, SamplingParams
@@ -87,6 +89,8 @@ def test_compiled_forward_greedy_equals_eager() -> None:
         expected = [_tokens_and_logprobs(o) for o in eager.generate(prompts, greedy, use_tqdm=False)]
     finally:
         eager.shutdown()
+    del eager
+    gc.collect()  # the engine's reference cycles would keep its model beside the compiled one's
     compiled = LLM(max_num_seqs=32, enable_prefix_caching=False, quantization="none", **{"device.compile": True})
     try:
         runner_forward = compiled.llm_engine.engine_core.executor.worker.model_runner.forward
