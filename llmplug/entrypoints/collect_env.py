@@ -18,24 +18,16 @@ import platform
 import re
 import sys
 import tempfile
-from collections.abc import Callable, Set
+from collections.abc import Callable
 from typing import Any
 
-from llmplug.core.cpuinfo import cpu_flags, cpu_model_name
+from llmplug.core.cpuinfo import cpu_flags, cpu_model_name, onednn_isa_caps
 
 # The flags a kernel choice depends on, as /proc/cpuinfo names them (x86, then Arm).
 REPORTED_FLAGS = (
     "avx2", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx_vnni", "avx512_bf16",
     "avx512_fp16", "avx_ne_convert", "amx_tile", "amx_bf16", "amx_int8", "amx_fp16",
     "asimd", "bf16", "i8mm", "sve", "sve2",
-)
-# Each oneDNN ISA cap (`ONEDNN_MAX_CPU_ISA`) and the cpuinfo flag that must be present for its kernels,
-# lowest first: each cap selects another kernel family, so one machine can test several (issue 34).
-ISA_CAPS = (
-    ("AVX2", "avx2"),
-    ("AVX512_CORE", "avx512f"),
-    ("AVX512_CORE_BF16", "avx512_bf16"),
-    ("AVX512_CORE_AMX", "amx_bf16"),
 )
 # Row counts the kernel table probes: a lone decode row, a small batch, a prefill-sized one.
 PROBED_ROWS = (1, 8, 256)
@@ -60,11 +52,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 # --- what the CPU says ---------------------------------------------------------------------------
-
-
-def onednn_isa_caps(flags: Set[str]) -> list[str]:
-    """The `ONEDNN_MAX_CPU_ISA` caps whose kernels this CPU can run, lowest first."""
-    return [cap for cap, flag in ISA_CAPS if flag in flags]
 
 
 # --- what torch and oneDNN say -------------------------------------------------------------------

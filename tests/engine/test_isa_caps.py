@@ -17,19 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from llmplug.core.cpuinfo import cpu_flags
+from llmplug.core.cpuinfo import ONEDNN_ISA_CAPS, cpu_flags, onednn_isa_caps
 from llmplug.layers.kernels.native import MARCH_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
-_AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
-# oneDNN's ISA caps (its names) and the CPU flags each needs
-CAPS = {
-    "AVX2": {"avx2"},
-    "AVX512_CORE": _AVX512,
-    "AVX512_CORE_VNNI": _AVX512 | {"avx512_vnni"},
-    "AVX512_CORE_BF16": _AVX512 | {"avx512_vnni", "avx512_bf16"},
-    "AVX512_CORE_AMX": _AVX512 | {"avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"},
-}
 # what depends on the kernel family: the packed linear layers' row plans, the tiny families' invariance in
 # bf16 / float32 / int8, the int8 matmul's exactness; and, under every cap but the CPU's best (which the
 # uncapped suite runs), the default model's 32 chat prompts alone vs together
@@ -42,16 +33,13 @@ DEFAULT_MODEL_PAIR = "tests/engine/test_batch_invariance.py::test_32_chat_prompt
 PROPERTY_FAMILIES = "LlamaForCausalLM or Qwen2MoeForCausalLM"  # dense and MoE experts; every family runs uncapped
 
 
-def supported(cap: str) -> bool:
-    return CAPS[cap] <= cpu_flags()
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("cap", list(CAPS))
-def test_the_kernel_dependent_guarantees_hold_under_each_isa_cap(cap: str, tmp_path) -> None:
-    if not supported(cap):
-        pytest.skip(f"this CPU lacks {sorted(CAPS[cap] - cpu_flags())} for ONEDNN_MAX_CPU_ISA={cap}")
-    best = [c for c in CAPS if supported(c)][-1]
+@pytest.mark.parametrize("cap", list(ONEDNN_ISA_CAPS))
+def test_the_kernel_dependent_guarantees_hold_under_each_isa_cap(cap: str) -> None:
+    supported = onednn_isa_caps()
+    if cap not in supported:
+        pytest.skip(f"this CPU lacks {sorted(ONEDNN_ISA_CAPS[cap] - cpu_flags())} for ONEDNN_MAX_CPU_ISA={cap}")
+    best = supported[-1]
     tests = TESTS if cap == best else [*TESTS, DEFAULT_MODEL_PAIR]
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": cap, "ONEDNN_VERBOSE": "0"}
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *tests, "-k",

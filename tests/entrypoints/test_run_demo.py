@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from llmplug.core.cpuinfo import cpu_flags
-from llmplug.entrypoints.collect_env import onednn_isa_caps
+from llmplug.core.cpuinfo import cpu_flags, onednn_isa_caps
 from llmplug.entrypoints.engine_args import add_engine_args
 from llmplug.entrypoints.generate import DEMO_DTYPE, _demo_config
 
