@@ -19,11 +19,11 @@ At the end: the run's peak with its module, the ten modules of highest peak, and
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import resource
 import time
-from dataclasses import dataclass
 
 import pytest
 
@@ -31,7 +31,7 @@ GB = 1 << 30
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
-@dataclass(slots=True)
+@dataclasses.dataclass(slots=True)
 class ModuleMemory:
     """What one test module cost: wall time and pytest's resident set (bytes) after it and at its peak."""
 
@@ -163,17 +163,24 @@ class RssReport:
     def pytest_terminal_summary(self, terminalreporter) -> None:
         if not self.modules:
             return
-        worst = max(self.modules, key=lambda m: m.rss_peak)
+        # a session fixture with params interleaves modules (pytest groups items by param): one row per module
+        merged: dict[str, ModuleMemory] = {}
+        for m in self.modules:
+            seen = merged.get(m.module)
+            merged[m.module] = m if seen is None else dataclasses.replace(
+                m, seconds=seen.seconds + m.seconds, rss_peak=max(seen.rss_peak, m.rss_peak))
+        modules = list(merged.values())
+        worst = max(modules, key=lambda m: m.rss_peak)
         # without a per-module reset, each module's "peak" is the run's so far: the first to reach it is the culprit
         peak_kind = "per-module high-water marks" if self.can_reset else "run high-water mark (no per-module reset)"
         terminalreporter.section("memory (tests/rss_report.py)", sep="-")
         terminalreporter.write_line(f"highest module peaks ({peak_kind}):")
-        for m in sorted(self.modules, key=lambda m: m.rss_peak, reverse=True)[:10]:
+        for m in sorted(modules, key=lambda m: m.rss_peak, reverse=True)[:10]:
             terminalreporter.write_line(f"  {_gb(m.rss_peak):>9}  {m.seconds:7.1f} s  {m.module}")
         over = worst.rss_peak > self.budget
         terminalreporter.write_line(
             f"rss summary: pytest peak {_gb(worst.rss_peak)} in {worst.module}; children peak"
-            f" {_gb(self.children_peak)}; {len(self.modules)} modules in {time.monotonic() - self.run_started:.0f} s;"
+            f" {_gb(self.children_peak)}; {len(modules)} modules in {time.monotonic() - self.run_started:.0f} s;"
             f" budget {_gb(int(self.budget))}" + (" -- OVER BUDGET" if over else ""),
             red=over, bold=over,
         )
