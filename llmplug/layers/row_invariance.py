@@ -110,7 +110,8 @@ def find_row_plan(matmul: Matmul, in_features: int, dtype: torch.dtype, max_rows
     counts = [m for m in PROBED_ROW_COUNTS if m <= max_rows]
     x = order_sensitive_rows(max(counts[-1] + _SHIFTS, 2 * TILE_ROWS[0]), in_features, dtype)
     reference = matmul(x)
-    differing = [m for m in counts if not torch.equal(matmul(x[_shift(m) : _shift(m) + m]), reference[_shift(m) : _shift(m) + m])]
+    windows = {m: slice(_shift(m), _shift(m) + m) for m in counts}
+    differing = [m for m, rows in windows.items() if not torch.equal(matmul(x[rows]), reference[rows])]
     if not differing:
         return RowPlan()
     if differing[-1] < MAX_MIN_ROWS and differing == counts[: len(differing)]:
