@@ -47,7 +47,6 @@ class TensorizerLoader(BaseModelLoader):
 def _deserialize(uri: str) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of a tensorizer file or URI; damage is a ModelLoadError naming it."""
     from tensorizer import TensorDeserializer
-    from tensorizer.serialization import HashMismatchError
 
     remote = uri.startswith(_REMOTE_SCHEMES)
     if not remote and not os.path.isfile(uri):
@@ -55,8 +54,10 @@ def _deserialize(uri: str) -> Iterator[tuple[str, torch.Tensor]]:
     try:
         with TensorDeserializer(uri, device="cpu", lazy_load=True, verify_hash=True) as deserializer:
             yield from deserializer.items()
-    # tensorizer reports an unreachable URI, a damaged header, a short read and a hash mismatch with these
-    except (HashMismatchError, ValueError, OSError, EOFError, RuntimeError, KeyError) as error:
+    # tensorizer's reader fails on damage with whatever its parsing hits (a short read, struct.error, IndexError in a
+    # header, a hash mismatch, an unreachable URI): any error while iterating is the file's (the consumer's own
+    # errors are raised in its frame, not here)
+    except Exception as error:
         problem = "cannot be read or is corrupted" if remote else "is truncated or corrupted"
         raise ModelLoadError(f"tensorizer file {uri} {problem}: {error}") from error
 
