@@ -55,6 +55,7 @@ GROUPS: dict[str, str] = {
     "llmplug.tool_parsers": "tool calls in model output: serve --tool-call-parser name -> ToolParser class",
     "llmplug.reasoning_parsers": "reasoning in model output: serve --reasoning-parser name -> ReasoningParser class",
     "llmplug.lora_resolvers": "where LoRA adapters come from: serve --lora-resolver name -> LoRAResolver class",
+    "llmplug.quantization": "quantized checkpoints: config.json quant_method (or quantization) -> QuantizationConfig class",
     HOOKS_GROUP: "general plugins: name -> module of pluggy hookimpls, all registered together",
 }
 NAMED_GROUPS: tuple[str, ...] = tuple(group for group in GROUPS if group != HOOKS_GROUP)

@@ -24,6 +24,7 @@ from llmplug.core.errors import ModelLoadError
 from llmplug.layers.bitsandbytes import stage_bnb
 from llmplug.layers.quantization import DENSE, LinearOptions, LinearMethod, linear_method_for, stage_int4
 from llmplug.layers.weight_utils import ShardId, default_weight_loader, frozen_parameter
+from llmplug.quantization.context import checkpoint_method_for
 
 __all__ = [
     "ColumnParallelLinear",
@@ -62,9 +63,16 @@ class LinearBase(nn.Module):
         self.input_size, self.output_size, self.prefix = input_size, output_size, prefix
         tp = get_tp_group()
         self.tp_rank, self.tp_size = tp.rank_in_group, tp.world_size
-        self.weight = frozen_parameter(torch.empty(output_size, input_size), self.weight_loader)
-        self.bias = frozen_parameter(torch.empty(output_size), self.weight_loader) if bias else None
         self.quant_method: LinearMethod = DENSE
+        # a quantized checkpoint's layer holds the checkpoint's packed tensors instead of a dense weight
+        method = checkpoint_method_for(self, prefix)
+        if method is None:
+            self.weight = frozen_parameter(torch.empty(output_size, input_size), self.weight_loader)
+        else:
+            self.register_parameter("weight", None)
+            self.quant_method = method
+            method.create_weights(self)
+        self.bias = frozen_parameter(torch.empty(output_size), self.weight_loader) if bias else None
         self.lora: LoRAHook | None = None  # adapter slots, attached by llmplug.lora when LoRA is enabled
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId | None = None) -> None:
@@ -80,14 +88,69 @@ class LinearBase(nn.Module):
             stage_int4(param, loaded_weight, place)
             stage_bnb(param, loaded_weight, place)
 
-    def _place(self, dst: torch.Tensor, loaded: torch.Tensor, shard_id: ShardId | None) -> None:
-        """Copy the part of `loaded` that this rank holds into `dst` (shaped like the parameter); here: all of it."""
-        _no_shard_id(self, shard_id)
+    def _place(
+        self, dst: torch.Tensor, loaded: torch.Tensor, shard_id: ShardId | None, output_dim: int | None = 0,
+        input_dim: int | None = 1, output_pack: int = 1,
+    ) -> None:
+        """Copy the part of checkpoint tensor `loaded` that this rank holds into `dst` (shaped like the parameter).
+
+        `output_dim` / `input_dim`: the dims of `dst` along the output and input features (None: it has none; a
+        bias has no input dim); `output_pack`: output features per entry along `output_dim` (a format that packs
+        eight 4-bit zero points of consecutive outputs into one int32 has 8). The layer's kind says which rows
+        `shard_id` fills and which part of the checkpoint's rows and columns this rank takes (`_output_slot`,
+        `input_split`).
+        """
+        if output_dim is not None and dst.dim() > output_dim:
+            offset, size, index, count = self._output_slot(shard_id)
+            if offset % output_pack or size % output_pack:
+                raise ModelLoadError(
+                    f"{size} output features at offset {offset} do not split into packs of {output_pack}: the layer's "
+                    "shards cannot be placed in the checkpoint's packed form (choose another tensor_parallel_size)"
+                )
+            dst = dst.narrow(output_dim, offset // output_pack, size // output_pack)
+            loaded = _shard(loaded, output_dim, index, size // output_pack, count)
+        else:
+            _no_shard_id(self, shard_id)
+        rank, ranks = self.input_split
+        if input_dim is not None and ranks > 1 and dst.dim() > input_dim:
+            loaded = _shard(loaded, input_dim, rank, dst.shape[input_dim], ranks)
         default_weight_loader(dst, loaded)
 
+    def _output_slot(self, shard_id: ShardId | None) -> tuple[int, int, int, int]:
+        """Where `shard_id`'s rows go and come from: (offset, size) in this rank's output features, and (index,
+        count): this rank takes slice `index` of `count` equal slices of the checkpoint tensor's rows. Here: all."""
+        _no_shard_id(self, shard_id)
+        return 0, self.output_size, 0, 1
+
+    @property
+    def input_split(self) -> tuple[int, int]:
+        """(index, count): this rank takes slice `index` of `count` equal slices of the input features."""
+        return 0, 1
+
+    def create_parameter(
+        self, name: str, shape: Sequence[int], dtype: torch.dtype, output_dim: int | None, input_dim: int | None,
+        output_pack: int = 1,
+    ) -> nn.Parameter:
+        """Register an uninitialized parameter of a quantized checkpoint's form (see `_place` for the dims), loaded
+        with this layer's sharding; its `weight_loader` takes the checkpoint tensor (and the fused shard id)."""
+
+        def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId | None = None) -> None:
+            if loaded.dtype != param.dtype:
+                raise ModelLoadError(f"{name} is {loaded.dtype} in the checkpoint; {type(self.quant_method).__name__} "
+                                     f"expects {param.dtype}")
+            self._place(param.data, loaded, shard_id, output_dim, input_dim, output_pack)
+
+        param = frozen_parameter(torch.empty(*shape, dtype=dtype), load)
+        self.register_parameter(name, param)
+        return param
+
     def process_weights_after_loading(self, options: LinearOptions) -> None:
-        """Choose the quant method now that the weight (and any staged int4 groups) are loaded."""
-        self.quant_method = linear_method_for(self.weight, options)
+        """Choose the quant method now that the weight (and any staged int4 groups) are loaded; a quantized
+        checkpoint's method repacks its tensors for its kernel."""
+        if self.weight is None:
+            self.quant_method.process_weights_after_loading(self, options)
+        else:
+            self.quant_method = linear_method_for(self.weight, options)
 
     def use_quantized(self, method: LinearMethod, weight: nn.Parameter) -> None:
         """Compute through `method` from now on; its quantized `weight` replaces (and frees) the dense one."""
@@ -118,10 +181,10 @@ class ColumnParallelLinear(LinearBase):
         self.total_output_size, self.gather_output = output_size, gather_output
         super().__init__(input_size, divide(output_size, get_tp_group().world_size), bias, prefix)
 
-    def _place(self, dst: torch.Tensor, loaded: torch.Tensor, shard_id: ShardId | None) -> None:
-        """Copy this rank's rows of the full [output_size, ...] tensor."""
+    def _output_slot(self, shard_id: ShardId | None) -> tuple[int, int, int, int]:
+        """This rank's rows of the full [output_size, ...] tensor."""
         _no_shard_id(self, shard_id)
-        default_weight_loader(dst, _shard(loaded, 0, self.tp_rank, dst.shape[0], self.tp_size))
+        return 0, self.output_size, self.tp_rank, self.tp_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[..., input_size] -> [..., output_size / tp] (or whole with gather_output)."""
@@ -142,16 +205,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = list(output_sizes)
         super().__init__(input_size, sum(self.output_sizes), bias, gather_output=False, prefix=prefix)
 
-    def _place(self, dst: torch.Tensor, loaded: torch.Tensor, shard_id: ShardId | None) -> None:
-        """Copy this rank's rows of checkpoint projection `shard_id` into its place in the fused weight."""
+    def _output_slot(self, shard_id: ShardId | None) -> tuple[int, int, int, int]:
+        """This rank's rows of checkpoint projection `shard_id`, at its place in the fused weight."""
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(
                 f"MergedColumnParallelLinear shard id must be 0..{len(self.output_sizes) - 1}, got {shard_id!r}"
             )
         sizes = [divide(s, self.tp_size) for s in self.output_sizes]
-        offset, size = sum(sizes[:shard_id]), sizes[shard_id]
-        shard = _shard(loaded, 0, self.tp_rank, size, self.tp_size)
-        default_weight_loader(dst.narrow(0, offset, size), shard)
+        return sum(sizes[:shard_id]), sizes[shard_id], self.tp_rank, self.tp_size
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -195,18 +256,15 @@ class QKVParallelLinear(ColumnParallelLinear):
         """Width of this rank's k (and of its v) output."""
         return self.num_kv_heads * self.head_size
 
-    def _place(self, dst: torch.Tensor, loaded: torch.Tensor, shard_id: ShardId | None) -> None:
-        """Copy this rank's heads of checkpoint projection `shard_id` ("q", "k" or "v")."""
+    def _output_slot(self, shard_id: ShardId | None) -> tuple[int, int, int, int]:
+        """This rank's heads of checkpoint projection `shard_id` ("q", "k" or "v")."""
         offsets = {"q": 0, "k": self.q_size, "v": self.q_size + self.kv_size}
         if shard_id not in offsets:
             raise ValueError(f"QKVParallelLinear shard id must be 'q', 'k' or 'v', got {shard_id!r}")
         if shard_id == "q":
-            size, index, num_shards = self.q_size, self.tp_rank, self.tp_size
-        else:
-            replicas = self.num_kv_head_replicas
-            size, index, num_shards = self.kv_size, self.tp_rank // replicas, self.tp_size // replicas
-        rows = dst.narrow(0, offsets[shard_id], size)
-        default_weight_loader(rows, _shard(loaded, 0, index, size, num_shards))
+            return 0, self.q_size, self.tp_rank, self.tp_size
+        replicas = self.num_kv_head_replicas
+        return offsets[shard_id], self.kv_size, self.tp_rank // replicas, self.tp_size // replicas
 
 
 class RowParallelLinear(LinearBase):
@@ -225,13 +283,10 @@ class RowParallelLinear(LinearBase):
         self.input_is_parallel, self.reduce_results = input_is_parallel, reduce_results
         super().__init__(divide(input_size, get_tp_group().world_size), output_size, bias, prefix)
 
-    def _place(self, dst: torch.Tensor, loaded: torch.Tensor, shard_id: ShardId | None) -> None:
-        """Copy this rank's columns of the weight (int4 groups: their columns of groups); the bias is loaded whole."""
-        _no_shard_id(self, shard_id)
-        if dst.dim() == 1:
-            default_weight_loader(dst, loaded)
-            return
-        default_weight_loader(dst, _shard(loaded, 1, self.tp_rank, dst.shape[1], self.tp_size))
+    @property
+    def input_split(self) -> tuple[int, int]:
+        """This rank's columns of the weight (int4 groups: their columns of groups); the output (bias) is whole."""
+        return self.tp_rank, self.tp_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[..., input_size / tp] (or whole) -> [..., output_size], summed over ranks."""

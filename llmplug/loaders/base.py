@@ -189,7 +189,11 @@ class BaseModelLoader(abc.ABC):
 
                 cls = converted_class(cls, model_config.convert)
             device = torch.device(device) if device is not None else torch.get_default_device()
-            with _default_dtype(model_dtype(model_config.dtype)), device:
+            from llmplug.core.plugins import get_registry
+            from llmplug.quantization import building_with, resolve_quantization
+
+            quantization = resolve_quantization(hf_config, model_config, self.registry or get_registry())
+            with _default_dtype(model_dtype(model_config.dtype)), device, building_with(quantization):
                 model = cls(config=hf_config, prefix="")
             self.load_weights(model, model_config, progress)
             _check_materialized(model)

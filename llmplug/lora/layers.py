@@ -131,7 +131,7 @@ class LoRASlots:
                ) -> None:
         """Copy this rank's shards of one part's A [r, in] and B [out, r] into the slot's views."""
         if isinstance(self.layer, RowParallelLinear):  # this rank's input columns of A; B whole
-            self.layer._place(a_dst, a, None)
+            self.layer._place(a_dst, a, None, output_dim=None)
             b_dst.copy_(b)
         else:  # A whole; this rank's rows of this part of B, where the base weight keeps them
             a_dst.copy_(a)

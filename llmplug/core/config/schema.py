@@ -39,10 +39,13 @@ class ModelConfig(_Section):
     hf_overrides: dict[str, Any] = Field(default_factory=dict, description="Values that override the HF config.")
     # "none" by default: dense weights are what the parity tests hold against transformers; int4 trades
     # prefill and large-batch speed for single-stream speed (docs/quantization.md)
-    quantization: Literal["auto", "none", "int4", "int8"] = Field(
+    quantization: str = Field(
         "none",
         description=(
-            "Weight-only int4 copies next to the dense weights. auto: where the checkpoint's own blocks are "
+            "A quantized checkpoint (config.json's quantization_config.quant_method: gptq, awq, "
+            "compressed-tensors, fp8, ...) is computed with its method, found in the llmplug.quantization plugin "
+            "group; naming one here insists on it. For dense and GGUF weights, weight-only int4 copies next to the "
+            "dense weights: auto: where the checkpoint's own blocks are "
             "exactly int4 (GGUF Q4_0, Q4_1, Q8_0) and the platform runs the kernel; int4: every linear layer, "
             "quantizing the rest (group 32); none: dense only. An int4 layer computes at most 8 tokens per call "
             "with its int4 copy (decode) and more densely, unless batch_invariant is true: then every token "

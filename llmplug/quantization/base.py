@@ -1,0 +1,70 @@
+"""The quantization protocol (after vLLM's `QuantizationConfig` / `QuantizeMethodBase`): a plugin group.
+
+A method is registered in the `llmplug.quantization` entry-point group under the name a checkpoint's
+`config.json` gives (`quantization_config.quant_method`), and has two parts:
+
+- a `QuantizationConfig` class: `from_config(quantization_config)` reads the checkpoint's settings (a
+  `ModelLoadError` for a setting it does not implement, naming it), and `linear_method(layer, prefix)` says
+  how one linear layer is stored and computed (None: that layer is dense, e.g. one the format leaves out);
+- a `QuantizedLinearMethod` per layer: `create_weights(layer)` registers the checkpoint's tensors in their
+  packed form with `layer.create_parameter` (which shards them for tensor parallelism and fused projections
+  as the layer does its dense weight), `process_weights_after_loading(layer, options)` repacks them once for
+  the kernel, and `apply(layer, x, bias)` computes x W^T + b.
+
+The loader reads the method from the checkpoint (`resolve_quantization`), or from `quantization: NAME`, and
+builds the model inside `building_with(config)` (llmplug.quantization.context) so each layer gets its method
+when it is created; no dense copy of a weight is ever made (docs/quantization.md).
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from llmplug.layers.linear import LinearBase
+    from llmplug.layers.quantization import LinearOptions
+
+__all__ = ["QuantizationConfig", "QuantizedLinearMethod"]
+
+
+class QuantizedLinearMethod(abc.ABC):
+    """How one linear layer holds and computes with a checkpoint's quantized weight."""
+
+    @abc.abstractmethod
+    def create_weights(self, layer: LinearBase) -> None:
+        """Register the layer's tensors in the checkpoint's form (`layer.create_parameter`); shapes are this
+        rank's (`layer.input_size`, `layer.output_size`)."""
+
+    def process_weights_after_loading(self, layer: LinearBase, options: LinearOptions) -> None:
+        """Turn the loaded tensors into the kernel's form (once, after loading); default: nothing."""
+
+    @abc.abstractmethod
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """[..., in] -> [..., out]: x W^T + b."""
+
+    @abc.abstractmethod
+    def dequantize(self, layer: LinearBase) -> torch.Tensor:
+        """The dense weight [out, in] the layer computes with (in float32): the reference of the method's tests
+        and the fallback of paths that need a dense weight."""
+
+
+class QuantizationConfig(abc.ABC):
+    """A checkpoint's quantization settings and the methods they give each layer."""
+
+    name: ClassVar[str]  # the quant_method it is registered as
+
+    @classmethod
+    @abc.abstractmethod
+    def from_config(cls, config: dict[str, Any]) -> QuantizationConfig:
+        """Read config.json's `quantization_config` (ModelLoadError naming a setting it does not implement)."""
+
+    @abc.abstractmethod
+    def linear_method(self, layer: LinearBase, prefix: str) -> QuantizedLinearMethod | None:
+        """The method of the linear `layer` named `prefix` (None: the checkpoint keeps it dense)."""
+
+    def supported_dtypes(self) -> tuple[torch.dtype, ...]:
+        """Activation dtypes the method computes in."""
+        return (torch.float32, torch.bfloat16, torch.float16)
