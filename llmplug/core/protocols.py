@@ -30,7 +30,11 @@ if TYPE_CHECKING:  # no heavy imports at run time
 #      batch-invariant mode's default, docs/determinism.md); Platform.batch_invariant_kernels
 # 1.6: the config's quantization "int8" (llmplug.layers.int8_linear, LinearOptions.int8); Int4LinearMethod.max_tokens
 #      may be None (every token count, the batch-invariant mode)
-PLUGIN_API_VERSION = "1.6"
+# 1.7: the llmplug.quantization group (QuantizationConfig, QuantizedLinearMethod with row_invariant,
+#      llmplug.quantization.building_with / checkpoint_method_for); LinearBase.create_parameter and the generic
+#      placement of any tensor of a layer (LinearBase._place with output_dim / input_dim / output_pack, _output_slot,
+#      input_split); llmplug.testing.check_quantization_method / save_quantized_checkpoint
+PLUGIN_API_VERSION = "1.7"
 
 
 @runtime_checkable

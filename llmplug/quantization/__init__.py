@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from llmplug.core.config.schema import QUANTIZATION_MODES
 from llmplug.core.errors import ConfigError
 from llmplug.quantization.base import QuantizationConfig, QuantizedLinearMethod
 from llmplug.quantization.context import building_with, checkpoint_method_for
@@ -29,7 +30,7 @@ __all__ = [
 
 GROUP = "llmplug.quantization"
 # what `quantization` means for dense and GGUF checkpoints: llmplug's own int4/int8 copies (layers/quantization.py)
-RUNTIME_MODES = ("none", "auto", "int4", "int8")
+RUNTIME_MODES = QUANTIZATION_MODES
 # formats another loader reads whole (load.format bitsandbytes): not a method of this group
 _LOADER_FORMATS = ("bitsandbytes",)
 

@@ -33,6 +33,11 @@ __all__ = ["QuantizationConfig", "QuantizedLinearMethod"]
 class QuantizedLinearMethod(abc.ABC):
     """How one linear layer holds and computes with a checkpoint's quantized weight."""
 
+    # whether `apply`'s output rows are bitwise the same whatever the number of rows x has (one token alone or
+    # in any batch): what the batch-invariant mode needs (docs/determinism.md); a method whose kernel changes its
+    # blocking with the row count says False, and llmplug.testing.check_quantization_method reports it
+    row_invariant: ClassVar[bool] = True
+
     @abc.abstractmethod
     def create_weights(self, layer: LinearBase) -> None:
         """Register the layer's tensors in the checkpoint's form (`layer.create_parameter`); shapes are this

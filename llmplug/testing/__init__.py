@@ -6,31 +6,44 @@
   log-probabilities;
 - `PagedHarness`: a minimal paged runner for model-level logits checks;
 - `PoolingParityCase`, `PoolingParityRunner`: pooling models (embeddings, classifiers) through the
-  engine against transformers' pooled hidden states and logits.
+  engine against transformers' pooled hidden states and logits;
+- `save_quantized_checkpoint`, `check_quantization_method`: a quantization method (`llmplug.quantization`)
+  through the engine: each quantized layer against its own dequantized weight, row invariance, and the logits
+  against transformers on the dequantized weights.
 
-See docs/plugins.md ("Testing a model architecture").
+See docs/plugins.md ("Testing a model architecture", "Quantization methods").
 """
 
 from llmplug.testing.paged import PagedHarness
 from llmplug.testing.pooling import PoolingParityCase, PoolingParityRunner, PoolingReport
 from llmplug.testing.parity import VARIANTS, Completion, ParityCase, ParityReport, ParityRunner, Reference, Variant
+from llmplug.testing.quantization import (
+    LayerCheck,
+    QuantizationReport,
+    check_quantization_method,
+    save_quantized_checkpoint,
+)
 from llmplug.testing.tiny import TINY_SIZES, TinyCheckpoint, randomize_, save_tiny_checkpoint, tiny_config
 
 __all__ = [
     "TINY_SIZES",
     "VARIANTS",
     "Completion",
+    "LayerCheck",
     "PagedHarness",
     "PoolingParityCase",
     "PoolingParityRunner",
     "PoolingReport",
+    "QuantizationReport",
     "ParityCase",
     "ParityReport",
     "ParityRunner",
     "Reference",
     "TinyCheckpoint",
     "Variant",
+    "check_quantization_method",
     "randomize_",
+    "save_quantized_checkpoint",
     "save_tiny_checkpoint",
     "tiny_config",
 ]

@@ -7,6 +7,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+# what model.quantization means for dense and GGUF weights (llmplug.layers.quantization); any other value names a
+# quantized checkpoint's method, an `llmplug.quantization` plugin
+QUANTIZATION_MODES = ("none", "auto", "int4", "int8")
 
 
 class _Section(BaseModel):
@@ -44,7 +47,8 @@ class ModelConfig(_Section):
         description=(
             "A quantized checkpoint (config.json's quantization_config.quant_method: gptq, awq, "
             "compressed-tensors, fp8, ...) is computed with its method, found in the llmplug.quantization plugin "
-            "group; naming one here insists on it. For dense and GGUF weights, weight-only int4 copies next to the "
+            "group; naming one here insists on it (a name that is neither a mode nor an installed method is an "
+            "error listing both). For dense and GGUF weights, weight-only int4 copies next to the "
             "dense weights: auto: where the checkpoint's own blocks are "
             "exactly int4 (GGUF Q4_0, Q4_1, Q8_0) and the platform runs the kernel; int4: every linear layer, "
             "quantizing the rest (group 32); none: dense only. An int4 layer computes at most 8 tokens per call "
@@ -94,6 +98,24 @@ class ModelConfig(_Section):
             "The batch-invariant mode packs them (float32 too) whatever this says."
         ),
     )
+
+    @field_validator("quantization")
+    @classmethod
+    def _known_quantization(cls, name: str) -> str:
+        """A runtime mode or the name of an installed `llmplug.quantization` method (its metadata read only when the
+        name is not a mode; whether the allow-list lets the engine use it is the engine's registry's to say)."""
+        if name in QUANTIZATION_MODES:
+            return name
+        from llmplug.core.plugins import PluginRegistry  # lazy: plugins imports the config
+
+        methods = PluginRegistry().names("llmplug.quantization")  # metadata only, nothing imported
+        if name not in methods:
+            raise ValueError(
+                f"{name!r} is neither a mode ({', '.join(QUANTIZATION_MODES)}) nor an installed llmplug.quantization "
+                f"method ({', '.join(methods) or 'none installed'}); a quantized checkpoint's method is read from its "
+                "config.json, so auto or none is usually right"
+            )
+        return name
 
     # whether batch_invariant was asked for (true) rather than resolved from auto; set at engine start
     # (engine/batch_invariance.py), not a setting
