@@ -3,8 +3,9 @@
 Machines of one kind come with different CPUs (AMD Zen without AMX, Intel Xeon with AMX), and oneDNN picks
 its kernels, and so the rounding of every bf16 result, by the CPU it finds (docs/determinism.md). This prints
 the CPU and its flags, the oneDNN ISA in use (after any `ONEDNN_MAX_CPU_ISA` cap), the threads, torch's and
-oneDNN's versions, and which oneDNN kernel each packed linear shape of the default model gets here, at one
-row and at more, with the row plan the batch-invariant mode probed for it (layers/row_invariance.py).
+oneDNN's versions, which oneDNN kernel each packed linear shape of the default model gets here, at one
+row and at more, with the row plan the batch-invariant mode probed for it (layers/row_invariance.py), and the
+quantization methods installed (the `llmplug.quantization` plugins a quantized checkpoint can be run with).
 
 Kept light at import time (the CLI builds every parser on each call): torch loads inside `run`.
 """
@@ -148,6 +149,23 @@ def kernel_rows(shapes: dict[str, tuple[int, int]], dtype: Any) -> list[dict[str
     return rows
 
 
+# --- which quantized checkpoints run here -----------------------------------------------------------
+
+
+def quantization_methods() -> list[str]:
+    """Each installed `llmplug.quantization` method: its name, its distribution when not llmplug's, and why it cannot
+    be used here when it cannot (plugin metadata and the file system only, as `llmplug plugins`)."""
+    from llmplug.core.plugins import get_registry
+
+    methods = []
+    for row in get_registry().describe():
+        if row["group"] != "llmplug.quantization":
+            continue
+        name = row["name"] if row["distribution"] == "llmplug" else f"{row['name']} ({row['distribution']})"
+        methods.append(name if row["usable"] else f"{name} [not usable: {row['reason']}]")
+    return methods
+
+
 # --- the report ----------------------------------------------------------------------------------
 
 
@@ -173,6 +191,7 @@ def collect(dtype_name: str = "auto") -> dict[str, Any]:
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
         "preferred_dtype": CpuPlatform.preferred_dtype(), "kernel_dtype": dtype_name,
     }
+    report["quantization_methods"] = quantization_methods()
     report["kernels"] = kernel_rows(default_model_shapes(), getattr(torch, dtype_name))
     # the info line comes with the process's first verbose output, wherever that was
     report["onednn_isa"] = _isa_of(isa_lines)
@@ -181,7 +200,8 @@ def collect(dtype_name: str = "auto") -> dict[str, Any]:
 
 def format_report(report: dict[str, Any]) -> str:
     """The report as `key: value` lines, then the kernel table."""
-    lines = [f"{key}: {_shown(value)}" for key, value in report.items() if key != "kernels"]
+    lines = [f"{key}: {(', '.join(value) or 'none') if key == 'quantization_methods' else _shown(value)}"
+             for key, value in report.items() if key != "kernels"]
     lines += ["", f"oneDNN kernel of each linear layer of the default model ({report['kernel_dtype']}):"]
     columns = ["layer", "shape", "packed"] + [f"kernel_{n}_rows" for n in PROBED_ROWS] + ["row_plan"]
     cells = [columns] + [[_shown(row[c]) for c in columns] for row in report["kernels"]]

@@ -161,6 +161,14 @@ def test_plugins_json_filtered_by_group(capsys):
     assert {"group", "name", "distribution", "version", "usable", "reason"} <= set(rows[0])
 
 
+def test_plugins_lists_the_in_tree_quantization_methods_usable_or_why_not(capsys):
+    assert main(["plugins", "--group", "quantization", "--json"]) == 0
+    rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)}
+    assert {"gptq", "awq", "compressed-tensors", "fp8"} <= set(rows)
+    assert {row["group"] for row in rows.values()} == {"llmplug.quantization"}
+    assert all(row["distribution"] == "llmplug" and (row["usable"] or row["reason"]) for row in rows.values())
+
+
 def test_plugins_with_an_unknown_group_suggests_one(capsys):
     assert main(["plugins", "--group", "llmplug.platfroms"]) == 2
     assert "did you mean 'llmplug.platforms'?" in capsys.readouterr().err

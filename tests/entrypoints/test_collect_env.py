@@ -14,6 +14,7 @@ import torch
 
 from llmplug.core.cpuinfo import ONEDNN_ISA_CAPS, cpu_flags, onednn_isa_caps
 from llmplug.entrypoints.collect_env import NOT_ONEDNN, format_report
+from tests.plugin_examples import pip_install_examples, run_python
 
 FLAGS = cpu_flags()
 CAPS = onednn_isa_caps(FLAGS)
@@ -53,6 +54,7 @@ def test_it_names_the_cpu_its_flags_and_versions(capped_report):
     assert re.fullmatch(r"v\d+\.\d+(\.\d+)?", report["onednn"])
     assert report["torch_threads"] >= 1 and report["usable_cpus"] >= 1
     assert report["preferred_dtype"] in ("bfloat16", "float32")
+    assert {"gptq", "awq", "fp8"} <= {method.split(" ")[0] for method in report["quantization_methods"]}
 
 
 @pytest.mark.slow
@@ -88,3 +90,23 @@ def test_the_text_report_has_one_line_per_field_and_a_kernel_table(capped_report
     table = text.split("default model")[1].splitlines()
     assert table[1].split()[:3] == ["layer", "shape", "packed"]
     assert table[2].split()[:2] == ["qkv_proj", "960x576"]
+
+
+def test_it_lists_the_installed_quantization_methods_in_tree_and_third_party(tmp_path):
+    site = tmp_path / "site"
+    pip_install_examples(["toy_quantization"], site, tmp_path / "sources")
+    result = run_python(
+        """
+        import json
+        from llmplug.entrypoints.collect_env import format_report, quantization_methods
+        methods = quantization_methods()
+        text = format_report({"quantization_methods": methods, "kernels": [], "kernel_dtype": "float32"})
+        print(json.dumps({"methods": methods, "text": text}))
+        """,
+        site,
+    )
+    methods = result["methods"]
+    assert "toy-int8 (llmplug-example-toy-quantization)" in methods
+    in_tree = {method.split(" ")[0] for method in methods if "(" not in method.split(" [")[0]}
+    assert {"gptq", "awq", "compressed-tensors", "fp8"} <= in_tree
+    assert f"quantization_methods: {', '.join(methods)}" in result["text"].splitlines()
