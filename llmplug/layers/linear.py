@@ -24,6 +24,7 @@ from llmplug.core.errors import ModelLoadError
 from llmplug.layers.bitsandbytes import stage_bnb
 from llmplug.layers.quantization import DENSE, LinearOptions, LinearMethod, linear_method_for, stage_int4
 from llmplug.layers.weight_utils import ShardId, default_weight_loader, frozen_parameter
+from llmplug.quantization.base import QuantizedLinearMethod
 from llmplug.quantization.context import checkpoint_method_for
 
 __all__ = [
@@ -146,8 +147,8 @@ class LinearBase(nn.Module):
 
     def process_weights_after_loading(self, options: LinearOptions) -> None:
         """Choose the quant method now that the weight (and any staged int4 groups) are loaded; a quantized
-        checkpoint's method repacks its tensors for its kernel."""
-        if self.weight is None:
+        checkpoint's method repacks its tensors for its kernel (fp8's is named `weight`, as in the checkpoint)."""
+        if self.weight is None or isinstance(self.quant_method, QuantizedLinearMethod):
             self.quant_method.process_weights_after_loading(self, options)
         else:
             self.quant_method = linear_method_for(self.weight, options)
