@@ -57,6 +57,13 @@ def test_a_dense_checkpoint_has_no_method_whatever_runtime_mode():
         assert resolve_quantization(SimpleNamespace(), config, PluginRegistry()) is None
 
 
+def test_a_runtime_int4_or_int8_mode_on_a_quantized_checkpoint_is_refused():
+    checkpoint = SimpleNamespace(quantization_config=GPTQ)
+    for mode in ("int4", "int8"):
+        with pytest.raises(ConfigError, match=rf"quantization='{mode}', but m is a 'gptq' checkpoint"):
+            resolve_quantization(checkpoint, ModelConfig(model="m", quantization=mode), PluginRegistry())
+
+
 def test_the_checkpoints_method_is_read_lowercased_from_its_quantization_config():
     assert checkpoint_quant_method(SimpleNamespace(quantization_config={"quant_method": "GPTQ", "bits": 4})) == (
         "gptq", {"quant_method": "GPTQ", "bits": 4})
