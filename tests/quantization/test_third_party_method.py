@@ -5,6 +5,8 @@ whose parts disagree."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,8 @@ import torch
 from safetensors import safe_open
 from transformers import LlamaConfig
 
+from llmplug import LLM
+from llmplug.core.errors import ModelLoadError
 from llmplug.core.plugins import PluginRegistry
 from llmplug.quantization import GROUP
 from llmplug.testing import save_tiny_checkpoint, tiny_config
@@ -66,6 +70,16 @@ def test_the_checkpoint_runs_with_the_installed_method_like_transformers_on_its_
     with safe_open(quantized.path / "model.safetensors", "pt") as stored:  # no dense copy of a quantized weight
         names = set(stored.keys())
     assert "model.layers.0.mlp.down_proj.qweight" in names and "model.layers.0.mlp.down_proj.weight" not in names
+
+
+def test_a_setting_the_method_does_not_implement_is_a_load_error_naming_it(installed, quantized, tmp_path):
+    folder = tmp_path / "bits4"
+    shutil.copytree(quantized.path, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"]["bits"] = 4
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=r"toy-int8: bits=4 is not implemented"):
+        LLM(str(folder), dtype="float32", skip_tokenizer_init=True)
 
 
 def test_the_check_fails_against_a_reference_that_is_not_the_dequantized_weights(installed, quantized, tmp_path):

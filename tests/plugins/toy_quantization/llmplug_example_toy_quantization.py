@@ -55,7 +55,7 @@ class ToyInt8Config(QuantizationConfig):
     def from_config(cls, config: dict[str, Any]) -> ToyInt8Config:
         unknown = sorted(set(config) - KNOWN_SETTINGS)
         if unknown:
-            raise ModelLoadError(f"toy-int8: quantization_config has settings this method does not implement: {unknown}")
+            raise ModelLoadError(f"toy-int8: quantization_config has settings it does not implement: {unknown}")
         if config.get("bits", 8) != 8:
             raise ModelLoadError(f"toy-int8: bits={config['bits']!r} is not implemented; only 8")
         return cls(config.get("ignore", []))
