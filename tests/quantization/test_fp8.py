@@ -299,3 +299,95 @@ def test_bad_checkpoint_is_refused_by_name_then_a_good_one_loads(odd_blocked, tm
         assert len(out[0].outputs[0].token_ids) == 2
     finally:
         llm.shutdown()
+
+
+# ---------------------------------------------------------------- compressed-tensors' float schemes
+
+
+@pytest.mark.parametrize("strategy, static_input", [("tensor", True), ("channel", False), ("block", False)])
+def test_compressed_tensors_fp8_layer_equals_the_packages_own_decompression(strategy, static_input):
+    """A layer checkpoint written by compressed-tensors' own compressor (weight, weight_scale, maybe input_scale),
+    built through `compressed_tensors_fp8_method` directly (the CompressedTensorsConfig that dispatches to it lives in
+    another module), against the package's own decompression of the same tensors."""
+    ct = pytest.importorskip("compressed_tensors")
+    from compressed_tensors.quantization import (
+        QuantizationArgs, QuantizationConfig, QuantizationScheme, apply_quantization_config,
+    )
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    n, k = 320, 384  # a last block of 64 rows
+    weights = QuantizationArgs(num_bits=8, type="float", strategy=strategy, symmetric=True, dynamic=False,
+                               block_structure=[128, 128] if strategy == "block" else None)
+    inputs = QuantizationArgs(num_bits=8, type="float", strategy="tensor" if static_input else "token",
+                              symmetric=True, dynamic=not static_input)
+    config = QuantizationConfig(format="float-quantized", config_groups={
+        "group_0": QuantizationScheme(targets=["Linear"], weights=weights, input_activations=inputs)})
+    model = torch.nn.Sequential(torch.nn.Linear(k, n, bias=False))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.randn(n, k, generator=torch.Generator().manual_seed(6)) * 0.05)
+    apply_quantization_config(model, config)
+    linear, w = model[0], model[0].weight.detach()
+    if strategy == "block":
+        view = torch.nn.functional.pad(w, (0, 0, 0, 64)).view(3, 128, 3, 128)
+        low, high = view.amin((1, 3)), view.amax((1, 3))
+    elif strategy == "channel":
+        low, high = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
+    else:
+        low, high = w.min().reshape(1), w.max().reshape(1)
+    scale, zero = calculate_qparams(low, high, weights)
+    with torch.no_grad():
+        linear.weight_scale.copy_(scale)
+        linear.weight_zero_point.copy_(zero)
+        if static_input:
+            linear.input_scale.fill_(0.01)
+    compressor = ct.compressors.ModelCompressor(quantization_config=config)
+    compressor.compress_model(model)
+    stored = {name.removeprefix("0."): t.clone() for name, t in model.state_dict().items()}
+    assert stored["weight"].dtype == torch.float8_e4m3fn
+    compressor.decompress_model(model)
+    theirs = model[0].weight.detach().float()  # the package's own dequantization
+
+    config_dump = config.model_dump()["config_groups"]["group_0"]
+    method = compressed_tensors_fp8_method(config_dump["weights"], config_dump["input_activations"])
+    layer = _layer(method, n, k)
+    _load(layer, stored)
+    assert torch.equal(method.dequantize(layer), theirs)
+    assert hasattr(layer, "input_scale") == static_input  # read (not applied: weight-only)
+    if static_input:
+        assert float(layer.input_scale) == pytest.approx(0.01)
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(7))
+    expected = x.double() @ theirs.double().T
+    assert (layer(x).double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
+@pytest.mark.parametrize("weights, inputs, named", [
+    ({"num_bits": 8, "type": "float", "strategy": "group", "group_size": 128}, None, "strategy"),
+    ({"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [64, 64]}, None, "block_structure"),
+    ({"num_bits": 4, "type": "float", "strategy": "tensor"}, None, "num_bits"),
+    ({"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": False}, None, "symmetric"),
+    ({"num_bits": 8, "type": "float", "strategy": "tensor"},
+     {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": False}, "static input activations"),
+])
+def test_compressed_tensors_settings_not_implemented_are_refused_by_name(weights, inputs, named):
+    with pytest.raises(ModelLoadError, match=named):
+        compressed_tensors_fp8_method(weights, inputs)
+
+
+# ---------------------------------------------------------------- tensor parallelism
+
+
+@pytest.mark.slow
+def test_tensor_parallel_fp8_gives_transformers_greedy_tokens(tmp_path):
+    """TP=2 on whole blocks: q/k/v and gate/up split by rows (k and v: 64 rows a rank, inside a 128-row scale block,
+    which the per-row scales allow), o/down by 128-column blocks (256 and 512 inputs over 2 ranks)."""
+    from llmplug import LLM, SamplingParams
+
+    checkpoint = save_fp8(tiny(tmp_path / "dense", dict(ODD, intermediate_size=512), seed=8), tmp_path / "fp8",
+                          BLOCKED, blocked)
+    llm = LLM(str(checkpoint.path), dtype="float32", skip_tokenizer_init=True, block_size=4, tensor_parallel_size=2)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in GREEDY_PROMPTS], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [list(o.outputs[0].token_ids) for o in outputs] == hf_greedy(checkpoint.hf_model)
