@@ -6,6 +6,8 @@ and each tensor is dequantized to the model dtype only when the model asks for i
 
 Q4_0, Q4_1 and Q8_0 tensors can also carry their exact int4 form (`int4_groups_of_tensor`, read from
 the raw blocks) to the layers, which keep a packed int4 copy for small batches (docs/quantization.md).
+With `quantization` auto or gguf, the linear weights of K-quant files stay in their blocks instead
+(`gguf_packed`, computed by the `gguf` quantization method): no dense copy is made of them.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from llmplug.loaders.gguf_config import (
     field_value,
     gguf_generation_config,
 )
+from llmplug.loaders.gguf_packed import PackedPlan, linear_weight_names, packed_blocks, plan_packing
+from llmplug.quantization.gguf import KERNEL_TYPES, as_packed, packed_type
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -49,6 +53,7 @@ __all__ = [
     "load_gguf_config",
     "load_gguf_tokenizer",
     "open_gguf",
+    "packed_plan",
     "reverse_permute_qk",
     "tensor_names",
     "undo_conversion",
@@ -319,11 +324,13 @@ _CONV1D_TENSORS = frozenset({"attn_qkv", "attn_output", "ffn_up", "ffn_down"})
 
 
 def iter_gguf_weights(
-    path: str, dtype: torch.dtype, progress: bool = True, int4_types: frozenset[Q] = frozenset()
+    path: str, dtype: torch.dtype, progress: bool = True, int4_types: frozenset[Q] = frozenset(),
+    plan: PackedPlan = PackedPlan(),
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor in `dtype`) for every weight of the file, dequantized one at a time.
 
-    Matrices of a type in `int4_types` also carry their exact int4 groups (`attach_int4_groups`).
+    Matrices of a type in `int4_types` also carry their exact int4 groups (`attach_int4_groups`); the
+    weights of `plan` come as `<module>.qweight`, raw blocks where the kernel implements their type.
     """
     reader = open_gguf(path)
     check_tensors(reader, path)
@@ -335,6 +342,9 @@ def iter_gguf_weights(
     tensors = [tensor for tensor in reader.tensors if tensor.name not in CONFIG_ONLY_TENSORS]
     for tensor in tqdm(tensors, desc=f"Loading {os.path.basename(path)}", unit="tensor", disable=not progress):
         name = hf_tensor_name(tensor.name, names)
+        if (packed_name := plan.packed_name(name)) is not None:
+            yield packed_name, _packed_weight(tensor, name, shapes.get(name), head_counts, dtype)
+            continue
         weight = dequantize_tensor(tensor)
         if _is_per_projection_experts(name):
             yield from _per_expert(name, undo_conversion(spec, tensor.name, weight, num_heads) or weight, dtype)
@@ -348,6 +358,38 @@ def iter_gguf_weights(
             weight, groups = fixed, None  # int4 groups would need the same change (docs/models.md)
         weight = weight.to(dtype)
         yield name, (attach_int4_groups(weight, groups) if groups is not None else weight)
+
+
+def _packed_weight(
+    tensor: Any, name: str, shape: tuple[int, ...] | None, head_counts: dict[str, int], dtype: torch.dtype
+) -> torch.Tensor:
+    """A weight of the packed plan in HF row order: its raw blocks, or dense in `dtype` for a type the kernel
+    lacks. Only the Q/K row permute applies (`PACKED_ARCHES` need no other change), and it moves whole rows."""
+    if tensor.tensor_type in KERNEL_TYPES:
+        weight = packed_blocks(tensor, name, shape)
+    else:
+        weight = _as_shape(dequantize_tensor(tensor), shape).to(dtype)
+    if (qk_heads := _permuted_heads(name, head_counts)) is not None:
+        qtype = packed_type(weight)
+        weight = reverse_permute_qk(weight, qk_heads)
+        weight = as_packed(weight.contiguous(), qtype) if qtype is not None else weight
+    return weight
+
+
+def packed_plan(path: str, quantization: str) -> PackedPlan:
+    """The linear weights of the file that stay in their blocks under `quantization` (cached per file)."""
+    path = os.path.abspath(path)
+    stat = os.stat(path)
+    return _packed_plan_cached(path, stat.st_mtime_ns, stat.st_size, quantization)
+
+
+@functools.lru_cache(maxsize=4)
+def _packed_plan_cached(path: str, mtime_ns: int, size: int, quantization: str) -> PackedPlan:
+    reader = open_gguf(path)
+    arch, _ = architecture_of(reader, path)
+    names = tensor_names(path)
+    types = {names[t.name]: t.tensor_type for t in reader.tensors if t.name in names and len(t.shape) == 2}
+    return plan_packing(arch, types, linear_weight_names(build_hf_config(reader, path)), quantization)
 
 
 def _is_per_projection_experts(hf_name: str) -> bool:
@@ -476,8 +518,14 @@ class GGUFLoader(BaseModelLoader):
         check_tensors(open_gguf(path), path)
 
     def load_hf_config(self, model_config: ModelConfig) -> PretrainedConfig:
-        """The transformers config built from the file's metadata, with `hf_overrides` applied."""
-        return load_gguf_config(self.gguf_path(model_config), model_config.hf_overrides)
+        """The transformers config built from the file's metadata, with `hf_overrides` applied; with linear weights
+        that stay in their blocks, its `quantization_config` names the `gguf` method and their modules."""
+        path = self.gguf_path(model_config)
+        config = load_gguf_config(path, model_config.hf_overrides)
+        plan = packed_plan(path, model_config.quantization)
+        if plan.modules:
+            config.quantization_config = plan.quantization_config()
+        return config
 
     def load_tokenizer(self, model_config: ModelConfig) -> PreTrainedTokenizerBase:
         """The file's own tokenizer and chat template, unless `model_config.tokenizer` names another."""
@@ -492,4 +540,6 @@ class GGUFLoader(BaseModelLoader):
     def iter_weights(self, model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
         """HF-named weights in the model dtype, dequantized lazily (the base class shows the progress bar)."""
         path, dtype = self.gguf_path(model_config), model_dtype(model_config.dtype)
-        return iter_gguf_weights(path, dtype, progress=False, int4_types=exact_int4_types(model_config.quantization))
+        quantization = model_config.quantization
+        return iter_gguf_weights(path, dtype, progress=False, int4_types=exact_int4_types(quantization),
+                                 plan=packed_plan(path, quantization))

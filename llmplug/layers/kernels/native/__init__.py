@@ -1,5 +1,5 @@
 """llmplug's CPU kernels (`ops.cpp`): RMSNorm with its residual add, SiLU-and-mul, rotary, the KV write, paged
-attention.
+attention, and the matmul of GGUF-quantized weights from their raw blocks (llmplug.quantization.gguf).
 
 Eager PyTorch runs each of these as 5–40 small ops, each a Python-level dispatch of a few microseconds,
 which at one decode token is most of their cost (docs/benchmarks.md). Here each is one call, with every
@@ -107,6 +107,7 @@ def _register_fakes() -> None:
             logits.new_empty(logits.shape[0]),
         ),
         "row_bmm": lambda a, b: a.new_empty(a.shape[0], a.shape[1], b.shape[2]),
+        "gguf_matmul": lambda x, w, type_id: x.new_empty(x.shape[0], w.shape[0]),
     }
     for name, fake in fakes.items():
         torch.library.register_fake(f"llmplug_cpu::{name}", fake)

@@ -1,6 +1,6 @@
 // llmplug's CPU kernels: RMSNorm (with the residual add), SiLU-and-mul, rotary embedding, the KV cache write,
-// paged attention (alone, or after the write in one call), greedy sampling and a batched matmul whose rows do not
-// depend on the batch.
+// paged attention (alone, or after the write in one call), greedy sampling, a batched matmul whose rows do not
+// depend on the batch, and a matmul with GGUF-quantized weights computed from their raw blocks.
 //
 // Every output row is computed by one thread, by the same loops whatever else the call holds: a row's
 // bits depend only on its own inputs (and, for attention, its own keys), never on the number of rows,
@@ -745,6 +745,192 @@ at::Tensor row_bmm(const at::Tensor& a, const at::Tensor& b) {
   return out;
 }
 
+// ---------------------------------------------------------------- GGUF blocks: y = x dequant(W)^T from the raw bytes
+
+// Each block decoder writes the block's weights as float32, exactly as ggml's dequantize_row_* computes them
+// (ggml-quants.c): a weight is (scale * q) - min in float32, its scales the block's fp16 values.
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return c10::detail::fp16_ieee_to_fp32_value(bits);
+}
+
+// Q4_0 [d, 16 bytes]: weight j is the low nibble of byte j, weight j + 16 its high nibble; w = d (q - 8).
+void block_q4_0(const uint8_t* b, float* y) {
+  const float d = half_at(b);
+  for (int j = 0; j < 16; ++j) y[j] = float((b[2 + j] & 0x0F) - 8) * d, y[j + 16] = float((b[2 + j] >> 4) - 8) * d;
+}
+
+// Q4_1 [d, m, 16 bytes]: w = d q + m.
+void block_q4_1(const uint8_t* b, float* y) {
+  const float d = half_at(b), m = half_at(b + 2);
+  for (int j = 0; j < 16; ++j) y[j] = float(b[4 + j] & 0x0F) * d + m, y[j + 16] = float(b[4 + j] >> 4) * d + m;
+}
+
+// Q5_0 [d, 32 high bits, 16 bytes]: q = nibble | high bit << 4; w = d (q - 16).
+void block_q5_0(const uint8_t* b, float* y) {
+  const float d = half_at(b);
+  uint32_t qh;
+  std::memcpy(&qh, b + 2, 4);
+  for (int j = 0; j < 16; ++j) {
+    const int lo = (b[6 + j] & 0x0F) | (((qh >> j) << 4) & 0x10), hi = (b[6 + j] >> 4) | ((qh >> (j + 12)) & 0x10);
+    y[j] = float(lo - 16) * d, y[j + 16] = float(hi - 16) * d;
+  }
+}
+
+// Q5_1 [d, m, 32 high bits, 16 bytes]: w = d q + m.
+void block_q5_1(const uint8_t* b, float* y) {
+  const float d = half_at(b), m = half_at(b + 2);
+  uint32_t qh;
+  std::memcpy(&qh, b + 4, 4);
+  for (int j = 0; j < 16; ++j) {
+    const int lo = (b[8 + j] & 0x0F) | (((qh >> j) << 4) & 0x10), hi = (b[8 + j] >> 4) | ((qh >> (j + 12)) & 0x10);
+    y[j] = float(lo) * d + m, y[j + 16] = float(hi) * d + m;
+  }
+}
+
+// Q8_0 [d, 32 int8]: w = d q.
+void block_q8_0(const uint8_t* b, float* y) {
+  const float d = half_at(b);
+  const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
+  for (int j = 0; j < 32; ++j) y[j] = float(q[j]) * d;
+}
+
+// The 6-bit scale and min of sub-block j of a Q4_K / Q5_K super-block (ggml's get_scale_min_k4).
+inline void scale_min_k4(int j, const uint8_t* q, float d, float dmin, float& scale, float& min) {
+  int sc, m;
+  if (j < 4) {
+    sc = q[j] & 63, m = q[j + 4] & 63;
+  } else {
+    sc = (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4), m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+  scale = d * float(sc), min = dmin * float(m);
+}
+
+// Q4_K super-block [d, dmin, 12 bytes of scales, 128 bytes]: 8 sub-blocks of 32, w = d sc q - dmin m.
+void block_q4_k(const uint8_t* b, float* y) {
+  const float d = half_at(b), dmin = half_at(b + 2);
+  const uint8_t *scales = b + 4, *q = b + 16;
+  for (int j = 0; j < 4; ++j, q += 32, y += 64) {
+    float d1, m1, d2, m2;
+    scale_min_k4(2 * j, scales, d, dmin, d1, m1);
+    scale_min_k4(2 * j + 1, scales, d, dmin, d2, m2);
+    for (int l = 0; l < 32; ++l) y[l] = d1 * float(q[l] & 0x0F) - m1, y[l + 32] = d2 * float(q[l] >> 4) - m2;
+  }
+}
+
+// Q5_K super-block [d, dmin, 12 bytes of scales, 32 bytes of high bits, 128 bytes]: Q4_K with a fifth bit.
+void block_q5_k(const uint8_t* b, float* y) {
+  const float d = half_at(b), dmin = half_at(b + 2);
+  const uint8_t *scales = b + 4, *qh = b + 16, *q = b + 48;
+  for (int j = 0; j < 4; ++j, q += 32, y += 64) {
+    float d1, m1, d2, m2;
+    scale_min_k4(2 * j, scales, d, dmin, d1, m1);
+    scale_min_k4(2 * j + 1, scales, d, dmin, d2, m2);
+    const uint8_t u1 = uint8_t(1u << (2 * j)), u2 = uint8_t(2u << (2 * j));
+    for (int l = 0; l < 32; ++l) {
+      y[l] = d1 * float((q[l] & 0x0F) + (qh[l] & u1 ? 16 : 0)) - m1;
+      y[l + 32] = d2 * float((q[l] >> 4) + (qh[l] & u2 ? 16 : 0)) - m2;
+    }
+  }
+}
+
+// Q6_K super-block [128 bytes low nibbles, 64 bytes high bits, 16 int8 scales, d]: w = d sc (q - 32).
+void block_q6_k(const uint8_t* b, float* y) {
+  const uint8_t *ql = b, *qh = b + 128;
+  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+  const float d = half_at(b + 208);
+  for (int half = 0; half < 2; ++half, ql += 64, qh += 32, sc += 8, y += 128) {
+    for (int l = 0; l < 32; ++l) {
+      const int is = l / 16;
+      const int q1 = ((ql[l] & 0x0F) | (((qh[l] >> 0) & 3) << 4)) - 32;
+      const int q2 = ((ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4)) - 32;
+      const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+      const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+      y[l] = d * float(sc[is]) * float(q1);
+      y[l + 32] = d * float(sc[is + 2]) * float(q2);
+      y[l + 64] = d * float(sc[is + 4]) * float(q3);
+      y[l + 96] = d * float(sc[is + 6]) * float(q4);
+    }
+  }
+}
+
+struct GGUFType {
+  int64_t block_size, type_size;
+  void (*decode)(const uint8_t*, float*);
+};
+
+// ggml's type ids (GGMLQuantizationType) of the types decoded here.
+GGUFType gguf_type(int64_t id) {
+  switch (id) {
+    case 2: return {32, 18, block_q4_0};
+    case 3: return {32, 20, block_q4_1};
+    case 6: return {32, 22, block_q5_0};
+    case 7: return {32, 24, block_q5_1};
+    case 8: return {32, 34, block_q8_0};
+    case 12: return {256, 144, block_q4_k};
+    case 13: return {256, 176, block_q5_k};
+    case 14: return {256, 210, block_q6_k};
+    default: TORCH_CHECK(false, "llmplug_cpu::gguf_matmul: GGUF type ", id, " is not implemented");
+  }
+  return {};
+}
+
+constexpr int kLanes = 16;
+
+// out[m] = x[m] . w for `rows` rows of x (stride K): each a dot product in 16 lanes over K (a multiple of 32),
+// in k order per lane, summed in a fixed tree; the same arithmetic whether a row comes alone or with others.
+template <int R>
+inline void dot_rows(const float* x, int64_t K, const float* w, float* out) {
+  float lanes[R][kLanes] = {};
+  for (int64_t k = 0; k < K; k += kLanes) {
+    for (int r = 0; r < R; ++r) {
+      const float* xr = x + r * K + k;
+#pragma omp simd
+      for (int j = 0; j < kLanes; ++j) lanes[r][j] = std::fma(xr[j], w[k + j], lanes[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int width = kLanes / 2; width > 0; width /= 2)
+      for (int j = 0; j < width; ++j) lanes[r][j] += lanes[r][j + width];
+    out[r] = lanes[r][0];
+  }
+}
+
+// x [M, K] (float32 or bfloat16) . dequant(w)^T -> [M, N] in x's dtype; w [N, K / block * type_size] uint8: each
+// row the GGUF blocks of one output feature. A thread decodes a row of W once into float32 and takes its dot
+// product with every row of x, four at a time: output (m, n) is the same arithmetic whatever M.
+at::Tensor gguf_matmul(const at::Tensor& x, const at::Tensor& w, int64_t type_id) {
+  const GGUFType type = gguf_type(type_id);
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
+              "llmplug_cpu::gguf_matmul: x [M, K] and contiguous uint8 w [N, bytes] expected, got ", x.sizes(), " and ",
+              w.sizes(), " ", w.scalar_type());
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(K % type.block_size == 0 && w.size(1) == K / type.block_size * type.type_size,
+              "llmplug_cpu::gguf_matmul: K=", K, " needs ", K / type.block_size * type.type_size,
+              " bytes a row in blocks of ", type.block_size, ", w has ", w.size(1));
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "llmplug_cpu::gguf_matmul: x must be float32 or bfloat16, got ", x.scalar_type());
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor yf = at::empty({M, N}, xf.options());
+  const float* xp = xf.data_ptr<float>();
+  float* yp = yf.data_ptr<float>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const int64_t row_bytes = w.size(1), blocks = K / type.block_size;
+  at::parallel_for(0, N, grain(K * std::max<int64_t>(M, 4), 1 << 16), [&](int64_t begin, int64_t end) {
+    std::vector<float> row(K), out(M);
+    for (int64_t n = begin; n < end; ++n) {
+      const uint8_t* wr = wp + n * row_bytes;
+      for (int64_t b = 0; b < blocks; ++b) type.decode(wr + b * type.type_size, row.data() + b * type.block_size);
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) dot_rows<4>(xp + m * K, K, row.data(), out.data() + m);
+      for (; m < M; ++m) dot_rows<1>(xp + m * K, K, row.data(), out.data() + m);
+      for (m = 0; m < M; ++m) yp[m * N + n] = out[m];
+    }
+  });
+  return x.scalar_type() == at::kFloat ? yf : yf.to(x.scalar_type());
+}
+
 }  // namespace
 
 TORCH_LIBRARY(llmplug_cpu, m) {
@@ -761,6 +947,7 @@ TORCH_LIBRARY(llmplug_cpu, m) {
       "Tensor query_start_loc, Tensor seq_lens, float scale, int window, int chunk) -> Tensor");
   m.def("greedy(Tensor logits) -> (Tensor, Tensor)");
   m.def("row_bmm(Tensor a, Tensor b) -> Tensor");
+  m.def("gguf_matmul(Tensor x, Tensor w, int type_id) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llmplug_cpu, CPU, m) {
@@ -773,4 +960,5 @@ TORCH_LIBRARY_IMPL(llmplug_cpu, CPU, m) {
   m.impl("cache_and_attend", cache_and_attend);
   m.impl("greedy", greedy);
   m.impl("row_bmm", row_bmm);
+  m.impl("gguf_matmul", gguf_matmul);
 }

