@@ -81,7 +81,7 @@ def test_every_fp8_code_decodes_exactly():
     codes = torch.arange(256, dtype=torch.uint8)
     codes = codes[(codes & 0x7F) != 0x7F]  # e4m3fn's NaNs, which loading refuses
     q = codes.view(torch.float8_e4m3fn).reshape(2, -1)
-    decoded = _decode_tile(q) * 256
+    decoded = _decode_tile(q).float() * 256
     assert torch.equal(decoded.view(torch.int32), q.float().view(torch.int32))  # bitwise, signed zeros included
 
 
