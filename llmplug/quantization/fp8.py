@@ -6,9 +6,11 @@ A weight is float8_e4m3fn [N, K] with float32 scales: one per 128 x 128 block (`
 transformers' `Fp8Dequantize` and DeepSeek's `weight_dequant` define it, rounded once to the activation dtype.
 
 What is computed (W8A16, weight-only, as vLLM does for fp8 on the CPU): torch on the CPU has no fast fp8 GEMM
-(`torch._scaled_mm` runs there, but ~50x slower than the bf16 matmul), so the weight stays fp8 in memory (1 byte
-a weight, plus float32 scales: 4 bytes per row and 128 columns) and each call dequantizes it 128 output rows at
-a time into the activation dtype, exactly as above, and multiplies that tile with F.linear. Activations are not
+(`torch._scaled_mm` runs there, but ~50x slower than the bf16 matmul on 2 AVX-512 cores), so the weight stays fp8
+in memory (1 byte a weight, plus float32 scales: 4 bytes per row and 128 columns) and each call dequantizes it about
+a million weights (whole 128-row blocks) at a time into the activation dtype, exactly as above, and multiplies that
+tile with F.linear. Decoding pays the dequantization per token (benchmarks/fp8.py: several times slower than the
+bf16 model); prefill amortizes it over the prompt's rows. Activations are not
 quantized: an `input_scale` (activation_scheme static) is read and checked but not applied, as transformers'
 CPU load of the same checkpoint (which dequantizes the whole model) does not apply it either.
 
@@ -36,7 +38,9 @@ if TYPE_CHECKING:
     from llmplug.layers.linear import LinearBase
     from llmplug.layers.quantization import LinearOptions
 
-__all__ = ["BLOCK", "Fp8Config", "Fp8LinearMethod", "Fp8Scheme", "compressed_tensors_fp8_method", "dequantize_fp8"]
+__all__ = [
+    "BLOCK", "Fp8Config", "Fp8LinearMethod", "Fp8Scheme", "compressed_tensors_fp8_method", "dequantize_tile", "tile_rows",
+]
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +48,6 @@ BLOCK = 128  # the only block size implemented: [128, 128] (DeepSeek V3, Qwen3-F
 # elements of the weight dequantized per step of a call: few enough torch ops per layer (each costs a parallel
 # region's start-up), a temporary (4 bytes an element) that stays in L2-L3
 TILE_ELEMENTS = 1 << 20
-FP8_MAX = 448.0
 _SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # all exact in float32
 # a fused layer's checkpoint modules, to match ignored_layers that name them (vLLM's packed_modules_mapping)
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -65,7 +68,7 @@ class Fp8Scheme:
 
 
 class Fp8LinearMethod(QuantizedLinearMethod):
-    """A layer of an fp8 checkpoint: fp8 weight [N, K] in memory, dequantized 128 rows at a time per call.
+    """A layer of an fp8 checkpoint: fp8 weight [N, K] in memory, dequantized a tile of rows at a time per call.
 
     Per-layer state lives on the layer (`weight`, the scale parameter, `fp8_scale`: the same scales times 2^8 after
     loading, `fp8_plans`), so one method may serve several layers.
@@ -176,16 +179,6 @@ def _decode_tile(q: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float16)
 
 
-def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = (BLOCK, BLOCK)) -> torch.Tensor:
-    """The dense float32 weight of fp8 `q` [N, K] and its checkpoint scales (block [ceil(N/b0), ceil(K/b1)], or
-    per row [N, 1] / per tensor with block None): float32(q) * scale, the format's definition."""
-    q32 = q.float()
-    if block is None:
-        return q32 * scale.float().reshape(-1, 1)
-    rows = scale.float().repeat_interleave(block[0], 0)[: q.shape[0]]
-    return q32 * rows.repeat_interleave(block[1], 1)[:, : q.shape[1]]
-
-
 def _plan(layer: LinearBase, rows: int, dtype: torch.dtype) -> RowPlan | None:
     """The row plan of a [rows, K] tile's F.linear in batch-invariant mode (None: one plain call)."""
     if not getattr(layer, "fp8_row_invariant", False):
@@ -213,7 +206,9 @@ def _checked(layer: LinearBase, name: str, load: Any, check: Any) -> Any:
 
 def _weight_check(name: str, loaded: torch.Tensor) -> None:
     if loaded.dtype != torch.float8_e4m3fn:
-        raise ModelLoadError(f"{name} is {loaded.dtype} in the checkpoint; an fp8 layer's weight is torch.float8_e4m3fn")
+        raise ModelLoadError(
+            f"{name} is {loaded.dtype} in the checkpoint; an fp8 layer's weight is torch.float8_e4m3fn"
+        )
 
 
 def _full_rows(layer: LinearBase, shard_id: Any) -> int:
@@ -319,7 +314,9 @@ def _skipped(prefix: str, ignored: tuple[str, ...]) -> bool:
     return all(matches) if ignored else False
 
 
-def compressed_tensors_fp8_method(weights_args: dict[str, Any], input_args: dict[str, Any] | None) -> QuantizedLinearMethod:
+def compressed_tensors_fp8_method(
+    weights_args: dict[str, Any], input_args: dict[str, Any] | None
+) -> QuantizedLinearMethod:
     """The method of a compressed-tensors `float-quantized` scheme: 8-bit float weights with a `weight_scale` per
     tensor, per channel or per 128x128 block; activations (`input_args`) dynamic or static (`input_scale`), not
     applied (weight-only, see the module doc). ModelLoadError naming any other setting."""

@@ -24,7 +24,7 @@ from llmplug.layers.quantization import LinearOptions
 from llmplug.quantization.context import building_with
 from llmplug.quantization.fp8 import Fp8Config, Fp8LinearMethod, _decode_tile, compressed_tensors_fp8_method
 from llmplug.testing.tiny import TinyCheckpoint, save_tiny_checkpoint, tiny_config
-from tests.loaders.parity import GREEDY_PROMPTS, MAX_TOKENS, PROMPT, hf_greedy, hf_logits, load_model, our_logits
+from tests.loaders.parity import GREEDY_PROMPTS, MAX_TOKENS, hf_greedy, hf_logits, load_model, our_logits
 
 FP8_MAX = 448.0
 BLOCKED = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
