@@ -27,7 +27,13 @@ from torch import nn
 from llmplug.core.errors import ModelLoadError
 from llmplug.layers.int8_linear import int8_matmul_exact
 from llmplug.quantization.base import QuantizationConfig, QuantizedLinearMethod
-from llmplug.quantization.int_weights import IntWeights, IntWeightsMethod, float_loader, unpack_int32
+from llmplug.quantization.int_weights import (
+    IntWeights,
+    IntWeightsMethod,
+    float_loader,
+    free_checkpoint_tensors,
+    unpack_int32,
+)
 
 if TYPE_CHECKING:
     from llmplug.layers.linear import LinearBase
@@ -132,9 +138,7 @@ class CTInt8Method(QuantizedLinearMethod):
         self.weight_t = layer.weight.data.t()
         self.scale = layer.weight_scale.data.reshape(1, -1)  # [1, N]
         self.input_scale = layer.input_scale.data if self.static_input else None
-        for name in ("weight", "weight_scale", "input_scale"):
-            if hasattr(layer, name):
-                delattr(layer, name)
+        free_checkpoint_tensors(layer, ("weight", "weight_scale", "input_scale"))
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]).float()  # [M, K]

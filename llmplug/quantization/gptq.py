@@ -38,6 +38,7 @@ class GPTQLinearMethod(IntWeightsMethod):
     def __init__(self, bits: int, group_size: int, desc_act: bool, zero_offset: int) -> None:
         super().__init__()
         self.bits, self.group_size, self.desc_act, self.zero_offset = bits, group_size, desc_act, zero_offset
+        self.first_group = 0
 
     def create_weights(self, layer: LinearBase) -> None:
         pack = 32 // self.bits
@@ -49,6 +50,8 @@ class GPTQLinearMethod(IntWeightsMethod):
         if rank_groups:
             _check_divides(layer, k, self.group_size, "input features")
         groups = k // self.group_size if rank_groups else _total_groups(layer, self.group_size)
+        # g_idx counts groups from the first input of the whole layer: this rank's first group, when it has its own
+        self.first_group = layer.input_split[0] * groups if rank_groups else 0
         group_dim = 0 if rank_groups else None
         layer.create_parameter("qweight", (k // pack, n), torch.int32, output_dim=1, input_dim=0)
         layer.create_parameter("qzeros", (groups, n // pack), torch.int32, output_dim=1, input_dim=group_dim,
@@ -59,7 +62,7 @@ class GPTQLinearMethod(IntWeightsMethod):
     def int_weights(self, layer: LinearBase) -> IntWeights:
         q = unpack_int32(layer.qweight, self.bits, dim=0).t()  # [N, K]
         zero = unpack_int32(layer.qzeros, self.bits, dim=1).t().float() + self.zero_offset  # [N, G]
-        g_idx = layer.g_idx.long()
+        g_idx = layer.g_idx.long() - self.first_group
         if bool((g_idx < 0).any()) or bool((g_idx >= zero.shape[1]).any()):
             raise ModelLoadError(f"{layer.prefix}.g_idx holds groups outside 0..{zero.shape[1] - 1}")
         return IntWeights(q.contiguous(), layer.scales.t().contiguous(), zero, self.bits, g_idx)

@@ -45,7 +45,7 @@ from llmplug.quantization.base import QuantizedLinearMethod
 if TYPE_CHECKING:
     from llmplug.layers.linear import LinearBase
 
-__all__ = ["IntWeights", "IntWeightsMethod", "float_loader", "unpack_int32"]
+__all__ = ["IntWeights", "IntWeightsMethod", "float_loader", "free_checkpoint_tensors", "unpack_int32"]
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +129,14 @@ def float_loader(param: nn.Parameter) -> nn.Parameter:
     return param
 
 
+def free_checkpoint_tensors(layer: nn.Module, names: tuple[str, ...]) -> None:
+    """Drop the layer's checkpoint-form parameters `names`; a quantized layer's `weight` stays None."""
+    for name in names:
+        if hasattr(layer, name):
+            delattr(layer, name)
+    layer.register_parameter("weight", None)
+
+
 class _DequantizedLinear:
     """F.linear with a dense weight the method holds (the fallback where the int4 kernel does not serve)."""
 
@@ -170,8 +178,7 @@ class IntWeightsMethod(QuantizedLinearMethod):
 
     def process_weights_after_loading(self, layer: LinearBase, options: LinearOptions) -> None:
         weights = self.int_weights(layer)
-        for name in self.checkpoint_tensors:
-            delattr(layer, name)
+        free_checkpoint_tensors(layer, self.checkpoint_tensors)
         reason, packed = self._pack(layer, weights, options)
         if packed is not None:
             self.compute, self.perm = Int4LinearMethod(packed[0], None, exact=True), packed[1]

@@ -102,3 +102,11 @@ def test_other_versions_and_settings_are_refused_by_name(setting: str, value: ob
     with pytest.raises(ModelLoadError, match=setting):
         AWQConfig.from_config(awq_config() | {setting: value})
     assert AWQConfig.from_config(awq_config()).group_size == 128
+
+
+def test_awq_passes_llmplugs_quantization_method_check(tmp_path: Path) -> None:
+    from llmplug.testing.quantization import check_quantization_method
+
+    checkpoint = awq_checkpoint(tmp_path, group_size=64)
+    report = check_quantization_method(tmp_path, checkpoint.hf_model, atol=ATOL)
+    assert report.quant_method == "awq" and len(report.layers) == 8

@@ -93,18 +93,19 @@ def scheme(bits: int = 4, strategy: str = "group", group_size: int | None = 32, 
     return QuantizationScheme(targets=["Linear"], weights=weights, input_activations=inputs)
 
 
-W4A16 = [
-    pytest.param(scheme(group_size=32), id="w4a16-g32-sym"),
-    pytest.param(scheme(group_size=128, symmetric=False), id="w4a16-g128-asym"),
-    pytest.param(scheme(strategy="channel"), id="w4a16-channel-sym"),
-    pytest.param(scheme(strategy="channel", symmetric=False), id="w4a16-channel-asym"),
-    pytest.param(scheme(bits=8, group_size=32), id="w8a16-g32-sym"),
+WEIGHT_ONLY = [
+    pytest.param(scheme(group_size=32), "pack-quantized", id="w4a16-g32-sym"),
+    pytest.param(scheme(group_size=128, symmetric=False), "pack-quantized", id="w4a16-g128-asym"),
+    pytest.param(scheme(strategy="channel"), "pack-quantized", id="w4a16-channel-sym"),
+    pytest.param(scheme(strategy="channel", symmetric=False), "pack-quantized", id="w4a16-channel-asym"),
+    pytest.param(scheme(bits=8, group_size=32), "pack-quantized", id="w8a16-g32-sym"),
+    pytest.param(scheme(bits=8, strategy="channel"), "int-quantized", id="w8a16-int8-channel"),
 ]
 
 
-@pytest.mark.parametrize("weights_scheme", W4A16)
-def test_pack_quantized_matches_transformers_loading_the_same_folder(tmp_path: Path, weights_scheme) -> None:
-    checkpoint = ct_checkpoint(tmp_path, weights_scheme, "pack-quantized")
+@pytest.mark.parametrize(("weights_scheme", "fmt"), WEIGHT_ONLY)
+def test_weight_only_schemes_match_transformers_loading_the_same_folder(tmp_path: Path, weights_scheme, fmt) -> None:
+    checkpoint = ct_checkpoint(tmp_path, weights_scheme, fmt)
     model = load_model(tmp_path, "safetensors")
     layer = model.model.layers[0].self_attn.qkv_proj
     assert layer.weight is None and "int4" in repr(layer.quant_method)
@@ -134,6 +135,16 @@ def test_int_quantized_w8a8_keeps_int8_weights_and_matches_transformers(tmp_path
     del model
     gc.collect()
     assert our_greedy(tmp_path, "auto") == hf_greedy(checkpoint.hf_model)
+
+
+def test_float_quantized_checkpoints_load_through_the_fp8_method(tmp_path: Path) -> None:
+    pytest.importorskip("llmplug.quantization.fp8")
+    weights = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="channel")
+    fp8 = QuantizationScheme(targets=["Linear"], weights=weights)
+    checkpoint = ct_checkpoint(tmp_path, fp8, "float-quantized")
+    model = load_model(tmp_path, "safetensors")
+    assert model.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.float8_e4m3fn  # stays fp8
+    torch.testing.assert_close(our_logits(model), hf_logits(checkpoint.hf_model), atol=ATOL, rtol=0)
 
 
 def _config(**group: object) -> dict[str, object]:
@@ -174,3 +185,19 @@ def test_dense_format_and_ignored_layers_stay_dense() -> None:
     ignoring = CompressedTensorsConfig.from_config(_config() | {"ignore": ["re:.*mlp.*"]})
     assert ignoring.linear_method(None, "model.layers.0.mlp.gate_up_proj") is None
     assert ignoring.linear_method(None, "model.layers.0.self_attn.qkv_proj") is not None
+
+
+@pytest.mark.parametrize("weights_scheme", [scheme(strategy="channel", symmetric=False),
+                                            scheme(bits=8, strategy="channel", inputs=QuantizationArgs(
+                                                num_bits=8, type="int", symmetric=True, dynamic=True,
+                                                strategy="token"))], ids=["w4a16-channel-asym", "w8a8"])
+def test_compressed_tensors_passes_llmplugs_quantization_method_check(tmp_path: Path, weights_scheme) -> None:
+    from llmplug.testing.quantization import check_quantization_method
+
+    fmt = "int-quantized" if weights_scheme.input_activations is not None else "pack-quantized"
+    checkpoint = ct_checkpoint(tmp_path, weights_scheme, fmt)
+    atol = ATOL if fmt == "pack-quantized" else W8A8_ATOL
+    # W8A8's apply quantizes x: against x @ dequantize^T it differs by its activation rounding (~1/255 of |x|)
+    report = check_quantization_method(tmp_path, checkpoint.hf_model, atol=atol,
+                                       layer_rtol=1e-5 if fmt == "pack-quantized" else 2e-2)
+    assert report.quant_method == "compressed-tensors" and len(report.layers) == 8

@@ -203,8 +203,11 @@ def test_a_damaged_checkpoint_is_refused_naming_the_tensor_and_a_good_one_loads_
 
 @needs_int4
 @pytest.mark.slow
-def test_tensor_parallel_2_gives_the_same_greedy_tokens(tmp_path: Path) -> None:
-    checkpoint = gptq_checkpoint(tmp_path, bits=4, group_size=32, sym=False)
+@pytest.mark.parametrize("settings", [dict(sym=False), dict(desc_act=True)], ids=["asym", "act-order"])
+def test_tensor_parallel_2_gives_the_same_greedy_tokens(tmp_path: Path, settings: dict) -> None:
+    # act-order: a row-parallel rank's inputs hold parts of every group, so its scales are whole (and its groups
+    # of unequal sizes: it computes with a dequantized weight, with a warning)
+    checkpoint = gptq_checkpoint(tmp_path, bits=4, group_size=32, **settings)
     llm = LLM(str(tmp_path), dtype="float32", skip_tokenizer_init=True, block_size=4, tensor_parallel_size=2)
     from llmplug import SamplingParams
     from tests.loaders.parity import GREEDY_PROMPTS, MAX_TOKENS
@@ -212,3 +215,71 @@ def test_tensor_parallel_2_gives_the_same_greedy_tokens(tmp_path: Path) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in GREEDY_PROMPTS], params, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outputs] == hf_greedy(checkpoint.hf_model)
+
+
+@needs_int4
+def test_lora_adapters_apply_on_top_of_a_gptq_model_like_peft_merged_into_the_decoded_weights(tmp_path: Path) -> None:
+    import numpy as np
+
+    from llmplug.core.config import LoRAConfig
+    from llmplug.lora.manager import LoRAManager
+    from llmplug.testing import PagedHarness
+    from tests.loaders.parity import PROMPT
+    from tests.lora.adapters import save_adapter
+
+    checkpoint = gptq_checkpoint(tmp_path / "gptq", bits=4, group_size=32, sym=False)
+    checkpoint.hf_model.save_pretrained(tmp_path / "decoded")  # peft's base: the weights the checkpoint decodes to
+    adapter = save_adapter(tmp_path / "decoded", "all8", tmp_path / "adapter", seed=1)
+    model = load_model(checkpoint.path, "safetensors")
+    manager = LoRAManager(model, LoRAConfig(enable_lora=True, max_loras=2), torch.float32, torch.device("cpu"))
+    request = adapter.request(1)
+    manager.add_adapter(request)
+    harness = PagedHarness(model)
+    harness.add("r", PROMPT)
+    logits = harness.step([("r", len(PROMPT))], manager.mapping([request], np.array([len(PROMPT)])))["r"]
+    expected = hf_logits(adapter.merged)
+    assert (expected - hf_logits(checkpoint.hf_model)).abs().max() > 0.1  # the adapter changes the model
+    torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
+
+
+def _load_invariant(path: Path) -> torch.nn.Module:
+    """Our model loaded in batch-invariant mode."""
+    from llmplug.core.config import EngineConfig, LoadConfig, ModelConfig
+    from llmplug.core.plugins import get_registry
+
+    config = EngineConfig(model=ModelConfig(model=str(path), dtype="float32", batch_invariant=True),
+                          load=LoadConfig(format="safetensors"))
+    return get_registry().load("llmplug.loaders", "safetensors")(config.load).load_model(config)
+
+
+@needs_int4
+@pytest.mark.parametrize("missing", ["kernel", "row-invariance"])
+def test_where_the_int4_kernel_cannot_serve_each_layer_warns_once_and_computes_with_its_dequantized_weight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, missing: str
+) -> None:
+    import llmplug.quantization.int_weights as int_weights
+
+    checkpoint = gptq_checkpoint(tmp_path, bits=4, group_size=32, desc_act=True)
+    if missing == "kernel":
+        monkeypatch.setattr(int_weights, "int4_kernel_supported", lambda *_: False)
+        model = load_model(tmp_path, "safetensors")
+    else:
+        monkeypatch.setattr(int_weights, "int4_rows_invariant", lambda *_: False)
+        model = _load_invariant(tmp_path)
+    warned = [r.getMessage() for r in caplog.records if "dense dequantized weight" in r.getMessage()]
+    methods = {m.prefix: m.__dict__.get("quant_method") for m in model.modules()}
+    prefixes = [prefix for prefix, method in methods.items() if isinstance(method, int_weights.IntWeightsMethod)]
+    assert sorted(w.split(" ")[0] for w in warned) == sorted(prefixes) and len(prefixes) == 8
+    assert all("int4" not in repr(m.quant_method) for m in model.modules() if hasattr(m, "quant_method"))
+    torch.testing.assert_close(our_logits(model), hf_logits(checkpoint.hf_model), atol=ATOL, rtol=0)
+
+
+@needs_int4
+@pytest.mark.parametrize("settings", [dict(bits=8, group_size=32, desc_act=True), dict(bits=4, group_size=-1)],
+                         ids=["8bit-act-order", "4bit-channel"])
+def test_gptq_passes_llmplugs_quantization_method_check(tmp_path: Path, settings: dict) -> None:
+    from llmplug.testing.quantization import check_quantization_method
+
+    checkpoint = gptq_checkpoint(tmp_path, **settings)
+    report = check_quantization_method(tmp_path, checkpoint.hf_model, atol=ATOL)
+    assert report.quant_method == "gptq" and len(report.layers) == 8
