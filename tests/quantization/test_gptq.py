@@ -258,6 +258,7 @@ def test_where_the_int4_kernel_cannot_serve_each_layer_warns_once_and_computes_w
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, missing: str
 ) -> None:
     import llmplug.quantization.int_weights as int_weights
+    from llmplug.layers.linear import LinearBase
 
     checkpoint = gptq_checkpoint(tmp_path, bits=4, group_size=32, desc_act=True)
     if missing == "kernel":
@@ -267,7 +268,7 @@ def test_where_the_int4_kernel_cannot_serve_each_layer_warns_once_and_computes_w
         monkeypatch.setattr(int_weights, "int4_rows_invariant", lambda *_: False)
         model = _load_invariant(tmp_path)
     warned = [r.getMessage() for r in caplog.records if "dense dequantized weight" in r.getMessage()]
-    methods = {m.prefix: m.__dict__.get("quant_method") for m in model.modules()}
+    methods = {m.prefix: m.quant_method for m in model.modules() if isinstance(m, LinearBase)}
     prefixes = [prefix for prefix, method in methods.items() if isinstance(method, int_weights.IntWeightsMethod)]
     assert sorted(w.split(" ")[0] for w in warned) == sorted(prefixes) and len(prefixes) == 8
     assert all("int4" not in repr(m.quant_method) for m in model.modules() if hasattr(m, "quant_method"))
