@@ -54,6 +54,18 @@ def quantize_checkpoint(
     config_file.write_text(json.dumps(config | {"quantization_config": quantization_config}, indent=2))
 
 
+def held_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters and buffers and of what its layers' methods hold (packed weights, scales)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    for module in model.modules():
+        compute = getattr(getattr(module, "quant_method", None), "compute", None)
+        packed = getattr(compute, "packed", None)
+        tensors += [packed.weight, packed.scales_and_zeros] if packed is not None else []
+        weight_t = getattr(getattr(module, "quant_method", None), "weight_t", None)
+        tensors += [weight_t] if weight_t is not None else []
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def rtn_groups(weight: torch.Tensor, bits: int, group_size: int, sym: bool, zero_range: tuple[int, int] | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Round-to-nearest groupwise quantization, the textbook way: (q [N, K], scale [N, G] float16, zero [N, G]),

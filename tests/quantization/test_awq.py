@@ -21,7 +21,7 @@ from llmplug.layers.quantization import int4_kernel_supported
 from llmplug.quantization.awq import AWQConfig
 from tests.loaders.parity import hf_greedy, hf_logits, load_model, our_greedy, our_logits
 
-from .checkpoints import TinyCheckpoint, quantize_checkpoint, rtn_groups, tiny_llama
+from .checkpoints import TinyCheckpoint, held_bytes, quantize_checkpoint, rtn_groups, tiny_llama
 
 pytestmark = pytest.mark.skipif(not int4_kernel_supported("cpu", torch.float32), reason="no CPU int4 kernel here")
 ATOL = 1e-3  # as for GPTQ (test_gptq.py): an ulp per weight vs > 0.05 for a wrong nibble order or zero
@@ -86,6 +86,12 @@ def test_awq_logits_and_greedy_tokens_match_transformers_on_autoawqs_decoded_wei
     del model
     gc.collect()
     assert our_greedy(tmp_path, "auto") == hf_greedy(checkpoint.hf_model)
+
+
+def test_weights_stay_packed_within_1_3x_of_the_checkpoint_bytes(tmp_path: Path) -> None:
+    awq_checkpoint(tmp_path, group_size=128)
+    held, file = held_bytes(load_model(tmp_path, "safetensors")), (tmp_path / "model.safetensors").stat().st_size
+    assert held <= 1.3 * file, f"{held} bytes held for a {file}-byte checkpoint"
 
 
 def test_modules_to_not_convert_stay_dense(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from llmplug.layers.quantization import int4_kernel_supported
 from llmplug.quantization.compressed_tensors import CompressedTensorsConfig
 from tests.loaders.parity import hf_greedy, hf_logits, load_model, our_greedy, our_logits
 
-from .checkpoints import TinyCheckpoint, quantize_checkpoint, tiny_llama
+from .checkpoints import TinyCheckpoint, held_bytes, quantize_checkpoint, tiny_llama
 
 ct = pytest.importorskip("compressed_tensors")
 from compressed_tensors.compressors import BaseCompressor  # noqa: E402
@@ -114,6 +114,18 @@ def test_weight_only_schemes_match_transformers_loading_the_same_folder(tmp_path
     del model
     gc.collect()
     assert our_greedy(tmp_path, "auto") == hf_greedy(checkpoint.hf_model)
+
+
+@pytest.mark.parametrize(("weights_scheme", "fmt"), [
+    pytest.param(scheme(group_size=128), "pack-quantized", id="w4a16"),
+    pytest.param(scheme(bits=8, strategy="channel", inputs=QuantizationArgs(num_bits=8, type="int", dynamic=True,
+                                                                           strategy="token")), "int-quantized",
+                 id="w8a8"),
+])
+def test_weights_stay_packed_within_1_3x_of_the_checkpoint_bytes(tmp_path: Path, weights_scheme, fmt) -> None:
+    ct_checkpoint(tmp_path, weights_scheme, fmt)
+    held, file = held_bytes(load_model(tmp_path, "safetensors")), (tmp_path / "model.safetensors").stat().st_size
+    assert held <= 1.3 * file, f"{held} bytes held for a {file}-byte checkpoint"
 
 
 # W8A8 rounds every linear input to int8 steps (0.025 for the static scale): a float32 difference upstream (attention,

@@ -21,7 +21,7 @@ from llmplug.layers.quantization import int4_kernel_supported
 from llmplug.quantization.gptq import GPTQConfig
 from tests.loaders.parity import hf_greedy, hf_logits, load_model, our_greedy, our_logits
 
-from .checkpoints import TinyCheckpoint, quantize_checkpoint, rtn_groups, tiny_llama
+from .checkpoints import TinyCheckpoint, held_bytes, quantize_checkpoint, rtn_groups, tiny_llama
 
 # float32 throughout: the kernel's (q - 8) s + (8 - z) s differs from (q - z) s by an ulp per weight, and two tiny
 # layers of width 128-256 keep logits (~1 in size) within 1e-5 of each other; 1e-3 leaves room for the kernels'
@@ -141,27 +141,27 @@ def test_dequantize_reads_the_packed_weight_back_exactly_in_the_checkpoints_colu
 @needs_int4
 def test_weights_stay_packed_within_1_3x_of_the_checkpoint_bytes(tmp_path: Path) -> None:
     gptq_checkpoint(tmp_path, bits=4, group_size=128)
-    model = load_model(tmp_path, "safetensors")
-    tensors = [*model.parameters(), *model.buffers()]
-    tensors += [t for m in model.modules() for t in _method_tensors(getattr(m, "quant_method", None))]
-    held = sum(t.numel() * t.element_size() for t in tensors)
-    file = (tmp_path / "model.safetensors").stat().st_size
+    held, file = held_bytes(load_model(tmp_path, "safetensors")), (tmp_path / "model.safetensors").stat().st_size
     assert held <= 1.3 * file, f"{held} bytes held for a {file}-byte checkpoint"
 
 
-def _method_tensors(method: object) -> list[torch.Tensor]:
-    """The tensors a layer's method holds (its packed weight and scales)."""
-    packed = getattr(getattr(method, "compute", None), "packed", None)
-    return [packed.weight, packed.scales_and_zeros] if packed is not None else []
+@needs_int4
+def test_unsupported_bit_widths_are_refused_by_name_and_a_good_checkpoint_loads_after(tmp_path: Path) -> None:
+    import json
 
-
-def test_unsupported_bit_widths_are_refused_by_name() -> None:
     for bits in (2, 3):
         with pytest.raises(ModelLoadError, match=f"bits={bits}"):
             GPTQConfig.from_config(gptq_config(bits=bits))
     with pytest.raises(ModelLoadError, match="is_marlin_format"):
         GPTQConfig.from_config(gptq_config() | {"is_marlin_format": True})
-    assert GPTQConfig.from_config(gptq_config(bits=8)).bits == 8
+    gptq_checkpoint(tmp_path)
+    config_file = tmp_path / "config.json"
+    good = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps(good | {"quantization_config": gptq_config(bits=3)}))
+    with pytest.raises(ModelLoadError, match="bits=3"):
+        load_model(tmp_path, "safetensors")
+    config_file.write_text(json.dumps(good))
+    assert load_model(tmp_path, "safetensors").model.layers[0].mlp.down_proj.weight is None
 
 
 def _rewrite(path: Path, name: str, tensor: torch.Tensor | None) -> None:
