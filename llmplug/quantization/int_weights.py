@@ -184,12 +184,13 @@ class IntWeightsMethod(QuantizedLinearMethod):
             self.compute, self.perm = Int4LinearMethod(packed[0], None, exact=True), packed[1]
             self._rows_probe = (*weights.q.shape, packed[0].num_planes, self.dtype)
             return
-        self._dense_invariant = options.row_invariant
         name = layer.prefix or type(layer).__name__
         log.warning("%s (%s) computes with a dense dequantized weight: %s", name, type(self).__name__, reason)
         dense = weights.dequantize().to(self.dtype)
         packs = options.packs(self.dtype)
         self.compute = cpu_dense_method(dense, packs, options.row_invariant) or _DequantizedLinear(dense)
+        # invariant where batch-invariant mode found the dense kernel a row plan (its row_variant says it did not)
+        self._dense_invariant = options.row_invariant and not getattr(self.compute, "row_variant", False)
 
     def _pack(
         self, layer: LinearBase, weights: IntWeights, options: LinearOptions
