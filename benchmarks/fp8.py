@@ -7,7 +7,10 @@ Writes a random Llama-shaped checkpoint (float32), its fp8 copy (vLLM's blockwis
 448), then for each variant loads it with `llmplug.LLM` and times, after a warm-up, one prompt of `prompt` tokens
 with one new token (prefill tok/s) and the same prompt with `new` tokens (decode tok/s: the extra tokens over the
 extra time). fp8 runs in bf16 and in float32 activations (its weights stay fp8; each call dequantizes them, see
-llmplug/quantization/fp8.py). Medians of `repeats`; wall clock, so on a shared machine compare ratios in one run.
+llmplug/quantization/fp8.py). Medians of `repeats`, in wall clock and in the process's CPU time: on a shared
+machine run it with --threads 1 and read the CPU-time columns, which do not count waiting for a core (with more
+threads each torch op's parallel region waits for every thread to get a core, and fp8's ~8 ops per tile of 1M
+weights pay that far more often than a dense layer's one packed matmul).
 """
 
 from __future__ import annotations
@@ -60,14 +63,16 @@ def write_checkpoints(root: Path, args: argparse.Namespace) -> tuple[Path, Path]
     return dense, fp8
 
 
-def timed(llm: LLM, prompt: list[int], new: int, repeats: int) -> float:
+def timed(llm: LLM, prompt: list[int], new: int, repeats: int) -> tuple[float, float]:
+    """Median (wall, CPU) seconds of one generate call (the engine's worker runs in this process)."""
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
-    times = []
+    walls, cpus = [], []
     for _ in range(repeats + 1):  # the first is a warm-up
-        start = time.perf_counter()
+        wall, cpu = time.perf_counter(), time.process_time()
         llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+        walls.append(time.perf_counter() - wall)
+        cpus.append(time.process_time() - cpu)
+    return statistics.median(walls[1:]), statistics.median(cpus[1:])
 
 
 def main() -> None:
@@ -79,6 +84,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--new", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="the engine's torch threads (default: its own)")
     args = parser.parse_args()
     prompt = [(7 * i + 3) % args.vocab for i in range(args.prompt)]
     with tempfile.TemporaryDirectory() as tmp:
@@ -86,17 +92,21 @@ def main() -> None:
         variants = [("fp8 (bf16 act.)", fp8, "bfloat16"), ("dense bf16", dense, "bfloat16"),
                     ("fp8 (float32 act.)", fp8, "float32"), ("dense float32", dense, "float32")]
         print(f"hidden {args.hidden}, intermediate {args.intermediate}, {args.layers} layers, vocab {args.vocab}, "
-              f"prompt {args.prompt}, {args.new} new tokens, {torch.get_num_threads()} threads")
-        print(f"{'variant':<20} {'prefill tok/s':>14} {'decode tok/s':>13}")
+              f"prompt {args.prompt}, {args.new} new tokens, threads {args.threads or 'engine default'}")
+        print(f"{'variant':<20} {'prefill tok/s':>14} {'decode tok/s':>13} {'prefill tok/CPU-s':>18} "
+              f"{'decode tok/CPU-s':>17}")
         for name, path, dtype in variants:
-            llm = LLM(str(path), dtype=dtype, skip_tokenizer_init=True, max_model_len=args.prompt + args.new + 8)
+            device = {} if args.threads is None else {"device": {"num_threads": args.threads}}
+            llm = LLM(str(path), dtype=dtype, skip_tokenizer_init=True, max_model_len=args.prompt + args.new + 8,
+                      **device)
             try:
                 prefill = timed(llm, prompt, 1, args.repeats)
                 full = timed(llm, prompt, args.new, args.repeats)
             finally:
                 llm.shutdown()
-            print(f"{name:<20} {args.prompt / prefill:>14.1f} {(args.new - 1) / max(full - prefill, 1e-9):>13.1f}",
-                  flush=True)
+            rates = [f"{args.prompt / prefill[i]:>{w1}.1f} {(args.new - 1) / max(full[i] - prefill[i], 1e-9):>{w2}.1f}"
+                     for i, (w1, w2) in enumerate(((14, 13), (18, 17)))]
+            print(f"{name:<20} {rates[0]} {rates[1]}", flush=True)
 
 
 if __name__ == "__main__":
