@@ -195,7 +195,7 @@ def _check_layers(
             method = layer.quant_method
             x = torch.randn(max_rows, layer.input_size, generator=generator).to(dtype)  # [rows, in]
             checks.append(LayerCheck(layer.prefix, type(method).__name__, _relative_error(layer, x, rtol)))
-            if not type(method).row_invariant:
+            if not method.row_invariant:
                 invariant = None
             elif invariant:
                 _assert_rows_invariant(layer, x)
