@@ -109,8 +109,10 @@ class Fp8LinearMethod(QuantizedLinearMethod):
         codes = layer.weight.data.view(torch.uint8)
         if bool(((codes & 0x7F) == 0x7F).any()):  # e4m3fn's only NaN codes
             raise ModelLoadError(f"{layer.prefix}.weight holds fp8 NaNs; the checkpoint is damaged")
-        # in place (no second copy): codes decode to value / 2^8 (_decode_tile), so the scales carry the 2^8 from now on
-        layer.fp8_scale = scale.mul_(256.0)
+        # in place (no second copy): codes decode to value / 2^8 (_decode_tile), so the scales carry the 2^8 from now
+        # on; once only (loading a scale again unsets fp8_scale, see _scale_loader)
+        if getattr(layer, "fp8_scale", None) is None:
+            layer.fp8_scale = scale.mul_(256.0)
         layer.fp8_plans = {}
         layer.fp8_row_invariant = options.row_invariant
 
@@ -240,6 +242,7 @@ def _scale_loader(layer: LinearBase, scheme: Fp8Scheme, load: Any) -> Any:
             raise ModelLoadError(f"{name} has shape {tuple(loaded.shape)}; a weight of {rows} rows takes one scale "
                                  f"per tensor ([] or [1]) or per row ([{rows}, 1])")
         load(param, per_row.contiguous(), shard_id)
+        layer.fp8_scale = None  # the parameter holds the checkpoint's scales again, not yet times 2^8
 
     return load_scale
 

@@ -110,6 +110,8 @@ def test_blocked_layer_dequantizes_like_deepseek_and_rows_do_not_depend_on_their
     _load(layer, stored)
     assert layer.weight.dtype == torch.float8_e4m3fn
     assert torch.equal(layer.quant_method.dequantize(layer), reference)
+    layer.process_weights_after_loading(LinearOptions(row_invariant=True))  # again (a reload's pass): no change
+    assert torch.equal(layer.quant_method.dequantize(layer), reference)
     x = torch.randn(33, k, generator=torch.Generator().manual_seed(2)).to(dtype)
     y = layer(x)
     expected = x.double() @ reference.to(dtype).double().T  # the weight rounded once to dtype, like transformers'
