@@ -182,6 +182,13 @@ def test_blocked_checkpoint_logits_and_greedy_equal_the_dequantized_transformers
     assert greedy(odd_blocked.path, "float32") == hf_greedy(odd_blocked.hf_model)
 
 
+def test_blocked_checkpoint_passes_llmplugs_quantization_method_check(odd_blocked):
+    from llmplug.testing.quantization import check_quantization_method
+
+    report = check_quantization_method(odd_blocked.path, odd_blocked.hf_model, atol=1e-4)
+    assert report.quant_method == "fp8" and len(report.layers) == 2 * 4 and report.row_invariant
+
+
 def test_blocked_checkpoint_in_bfloat16(odd_blocked, tmp_path):
     odd_blocked.hf_model.save_pretrained(tmp_path / "dequantized")  # the same weights, dense float32
     reference = odd_blocked.hf_model.to(torch.bfloat16)  # the dequantized weights rounded once to bf16, as ours
