@@ -29,7 +29,7 @@ def _rss_mib() -> float:
     return int(line.split()[1]) / 1024
 
 
-def measure(model: str, mode: str, tokens: int) -> dict[str, float | str]:
+def measure(model: str, mode: str, tokens: int, threads: int | None) -> dict[str, float | str]:
     """One mode's numbers (run in a fresh process)."""
     import torch
 
@@ -42,7 +42,8 @@ def measure(model: str, mode: str, tokens: int) -> dict[str, float | str]:
     config = EngineConfig(model=ModelConfig(model=model, dtype="float32", quantization=mode))
     loaded = GGUFLoader(config.load).load_model(config, device="cpu")
     load_s = time.perf_counter() - start
-    methods = [m.quant_method for m in loaded.modules() if isinstance(getattr(m, "quant_method", None), GGUFLinearMethod)]
+    methods = [getattr(m, "quant_method", None) for m in loaded.modules()]
+    methods = [m for m in methods if isinstance(m, GGUFLinearMethod)]
     result: dict[str, float | str] = {
         "mode": mode, "load_s": load_s, "rss_after_load_mib": _rss_mib() - start_rss,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - start_rss,
@@ -50,7 +51,8 @@ def measure(model: str, mode: str, tokens: int) -> dict[str, float | str]:
         "param_mib": sum(p.numel() * p.element_size() for p in loaded.parameters()) / 2**20,
     }
     del loaded, methods
-    llm = LLM(model, dtype="float32", quantization=mode, max_model_len=256, cache={"num_blocks": 64})
+    llm = LLM(model, dtype="float32", quantization=mode, max_model_len=256, cache={"num_blocks": 64},
+              device={"num_threads": threads} if threads else {})
     timings = {}
     for n in (1, tokens):
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
@@ -101,7 +103,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     model = args.model or default_model()
     if args.one:
-        print(json.dumps(measure(model, args.one, args.tokens)))
+        print(json.dumps(measure(model, args.one, args.tokens, args.threads)))
         return
     for mode in args.modes.split(","):
         command = [sys.executable, __file__, "--model", model, "--one", mode, "--tokens", str(args.tokens)]

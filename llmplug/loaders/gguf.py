@@ -6,8 +6,9 @@ and each tensor is dequantized to the model dtype only when the model asks for i
 
 Q4_0, Q4_1 and Q8_0 tensors can also carry their exact int4 form (`int4_groups_of_tensor`, read from
 the raw blocks) to the layers, which keep a packed int4 copy for small batches (docs/quantization.md).
-With `quantization` auto or gguf, the linear weights of K-quant files stay in their blocks instead
-(`gguf_packed`, computed by the `gguf` quantization method): no dense copy is made of them.
+With `quantization` none (the default), auto or gguf, the linear weights of K-quant files stay in their blocks
+instead (`gguf_packed`, computed by the `gguf` quantization method): no dense copy is made of them, and
+such a file gets no int4 copies (its other tensors, e.g. the embedding, are dense).
 """
 
 from __future__ import annotations
@@ -297,13 +298,31 @@ def check_tensors(reader: gguf.GGUFReader, path: str) -> None:
                 raise ModelLoadError(f"GGUF file {path}: {error}") from None
 
 
+_CHUNK_ROWS = 16384  # rows of a quantized matrix dequantized at once (gguf-py's temporaries are a few times its output)
+
+
 def dequantize_tensor(tensor: Any) -> torch.Tensor:
     """One GGUF tensor as fp32 in torch's dimension order (GGUF lists dimensions reversed)."""
     shape = tuple(int(dim) for dim in reversed(tensor.shape))
-    values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)  # float32
+    data = tensor.data
+    block_size, _ = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
+    if block_size > 1 and data.ndim == 2 and data.shape[0] > _CHUNK_ROWS:  # a large quantized matrix
+        return _dequantize_in_chunks(data, tensor.tensor_type).reshape(shape)
+    values = gguf.quants.dequantize(data, tensor.tensor_type)  # float32
     if not values.flags.writeable:  # F32 is a view of the read-only memory map: torch needs its own copy
         values = values.copy()
     return torch.from_numpy(values.reshape(shape))
+
+
+def _dequantize_in_chunks(data: np.ndarray, qtype: Q) -> torch.Tensor:
+    """[rows, bytes] of blocks -> [rows, cols] float32, `_CHUNK_ROWS` rows at a time: a large embedding table's
+    peak memory is its output plus one chunk's temporaries, not several copies of the whole table."""
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    out = torch.empty(data.shape[0], data.shape[1] // type_size * block_size)
+    for start in range(0, data.shape[0], _CHUNK_ROWS):
+        rows = data[start : start + _CHUNK_ROWS]
+        out[start : start + len(rows)] = torch.from_numpy(gguf.quants.dequantize(rows, qtype))
+    return out
 
 
 def undo_conversion(spec: GGUFArchitecture, name: str, weight: torch.Tensor, num_heads: int) -> torch.Tensor | None:
@@ -540,6 +559,8 @@ class GGUFLoader(BaseModelLoader):
     def iter_weights(self, model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
         """HF-named weights in the model dtype, dequantized lazily (the base class shows the progress bar)."""
         path, dtype = self.gguf_path(model_config), model_dtype(model_config.dtype)
-        quantization = model_config.quantization
-        return iter_gguf_weights(path, dtype, progress=False, int4_types=exact_int4_types(quantization),
-                                 plan=packed_plan(path, quantization))
+        plan = packed_plan(path, model_config.quantization)
+        # a file with packed layers gets no int4 copies: they would only add memory (an int4 copy of Gemma 3's
+        # Q8_0 embedding as its head decodes 8x slower than the dense head here: benchmarks/gguf_kquants.py)
+        int4_types = frozenset() if plan.modules else exact_int4_types(model_config.quantization)
+        return iter_gguf_weights(path, dtype, progress=False, int4_types=int4_types, plan=plan)

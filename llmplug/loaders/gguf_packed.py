@@ -7,9 +7,10 @@ the kernel implements their type, else dense (logged). Whole modules, because a 
 takes all its shards one way. Linear weights are those of the transformers model's `nn.Linear` modules, less
 its output embedding (llmplug's head is not a linear layer); only architectures whose llmplug module names
 are transformers' (`PACKED_ARCHES`) are packed, so the names the loader yields are those the model's layers
-hold. `quantization`: auto packs the types the int4 path has no exact form of (K-quants, Q5_0/Q5_1, and the
-Q4_0/Q4_1/Q8_0 tensors beside them); gguf packs every type the kernel implements; int4, int8 and none
-dequantize every tensor as before.
+hold. `quantization`: none (the default) and auto pack the types the int4 path has no exact form of (K-quants,
+Q5_0/Q5_1, and the Q4_0/Q4_1/Q8_0 tensors beside them), and a file with packed modules gets no int4 copies; a
+file of only Q4_0/Q4_1/Q8_0 is dense (none) or keeps the exact int4 path (auto) as before; gguf packs every
+type the kernel implements; int4 and int8 (llmplug's own copies of dense weights) dequantize every tensor.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ Q = gguf.GGMLQuantizationType
 # llama.cpp architectures whose llmplug modules carry transformers' names (no checkpoint-name translation)
 PACKED_ARCHES = frozenset({"llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3"})
 _INT4_EXACT = frozenset({Q.Q4_0, Q.Q4_1, Q.Q8_0})  # the auto mode's exact int4 path keeps files of only these
-TRIGGER_TYPES = {"auto": KERNEL_TYPES - _INT4_EXACT, "gguf": KERNEL_TYPES}
+# none (the default) and auto: a K-quant file is a quantized checkpoint, computed with its method as a gptq one is
+TRIGGER_TYPES = {"none": KERNEL_TYPES - _INT4_EXACT, "auto": KERNEL_TYPES - _INT4_EXACT, "gguf": KERNEL_TYPES}
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +63,8 @@ def linear_weight_names(hf_config: Any) -> frozenset[str]:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
     head = model.get_output_embeddings()
-    return frozenset(f"{name}.weight" for name, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head)
+    linear = (name for name, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head)
+    return frozenset(f"{name}.weight" for name in linear)
 
 
 def plan_packing(arch: str, types: dict[str, Q], linear: frozenset[str], quantization: str) -> PackedPlan:

@@ -55,7 +55,7 @@ def packed_type(tensor: torch.Tensor) -> Q | None:
 
 @dataclass(slots=True)
 class Segment:
-    """Output rows [offset, offset + rows) of a layer: raw blocks of `qtype` [rows, bytes], or dense rows (qtype None)."""
+    """Output rows [offset, offset + rows) of a layer: raw blocks of `qtype` [rows, bytes], or dense rows (None)."""
 
     offset: int
     qtype: Q | None
@@ -163,7 +163,8 @@ def _joined(segments: list[Segment]) -> list[Segment]:
     joined: list[Segment] = []
     for s in segments:
         last = joined[-1] if joined else None
-        if last is not None and last.qtype is not None and last.qtype == s.qtype and last.offset + last.rows == s.offset:
+        adjacent = last is not None and last.offset + last.rows == s.offset
+        if adjacent and last.qtype is not None and last.qtype == s.qtype:
             joined[-1] = Segment(last.offset, s.qtype, torch.cat([last.data, s.data]))
         else:
             joined.append(s)

@@ -7,7 +7,6 @@ blocks are random bytes with sane fp16 scales, so every bit pattern of the quant
 from __future__ import annotations
 
 import gc
-import resource
 import time
 from pathlib import Path
 
@@ -19,7 +18,8 @@ import torch
 from llmplug.core.config import EngineConfig, ModelConfig
 from llmplug.core.errors import ModelLoadError
 from llmplug.layers.kernels.native import native_available, ops
-from llmplug.loaders.gguf import GGUFLoader
+from llmplug.layers.quantization import Int4LinearMethod
+from llmplug.loaders.gguf import GGUFLoader, packed_plan
 from llmplug.plugins.models.llama import LlamaForCausalLM
 from llmplug.quantization.gguf import KERNEL_TYPES, GGUFLinearMethod
 
@@ -120,6 +120,10 @@ def kquant_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.
             heads = {"q_proj": 4, "k_proj": 2}.get(proj)
             with torch.no_grad():
                 state[hf_name].copy_(torch.from_numpy(unpermute_qk(stored, heads) if heads else stored))
+    head = gguf.quants.quantize(state["lm_head.weight"].numpy(), Q.Q8_0)  # a Q8_0 head, which has an int4 form
+    extra["output.weight"] = (head, Q.Q8_0)
+    with torch.no_grad():
+        state["lm_head.weight"].copy_(torch.from_numpy(gguf.quants.dequantize(head, Q.Q8_0)))
     path = tmp_path_factory.mktemp("kquants") / "tiny-q4_k_m.gguf"
     write_model_gguf(path, model, Q.F32, tokenizer=False, extra_tensors=extra)
     return path, model
@@ -130,7 +134,7 @@ def test_unpermute_is_the_inverse_of_the_converters_permute() -> None:
     assert np.array_equal(unpermute_qk(permute_qk(weight, 4, 4), 4), weight)
 
 
-def load(path: Path, quantization: str = "auto") -> torch.nn.Module:
+def load(path: Path, quantization: str = "none") -> torch.nn.Module:
     config = EngineConfig(model=ModelConfig(model=str(path), dtype="float32", quantization=quantization))
     return GGUFLoader(config.load).load_model(config, device="cpu", model_class=LlamaForCausalLM)
 
@@ -153,6 +157,8 @@ def test_every_linear_layer_keeps_its_blocks_and_computes_gguf_pys_weights(kquan
         assert (module(x) - reference_y).abs().max() <= 1e-5 * reference_y.abs().max(), name  # float32 sums' order
     # q and k are Q4_K, v Q6_K: one fused layer, two kernel calls
     assert repr(model.model.layers[0].self_attn.qkv_proj.quant_method) == "GGUFLinearMethod(Q4_K,Q6_K)"
+    # a file with packed layers gets no int4 copy of its Q8_0 head (quantization=auto would give one otherwise)
+    assert not isinstance(load(path, "auto").lm_head.quant_method, Int4LinearMethod)
 
 
 def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(kquant_llama) -> None:
@@ -172,11 +178,12 @@ def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(kquant_llam
         assert list(output.outputs[0].token_ids) == expected[0, len(prompt):].tolist()
 
 
-def test_quantization_none_dequantizes_as_before(kquant_llama) -> None:
+def test_packed_by_default_and_auto_and_dense_under_llmplugs_own_int4_and_int8_copies(kquant_llama) -> None:
     path, _ = kquant_llama
-    model = load(path, "none")
-    assert model.model.layers[0].mlp.down_proj.weight is not None
-    assert not any(isinstance(getattr(m, "quant_method", None), GGUFLinearMethod) for m in model.modules())
+    for quantization in ("none", "auto", "gguf"):
+        assert packed_plan(str(path), quantization).modules == {f"model.layers.{i}.{m}" for i in range(2)
+                                                                for m in ("self_attn", "mlp")}, quantization
+    assert not packed_plan(str(path), "int4").modules and not packed_plan(str(path), "int8").modules
 
 
 def test_a_damaged_kquant_tensor_is_an_error_naming_it_and_the_next_good_load_works(kquant_llama, tmp_path) -> None:
@@ -206,20 +213,23 @@ def test_real_gemma3_q4_k_m_packed_generates_transformers_greedy_tokens(gemma3_2
 
     from llmplug import LLM, SamplingParams
 
-    before, start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, time.perf_counter()
-    llm = LLM(str(gemma3_270m), dtype="float32", max_model_len=256)
+    start = time.perf_counter()
+    llm = LLM(str(gemma3_270m), dtype="float32", max_model_len=256, cache={"num_blocks": 64})
     model = llm.llm_engine.engine_core.executor.worker.model_runner.model
-    methods = [m.quant_method for m in model.modules() if isinstance(getattr(m, "quant_method", None), GGUFLinearMethod)]
+    layers = [m for m in model.modules() if isinstance(getattr(m, "quant_method", None), GGUFLinearMethod)]
+    methods = [layer.quant_method for layer in layers]
     assert len(methods) == 18 * 4  # qkv, o, gate_up, down of each of the 18 layers
     packed = sum(s.data.nbytes for m in methods for s in m.segments)
-    with capsys.disabled():
-        print(f"\ngemma3 270M Q4_K_M: packed linear weights {packed / 2**20:.1f} MiB, load {time.perf_counter() - start:.0f}"
-              f" s, peak RSS growth {(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024:.0f} MiB")
+    dense = sum(s.rows * layer.input_size * 4 for layer, m in zip(layers, methods) for s in m.segments)
+    with capsys.disabled():  # the weights' memory: benchmarks/gguf_kquants.py measures the process's RSS
+        print(f"\ngemma3 270M Q4_K_M: linear weights {packed / 2**20:.1f} MiB packed "
+              f"({dense / 2**20:.0f} MiB as float32), "
+              f"load {time.perf_counter() - start:.0f} s")
     prompts = ["The capital of France is", "def fibonacci(n):"]
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)
     tokenizer = llm.get_tokenizer()
     llm.shutdown()
-    del llm, model, methods
+    del llm, model, layers, methods
     gc.collect()
     theirs = AutoModelForCausalLM.from_pretrained(gemma3_270m.parent, gguf_file=gemma3_270m.name,
                                                   dtype=torch.float32).eval()

@@ -20,8 +20,10 @@
 #include <tuple>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512F__)
 #define LLMPLUG_AVX512 1
 #endif
 
@@ -752,7 +754,11 @@ at::Tensor row_bmm(const at::Tensor& a, const at::Tensor& b) {
 inline float half_at(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(bits);  // one instruction; the portable conversion is most of a 32-weight block's cost
+#else
   return c10::detail::fp16_ieee_to_fp32_value(bits);
+#endif
 }
 
 // Q4_0 [d, 16 bytes]: weight j is the low nibble of byte j, weight j + 16 its high nibble; w = d (q - 8).
@@ -767,25 +773,35 @@ void block_q4_1(const uint8_t* b, float* y) {
   for (int j = 0; j < 16; ++j) y[j] = float(b[4 + j] & 0x0F) * d + m, y[j + 16] = float(b[4 + j] >> 4) * d + m;
 }
 
+// The fifth bits of a Q5_0 / Q5_1 block as 16 per weight: bit j of qh belongs to weight j.
+inline void high_bits(const uint8_t* p, int32_t* high) {
+  uint32_t qh;
+  std::memcpy(&qh, p, 4);
+#pragma omp simd
+  for (int j = 0; j < 32; ++j) high[j] = int32_t((qh >> j) & 1u) << 4;
+}
+
 // Q5_0 [d, 32 high bits, 16 bytes]: q = nibble | high bit << 4; w = d (q - 16).
 void block_q5_0(const uint8_t* b, float* y) {
   const float d = half_at(b);
-  uint32_t qh;
-  std::memcpy(&qh, b + 2, 4);
+  int32_t high[32];
+  high_bits(b + 2, high);
+#pragma omp simd
   for (int j = 0; j < 16; ++j) {
-    const int lo = (b[6 + j] & 0x0F) | (((qh >> j) << 4) & 0x10), hi = (b[6 + j] >> 4) | ((qh >> (j + 12)) & 0x10);
-    y[j] = float(lo - 16) * d, y[j + 16] = float(hi - 16) * d;
+    y[j] = float(((b[6 + j] & 0x0F) | high[j]) - 16) * d;
+    y[j + 16] = float(((b[6 + j] >> 4) | high[j + 16]) - 16) * d;
   }
 }
 
 // Q5_1 [d, m, 32 high bits, 16 bytes]: w = d q + m.
 void block_q5_1(const uint8_t* b, float* y) {
   const float d = half_at(b), m = half_at(b + 2);
-  uint32_t qh;
-  std::memcpy(&qh, b + 4, 4);
+  int32_t high[32];
+  high_bits(b + 4, high);
+#pragma omp simd
   for (int j = 0; j < 16; ++j) {
-    const int lo = (b[8 + j] & 0x0F) | (((qh >> j) << 4) & 0x10), hi = (b[8 + j] >> 4) | ((qh >> (j + 12)) & 0x10);
-    y[j] = float(lo) * d + m, y[j + 16] = float(hi) * d + m;
+    y[j] = float((b[8 + j] & 0x0F) | high[j]) * d + m;
+    y[j + 16] = float((b[8 + j] >> 4) | high[j + 16]) * d + m;
   }
 }
 
@@ -815,6 +831,7 @@ void block_q4_k(const uint8_t* b, float* y) {
     float d1, m1, d2, m2;
     scale_min_k4(2 * j, scales, d, dmin, d1, m1);
     scale_min_k4(2 * j + 1, scales, d, dmin, d2, m2);
+#pragma omp simd
     for (int l = 0; l < 32; ++l) y[l] = d1 * float(q[l] & 0x0F) - m1, y[l + 32] = d2 * float(q[l] >> 4) - m2;
   }
 }
@@ -828,6 +845,7 @@ void block_q5_k(const uint8_t* b, float* y) {
     scale_min_k4(2 * j, scales, d, dmin, d1, m1);
     scale_min_k4(2 * j + 1, scales, d, dmin, d2, m2);
     const uint8_t u1 = uint8_t(1u << (2 * j)), u2 = uint8_t(2u << (2 * j));
+#pragma omp simd
     for (int l = 0; l < 32; ++l) {
       y[l] = d1 * float((q[l] & 0x0F) + (qh[l] & u1 ? 16 : 0)) - m1;
       y[l + 32] = d2 * float((q[l] >> 4) + (qh[l] & u2 ? 16 : 0)) - m2;
@@ -835,22 +853,24 @@ void block_q5_k(const uint8_t* b, float* y) {
   }
 }
 
-// Q6_K super-block [128 bytes low nibbles, 64 bytes high bits, 16 int8 scales, d]: w = d sc (q - 32).
+// Q6_K super-block [128 bytes low nibbles, 64 bytes high bits, 16 int8 scales, d]: w = d sc (q - 32), one scale
+// per 16 weights.
 void block_q6_k(const uint8_t* b, float* y) {
   const uint8_t *ql = b, *qh = b + 128;
   const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
   const float d = half_at(b + 208);
   for (int half = 0; half < 2; ++half, ql += 64, qh += 32, sc += 8, y += 128) {
-    for (int l = 0; l < 32; ++l) {
-      const int is = l / 16;
-      const int q1 = ((ql[l] & 0x0F) | (((qh[l] >> 0) & 3) << 4)) - 32;
-      const int q2 = ((ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4)) - 32;
-      const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
-      const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
-      y[l] = d * float(sc[is]) * float(q1);
-      y[l + 32] = d * float(sc[is + 2]) * float(q2);
-      y[l + 64] = d * float(sc[is + 4]) * float(q3);
-      y[l + 96] = d * float(sc[is + 6]) * float(q4);
+    for (int is = 0; is < 2; ++is) {
+      const float s1 = d * float(sc[is]), s2 = d * float(sc[is + 2]), s3 = d * float(sc[is + 4]),
+                  s4 = d * float(sc[is + 6]);
+#pragma omp simd
+      for (int l = 16 * is; l < 16 * is + 16; ++l) {
+        const int q1 = ((ql[l] & 0x0F) | (((qh[l] >> 0) & 3) << 4)) - 32;
+        const int q2 = ((ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4)) - 32;
+        const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+        const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+        y[l] = s1 * float(q1), y[l + 32] = s2 * float(q2), y[l + 64] = s3 * float(q3), y[l + 96] = s4 * float(q4);
+      }
     }
   }
 }
