@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import gguf
 import numpy as np
@@ -21,7 +22,7 @@ from llmplug.layers.kernels.native import native_available, ops
 from llmplug.layers.quantization import Int4LinearMethod
 from llmplug.loaders.gguf import GGUFLoader, packed_plan
 from llmplug.plugins.models.llama import LlamaForCausalLM
-from llmplug.quantization.gguf import KERNEL_TYPES, GGUFLinearMethod
+from llmplug.quantization.gguf import KERNEL_TYPES, GGUFLinearMethod, as_packed
 
 from tests.loaders.gguf_writer_utils import make_tiny_model, permute_qk, tiny_llama_config, write_model_gguf
 
@@ -183,6 +184,15 @@ def greedy_equals_transformers(path: Path, reference: torch.nn.Module, **engine:
 
 def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(kquant_llama) -> None:
     greedy_equals_transformers(*kquant_llama)
+
+
+def test_a_rank_whose_input_features_are_not_whole_super_blocks_is_refused_naming_the_layer() -> None:
+    # rank 1 of 2 of a row-parallel layer of 256 input features: 128 of them, half a Q4_K super-block
+    layer = SimpleNamespace(prefix="model.layers.0.self_attn.o_proj", tp_size=2, input_size=128,
+                            _output_slot=lambda shard_id: (0, 8, 0, 1), input_split=(1, 2))
+    blocks = as_packed(torch.from_numpy(random_blocks(Q.Q4_K, 8, 256)), Q.Q4_K)
+    with pytest.raises(ModelLoadError, match=r"o_proj: 128 input features per rank are not whole Q4_K blocks of 256"):
+        GGUFLinearMethod().load_shard(layer, blocks, None)
 
 
 @pytest.mark.slow
