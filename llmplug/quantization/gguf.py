@@ -105,7 +105,9 @@ class GGUFLinearMethod(QuantizedLinearMethod):
         width = layer.input_size if qtype is None else _row_bytes(qtype, layer.input_size, layer)
         rows = _slice(loaded, 0, index, size, count, "output features")
         what = "input features" if qtype is None else f"bytes of {qtype.name} blocks"
-        data = _slice(rows, 1, rank, width, ranks, what).clone()  # its own memory, not a view of the whole tensor
+        data = _slice(rows, 1, rank, width, ranks, what).contiguous()
+        if data.untyped_storage().nbytes() > data.nbytes:  # this rank's part of a larger tensor: only it is kept
+            data = data.clone()
         self.shards[shard_id] = Segment(offset, qtype, data)
 
     def process_weights_after_loading(self, layer: LinearBase, options: LinearOptions) -> None:

@@ -898,28 +898,36 @@ GGUFType gguf_type(int64_t id) {
 
 constexpr int kLanes = 16;
 
-// out[m] = x[m] . w for `rows` rows of x (stride K): each a dot product in 16 lanes over K (a multiple of 32),
-// in k order per lane, summed in a fixed tree; the same arithmetic whether a row comes alone or with others.
-template <int R>
-inline void dot_rows(const float* x, int64_t K, const float* w, float* out) {
-  float lanes[R][kLanes] = {};
+// y[r, c] = x[r] . w[c] for an R x C tile (rows of K floats, stride K; y's rows `ldy` apart): each a dot product in
+// 16 lanes over K (a multiple of 32), in k order per lane, summed in a fixed tree. Every tile shape does the same
+// arithmetic for an element, so its bits do not depend on the tile that computed it (nor on M).
+template <int R, int C>
+inline void dot_tile(const float* x, int64_t K, const float* w, float* y, int64_t ldy) {
+  float lanes[R][C][kLanes] = {};
   for (int64_t k = 0; k < K; k += kLanes) {
     for (int r = 0; r < R; ++r) {
-      const float* xr = x + r * K + k;
+      for (int c = 0; c < C; ++c) {
+        const float *xr = x + r * K + k, *wc = w + c * K + k;
 #pragma omp simd
-      for (int j = 0; j < kLanes; ++j) lanes[r][j] = std::fma(xr[j], w[k + j], lanes[r][j]);
+        for (int j = 0; j < kLanes; ++j) lanes[r][c][j] = std::fma(xr[j], wc[j], lanes[r][c][j]);
+      }
     }
   }
   for (int r = 0; r < R; ++r) {
-    for (int width = kLanes / 2; width > 0; width /= 2)
-      for (int j = 0; j < width; ++j) lanes[r][j] += lanes[r][j + width];
-    out[r] = lanes[r][0];
+    for (int c = 0; c < C; ++c) {
+      float* l = lanes[r][c];
+      for (int width = kLanes / 2; width > 0; width /= 2)
+        for (int j = 0; j < width; ++j) l[j] += l[j + width];
+      y[r * ldy + c] = l[0];
+    }
   }
 }
 
+constexpr int kTile = 4;  // rows of W decoded together, and rows of x per tile
+
 // x [M, K] (float32 or bfloat16) . dequant(w)^T -> [M, N] in x's dtype; w [N, K / block * type_size] uint8: each
-// row the GGUF blocks of one output feature. A thread decodes a row of W once into float32 and takes its dot
-// product with every row of x, four at a time: output (m, n) is the same arithmetic whatever M.
+// row the GGUF blocks of one output feature. A thread decodes four rows of W into float32 once and takes their dot
+// products with the rows of x in 4 x 4 tiles (the remainder alone): output (m, n) is the same arithmetic whatever M.
 at::Tensor gguf_matmul(const at::Tensor& x, const at::Tensor& w, int64_t type_id) {
   const GGUFType type = gguf_type(type_id);
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
@@ -936,16 +944,33 @@ at::Tensor gguf_matmul(const at::Tensor& x, const at::Tensor& w, int64_t type_id
   const float* xp = xf.data_ptr<float>();
   float* yp = yf.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  const int64_t row_bytes = w.size(1), blocks = K / type.block_size;
-  at::parallel_for(0, N, grain(K * std::max<int64_t>(M, 4), 1 << 16), [&](int64_t begin, int64_t end) {
-    std::vector<float> row(K), out(M);
-    for (int64_t n = begin; n < end; ++n) {
-      const uint8_t* wr = wp + n * row_bytes;
-      for (int64_t b = 0; b < blocks; ++b) type.decode(wr + b * type.type_size, row.data() + b * type.block_size);
+  const int64_t row_bytes = w.size(1), blocks = K / type.block_size, tiles = (N + kTile - 1) / kTile;
+  at::parallel_for(0, tiles, grain(K * kTile * std::max<int64_t>(M, 4), 1 << 16), [&](int64_t begin, int64_t end) {
+    std::vector<float> rows(kTile * K);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * kTile, count = std::min<int64_t>(kTile, N - n0);
+      for (int64_t c = 0; c < count; ++c) {
+        const uint8_t* wr = wp + (n0 + c) * row_bytes;
+        float* row = rows.data() + c * K;
+        for (int64_t b = 0; b < blocks; ++b) type.decode(wr + b * type.type_size, row + b * type.block_size);
+      }
       int64_t m = 0;
-      for (; m + 4 <= M; m += 4) dot_rows<4>(xp + m * K, K, row.data(), out.data() + m);
-      for (; m < M; ++m) dot_rows<1>(xp + m * K, K, row.data(), out.data() + m);
-      for (m = 0; m < M; ++m) yp[m * N + n] = out[m];
+      for (; m + kTile <= M; m += kTile) {
+        float* y = yp + m * N + n0;
+        if (count == kTile) {
+          dot_tile<kTile, kTile>(xp + m * K, K, rows.data(), y, N);
+        } else {
+          for (int64_t c = 0; c < count; ++c) dot_tile<kTile, 1>(xp + m * K, K, rows.data() + c * K, y + c, N);
+        }
+      }
+      for (; m < M; ++m) {
+        float* y = yp + m * N + n0;
+        if (count == kTile) {
+          dot_tile<1, kTile>(xp + m * K, K, rows.data(), y, N);
+        } else {
+          for (int64_t c = 0; c < count; ++c) dot_tile<1, 1>(xp + m * K, K, rows.data() + c * K, y + c, N);
+        }
+      }
     }
   });
   return x.scalar_type() == at::kFloat ? yf : yf.to(x.scalar_type());
