@@ -1,15 +1,16 @@
-"""Decode and prefill tokens/s of a GPTQ 4-bit checkpoint against the same model dense, in bf16 and float32.
+"""Decode and prefill tokens/s of a quantized checkpoint (GPTQ 4-bit or FP8 128x128 blocks) against the same model
+dense, in bf16 and float32.
 
-    python benchmarks/quantized.py                                  # hidden 1024, 4 layers, 2816 intermediate
-    python benchmarks/quantized.py --group-size 32 --prompt 128 --new 64
+    python benchmarks/quantized.py --format gptq                   # hidden 1024, 4 layers, 2816 intermediate
+    python benchmarks/quantized.py --format fp8 --threads 1 --prompt 128 --new 64
 
-Writes a random Llama-shaped checkpoint (float32) and its GPTQ copy (symmetric round-to-nearest, groups of
-`group_size`, packed as AutoGPTQ packs: qweight [K / 8, N], qzeros [G, N / 8] storing zero - 1, scales fp16
-[G, N]), then for each variant loads it with `llmplug.LLM` and times, after a warm-up, one prompt of `prompt`
-tokens with one new token (prefill tok/s) and the same prompt with `new` tokens (decode tok/s: the extra tokens
-over the extra time). GPTQ layers compute with torch's CPU int4 kernel at every batch size (their weights stay
-packed: llmplug/quantization/int_weights.py). Medians of `repeats`; wall clock, so on a shared machine compare
-ratios in one run.
+Writes a random Llama-shaped checkpoint (float32) and its quantized copy -- gptq: symmetric round-to-nearest in
+groups of `group_size`, packed as AutoGPTQ packs (qweight [K / 8, N], qzeros [G, N / 8] storing zero - 1, scales
+fp16 [G, N]); fp8: vLLM's blockwise quantizer (scale = block amax / 448) -- then for each variant loads it with
+`llmplug.LLM` and times, after a warm-up, one prompt of `prompt` tokens with one new token (prefill tok/s) and the
+same prompt with `new` tokens (decode tok/s: the extra tokens over the extra time). The quantized weights stay
+packed (llmplug/quantization/). Medians of `repeats`, in wall clock and in the process's CPU time: on a shared
+machine run it with --threads 1 and read the CPU-time columns, which do not count waiting for a core.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -27,6 +29,8 @@ from transformers import LlamaConfig
 
 from llmplug import LLM, SamplingParams
 from llmplug.testing.tiny import save_tiny_checkpoint, tiny_config
+
+FP8_MAX = 448.0
 
 
 def pack_along(values: torch.Tensor, dim: int) -> torch.Tensor:
@@ -47,66 +51,94 @@ def gptq_tensors(weight: torch.Tensor, group_size: int) -> dict[str, torch.Tenso
             "g_idx": (torch.arange(k) // group_size).to(torch.int32)}
 
 
+def fp8_tensors(weight: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
+    """vLLM's tests' blockwise fp8 quantizer (padded to whole 128x128 blocks); `group_size` is not used."""
+    n, k = weight.shape
+    padded = torch.zeros(-(-n // 128) * 128, -(-k // 128) * 128)
+    padded[:n, :k] = weight
+    view = padded.view(padded.shape[0] // 128, 128, padded.shape[1] // 128, 128)
+    amax = view.abs().amax(dim=(1, 3), keepdim=True).clamp(1e-4)
+    q = (view * (FP8_MAX / amax)).to(torch.float8_e4m3fn)
+    scale = (amax / FP8_MAX).view(view.shape[0], view.shape[2])
+    return {"weight": q.view_as(padded)[:n, :k].contiguous(), "weight_scale_inv": scale}
+
+
+# format -> (its tensors of a dense [N, K] weight, its quantization_config)
+FORMATS: dict[str, tuple[Callable[[torch.Tensor, int], dict[str, torch.Tensor]], Callable[[int], dict]]] = {
+    "gptq": (gptq_tensors, lambda group: {"quant_method": "gptq", "bits": 4, "group_size": group, "sym": True,
+                                          "desc_act": False}),
+    "fp8": (fp8_tensors, lambda group: {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                        "weight_block_size": [128, 128]}),
+}
+
+
 def write_checkpoints(root: Path, args: argparse.Namespace) -> tuple[Path, Path]:
     config = tiny_config(LlamaConfig, hidden_size=args.hidden, intermediate_size=args.intermediate,
                          num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
                          num_key_value_heads=max(1, args.hidden // 256), vocab_size=args.vocab,
                          max_position_embeddings=4096)
     dense = save_tiny_checkpoint(config, root / "dense").path
-    gptq = root / "gptq"
-    gptq.mkdir()
+    quantized = root / args.format
+    quantized.mkdir()
+    quantize, quantization_config = FORMATS[args.format]
     tensors = load_file(dense / "model.safetensors")
     for name in [n for n in tensors if n.startswith("model.layers.") and n.endswith("_proj.weight")]:
         module = name.removesuffix(".weight")
-        for leaf, tensor in gptq_tensors(tensors.pop(name).float(), args.group_size).items():
+        for leaf, tensor in quantize(tensors.pop(name).float(), args.group_size).items():
             tensors[f"{module}.{leaf}"] = tensor
-    save_file(tensors, gptq / "model.safetensors", metadata={"format": "pt"})
+    save_file(tensors, quantized / "model.safetensors", metadata={"format": "pt"})
     saved = json.loads((dense / "config.json").read_text())
-    saved["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": args.group_size, "sym": True,
-                                    "desc_act": False}
-    (gptq / "config.json").write_text(json.dumps(saved))
-    return dense, gptq
+    saved["quantization_config"] = quantization_config(args.group_size)
+    (quantized / "config.json").write_text(json.dumps(saved))
+    return dense, quantized
 
 
-def timed(llm: LLM, prompt: list[int], new: int, repeats: int) -> float:
+def timed(llm: LLM, prompt: list[int], new: int, repeats: int) -> tuple[float, float]:
+    """Median (wall, CPU) seconds of one generate call (the engine's worker runs in this process)."""
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
-    times = []
+    walls, cpus = [], []
     for _ in range(repeats + 1):  # the first is a warm-up
-        start = time.perf_counter()
+        wall, cpu = time.perf_counter(), time.process_time()
         llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+        walls.append(time.perf_counter() - wall)
+        cpus.append(time.process_time() - cpu)
+    return statistics.median(walls[1:]), statistics.median(cpus[1:])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--format", choices=sorted(FORMATS), default="gptq")
+    parser.add_argument("--group-size", type=int, default=128, help="GPTQ's group size")
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--intermediate", type=int, default=2816)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=4096)
-    parser.add_argument("--group-size", type=int, default=128)
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--new", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="the engine's torch threads (default: its own)")
     args = parser.parse_args()
     prompt = [(7 * i + 3) % args.vocab for i in range(args.prompt)]
     with tempfile.TemporaryDirectory() as tmp:
-        dense, gptq = write_checkpoints(Path(tmp), args)
-        variants = [("gptq-4bit (bf16 act.)", gptq, "bfloat16"), ("dense bf16", dense, "bfloat16"),
-                    ("gptq-4bit (fp32 act.)", gptq, "float32"), ("dense float32", dense, "float32")]
+        dense, quantized = write_checkpoints(Path(tmp), args)
+        variants = [(f"{args.format} (bf16 act.)", quantized, "bfloat16"), ("dense bf16", dense, "bfloat16"),
+                    (f"{args.format} (float32 act.)", quantized, "float32"), ("dense float32", dense, "float32")]
         print(f"hidden {args.hidden}, intermediate {args.intermediate}, {args.layers} layers, vocab {args.vocab}, "
-              f"group {args.group_size}, prompt {args.prompt}, {args.new} new tokens, "
-              f"{torch.get_num_threads()} threads")
-        print(f"{'variant':<22} {'prefill tok/s':>14} {'decode tok/s':>13}")
+              f"prompt {args.prompt}, {args.new} new tokens, threads {args.threads or 'engine default'}")
+        print(f"{'variant':<22} {'prefill tok/s':>14} {'decode tok/s':>13} {'prefill tok/CPU-s':>18} "
+              f"{'decode tok/CPU-s':>17}")
         for name, path, dtype in variants:
-            llm = LLM(str(path), dtype=dtype, skip_tokenizer_init=True, max_model_len=args.prompt + args.new + 8)
+            device = {} if args.threads is None else {"device": {"num_threads": args.threads}}
+            llm = LLM(str(path), dtype=dtype, skip_tokenizer_init=True, max_model_len=args.prompt + args.new + 8,
+                      **device)
             try:
                 prefill = timed(llm, prompt, 1, args.repeats)
                 full = timed(llm, prompt, args.new, args.repeats)
             finally:
                 llm.shutdown()
-            print(f"{name:<22} {args.prompt / prefill:>14.1f} {(args.new - 1) / max(full - prefill, 1e-9):>13.1f}",
-                  flush=True)
+            rates = [f"{args.prompt / prefill[i]:>{w1}.1f} {(args.new - 1) / max(full[i] - prefill[i], 1e-9):>{w2}.1f}"
+                     for i, (w1, w2) in enumerate(((14, 13), (18, 17)))]
+            print(f"{name:<22} {rates[0]} {rates[1]}", flush=True)
 
 
 if __name__ == "__main__":
