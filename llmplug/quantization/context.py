@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING, Any, Iterator
 if TYPE_CHECKING:
     from llmplug.quantization.base import QuantizationConfig
 
-_BUILDING: contextvars.ContextVar[QuantizationConfig | None] = contextvars.ContextVar("llmplug_quantization", default=None)
+_BUILDING: contextvars.ContextVar[QuantizationConfig | None] = contextvars.ContextVar(
+    "llmplug_quantization", default=None
+)
 
 
 @contextlib.contextmanager

@@ -9,8 +9,8 @@ What is computed (W8A16, weight-only, as vLLM does for fp8 on the CPU): torch on
 (`torch._scaled_mm` runs there, but ~50x slower than the bf16 matmul on 2 AVX-512 cores), so the weight stays fp8
 in memory (1 byte a weight, plus float32 scales: 4 bytes per row and 128 columns) and each call dequantizes it about
 a million weights (whole 128-row blocks) at a time into the activation dtype, exactly as above, and multiplies that
-tile with F.linear. Decoding pays the dequantization per token (`benchmarks/quantized.py --format fp8`: several times slower than the
-bf16 model); prefill amortizes it over the prompt's rows. Activations are not
+tile with F.linear. Decoding pays the dequantization per token (`benchmarks/quantized.py --format fp8`: several
+times slower than the bf16 model); prefill amortizes it over the prompt's rows. Activations are not
 quantized: an `input_scale` (activation_scheme static) is read and checked but not applied, as transformers'
 CPU load of the same checkpoint (which dequantizes the whole model) does not apply it either.
 
@@ -39,7 +39,8 @@ if TYPE_CHECKING:
     from llmplug.layers.quantization import LinearOptions
 
 __all__ = [
-    "BLOCK", "Fp8Config", "Fp8LinearMethod", "Fp8Scheme", "compressed_tensors_fp8_method", "dequantize_tile", "tile_rows",
+    "BLOCK", "Fp8Config", "Fp8LinearMethod", "Fp8Scheme", "compressed_tensors_fp8_method", "dequantize_tile",
+    "tile_rows",
 ]
 
 log = logging.getLogger(__name__)

@@ -183,7 +183,9 @@ def _check_layers(
     from llmplug.quantization import QuantizedLinearMethod
 
     # a method may keep a tensor named `weight` (fp8 checkpoints do): the layer's method says it is quantized
-    quantized = [m for m in model.modules() if isinstance(m, LinearBase) and isinstance(m.quant_method, QuantizedLinearMethod)]
+    quantized = [
+        m for m in model.modules() if isinstance(m, LinearBase) and isinstance(m.quant_method, QuantizedLinearMethod)
+    ]
     if not quantized:
         raise AssertionError("no linear layer was built with the checkpoint's quantization method: the engine ran the "
                              "model dense, so nothing about the method is proved")
