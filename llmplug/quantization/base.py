@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from llmplug.core.errors import ModelLoadError
+
 if TYPE_CHECKING:
     from llmplug.layers.linear import LinearBase
     from llmplug.layers.quantization import LinearOptions
@@ -69,6 +71,15 @@ class QuantizationConfig(abc.ABC):
     @abc.abstractmethod
     def linear_method(self, layer: LinearBase, prefix: str) -> QuantizedLinearMethod | None:
         """The method of the linear `layer` named `prefix` (None: the checkpoint keeps it dense)."""
+
+    def check_experts(self, prefix: str) -> None:
+        """Called as the mixture-of-experts block `prefix` is built: its experts are stacked tensors, not linear
+        layers, and no method holds them in a quantized form yet, so a quantized MoE checkpoint is refused by name
+        rather than loaded wrong. A method whose checkpoints keep the experts dense overrides this to pass."""
+        raise ModelLoadError(
+            f"{prefix}: {self.name} checkpoints of mixture-of-experts models are not supported yet (their experts "
+            "would need a quantized experts kernel); use the model's dense (bf16/fp16) checkpoint"
+        )
 
     def supported_dtypes(self) -> tuple[torch.dtype, ...]:
         """Activation dtypes the method computes in."""

@@ -30,6 +30,14 @@ def building_with(config: QuantizationConfig | None) -> Iterator[None]:
         _BUILDING.reset(token)
 
 
+def check_experts(prefix: str) -> None:
+    """Called by a mixture-of-experts block as it is built: the method of the model being built says whether it can
+    hold the checkpoint's experts (QuantizationConfig.check_experts)."""
+    config = _BUILDING.get()
+    if config is not None:
+        config.check_experts(prefix)
+
+
 def checkpoint_method_for(layer: Any, prefix: str) -> Any:
     """The quantized method of the linear `layer` named `prefix` in the model being built; None: dense."""
     config = _BUILDING.get()

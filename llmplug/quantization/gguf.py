@@ -193,6 +193,9 @@ class GGUFConfig(QuantizationConfig):
         """A `GGUFLinearMethod` for a linear layer whose parent module is packed; None (dense) otherwise."""
         return GGUFLinearMethod() if prefix.rpartition(".")[0] in self.packed_modules else None
 
+    def check_experts(self, prefix: str) -> None:
+        """Experts are never among `packed_modules` (the loader dequantizes them): they load dense."""
+
     def supported_dtypes(self) -> tuple[torch.dtype, ...]:
         """The kernel reads float32 and bfloat16 activations (float16 goes through float32)."""
         return (torch.float32, torch.bfloat16, torch.float16)

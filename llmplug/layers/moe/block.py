@@ -14,6 +14,7 @@ from llmplug.layers.moe.experts import FusedExperts
 from llmplug.layers.moe.router import Router
 from llmplug.layers.rowwise import rowwise
 from llmplug.layers.weight_utils import default_weight_loader, frozen_parameter
+from llmplug.quantization.context import check_experts
 
 __all__ = ["SparseMoeBlock"]
 
@@ -43,6 +44,7 @@ class SparseMoeBlock(nn.Module):
         expert_parallel: bool | None = None,
     ) -> None:
         super().__init__()
+        check_experts(_join(prefix, "experts"))  # a quantized checkpoint's method must hold them, or refuse by name
         self.gate = Router(config.router, hidden_size)
         if expert_parallel is None:
             expert_parallel = expert_parallel_enabled()
