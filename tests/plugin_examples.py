@@ -47,6 +47,23 @@ def use_site(site: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return site
 
 
+def example_site_fixtures(packages: list[str]):
+    """A test module's `site` (the example packages pip-installed once per module) and `installed` (that site
+    importable and discoverable in one test) fixtures: `site, installed = example_site_fixtures([...])`."""
+
+    @pytest.fixture(scope="module")
+    def site(tmp_path_factory) -> Path:
+        target = tmp_path_factory.mktemp("examples_site")
+        pip_install_examples(packages, target, tmp_path_factory.mktemp("examples_sources"))
+        return target
+
+    @pytest.fixture
+    def installed(site, monkeypatch) -> Path:
+        return use_site(site, monkeypatch)
+
+    return site, installed
+
+
 def save_as_npz(tiny, folder: Path) -> Path:
     """A tiny model's config.json and its weights as weights.npz (HF names): what the toy_loader example reads."""
     import numpy as np

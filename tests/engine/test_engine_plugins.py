@@ -12,7 +12,7 @@ from llmplug.core.config import EngineConfig, LoadConfig, ModelConfig, PluginCon
 from llmplug.core.plugins import PluginNotFoundError
 from tests.engine.test_llm import generate_ids, hf_greedy
 from tests.models.tiny_models import make_tiny
-from tests.plugin_examples import pip_install_examples, save_as_npz, use_site
+from tests.plugin_examples import example_site_fixtures, save_as_npz
 
 LOADER_DIST, HOOKS_DIST = "llmplug-example-toy-loader", "llmplug-example-toy-hooks"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -20,16 +20,7 @@ PROMPTS = [[5, 17, 9], [200, 3, 41]]
 ENGINE = {"dtype": "float32", "skip_tokenizer_init": True, "block_size": 4}
 
 
-@pytest.fixture(scope="module")
-def site(tmp_path_factory) -> Path:
-    target = tmp_path_factory.mktemp("plugins_site")
-    pip_install_examples(["toy_loader", "toy_hooks"], target, tmp_path_factory.mktemp("plugin_sources"))
-    return target
-
-
-@pytest.fixture
-def installed(site, monkeypatch) -> Path:
-    return use_site(site, monkeypatch)
+site, installed = example_site_fixtures(["toy_loader", "toy_hooks"])
 
 
 @pytest.fixture(scope="module")

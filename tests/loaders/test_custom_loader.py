@@ -16,7 +16,7 @@ from llmplug import LLM, SamplingParams
 from llmplug.core.errors import ModelLoadError
 from tests.engine.test_llm import generate_ids, hf_greedy
 from tests.models.tiny_models import make_tiny
-from tests.plugin_examples import pip_install_examples, run_python, save_as_npz, use_site
+from tests.plugin_examples import example_site_fixtures, run_python, save_as_npz
 
 MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -25,17 +25,7 @@ ENGINE = {"load_format": "npz", "dtype": "float32", "skip_tokenizer_init": True,
 REPO_ID = "llmplug-tests/tiny-npz"
 
 
-@pytest.fixture(scope="module")
-def site(tmp_path_factory) -> Path:
-    """Only the toy_loader example, installed by pip."""
-    target = tmp_path_factory.mktemp("loader_site")
-    pip_install_examples(["toy_loader"], target, tmp_path_factory.mktemp("loader_sources"))
-    return target
-
-
-@pytest.fixture
-def installed(site, monkeypatch) -> Path:
-    return use_site(site, monkeypatch)
+site, installed = example_site_fixtures(["toy_loader"])  # only this example, installed by pip
 
 
 @pytest.fixture(scope="module")

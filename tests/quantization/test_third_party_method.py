@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ from llmplug.core.plugins import PluginRegistry
 from llmplug.quantization import GROUP
 from llmplug.testing import save_tiny_checkpoint, tiny_config
 from llmplug.testing.quantization import check_quantization_method, save_quantized_checkpoint
-from tests.plugin_examples import pip_install_examples, use_site
+from tests.plugin_examples import example_site_fixtures
 
 TOY_CONFIG = {"quant_method": "toy-int8", "bits": 8}
 
@@ -32,17 +31,7 @@ def int8_per_output(module: str, weight: torch.Tensor) -> tuple[dict[str, torch.
     return {"qweight": qweight, "weight_scale": scale.float()}, qweight.float() * scale[:, None]
 
 
-@pytest.fixture(scope="module")
-def site(tmp_path_factory) -> Path:
-    """Only the toy_quantization example, installed by pip."""
-    target = tmp_path_factory.mktemp("quantization_site")
-    pip_install_examples(["toy_quantization"], target, tmp_path_factory.mktemp("quantization_sources"))
-    return target
-
-
-@pytest.fixture
-def installed(site, monkeypatch) -> Path:
-    return use_site(site, monkeypatch)
+site, installed = example_site_fixtures(["toy_quantization"])  # only this example, installed by pip
 
 
 @pytest.fixture(scope="module")
