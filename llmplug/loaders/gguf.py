@@ -298,31 +298,13 @@ def check_tensors(reader: gguf.GGUFReader, path: str) -> None:
                 raise ModelLoadError(f"GGUF file {path}: {error}") from None
 
 
-_CHUNK_ROWS = 16384  # rows of a quantized matrix dequantized at once (gguf-py's temporaries are a few times its output)
-
-
 def dequantize_tensor(tensor: Any) -> torch.Tensor:
     """One GGUF tensor as fp32 in torch's dimension order (GGUF lists dimensions reversed)."""
     shape = tuple(int(dim) for dim in reversed(tensor.shape))
-    data = tensor.data
-    block_size, _ = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
-    if block_size > 1 and data.ndim == 2 and data.shape[0] > _CHUNK_ROWS:  # a large quantized matrix
-        return _dequantize_in_chunks(data, tensor.tensor_type).reshape(shape)
-    values = gguf.quants.dequantize(data, tensor.tensor_type)  # float32
+    values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)  # float32
     if not values.flags.writeable:  # F32 is a view of the read-only memory map: torch needs its own copy
         values = values.copy()
     return torch.from_numpy(values.reshape(shape))
-
-
-def _dequantize_in_chunks(data: np.ndarray, qtype: Q) -> torch.Tensor:
-    """[rows, bytes] of blocks -> [rows, cols] float32, `_CHUNK_ROWS` rows at a time: a large embedding table's
-    peak memory is its output plus one chunk's temporaries, not several copies of the whole table."""
-    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    out = torch.empty(data.shape[0], data.shape[1] // type_size * block_size)
-    for start in range(0, data.shape[0], _CHUNK_ROWS):
-        rows = data[start : start + _CHUNK_ROWS]
-        out[start : start + len(rows)] = torch.from_numpy(gguf.quants.dequantize(rows, qtype))
-    return out
 
 
 def undo_conversion(spec: GGUFArchitecture, name: str, weight: torch.Tensor, num_heads: int) -> torch.Tensor | None:
