@@ -27,6 +27,14 @@ class ModelConfig(_Section):
 
     model: str = Field(DEFAULT_MODEL, description="Model directory, .gguf file or short name of an embedded model.")
     tokenizer: str | None = Field(None, description="Tokenizer directory; default: the model's own.")
+    revision: str | None = Field(
+        None, description="Hub revision (branch, tag or commit) of a model given as `org/name`; default: main."
+    )
+    hf_file: str | None = Field(
+        None,
+        description="The .gguf file to take from a hub repo given as `org/name` (llama.cpp's --hf-file); "
+        "`org/name:Q4_K_M` picks one by its quantization name.",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weight and activation dtype; auto: the platform's preferred dtype."
     )
@@ -40,6 +48,9 @@ class ModelConfig(_Section):
     skip_tokenizer_init: bool = Field(False, description="Do not load a tokenizer; prompts must be token ids.")
     trust_remote_code: bool = Field(False, description="Allow transformers to run code from the model directory.")
     hf_overrides: dict[str, Any] = Field(default_factory=dict, description="Values that override the HF config.")
+    enable_prompt_embeds: bool = Field(
+        False, description="Accept prompts given as embeddings (`prompt_embeds`) instead of tokens."
+    )
     # "none" by default: dense weights are what the parity tests hold against transformers; int4 trades
     # prefill and large-batch speed for single-stream speed (docs/quantization.md)
     quantization: str = Field(
