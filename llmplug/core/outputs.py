@@ -22,12 +22,19 @@ PositionLogprobs = dict[int, Logprob]
 
 @dataclass(slots=True)
 class RequestMetrics:
-    """Wall-clock times (time.time()) of a request's life."""
+    """Wall-clock times (time.time()) of a request's life, as the engine measured them.
 
-    arrival_time: float
-    first_scheduled_time: float | None = None
+    Queue time is first_scheduled - arrival, prefill first_token - first_scheduled, decode last_token -
+    first_token. `inter_token_latencies` holds the time between consecutive steps that gave the request
+    tokens; it is complete in the request's finished output (earlier outputs may hold a shorter list).
+    """
+
+    arrival_time: float  # the engine received it
+    first_scheduled_time: float | None = None  # it first got a place in the running batch
     first_token_time: float | None = None
+    last_token_time: float | None = None
     finished_time: float | None = None
+    inter_token_latencies: list[float] = field(default_factory=list)  # seconds, one per step after the first token
 
 
 @dataclass

@@ -39,5 +39,6 @@ class EngineCoreOutput:
     new_logprobs: LogprobsLists | None = None  # one position per new token
     prompt_logprobs: LogprobsLists | None = None  # the next chunk of prompt positions 1.., if requested
     num_cached_tokens: int = 0
+    first_scheduled_time: float | None = None  # when the request first got a place in the batch
     error: str | None = None  # why the request was aborted by a failure in a step
     pooling_output: Any = None  # a pooling request's result: a CPU torch.Tensor

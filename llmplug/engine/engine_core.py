@@ -283,6 +283,7 @@ class EngineCore:
                                                        and row < len(logprobs.logprobs)) else None,
                     prompt_logprobs=runner_output.prompt_logprobs.get(req.request_id),
                     num_cached_tokens=req.num_cached_tokens,
+                    first_scheduled_time=req.first_scheduled_time,
                     error=req.error,
                     pooling_output=runner_output.pooler_output.get(req.request_id),
                 )
@@ -350,6 +351,9 @@ class EngineCore:
             "num_preemptions": self.scheduler.num_preemptions,
             "kv_cache_usage": kv.usage if kv else 0.0,
             "prefix_cache_hit_rate": kv.prefix_cache_stats.hit_rate if kv else 0.0,
+            # the counts behind the rate (tokens looked up, tokens found), for rate() over any window
+            "prefix_cache_queries": kv.prefix_cache_stats.queries if kv else 0,
+            "prefix_cache_hits": kv.prefix_cache_stats.hits if kv else 0,
         }
         if self.scheduler.speculator is not None:
             spec = self.scheduler.speculator.stats

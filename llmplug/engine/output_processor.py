@@ -196,8 +196,7 @@ class OutputProcessor:
     def _apply(self, request: RequestState, completion: CompletionState, update: EngineCoreOutput, now: float) -> bool:
         """Fold one update into its completion; True when a stop string finished it here."""
         params = request.params
-        if update.new_token_ids and request.metrics.first_token_time is None:
-            request.metrics.first_token_time = now
+        _stamp(request.metrics, update, now)
         request.num_cached_tokens = max(request.num_cached_tokens, update.num_cached_tokens)
         if update.prompt_logprobs is not None:
             self._add_prompt_logprobs(request, update.prompt_logprobs)
@@ -323,6 +322,22 @@ class OutputProcessor:
         request = self.requests.pop(request_id)
         for child_id in request.children:
             self._parent_of.pop(child_id, None)
+
+
+def _stamp(metrics: RequestMetrics, update: EngineCoreOutput, now: float) -> None:
+    """Record when the request was first scheduled and when this step's tokens came (once per step: the
+    children of an n > 1 request share the step's timestamp)."""
+    if update.first_scheduled_time is not None:
+        first = metrics.first_scheduled_time
+        metrics.first_scheduled_time = update.first_scheduled_time if first is None else \
+            min(first, update.first_scheduled_time)
+    if not update.new_token_ids or metrics.last_token_time == now:
+        return
+    if metrics.first_token_time is None:
+        metrics.first_token_time = now
+    else:
+        metrics.inter_token_latencies.append(now - metrics.last_token_time)
+    metrics.last_token_time = now
 
 
 def _fail(completion: CompletionState, why: str) -> None:

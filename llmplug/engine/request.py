@@ -55,6 +55,7 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first scheduling
     num_preemptions: int = 0
+    first_scheduled_time: float | None = None  # time.time() when it first got a place in the batch (metrics)
     stop_reason: int | str | None = None
     error: str | None = None  # why a step failed for this request (finished FINISHED_ABORTED)
     block_hashes: list[int] = field(default_factory=list)  # one per full block of all_token_ids

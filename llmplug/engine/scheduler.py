@@ -23,6 +23,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import time
 from bisect import insort
 from collections import deque
 from dataclasses import dataclass
@@ -362,6 +363,7 @@ class Scheduler:
         """Move a request whose blocks are allocated from waiting to running."""
         if request.status is RequestStatus.WAITING:  # first scheduling, not a resume
             request.num_cached_tokens = num_computed_tokens
+            request.first_scheduled_time = request.first_scheduled_time or time.time()  # queue time ends here
         request.num_computed_tokens = num_computed_tokens
         request.status = RequestStatus.RUNNING
         insort(self.running, request, key=self._sort_key)
