@@ -27,6 +27,7 @@ Name = Annotated[str, Field(max_length=256)]
 # finite, and looser than the engine's own configurable limits (decoding.max_stop_strings, ...), which decide
 StopString = Annotated[str, Field(max_length=4096)]
 Stop = StopString | Annotated[list[StopString], Field(max_length=1024)]
+Priority = Annotated[int, Field(ge=-MAX_COUNT - 1, le=MAX_COUNT)]  # 32-bit, as vLLM's clients send it
 LogitBias = Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]], Field(max_length=1024)]
 
 # --- common -------------------------------------------------------------------------------------
@@ -133,6 +134,8 @@ class SamplingRequest(OpenAIModel):
     length_penalty: float = Field(1.0, ge=-100.0, le=100.0)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # vLLM's scheduling priority: lower values are served first; only with scheduler.policy "priority"
+    priority: Priority = 0
     # structured output: OpenAI's response_format (also accepted on completions, as vLLM does) or vLLM's extras
     response_format: ResponseFormat | None = None
     guided_json: str | dict[str, Any] | None = None
@@ -447,6 +450,7 @@ class ResponsesRequest(OpenAIModel):
     stop: Stop | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, le=MAX_COUNT)
+    priority: Priority = 0
 
 
 class ResponsesTopLogprob(OpenAIModel):

@@ -88,7 +88,7 @@ class OpenAIServingChat(OpenAIServing):
         params = self.sampling_params(body, max_tokens, top_logprobs, body.stream, **overrides)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         beam = self.beam_search_params(body, params, lora)
-        outputs = self.generate(prompt_text, prompt_ids, params, request_id, lora, beam)
+        outputs = self.generate(prompt_text, prompt_ids, params, request_id, lora, beam, priority=body.priority)
         if body.stream:
             # wait for the first output here, so an error the engine finds gets its status code
             first = await until_disconnected(raw_request, anext(outputs))

@@ -73,7 +73,7 @@ class OpenAIServingCompletion(OpenAIServing):
             params = self.sampling_params(body, max_tokens, body.logprobs, body.stream)
             beam = self.beam_search_params(body, params, lora)
             streams.append(self.generate(prompt.text, prompt.token_ids, params, f"{request_id}-{i}", lora, beam,
-                                         admit=False))
+                                         admit=False, priority=body.priority))
         outputs = self.admitted(merge(streams), body.n * len(prompts))  # every prompt's n sequences, at once
         if body.stream:
             first = await until_disconnected(raw_request, anext(outputs))

@@ -80,9 +80,19 @@ class OpenAIServing:
         return self.check_model(model), lora
 
     def check_caps(self, body: OpenAIModel) -> None:
-        """A 400 when the request asks for more than a cap allows (prompts, inputs, token-id lists, tools, ...):
-        the first check of every handler, before any work per item."""
+        """A 400 when the request asks for more than a cap allows (prompts, inputs, token-id lists, tools, ...),
+        or for a priority the scheduler would ignore: the first check of every handler, before any work per item."""
         check_request_caps(body, self.engine.config.decoding)
+        self.check_priority(body)
+
+    def check_priority(self, body: OpenAIModel) -> None:
+        """400 for a non-zero `priority` (vLLM's field) when the scheduler serves in arrival order: it would be
+        ignored. Under scheduler.policy "priority" it orders the waiting requests (lower first)."""
+        priority = body.priority if "priority" in type(body).model_fields else 0
+        if priority and self.engine.config.scheduler.policy != "priority":
+            raise OpenAIError(400, f"priority is {priority}, but this server schedules first come, first served "
+                                   "(scheduler.policy \"fcfs\"); send priority 0, or start the server with "
+                                   "--scheduling-policy priority", param="priority")
 
     def check_prompt_length(self, num_prompt_tokens: int, param: str) -> None:
         """400 when the prompt leaves no room to generate a token."""
@@ -125,6 +135,9 @@ class OpenAIServing:
                 raise OpenAIError(400, f"use_beam_search cannot be combined with {name}: beam search ranks whole "
                                        "beams by their logprobs and returns no per-token logprobs, stop strings "
                                        "or grammars", param=name)
+        if request.priority:
+            raise OpenAIError(400, "use_beam_search cannot be combined with priority: the beams' steps are queued "
+                                   "as requests of their own, at the default priority", param="priority")
         if lora is not None:
             raise OpenAIError(400, f"use_beam_search cannot be combined with a LoRA adapter (model "
                                    f"{lora.lora_name!r}): beam search runs on the base model only", param="model")
@@ -159,9 +172,11 @@ class OpenAIServing:
 
     async def generate(self, prompt_text: str | None, prompt_ids: list[int], params: SamplingParams,
                        request_id: str, lora: LoRARequest | None = None,
-                       beam: BeamSearchParams | None = None, admit: bool = True
+                       beam: BeamSearchParams | None = None, admit: bool = True, priority: int = 0
                        ) -> AsyncGenerator[RequestOutput, None]:
         """The engine's outputs of one request, recorded in the metrics however the request ends.
+
+        `priority` orders it among the waiting requests under scheduler.policy "priority" (`check_priority`).
 
         With `beam`, the request is a beam search: one finished output whose completions are the best beams.
 
@@ -176,7 +191,7 @@ class OpenAIServing:
             prompt = {"prompt": prompt_text, "prompt_token_ids": prompt_ids}
             outcome = "abort"  # unless it finishes or fails: the consumer went away
             if beam is None:
-                outputs = self.engine.generate(prompt, params, request_id, lora_request=lora)
+                outputs = self.engine.generate(prompt, params, request_id, priority=priority, lora_request=lora)
             else:
                 outputs = self.engine.beam_search(prompt, beam, request_id)
             failure = None
