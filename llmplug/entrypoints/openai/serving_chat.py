@@ -80,7 +80,7 @@ class OpenAIServingChat(OpenAIServing):
         named = body.tool_choice.function.name if isinstance(body.tool_choice, NamedToolChoice) else None
         choice = tool_choice([t.function for t in body.tools or ()], None if named else body.tool_choice, named,
                              body.parallel_tool_calls, self.parsers.auto_tool_choice)
-        prompt_text, prompt_ids = await self._render(body, choice)
+        prompt_text, prompt_ids = await self.render_prompt(body, choice)
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.max_tokens(body.max_completion_tokens or body.max_tokens, len(prompt_ids), param, "messages")
         top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -102,8 +102,9 @@ class OpenAIServingChat(OpenAIServing):
         )
         return Response(response.model_dump_json(), media_type="application/json")
 
-    async def _render(self, body: ChatCompletionRequest, choice: ToolChoice | None) -> tuple[str, list[int]]:
-        """The prompt: the messages (and tools) through the server's chat template, off the event loop."""
+    async def render_prompt(self, body: Any, choice: ToolChoice | None) -> tuple[str, list[int]]:
+        """The prompt: the messages (and tools) through the server's chat template, off the event loop. `body` is a
+        chat request, or a /tokenize chat request (the same message and template fields)."""
         hint = self.parsers.tool_parser.format_hint if self.parsers.tool_parser else ""
         messages, tool_kwargs = template_input(chat_messages(body.messages), choice, self.template_takes_tools, hint)
         template_kwargs = {**tool_kwargs, "add_generation_prompt": body.add_generation_prompt}
