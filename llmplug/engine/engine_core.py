@@ -355,6 +355,8 @@ class EngineCore:
             "prefix_cache_queries": kv.prefix_cache_stats.queries if kv else 0,
             "prefix_cache_hits": kv.prefix_cache_stats.hits if kv else 0,
         }
+        if self.scheduler.max_loras is not None:  # LoRA on: the adapters of running and of waiting requests
+            stats.update(self._lora_adapters())
         if self.scheduler.speculator is not None:
             spec = self.scheduler.speculator.stats
             stats.update(
@@ -365,6 +367,16 @@ class EngineCore:
                 spec_decode_mean_accepted_length=spec.mean_accepted_length,
             )
         return stats
+
+    def _lora_adapters(self) -> dict:
+        """Names of the adapters running requests use and of those waiting requests need, and the slot count."""
+        running, waiting = set(), set()
+        for request in self.scheduler.requests.values():
+            if request.lora_request is not None:
+                side = running if request.status is RequestStatus.RUNNING else waiting
+                side.add(request.lora_request.lora_name)
+        return {"running_lora_adapters": sorted(running), "waiting_lora_adapters": sorted(waiting),
+                "max_loras": self.scheduler.max_loras}
 
     def shutdown(self) -> None:
         """Stop the executor (and a draft model's engine)."""

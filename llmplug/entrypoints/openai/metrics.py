@@ -4,19 +4,29 @@ Per request: outcome counts, prompt and generated tokens, time to first token, t
 and end-to-end latency. Engine gauges (running / waiting requests, KV-cache usage, prefix-cache hit
 rate), the preemption counter and, with speculative decoding, the draft counters, acceptance rate and mean
 accepted length are read from `AsyncLLM.stats()` when scraped. Per HTTP response: counts by endpoint and status.
+
+Every metric is exported twice: as `llmplug_*` (our own names) and under vLLM's v1 names, types, labels
+(`model_name`, `engine`) and buckets (`vllm:*`, see `vllm_metrics`), which dashboards, autoscalers and
+routers built for vLLM read. docs/observability.md lists both and the vLLM metrics left out.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from llmplug.core.outputs import RequestOutput
+from llmplug.core.outputs import RequestMetrics, RequestOutput
+from llmplug.core.params import SamplingParams
+from llmplug.entrypoints.openai.vllm_metrics import VllmMetrics
+
+if TYPE_CHECKING:
+    from llmplug.entrypoints.openai.loggable import RequestLogger
+    from llmplug.entrypoints.openai.tracing import RequestTracer
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -66,10 +76,15 @@ def _spec_decode_metrics(stats: dict[str, Any]) -> Iterator[GaugeMetricFamily | 
 
 
 class ServerMetrics:
-    """The server's metrics; `track()` follows one request from arrival to its end."""
+    """The server's metrics; `track()` follows one request from arrival to its end (and, when they are on, logs
+    the request and makes its trace span)."""
 
-    def __init__(self, engine_stats: Callable[[], dict[str, Any]]):
+    def __init__(self, engine_stats: Callable[[], dict[str, Any]], model_name: str = "",
+                 max_model_len: int = 1024, cache_info: dict[str, str] | None = None,
+                 tracer: RequestTracer | None = None, request_logger: RequestLogger | None = None):
         self.registry = CollectorRegistry()
+        self.tracer = tracer  # with tracing on: a span per request, made when its tracker records it
+        self.request_logger = request_logger  # with --enable-log-requests: a log line per request as it arrives
         r = self.registry
         self.requests = Counter("llmplug_requests", "Generation requests by how they ended.", ["outcome"], registry=r)
         self.prompt_tokens = Counter("llmplug_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
@@ -85,10 +100,12 @@ class ServerMetrics:
         for outcome in OUTCOMES:  # every outcome shows up from the start, at 0
             self.requests.labels(outcome)
         r.register(_EngineCollector(engine_stats))
+        self.vllm = VllmMetrics(r, engine_stats, model_name, max_model_len, cache_info or {})
 
-    def track(self, num_prompt_tokens: int) -> "RequestTracker":
-        """A tracker for a request that arrives now."""
-        return RequestTracker(self, num_prompt_tokens)
+    def track(self, num_prompt_tokens: int, params: SamplingParams | None = None,
+              request_id: str | None = None) -> "RequestTracker":
+        """A tracker for a request that arrives now (`params` and `request_id`: for vLLM's histograms and spans)."""
+        return RequestTracker(self, num_prompt_tokens, params, request_id)
 
     def render(self) -> bytes:
         """The text exposition of every metric."""
@@ -102,20 +119,35 @@ class RequestTracker:
     first token, finish), so streamed and non-streamed requests are measured alike.
     """
 
-    def __init__(self, metrics: ServerMetrics, num_prompt_tokens: int):
+    def __init__(self, metrics: ServerMetrics, num_prompt_tokens: int, params: SamplingParams | None = None,
+                 request_id: str | None = None):
         self.metrics = metrics
         self.num_prompt_tokens = num_prompt_tokens
+        self.params = params
+        self.request_id = request_id
         self.arrival_time = time.time()
         self.first_token_time: float | None = None
+        self.engine_metrics: RequestMetrics | None = None  # the engine's timestamps, from its latest output
+        self.num_cached_tokens = 0
         self.num_generated: dict[int, int] = {}  # completion index -> tokens so far
+        self.prompt_counted = False  # vllm:prompt_tokens counts a prompt once its prefill gave a token
         self.done = False
 
     def observe(self, output: RequestOutput, delta: bool) -> None:
         """Count an output's tokens (added when `delta`, else the totals so far); close on the final one."""
+        before = sum(self.num_generated.values())
         for completion in output.outputs:
             seen = self.num_generated.get(completion.index, 0) if delta else 0
             self.num_generated[completion.index] = seen + len(completion.token_ids)
+        self.num_cached_tokens = output.num_cached_tokens
+        new_tokens = sum(self.num_generated.values()) - before
+        if new_tokens > 0:  # counted as they come, so rate() shows throughput while requests run
+            if not self.prompt_counted:
+                self.prompt_counted = True
+                self.metrics.vllm.prompt_tokens.inc(self.num_prompt_tokens)
+            self.metrics.vllm.generation_tokens.inc(new_tokens)
         if output.metrics is not None:
+            self.engine_metrics = output.metrics
             self.arrival_time = output.metrics.arrival_time
             self.first_token_time = output.metrics.first_token_time or self.first_token_time
         if output.finished:
@@ -140,3 +172,6 @@ class RequestTracker:
             per_sequence = generated / max(len(self.num_generated), 1)
             if per_sequence > 1:
                 m.tpot.observe(max(end_time - self.first_token_time, 0.0) / (per_sequence - 1))
+        m.vllm.record_finished(self, outcome, end_time)
+        if m.tracer is not None:
+            m.tracer.record(self, end_time)
