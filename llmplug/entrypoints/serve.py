@@ -51,6 +51,20 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                         "balancer's check. 0: off. Default: 60.")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="Server log level. Default: info.")
+    g = parser.add_argument_group("observability (see docs/observability.md)")
+    g.add_argument("--otlp-traces-endpoint", metavar="URL",
+                   help="Send an OpenTelemetry span per request (vLLM's \"llm_request\", child of the request's "
+                        "traceparent) to this OTLP collector, e.g. http://localhost:4318/v1/traces. Needs "
+                        "'pip install llmplug[tracing]'; OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=grpc for a gRPC "
+                        "collector (with opentelemetry-exporter-otlp-proto-grpc). Default: no traces.")
+    g.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
+                   help="Log each generation request's id, prompt, sampling params and LoRA adapter at info level. "
+                        "Default: off (prompts stay out of the log).")
+    g.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false",
+                   help=argparse.SUPPRESS)  # vLLM's older flag: the default here
+    g.add_argument("--max-log-len", type=_positive, metavar="N",
+                   help="With --enable-log-requests: characters of a prompt (and prompt token ids) logged. "
+                        "Default: all.")
     g = parser.add_argument_group("LoRA adapters (the engine needs --enable-lora; see docs/lora.md)")
     g.add_argument("--lora-modules", nargs="+", action="extend", metavar="NAME=PATH",
                    help="PEFT adapter folders served as models NAME (a request's `model` picks one); loaded and "

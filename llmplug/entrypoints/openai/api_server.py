@@ -40,6 +40,7 @@ from llmplug.engine.async_llm import AsyncLLM
 from llmplug.entrypoints.openai.admission import AdmissionControl
 from llmplug.entrypoints.openai.backpressure import SendTimeoutMiddleware
 from llmplug.entrypoints.openai.errors import OpenAIError, error_body, error_response, status_phrase
+from llmplug.entrypoints.openai.loggable import RequestLogger
 from llmplug.entrypoints.openai.metrics import ServerMetrics
 from llmplug.entrypoints.openai.prompt_renderer import PromptRenderer, load_chat_template
 from llmplug.entrypoints.openai.reply import ReplyParsers, check_parser_names
@@ -63,6 +64,8 @@ from llmplug.entrypoints.openai.serving_engine import ClientDisconnected
 from llmplug.entrypoints.openai.serving_lora import ServedAdapters, parse_lora_modules
 from llmplug.entrypoints.openai.serving_pooling import OpenAIServingPooling
 from llmplug.entrypoints.openai.serving_responses import OpenAIServingResponses
+from llmplug.entrypoints.openai.tracing import RequestTracer, TraceHeadersMiddleware, tracer_provider
+from llmplug.entrypoints.openai.vllm_metrics import cache_config_info
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +101,10 @@ class ServerSettings:
     lora_modules: dict[str, str] = field(default_factory=dict)  # LoRA adapters served at start-up: name -> folder
     allow_runtime_lora_updating: bool = False  # the /v1/load_lora_adapter and /v1/unload_lora_adapter routes
     lora_resolvers: list[str] = field(default_factory=list)  # `llmplug.lora_resolvers` names, asked in order
+    otlp_traces_endpoint: str | None = None  # OpenTelemetry collector: a span per request (needs llmplug[tracing])
+    tracer_provider: Any = None  # an opentelemetry TracerProvider to use instead of one built for the endpoint
+    enable_log_requests: bool = False  # log each request's id, prompt and sampling params (prompts are off by default)
+    max_log_len: int | None = None  # characters of a prompt (and token ids) a request log line shows; None: all
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServerSettings":
@@ -122,6 +129,8 @@ class ServerSettings:
             lora_modules=parse_lora_modules(args.lora_modules or []),
             allow_runtime_lora_updating=args.allow_runtime_lora_updating,
             lora_resolvers=list(args.lora_resolver or []),
+            otlp_traces_endpoint=args.otlp_traces_endpoint,
+            enable_log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
         )
 
 
@@ -129,7 +138,9 @@ def build_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> FastA
     """The FastAPI app serving `engine`; the caller owns the engine (and shuts it down)."""
     settings = settings or ServerSettings()
     names = settings.served_model_names or [engine.model_name]
-    metrics = ServerMetrics(engine.stats)
+    tracer = request_tracer(settings, names[0])
+    metrics = ServerMetrics(engine.stats, names[0], engine.max_model_len, cache_config_info(engine), tracer,
+                            RequestLogger(settings.max_log_len) if settings.enable_log_requests else None)
     renderer = PromptRenderer(engine.get_tokenizer(), settings.chat_template)
     admission = AdmissionControl(settings.max_waiting_requests, lambda: engine.stats()["num_running"])
     adapters = ServedAdapters.with_resolvers(engine, names, settings.lora_resolvers, engine.llm_engine.registry)
@@ -140,6 +151,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> FastA
             await adapters.load(name, path)
         yield
         renderer.shutdown()
+        if tracer is not None and settings.tracer_provider is None:  # ours: send the spans still batched
+            tracer.shutdown()
 
     app = FastAPI(title="llmplug", version=__version__, docs_url=None, redoc_url=None, openapi_url="/openapi.json",
                   lifespan=lifespan)
@@ -168,10 +181,20 @@ def build_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> FastA
         default_allowed_hosts(settings.host)
     app.add_middleware(HostCheckMiddleware, allowed_hosts=allowed_hosts)
     app.add_middleware(_HttpMetricsMiddleware, metrics=metrics)
+    if tracer is not None:
+        app.add_middleware(TraceHeadersMiddleware)
     if settings.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins, allow_methods=["*"],
                            allow_headers=["*"], allow_credentials=False)
     return app
+
+
+def request_tracer(settings: ServerSettings, model_name: str) -> RequestTracer | None:
+    """The tracer of request spans: on with an OTLP endpoint or a provider given; ConfigError without OpenTelemetry."""
+    provider = settings.tracer_provider
+    if provider is None and settings.otlp_traces_endpoint:
+        provider = tracer_provider(settings.otlp_traces_endpoint)
+    return RequestTracer(provider, model_name) if provider is not None else None
 
 
 def _add_exception_handlers(app: FastAPI) -> None:

@@ -186,7 +186,9 @@ class OpenAIServing:
         reports it as an error event, a whole answer as its error body.
         """
         with self.admission.admit(params.n) if admit else contextlib.nullcontext():  # else: the caller admitted
-            tracker = self.metrics.track(len(prompt_ids))
+            tracker = self.metrics.track(len(prompt_ids), params, request_id)
+            if self.metrics.request_logger is not None:
+                self.metrics.request_logger.log(request_id, prompt_text, prompt_ids, params, lora)
             delta = params.output_kind == RequestOutputKind.DELTA
             prompt = {"prompt": prompt_text, "prompt_token_ids": prompt_ids}
             outcome = "abort"  # unless it finishes or fails: the consumer went away
