@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 def prepare_config(config: EngineConfig, registry: PluginRegistry) -> EngineConfig:
     """Resolve what the workers must agree on: the model path, the platform's dtype and backends."""
     from llmplug.loaders import resolve_load_format
-    from llmplug.loaders.default_model import resolve_model_path
+    from llmplug.loaders.hub import resolve_model_source, resolve_tokenizer_source
     from llmplug.platforms import resolve_platform
 
     config = config.model_copy(deep=True)
@@ -36,7 +36,9 @@ def prepare_config(config: EngineConfig, registry: PluginRegistry) -> EngineConf
     if parallel.executor is None:  # one worker runs in this process; more need processes of their own
         one_worker = parallel.tensor_parallel_size * parallel.pipeline_parallel_size == 1
         parallel.executor = "uniproc" if one_worker else "multiproc"
-    config.model.model = resolve_model_path(config.model.model)
+    # The one place a model name becomes a local path (hub ids: from the HF cache, or downloaded there).
+    config.model.tokenizer = resolve_tokenizer_source(config.model, config.load.download_dir)
+    config.model.model = resolve_model_source(config.model, config.load.download_dir)
     config.load.format = resolve_load_format(config.model.model, config.load.format)
     resolve_model_kind(config, registry)
     platform = resolve_platform(config.device.platform, registry)
