@@ -108,20 +108,10 @@ def _resolve(name: HubName, revision: str | None, hf_file: str | None, cache_dir
     if name.tag and hf_file:
         raise ConfigError(f"model {name.repo}:{name.tag} and model.hf_file {hf_file!r}: give one of the two")
     cached = _cached_snapshot(name.repo, revision, cache_dir)
-    choice_error = None
-    if cached is not None:
-        try:
-            plan = _plan(name, hf_file, cached.listing, tokenizer_only)
-        except ConfigError as error:
-            if cached.complete:  # the repo's own listing: the choice is wrong, a download would not help
-                raise
-            plan, choice_error = None, error  # the cache holds only some files; the hub may have the one asked for
-        if plan is not None and not (cached.complete or tokenizer_only or _has_weights(plan)):
-            plan = None  # only some files were fetched (a tokenizer, a config): the weights are on the hub
-        if plan is not None and all(os.path.exists(os.path.join(cached.folder, f)) for f in plan.files):
-            logger.info("%s (revision %s): from the Hugging Face cache, %s", name.repo, revision or "main",
-                        cached.folder)
-            return plan.local_path(cached.folder)
+    found, choice_error = _from_cache(name, hf_file, cached, tokenizer_only) if cached else (None, None)
+    if found is not None:
+        logger.info("%s (revision %s): from the Hugging Face cache, %s", name.repo, revision or "main", found)
+        return found
     try:
         return _download(name, revision, hf_file, cache_dir, tokenizer_only, cached)
     except ModelLoadError as error:
@@ -129,6 +119,23 @@ def _resolve(name: HubName, revision: str | None, hf_file: str | None, cache_dir
             raise
         raise ConfigError(f"{choice_error} - of the files cached in {cached.folder}; the hub, which may hold "
                           f"more, could not be asked ({error.__cause__})") from error
+
+
+def _from_cache(name: HubName, hf_file: str | None, cached: _CachedSnapshot,
+                tokenizer_only: bool) -> tuple[str | None, ConfigError | None]:
+    """The local path when the cached snapshot holds every file the plan takes, else None; and the choice's
+    error when the cache's files match no single .gguf (the hub, which may hold more files, decides)."""
+    try:
+        plan = _plan(name, hf_file, cached.listing, tokenizer_only)
+    except ConfigError as error:
+        if cached.complete:  # the repo's own listing: the choice is wrong, a download would not help
+            raise
+        return None, error
+    if not (cached.complete or tokenizer_only or _has_weights(plan)):
+        return None, None  # only some files were fetched (a tokenizer, a config): the weights are on the hub
+    if all(os.path.exists(os.path.join(cached.folder, f)) for f in plan.files):
+        return plan.local_path(cached.folder), None
+    return None, None
 
 
 def _cache_root(cache_dir: str | None) -> str:

@@ -211,6 +211,21 @@ def test_a_cached_snapshot_without_weights_is_not_taken_for_the_model(tiny_model
         resolve(REPO, cache)
 
 
+def test_with_the_repos_listing_cached_a_quant_not_downloaded_is_missing_and_a_bad_choice_is_wrong(tmp_path, offline):
+    # `hf download org/name --include "*Q4_1*"` leaves one .gguf and the repo's whole listing (trees/<commit>.json)
+    from huggingface_hub._tree_cache import TreeCacheEntry, write_tree_cache
+
+    cache, smol = tmp_path / "hub", Path(resolve_model_path("SmolLM2-135M-Instruct"))
+    snapshot = put_in_hf_cache(cache, GGUF_REPO, {"SmolLM2-135M-Instruct-Q4_1.gguf": smol})
+    listing = {f"SmolLM2-135M-Instruct-{q}.gguf": TreeCacheEntry(size=1, blob_id=q) for q in QUANTS}
+    write_tree_cache(str(snapshot.parent.parent), snapshot.name, listing)
+    with pytest.raises(ModelLoadError, match=r"snapshot of revision main .* lacks files it needs.*HF_HUB_OFFLINE"):
+        resolve(f"{GGUF_REPO}:Q4_K_M", cache)
+    with pytest.raises(ConfigError, match=r"names several \.gguf files \(.*Q4_K_M\.gguf, .*Q4_K_S\.gguf\)"):
+        resolve(f"{GGUF_REPO}:Q4_K", cache)  # wrong whatever the hub holds: no "could not be asked"
+    assert resolve(f"{GGUF_REPO}:Q4_1", cache) == str(snapshot / "SmolLM2-135M-Instruct-Q4_1.gguf")
+
+
 # ---------------------------------------------------------------- downloads: what is asked of the hub
 
 
