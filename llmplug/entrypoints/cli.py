@@ -106,7 +106,8 @@ def _plugins_table(rows: list[dict[str, Any]]) -> str:
 
 
 def _engine_commands() -> dict[str, Subcommand]:
-    from llmplug.entrypoints import collect_env, generate, models_list, save_sharded, serve, tensorize
+    from llmplug.entrypoints import (collect_env, generate, models_list, run_batch, save_sharded, serve,
+                                     tensorize)
 
     return {
         "models": Subcommand("List the model architectures: family and whether TP, PP, GGUF and int4 work.",
@@ -120,6 +121,8 @@ def _engine_commands() -> dict[str, Subcommand]:
                            generate._chat_arguments, generate._run_chat),
         "serve": Subcommand("Serve the model over an OpenAI-compatible HTTP API (chat, completions, responses).",
                             serve._serve_arguments, serve._run_serve),
+        "run-batch": Subcommand("Answer an OpenAI Batch API file (JSONL in, JSONL out) with the server's handlers; "
+                                "resumable.", run_batch.add_arguments, run_batch.run),
         "tensorize": Subcommand("Serialize a model with tensorizer into a directory for --load-format tensorizer.",
                                 tensorize.tensorize_arguments, tensorize.run_tensorize),
         "save-sharded": Subcommand("Save each tensor-parallel rank's weights so a TP engine loads only its own.",
