@@ -5,13 +5,16 @@ says."""
 from __future__ import annotations
 
 import http.client
+import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from llmplug import AsyncLLM
+from llmplug.entrypoints.openai.metrics import ServerMetrics
 from llmplug.entrypoints.openai.vllm_metrics import build_1_2_5_buckets
 
-from .conftest import ENGINE_KWARGS
+from .conftest import ENGINE_KWARGS, serve
 
 BASE = ("model_name", "engine")
 
@@ -187,3 +190,43 @@ def test_engine_state_and_prefix_cache_counters(server):
     assert value(after, "vllm:num_preemptions", "_total") == stats["num_preemptions"]
     # the llmplug_* twins are still there
     assert value(after, "llmplug_kv_cache_usage_perc") == 0.0
+
+
+def test_speculative_decoding_counters_under_vllms_names(tiny_chat_model):
+    engine = AsyncLLM(str(tiny_chat_model), speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+                      **ENGINE_KWARGS)
+    try:
+        with serve(engine) as running:
+            running.client().completions.create(model=running.model, prompt="one two one two one two one",
+                                                max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
+            running.wait_idle()
+            fams = families(running)
+        stats = engine.stats()
+        assert stats["spec_decode_num_draft_tokens"] > 0
+        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            assert fams[f"vllm:spec_decode_{name}"].type == "counter"
+            assert value(fams, f"vllm:spec_decode_{name}", "_total") == stats[f"spec_decode_{name}"]
+    finally:
+        engine.shutdown()
+
+
+def test_lora_requests_info_names_the_adapters_in_use():
+    stats = {"num_running": 2, "max_loras": 4, "running_lora_adapters": ["sql", "chat"],
+             "waiting_lora_adapters": ["math"]}
+    metrics = ServerMetrics(lambda: stats, "base", 256)
+    fams = {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
+    [sample] = fams["vllm:lora_requests_info"].samples
+    assert sample.labels == {"max_lora": "4", "running_lora_adapters": "sql,chat", "waiting_lora_adapters": "math"}
+    assert sample.value == pytest.approx(time.time(), abs=60)  # vLLM's value: when the adapters were current
+    assert "vllm:lora_requests_info" not in {f.name for f in text_string_to_metric_families(
+        ServerMetrics(lambda: {"num_running": 0}, "base", 256).render().decode())}  # LoRA off: no series
+
+
+def test_the_engine_reports_the_adapters_of_running_and_waiting_requests(tiny_chat_model):
+    engine = AsyncLLM(str(tiny_chat_model), **ENGINE_KWARGS, enable_lora=True, max_lora_rank=16)
+    try:
+        stats = engine.stats()
+        assert (stats["max_loras"], stats["running_lora_adapters"], stats["waiting_lora_adapters"]) == \
+            (engine.config.lora.max_loras, [], [])
+    finally:
+        engine.shutdown()
