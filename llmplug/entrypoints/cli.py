@@ -106,7 +106,7 @@ def _plugins_table(rows: list[dict[str, Any]]) -> str:
 
 
 def _engine_commands() -> dict[str, Subcommand]:
-    from llmplug.entrypoints import (collect_env, generate, models_list, run_batch, save_sharded, serve,
+    from llmplug.entrypoints import (bench, collect_env, generate, models_list, run_batch, save_sharded, serve,
                                      tensorize)
 
     return {
@@ -123,6 +123,8 @@ def _engine_commands() -> dict[str, Subcommand]:
                             serve._serve_arguments, serve._run_serve),
         "run-batch": Subcommand("Answer an OpenAI Batch API file (JSONL in, JSONL out) with the server's handlers; "
                                 "resumable.", run_batch.add_arguments, run_batch.run),
+        "bench": Subcommand("Benchmark: serve (a running server), throughput and latency (an offline engine), "
+                            "printing vLLM's summaries.", bench.add_arguments, bench.run),
         "tensorize": Subcommand("Serialize a model with tensorizer into a directory for --load-format tensorizer.",
                                 tensorize.tensorize_arguments, tensorize.run_tensorize),
         "save-sharded": Subcommand("Save each tensor-parallel rank's weights so a TP engine loads only its own.",
