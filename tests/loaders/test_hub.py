@@ -149,7 +149,7 @@ def test_revision_picks_the_snapshot_of_a_tag_or_commit_and_an_unknown_one_is_na
     assert resolve(REPO, cache, revision="1" * 40) == str(_snapshot(cache, REPO, "v1"))
     with pytest.raises(ModelLoadError, match=r"revision v9 is not in the Hugging Face cache.*cached revisions: "
                                              r"main, v1.*HF_HUB_OFFLINE.*--revision v9"):
-        resolve(REPO, cache, revision="v9")
+        LLM(REPO, revision="v9", download_dir=str(cache), **ENGINE)  # vLLM's keyword names
     assert resolve(REPO, cache, revision="main") == str(_snapshot(cache, REPO, "main"))
 
 

@@ -20,6 +20,8 @@ FIELD_PATHS: tuple[str, ...] = tuple(f"{s}.{name}" for s, cls in SECTIONS.items(
 ALIASES: dict[str, str] = {
     "model": "model.model",
     "tokenizer": "model.tokenizer",
+    "revision": "model.revision",
+    "hf_file": "model.hf_file",
     "dtype": "model.dtype",
     "max_model_len": "model.max_model_len",
     "seed": "model.seed",
