@@ -49,6 +49,10 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                    help="/health answers 503 (code engine_stalled) once the engine's current step or command has "
                         "run this long while work waits: a stalled engine, not only a dead one, fails the load "
                         "balancer's check. 0: off. Default: 60.")
+    g.add_argument("--enable-dev-endpoints", action="store_true",
+                   help="Add vLLM's dev-mode routes: POST /sleep?level=1|2, POST /wake_up[?tags=weights|kv_cache], GET "
+                        "/is_sleeping, POST /reset_prefix_cache (behind --api-key like every route). Also on with "
+                        "VLLM_SERVER_DEV_MODE=1. Default: off.")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="Server log level. Default: info.")
     g = parser.add_argument_group("observability (see docs/observability.md)")

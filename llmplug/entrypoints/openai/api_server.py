@@ -5,10 +5,11 @@ pooling model (embeddings, classifiers, cross-encoders) /v1/embeddings, /v1/scor
 /rerank and /v2/rerank, /classify and /v1/classify, /pooling; the other kind's routes answer 400 naming
 the model's kind. With `allow_runtime_lora_updating` also /v1/load_lora_adapter and
 /v1/unload_lora_adapter; LoRA adapters (`lora_modules`, loaded at start-up) are models of their own:
-listed in /v1/models and chosen by a request's `model`. /health, /version, /metrics, /openapi.json (the
-request schemas with their bounds). The routes are grouped by concern in `routers`; API key and rate limit
-apply to every route but the open ones (`security.OPEN_PATHS`: /health, /version, /metrics). Every error answers
-with OpenAI's error body.
+listed in /v1/models and chosen by a request's `model`. /tokenize and /detokenize (vLLM's). With
+`enable_dev_endpoints`, vLLM's dev-mode /sleep, /wake_up, /is_sleeping, /reset_prefix_cache. /health, /version,
+/metrics, /openapi.json (the request schemas with their bounds). The routes are grouped by concern in
+`routers`; API key and rate limit apply to every route but the open ones (`security.OPEN_PATHS`: /health,
+/version, /metrics). Every error answers with OpenAI's error body.
 Shutdown (SIGTERM or SIGINT): uvicorn stops accepting connections, lets in-flight requests finish for
 up to `shutdown_timeout` seconds, cancels the rest (which aborts them in the engine), then the engine
 thread stops.
@@ -34,7 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmplug import __version__
 from llmplug.core.config import EngineConfig
-from llmplug.core.errors import EngineDeadError, InvalidRequestError
+from llmplug.core.errors import EngineDeadError, EngineStateError, InvalidRequestError
 from llmplug.core.plugins import PluginRegistry
 from llmplug.engine.async_llm import AsyncLLM
 from llmplug.entrypoints.openai.admission import AdmissionControl
@@ -45,11 +46,13 @@ from llmplug.entrypoints.openai.metrics import ServerMetrics
 from llmplug.entrypoints.openai.prompt_renderer import PromptRenderer, load_chat_template
 from llmplug.entrypoints.openai.reply import ReplyParsers, check_parser_names
 from llmplug.entrypoints.openai.routers import (
+    dev_router,
     generation_router,
     health_router,
     kind_guards,
     models_router,
     pooling_router,
+    tokenization_router,
 )
 from llmplug.entrypoints.openai.security import (
     AccessMiddleware,
@@ -64,17 +67,19 @@ from llmplug.entrypoints.openai.serving_engine import ClientDisconnected
 from llmplug.entrypoints.openai.serving_lora import ServedAdapters, parse_lora_modules
 from llmplug.entrypoints.openai.serving_pooling import OpenAIServingPooling
 from llmplug.entrypoints.openai.serving_responses import OpenAIServingResponses
+from llmplug.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from llmplug.entrypoints.openai.tracing import RequestTracer, TraceHeadersMiddleware, tracer_provider
 from llmplug.entrypoints.openai.vllm_metrics import cache_config_info
 
 logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "LLMPLUG_API_KEY"
+DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"  # "1": the dev-mode routes, as vLLM's server reads it
 
 # Endpoints named in the HTTP metrics; anything else counts as "other" (unbounded label values otherwise).
 _ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/health", "/version",
               "/metrics", "/openapi.json", "/v1/embeddings", "/v1/score", "/score", "/v1/rerank", "/rerank",
-              "/v2/rerank", "/classify", "/v1/classify", "/pooling")
+              "/v2/rerank", "/classify", "/v1/classify", "/pooling", "/tokenize", "/detokenize")
 
 
 @dataclass
@@ -105,6 +110,7 @@ class ServerSettings:
     tracer_provider: Any = None  # an opentelemetry TracerProvider to use instead of one built for the endpoint
     enable_log_requests: bool = False  # log each request's id, prompt and sampling params (prompts are off by default)
     max_log_len: int | None = None  # characters of a prompt (and token ids) a request log line shows; None: all
+    enable_dev_endpoints: bool = False  # /sleep, /wake_up, /is_sleeping, /reset_prefix_cache (behind the key)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServerSettings":
@@ -131,6 +137,7 @@ class ServerSettings:
             lora_resolvers=list(args.lora_resolver or []),
             otlp_traces_endpoint=args.otlp_traces_endpoint,
             enable_log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
+            enable_dev_endpoints=args.enable_dev_endpoints or os.environ.get(DEV_MODE_ENV) == "1",
         )
 
 
@@ -170,6 +177,11 @@ def build_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> FastA
                                          OpenAIServingResponses(*shared, parsers, adapters=adapters), generates,
                                          in_schema=not pooling_model))
     app.include_router(pooling_router(OpenAIServingPooling(*shared), pools, in_schema=pooling_model))
+    app.include_router(tokenization_router(OpenAIServingTokenization(*shared, chat, adapters=adapters)))
+    if settings.enable_dev_endpoints:
+        logger.warning("dev-mode routes are on (/sleep, /wake_up, /is_sleeping, /reset_prefix_cache): any client "
+                       "with the API key can put the engine to sleep")
+        app.include_router(dev_router(engine))
     _add_exception_handlers(app)
     # Middleware runs outermost-last-added: CORS, then HTTP metrics, Host check, API key and rate limit, body
     # size, send timeout. The access check comes before the body is read: an unauthenticated client cannot
@@ -217,6 +229,11 @@ def _add_exception_handlers(app: FastAPI) -> None:
     @app.exception_handler(InvalidRequestError)
     async def invalid_request(_: Request, exc: InvalidRequestError) -> JSONResponse:
         return JSONResponse(error_body(400, str(exc), exc.param), status_code=400)
+
+    @app.exception_handler(EngineStateError)
+    async def engine_asleep(_: Request, exc: EngineStateError) -> JSONResponse:
+        # the one engine state a request can meet: asleep (/sleep); the dev routes answer their own conflicts
+        return JSONResponse(error_body(503, f"{exc} (POST /wake_up)", code="engine_asleep"), status_code=503)
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:

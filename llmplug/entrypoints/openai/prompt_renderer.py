@@ -81,10 +81,20 @@ class PromptRenderer:
                                    "only token-id prompts on /v1/completions are accepted", param="prompt")
         return self.tokenizer
 
-    async def encode(self, text: str) -> list[int]:
-        """Token ids of a completion prompt, as the offline engine tokenizes it."""
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a completion prompt, as the offline engine tokenizes it (by default: with BOS and the like)."""
         tokenizer = self.need_tokenizer()
-        return await self._off_loop(lambda: list(tokenizer.encode(text)))
+        return await self._off_loop(lambda: list(tokenizer.encode(text, add_special_tokens=add_special_tokens)))
+
+    async def decode(self, token_ids: list[int]) -> str:
+        """The text of token ids (special tokens included), as the tokenizer decodes them."""
+        tokenizer = self.need_tokenizer()
+        return await self._off_loop(lambda: tokenizer.decode(token_ids))
+
+    async def token_strs(self, token_ids: list[int]) -> list[str]:
+        """The vocabulary entry of each token id (byte-level pieces such as 'Ġthe', not decoded text)."""
+        tokenizer = self.need_tokenizer()
+        return await self._off_loop(lambda: list(tokenizer.convert_ids_to_tokens(token_ids)))
 
     async def encode_pairs(self, pairs: list[tuple[str, str]]) -> list[dict[str, Any]]:
         """Each text pair as a cross-encoder's tokenizer joins it (`pair_prompt`), tokenized off the event loop."""

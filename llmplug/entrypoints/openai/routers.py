@@ -1,4 +1,5 @@
-"""The server's routes, grouped by concern: health (open), models and LoRA adapters, generation, pooling.
+"""The server's routes, grouped by concern: health (open), models and LoRA adapters, generation, pooling,
+tokenization, and the dev-mode routes (sleep mode, prefix cache) that only a flag adds.
 
 A router only maps routes to handlers. Who may call them is decided once, for the whole app, by
 `security.AccessMiddleware`: every route but `security.OPEN_PATHS` needs the API key and counts against
@@ -11,11 +12,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
 from llmplug import __version__
+from llmplug.core.errors import EngineStateError
 from llmplug.engine.async_llm import AsyncLLM
+from llmplug.engine.sleep_mode import SLEEP_LEVELS, SLEEP_TAGS
 from llmplug.entrypoints.openai.errors import OpenAIError
 from llmplug.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from llmplug.entrypoints.openai.protocol import (
@@ -42,7 +45,14 @@ from llmplug.entrypoints.openai.serving_chat import OpenAIServingChat
 from llmplug.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from llmplug.entrypoints.openai.serving_lora import ServedAdapters
 from llmplug.entrypoints.openai.serving_pooling import OpenAIServingPooling
+from llmplug.entrypoints.openai.protocol_tokenize import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 from llmplug.entrypoints.openai.serving_responses import OpenAIServingResponses
+from llmplug.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
 Guard = Callable[[str], None]  # raises a 400 when the route is not for the served model's kind
 
@@ -166,6 +176,66 @@ def pooling_router(pooling: OpenAIServingPooling, pools: Guard, in_schema: bool)
         return await pooling.pooling(body, raw_request)
 
     return router
+
+
+def tokenization_router(tokenization: OpenAIServingTokenization) -> APIRouter:
+    """/tokenize and /detokenize (vLLM's paths, for every kind of model)."""
+    router = APIRouter()
+
+    @router.post("/tokenize", responses=_responses(TokenizeResponse))
+    async def tokenize(body: TokenizeRequest) -> Response:
+        return _json(await tokenization.tokenize(body))
+
+    @router.post("/detokenize", responses=_responses(DetokenizeResponse))
+    async def detokenize(body: DetokenizeRequest) -> Response:
+        return _json(await tokenization.detokenize(body))
+
+    return router
+
+
+def dev_router(engine: AsyncLLM) -> APIRouter:
+    """vLLM's dev-mode routes, added only with --enable-dev-endpoints (or VLLM_SERVER_DEV_MODE=1): POST /sleep
+    (query `level` 1 or 2), POST /wake_up (query `tags`, repeatable: weights, kv_cache; none: both), GET
+    /is_sleeping, POST /reset_prefix_cache. They change the engine for every client, so like every route but the
+    open ones they need the API key. While the engine sleeps, generation requests answer 503 (engine_asleep).
+    Sleeping or resetting the prefix cache while requests run is a 409: the engine does either only when idle."""
+    router = APIRouter(include_in_schema=False)
+
+    @router.post("/sleep")
+    async def sleep(level: int = 1) -> Response:
+        if level not in SLEEP_LEVELS:
+            raise OpenAIError(400, f"level must be 1 (offload the weights) or 2 (discard them), got {level}",
+                              param="level")
+        await _unless_busy(engine.sleep(level))
+        return Response(status_code=200)
+
+    @router.post("/wake_up")
+    async def wake_up(tags: list[str] | None = Query(None)) -> Response:
+        unknown = sorted(set(tags or ()) - set(SLEEP_TAGS))
+        if unknown:
+            raise OpenAIError(400, f"unknown tags {unknown}; the tags are {list(SLEEP_TAGS)} (none: both)",
+                              param="tags")
+        await engine.wake_up(tags or None)
+        return Response(status_code=200)
+
+    @router.get("/is_sleeping")
+    async def is_sleeping() -> dict[str, bool]:
+        return {"is_sleeping": await engine.is_sleeping()}
+
+    @router.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        await _unless_busy(engine.reset_prefix_cache())
+        return Response(status_code=200)
+
+    return router
+
+
+async def _unless_busy(command: Any) -> None:
+    """Await an engine command that needs an idle engine (or an awake one); 409 naming why it cannot run now."""
+    try:
+        await command
+    except EngineStateError as exc:
+        raise OpenAIError(409, str(exc), code="engine_state") from exc
 
 
 def kind_guards(engine: AsyncLLM) -> tuple[Guard, Guard]:

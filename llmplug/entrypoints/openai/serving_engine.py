@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from llmplug.core.errors import EngineDeadError, InvalidRequestError
+from llmplug.core.errors import EngineDeadError, EngineStateError, InvalidRequestError
 from llmplug.core.outputs import PositionLogprobs, RequestOutput
 from llmplug.core.params import BeamSearchParams, RequestOutputKind, SamplingParams
 from llmplug.engine.async_llm import AsyncLLM
@@ -374,7 +374,7 @@ def error_status(exc: BaseException) -> tuple[int, str]:
         return exc.status, exc.message
     if isinstance(exc, InvalidRequestError):
         return 400, str(exc)
-    if isinstance(exc, EngineDeadError):
+    if isinstance(exc, (EngineDeadError, EngineStateError)):  # dead, or asleep (/sleep)
         return 503, str(exc)
     logger.error("unexpected error while streaming", exc_info=exc)
     return 500, "The server had an error while processing the request."

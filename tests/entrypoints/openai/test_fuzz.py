@@ -24,11 +24,13 @@ LENGTH_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 ROUTE_LENGTH_FIELD = {"/v1/chat/completions": "max_tokens", "/v1/completions": "max_tokens",
                       "/v1/responses": "max_output_tokens"}
 GENERATION = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/v1/responses")]
+TOKENIZATION = [("POST", "/tokenize"), ("POST", "/detokenize")]
 OTHERS = [("GET", "/v1/models"), ("GET", "/v1/models/{model_id}"), ("GET", "/health"), ("GET", "/version"),
           ("GET", "/metrics")]
 # (method, path, mode, examples): valid and invalid bodies of the generation routes, where the input is; the
 # GET routes take no body (nothing to make invalid), so only valid requests, and a few
 CASES = [(m, p, mode, 40) for m, p in GENERATION for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)]
+CASES += [(m, p, mode, 20) for m, p in TOKENIZATION for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)]
 CASES += [(m, p, GenerationMode.POSITIVE, 10) for m, p in OTHERS]
 
 
@@ -58,7 +60,7 @@ def keep_short(path: str, body: object) -> None:
     """Cap what a valid body may generate (n, best_of, and token counts that fit the context; a body without
     one gets the route's field set, as chat and responses would otherwise fill the whole context), so that the
     run spends its time on many requests rather than long ones. Out-of-range values are left to be refused."""
-    if not isinstance(body, dict):
+    if not isinstance(body, dict) or path not in ROUTE_LENGTH_FIELD:  # /tokenize, /detokenize generate nothing
         return
     for field in LENGTH_FIELDS:
         value = body.get(field)
@@ -88,7 +90,7 @@ def stream_errors(response: Response) -> list[dict]:
 
 
 def test_every_operation_of_the_schema_is_fuzzed(api_schema):
-    assert operations(api_schema) == set(GENERATION + OTHERS)
+    assert operations(api_schema) == set(GENERATION + TOKENIZATION + OTHERS)
 
 
 @pytest.mark.parametrize("method,path,mode,examples", CASES, ids=[f"{m} {p} {mode.value}" for m, p, mode, _ in CASES])
