@@ -34,7 +34,9 @@ if TYPE_CHECKING:  # no heavy imports at run time
 #      llmplug.quantization.building_with / checkpoint_method_for); LinearBase.create_parameter and the generic
 #      placement of any tensor of a layer (LinearBase._place with output_dim / input_dim / output_pack, _output_slot,
 #      input_split); llmplug.testing.check_quantization_method / save_quantized_checkpoint
-PLUGIN_API_VERSION = "1.7"
+# 1.8: the model's optional prompt-embeddings surface: `supports_prompt_embeds`, `embed_input_ids(input_ids)`,
+#      `forward(..., inputs_embeds=None)`, `embedding_size`; DecoderArchConfig.embedding_multiplier_in_table
+PLUGIN_API_VERSION = "1.8"
 
 
 @runtime_checkable
@@ -60,6 +62,15 @@ class VllmModel(Protocol):
         process before workers start: None when the model's logits for a row never depend on the other
         rows of the step (llmplug's layers give that); else why not. A model without it runs with the
         batch-invariant mode off by default (docs/determinism.md).
+
+        Prompt embeddings (optional; only an engine started with model.enable_prompt_embeds asks, and it refuses
+        a model without them): a model that sets `supports_prompt_embeds = True` has `embed_input_ids(input_ids)`
+        ([num_tokens] -> [num_tokens, embedding_size]: what transformers' `get_input_embeddings()` returns, before
+        any scaling transformers' forward applies to given `inputs_embeds`) and takes `forward(..., inputs_embeds=)`
+        ([num_tokens, embedding_size], in place of the ids' embeddings, in the model's dtype; `input_ids` then
+        still holds the step's ids, placeholders at embedded positions). `embedding_size` (default: the HF
+        config's hidden_size) is the width users' embeddings are checked against. The runner calls
+        `embed_input_ids` in the worker, inside the step's forward context, only in steps with embedded rows.
         """
         ...
 

@@ -176,6 +176,9 @@ class DecoderArchConfig:
 
     # embeddings and positions
     embedding_multiplier: float = 1.0  # token embeddings scaled (Gemma: sqrt(hidden), Granite)
+    # the multiplier is part of the token embedding (transformers' embedding module scales: Gemma, BioGPT), so
+    # embeddings given in place of tokens (prompt_embeds) arrive scaled; False: the forward scales them (Granite)
+    embedding_multiplier_in_table: bool = False
     embedding_norm: bool = False  # a norm right after the embeddings (Bloom)
     embedding_dim: int | None = None  # token embeddings (and LM head) of another width, projected in/out (OPT-350m)
     # added to the token embeddings; sinusoidal: XGLM's table, sinusoidal_paper: the Transformer paper's (CTRL)

@@ -126,14 +126,28 @@ class DecoderModel(nn.Module):
             self.arch.head_dim, dim, rope.max_position, rope.theta, rope.scaling, rope.is_neox_style, rope.inverted
         )
 
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> token embeddings [T, embedding_dim]: what transformers' `get_input_embeddings()` gives
+        (scaled where its embedding module scales), and what prompt embeddings stand in for."""
+        hidden = self.embed_tokens(input_ids)
+        return self._scale_embeddings(hidden) if self.arch.embedding_multiplier_in_table else hidden
+
+    def _scale_embeddings(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.arch.embedding_multiplier == 1.0:
+            return hidden
+        # in the activations' dtype, as transformers rounds it (Gemma)
+        return hidden * torch.tensor(self.arch.embedding_multiplier, dtype=hidden.dtype)
+
     def embed(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids: torch.Tensor | None = None
+        self, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions (, token_type_ids: all 0 when None) [T] -> the first layer's input [T, hidden]."""
+        """input_ids, positions (, token_type_ids: all 0 when None) [T] -> the first layer's input [T, hidden];
+        `inputs_embeds` [T, embedding_dim], when given, replaces `embed_input_ids(input_ids)`."""
         arch = self.arch
-        hidden = self.embed_tokens(input_ids)  # [T, embedding_dim]
-        if arch.embedding_multiplier != 1.0:  # in the activations' dtype, as transformers rounds it (Gemma)
-            hidden = hidden * torch.tensor(arch.embedding_multiplier, dtype=hidden.dtype)
+        hidden = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds  # [T, embedding_dim]
+        if not arch.embedding_multiplier_in_table:
+            hidden = self._scale_embeddings(hidden)
         if arch.embedding_dim:
             hidden = self.project_in(hidden)  # [T, hidden]
         if arch.type_vocab_size:
@@ -149,10 +163,12 @@ class DecoderModel(nn.Module):
         positions: torch.Tensor,
         intermediate_tensors: IntermediateTensors | None = None,
         token_type_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor | IntermediateTensors:
-        """input_ids, positions [T] -> hidden states [T, hidden] (IntermediateTensors before the last stage)."""
+        """input_ids, positions [T] (inputs_embeds [T, embedding_dim] in place of the ids' embeddings, when given)
+        -> hidden states [T, hidden] (IntermediateTensors before the last stage)."""
         if intermediate_tensors is None:
-            hidden, residual = self.embed(input_ids, positions, token_type_ids), None
+            hidden, residual = self.embed(input_ids, positions, token_type_ids, inputs_embeds), None
         else:  # no residual: the previous stage ended on a post-LN layer's normalized stream
             hidden, residual = intermediate_tensors["hidden_states"], intermediate_tensors.tensors.get("residual")
         ropes = [emb.cos_sin(positions, hidden.dtype) for emb in self.rotary_embs]  # once per step for all layers
@@ -208,6 +224,7 @@ class DecoderForCausalLM(nn.Module):
     supports_pipeline_parallel: ClassVar[bool] = True
     supports_tensor_parallel: ClassVar[bool] = True  # every weight is a parallel layer with its own loader
     supports_int4: ClassVar[bool] = True  # its linear layers and head compute through quant_method
+    supports_prompt_embeds: ClassVar[bool] = True  # forward takes inputs_embeds in place of the ids' embeddings
 
     def __init__(self, *, config: PretrainedConfig, prefix: str = "") -> None:
         super().__init__()
@@ -242,11 +259,22 @@ class DecoderForCausalLM(nn.Module):
             head = make()
         return head.tie_weights(self.model.embed_tokens)
 
+    @property
+    def embedding_size(self) -> int:
+        """Columns of `embed_input_ids`' output (and of prompt embeddings): hidden_size, or the embedding width."""
+        return self.arch.embedding_dim or self.arch.hidden_size
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> token embeddings [T, embedding_size] (first pipeline stage only)."""
+        return self.model.embed_input_ids(input_ids)
+
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors: IntermediateTensors | None = None
+        self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor | IntermediateTensors:
-        """input_ids, positions [T] -> hidden states [T, hidden] (IntermediateTensors before the last stage)."""
-        return self.model(input_ids, positions, intermediate_tensors)
+        """input_ids, positions [T] -> hidden states [T, hidden] (IntermediateTensors before the last stage);
+        `inputs_embeds` [T, embedding_size] replaces `embed_input_ids(input_ids)` when given."""
+        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds=inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor, sampling_metadata: Any = None) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab]: the head in the model's dtype, then scale and soft-cap."""

@@ -37,6 +37,7 @@ def biogpt_arch_config(hf: PretrainedConfig) -> DecoderArchConfig:
         qkv_bias=True,
         o_proj_bias=True,
         embedding_multiplier=hf.hidden_size**0.5 if hf.scale_embedding else 1.0,
+        embedding_multiplier_in_table=True,  # transformers' embedding module scales
         absolute_positions="learned",
         position_offset=POSITION_OFFSET,
         max_position=hf.max_position_embeddings,

@@ -49,6 +49,7 @@ def falcon_h1_arch_config(hf: PretrainedConfig) -> DecoderArchConfig:
         attention_out_multiplier=hf.attention_out_multiplier,
         parallel_mixer_out_multiplier=hf.ssm_out_multiplier,
         embedding_multiplier=hf.embedding_multiplier,
+        embedding_multiplier_in_table=True,  # transformers scales looked-up tokens only
         logits_multiplier=hf.lm_head_multiplier,
     )
 

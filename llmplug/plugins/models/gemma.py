@@ -41,6 +41,7 @@ def gemma_fields(hf: PretrainedConfig) -> dict[str, Any]:
         qkv_bias=bias,
         o_proj_bias=bias,
         embedding_multiplier=hf.hidden_size**0.5,
+        embedding_multiplier_in_table=True,  # transformers' embedding module scales
         tie_word_embeddings=bool(hf.tie_word_embeddings),
     )
 

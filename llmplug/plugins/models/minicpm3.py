@@ -23,6 +23,7 @@ def minicpm3_arch_config(hf: PretrainedConfig) -> DecoderArchConfig:
         attention_scale=mla_scale(hf),
         o_proj_bias=bool(hf.attention_bias),
         embedding_multiplier=hf.scale_emb,
+        embedding_multiplier_in_table=True,  # transformers' embedding module scales
         residual_multiplier=hf.scale_depth / math.sqrt(hf.num_hidden_layers),
         logits_multiplier=hf.dim_model_base / hf.hidden_size,
     )
