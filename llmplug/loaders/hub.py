@@ -167,6 +167,7 @@ def _cached_revision(repo: str, revision: str | None, cache_dir: str | None) -> 
 
 
 def _names(revision_info, revision: str) -> bool:
+    """True when the cached revision is `revision`: one of its refs (branch, tag) or its commit."""
     return revision in revision_info.refs or revision_info.commit_hash == revision
 
 

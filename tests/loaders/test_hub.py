@@ -7,7 +7,6 @@ import hashlib
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -310,14 +309,13 @@ def test_serve_a_hub_name_offline_answers_and_lists_the_name(cache, local_llm):
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
-        started = time.monotonic()
         wait_until_healthy(port, process)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
         assert [m.id for m in client.models.list().data] == [REPO]
         answer = client.completions.create(model=REPO, prompt=PROMPTS[0], max_tokens=8, temperature=0,
                                            extra_body={"ignore_eos": True})
         [expected] = local_llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)
-        assert answer.choices[0].text == expected.outputs[0].text, time.monotonic() - started
+        assert answer.choices[0].text == expected.outputs[0].text
     finally:
         process.terminate()
         process.wait(60)
