@@ -5,14 +5,23 @@ from __future__ import annotations
 import numbers
 import threading
 from collections import OrderedDict
-from typing import Any, Sequence, Union
+from typing import TYPE_CHECKING, Any, Sequence, Union
 
 from llmplug.core.errors import InvalidRequestError
 from llmplug.core.params import SamplingParams
+from llmplug.engine.prompt_embeds import PLACEHOLDER_TOKEN_ID, check_prompt_embeds
 from llmplug.engine.request_limits import RequestLimits, check_list_sizes, check_params
 
-# A prompt is text, or a dict with "prompt" (text) or "prompt_token_ids".
+if TYPE_CHECKING:
+    import torch
+
+# A prompt is text, or a dict with "prompt" (text) or "prompt_token_ids", or "prompt_embeds" (EmbedsPrompt).
 PromptType = Union[str, dict[str, Any]]
+
+
+def is_embeds_prompt(prompt: PromptType) -> bool:
+    """True for a prompt given as embeddings ({"prompt_embeds": tensor})."""
+    return isinstance(prompt, dict) and "prompt_embeds" in prompt
 
 
 BAD_WORDS_CACHE_SIZE = 64  # bad-word lists kept tokenized (shared read-only by the requests that give them)
@@ -21,9 +30,10 @@ BAD_WORDS_CACHE_SIZE = 64  # bad-word lists kept tokenized (shared read-only by 
 class InputProcessor:
     """Tokenizes prompts and checks prompts and sampling parameters against the model and the engine's limits."""
 
-    def __init__(self, tokenizer: Any | None, limits: RequestLimits):
+    def __init__(self, tokenizer: Any | None, limits: RequestLimits, embedding_size: int | None = None):
         self.tokenizer = tokenizer
         self.limits = limits
+        self.embedding_size = embedding_size  # prompt embeddings' width; None: the engine takes no prompt_embeds
         self._bad_words: OrderedDict[tuple[str, ...], list[list[int]]] = OrderedDict()  # words -> sequences, LRU
         self._lock = threading.Lock()  # AsyncLLM fills the cache from a worker thread, the engine thread reads it
 
@@ -51,6 +61,18 @@ class InputProcessor:
         params.bad_words_token_ids = self.bad_words_token_ids(params) if params.bad_words else None
         check_params(params, len(token_ids), self.limits)
         return text, token_ids, params
+
+    def process_embeds(
+        self, prompt: dict[str, Any], params: SamplingParams
+    ) -> tuple[torch.Tensor, list[int], SamplingParams]:
+        """Return (the prompt's embeddings on the CPU, its placeholder token ids, params resolved) for a prompt
+        given as embeddings; InvalidRequestError naming what is wrong."""
+        embeds = check_prompt_embeds(prompt["prompt_embeds"], self.embedding_size, self.max_model_len)
+        if params.prompt_logprobs is not None:
+            raise InvalidRequestError("prompt_logprobs need the prompt's tokens; a prompt given as prompt_embeds has "
+                                      "none", param="prompt_logprobs")
+        _, token_ids, params = self.process({"prompt_token_ids": [PLACEHOLDER_TOKEN_ID] * len(embeds)}, params)
+        return embeds, token_ids, params
 
     def process_pooling(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text, token ids) of a prompt to pool: it may fill the whole context (nothing is generated)."""
@@ -96,6 +118,9 @@ class InputProcessor:
         return sequences
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if is_embeds_prompt(prompt):  # generate() takes them (process_embeds); pooling and beam search do not
+            raise InvalidRequestError("prompt_embeds is accepted by generation only (LLM.generate, completions); "
+                                      "pooling and beam search take text or token ids", param="prompt_embeds")
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             return prompt.get("prompt"), _token_ids(prompt["prompt_token_ids"])
         text = prompt.get("prompt") if isinstance(prompt, dict) else prompt

@@ -2,7 +2,8 @@
 
 A request's K/V live in fixed-size blocks (`block_size` tokens each) listed in its block table.
 A block that is full is named by a hash of its tokens chained to the hash of the block before it,
-so equal hashes mean equal prefixes (under the same LoRA adapter: its id is hashed in too). Freed
+so equal hashes mean equal prefixes (under the same LoRA adapter: its id is hashed in too; a prompt given as
+embeddings: the digest of its rows in the block is too, never only its placeholder tokens). Freed
 blocks keep their hash and stay reusable until the pool needs them again; the least recently freed is
 evicted first.
 
@@ -23,6 +24,7 @@ from dataclasses import dataclass, replace
 from typing import Iterable, Sequence
 
 from llmplug.core.errors import ConfigError
+from llmplug.engine.prompt_embeds import embeds_digest
 from llmplug.engine.request import Request
 
 logger = logging.getLogger(__name__)
@@ -39,6 +41,15 @@ def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], extra_keys: 
     if extra_keys:
         h.update(repr(extra_keys).encode())
     return int.from_bytes(h.digest(), "little")
+
+
+def _embeds_key(request: Request, block: int, block_size: int) -> tuple:
+    """The digest of the prompt embeddings in a block (empty past them): an embeddings prompt's blocks are named by
+    its rows, never by its placeholder tokens, so they are shared only with prompts of the same embeddings."""
+    embeds, start = request.prompt_embeds, block * block_size
+    if embeds is None or start >= len(embeds):
+        return ()
+    return (embeds_digest(embeds, start, min(start + block_size, len(embeds))),)
 
 
 def num_blocks_for_budget(
@@ -337,7 +348,7 @@ class KVCacheManager:
         # can name another adapter after a removal; a load is never reused)
         extra = () if request.lora_request is None else (request.lora_int_id, request.lora_load)
         for i in range(len(hashes), num_full_blocks):
-            parent = hash_block(parent, tuple(tokens[i * size : (i + 1) * size]), extra)
+            parent = hash_block(parent, tuple(tokens[i * size : (i + 1) * size]), extra + _embeds_key(request, i, size))
             hashes.append(parent)
         return hashes
 

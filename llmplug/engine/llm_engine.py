@@ -14,7 +14,7 @@ from llmplug.core.plugins import PluginRegistry
 from llmplug.engine.batch_invariance import resolve_batch_invariant
 from llmplug.engine.engine_core import EngineCore
 from llmplug.engine.guided_decoding import GuidedDecodingManager, RequestGrammar
-from llmplug.engine.input_processor import InputProcessor, PromptType
+from llmplug.engine.input_processor import InputProcessor, PromptType, is_embeds_prompt
 from llmplug.engine.output_processor import EngineCoreOutput, OutputProcessor
 from llmplug.engine.pooling import PoolingInfo, resolve_model_kind, resolve_pooling_params
 from llmplug.engine.request_limits import RequestLimits
@@ -76,7 +76,8 @@ class LLMEngine:
         self.engine_core = EngineCore(self.config, self.registry)
         info = self.engine_core.model_info
         limits = RequestLimits.of(info["vocab_size"], self.engine_core.max_model_len, self.config.decoding)
-        self.processor = InputProcessor(self.tokenizer, limits)
+        embedding_size = info["embedding_size"] if self.config.model.enable_prompt_embeds else None
+        self.processor = InputProcessor(self.tokenizer, limits, embedding_size)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_ids = self._eos_token_ids(loader.load_generation_config(self.config.model))
         self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None  # the tokenizer's, if it has one
@@ -128,13 +129,19 @@ class LLMEngine:
                 "guided_decoding cannot be combined with speculative decoding (speculative_config): each draft "
                 "position would need the grammar advanced through the drafts before it", param="guided_decoding",
             )
-        text, token_ids, params = self.processor.process(prompt, params)
+        embeds = None
+        if is_embeds_prompt(prompt):  # placeholder token ids; the model runner puts the rows in their place
+            embeds, token_ids, params = self.processor.process_embeds(prompt, params)
+            text = None
+        else:
+            text, token_ids, params = self.processor.process(prompt, params)
         if lora_request is not None:
             self.engine_core.add_lora(lora_request)
         grammar = self.guided.prepare(params.guided_decoding) if params.guided_decoding is not None else None
         arrival_time = arrival_time or time.time()
         child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
-        self.output_processor.add_request(request_id, text, token_ids, params, arrival_time, child_ids)
+        self.output_processor.add_request(request_id, text, token_ids, params, arrival_time, child_ids,
+                                          prompt_is_embeds=embeds is not None)
         for i, child_id in enumerate(child_ids):
             child = params if params.n == 1 else child_params(params, i)
             request = Request(
@@ -142,6 +149,7 @@ class LLMEngine:
                 # one matcher per child; it waits for the end of the reasoning when the constraint says so
                 grammar=RequestGrammar(grammar, child.guided_decoding.start_after_token_ids) if grammar else None,
                 lora_request=lora_request,
+                prompt_embeds=embeds,
             )
             try:
                 self.engine_core.add_request(request)

@@ -18,6 +18,7 @@ from llmplug.core.errors import ConfigError
 from llmplug.core.plugins import PluginRegistry
 from llmplug.engine.block_table import BlockTable
 from llmplug.engine.pipeline_stage import PipelineStage
+from llmplug.engine.prompt_embeds import check_engine as check_prompt_embeds_engine, step_inputs_embeds
 from llmplug.engine.sampler import Sampler
 from llmplug.engine.spec_decode.verifier import DraftVerifier
 from llmplug.engine.sampling_state import SamplingState
@@ -98,6 +99,7 @@ class ModelRunner:
         self.prompt_logprobs_sent: dict[str, int] = {}
         self.lora_manager: LoRAManager | None = None  # built by load_model when lora.enable_lora
         self.lora_of: dict[str, LoRARequest] = {}  # running requests that use an adapter
+        self.prompt_embeds: dict[str, torch.Tensor] = {}  # running requests' prompts given as embeddings (model dtype)
 
     # ---- set-up -------------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -111,6 +113,7 @@ class ModelRunner:
         fmt = resolve_load_format(self.config.model.model, self.config.load.format)
         loader = build_loader(self.registry, fmt, self.config.load)
         self.model = loader.load_model(self.config, device=self.device)
+        check_prompt_embeds_engine(self.config, self.model)
         self.stage = PipelineStage(self.model)
         # what a step calls: the model, or its forward captured by torch.compile (device.compile)
         self.forward: Callable[..., object] = CompiledForward(self.model) if self.config.device.compile else self.model
@@ -230,17 +233,22 @@ class ModelRunner:
             self.sampling_state.remove_request(req_id)
             self.prompt_token_ids.pop(req_id, None)
             self.lora_of.pop(req_id, None)
+            self.prompt_embeds.pop(req_id, None)  # a resumed request brings them again
         for req_id in scheduler_output.finished_req_ids:
             self.prompt_logprobs_sent.pop(req_id, None)
         for req in scheduler_output.requests:
             if req.new is not None and req.new.pooling_params is None:  # pooling requests need no sampling state
                 new = req.new
+                # penalties see an embeddings prompt's generated tokens only: its prompt has no tokens
+                prompt = [] if new.prompt_embeds is not None else new.prompt_token_ids
                 self.sampling_state.add_request(
-                    new.req_id, new.sampling_params, new.prompt_token_ids, new.output_token_ids, new.eos_token_ids
+                    new.req_id, new.sampling_params, prompt, new.output_token_ids, new.eos_token_ids
                 )
                 self.prompt_token_ids[new.req_id] = new.prompt_token_ids
                 if new.lora_request is not None:
                     self.lora_of[new.req_id] = new.lora_request
+                if new.prompt_embeds is not None:
+                    self.prompt_embeds[new.req_id] = new.prompt_embeds.to(self.device, self.dtype)
 
     def prepare_inputs(self, reqs: list[ScheduledRequest], block_tables: np.ndarray) -> BatchInputs:
         """Flatten the scheduled tokens of all requests into one batch (numpy, then one copy to torch);
@@ -311,6 +319,11 @@ class ModelRunner:
         lora_mapping = self._lora_mapping(scheduler_output, batch)
         try:
             with forward_context(attn_metadata, batch.recurrent, lora_mapping):
+                embeds_chunks = self._prompt_embeds_chunks(requests)
+                if embeds_chunks:  # (embedding lookups may be LoRA-adapted: inside the step's context)
+                    model_kwargs["inputs_embeds"] = step_inputs_embeds(
+                        self.model.embed_input_ids, batch.input_ids, embeds_chunks
+                    )
                 hidden_states = self.stage.run(self.forward, batch.input_ids, batch.positions, **model_kwargs)
         except BaseException:
             self._discard_step(batch)
@@ -354,6 +367,16 @@ class ModelRunner:
         return ModelRunnerOutput(
             req_ids=req_ids, sampled_token_ids=[[t] for t in sampled], logprobs=out.logprobs, failed=failed
         )
+
+    def _prompt_embeds_chunks(self, requests: list[ScheduledRequest]) -> list[tuple[int, torch.Tensor]]:
+        """(first row in the step, rows) of the prompt embeddings that the step's positions of each request take."""
+        chunks, row = [], 0
+        for r in requests:
+            embeds = self.prompt_embeds.get(r.req_id)
+            if embeds is not None and r.num_computed_tokens < len(embeds):
+                chunks.append((row, embeds[r.num_computed_tokens : r.num_computed_tokens + len(r.token_ids)]))
+            row += len(r.token_ids)
+        return chunks
 
     def _model_kwargs(self, scheduler_output: SchedulerOutput) -> dict[str, torch.Tensor]:
         """Inputs beyond token ids and positions: token types (segments of text pairs) for models that take them."""

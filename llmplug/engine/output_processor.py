@@ -101,8 +101,10 @@ class OutputProcessor:
         params: SamplingParams,
         arrival_time: float,
         child_ids: list[str],
+        prompt_is_embeds: bool = False,
     ) -> None:
-        """Start tracking a request whose `len(child_ids)` completions the engine core runs."""
+        """Start tracking a request whose `len(child_ids)` completions the engine core runs (`prompt_is_embeds`: its
+        prompt ids are placeholders, no context for detokenizing the first generated tokens)."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use; ids must be unique")
         detokenize = params.detokenize and self.tokenizer is not None
@@ -114,7 +116,8 @@ class OutputProcessor:
         children = {
             child_id: CompletionState(
                 index=i,
-                detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params) if detokenize else None,
+                detokenizer=IncrementalDetokenizer(self.tokenizer, [] if prompt_is_embeds else prompt_token_ids, params)
+                if detokenize else None,
                 logprobs=[] if params.logprobs is not None else None,
                 cumulative_logprob=0.0 if params.logprobs is not None else None,
             )

@@ -11,6 +11,8 @@ from llmplug.core.params import PoolingParams, SamplingParams
 from llmplug.lora.request import LoRARequest
 
 if TYPE_CHECKING:
+    import torch
+
     from llmplug.engine.guided_decoding import RequestGrammar
 
 
@@ -64,6 +66,8 @@ class Request:
     token_type_ids: list[int] | None = None  # pooling: the segment of each prompt token (text pairs)
     lora_request: LoRARequest | None = None  # the adapter it runs with; None: the base model
     lora_load: int | None = None  # which load of that adapter (EngineCore numbers them): part of its blocks' names
+    # a prompt given as embeddings [num_prompt_tokens, embedding_size] (CPU); prompt_token_ids are then placeholders
+    prompt_embeds: torch.Tensor | None = None
 
     @property
     def lora_int_id(self) -> int | None:

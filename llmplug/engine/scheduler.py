@@ -376,6 +376,7 @@ class Scheduler:
             lora_request=request.lora_request,
             pooling_params=request.pooling_params,
             token_type_ids=request.token_type_ids,
+            prompt_embeds=request.prompt_embeds,
         )
         return self._scheduled_request(request, num_new_tokens, new)
 

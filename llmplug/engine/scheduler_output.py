@@ -24,6 +24,7 @@ class NewRequestData:
     pooling_params: PoolingParams | None = None  # a pooling request: its whole prompt is in this step
     token_type_ids: list[int] | None = None  # pooling: the segment of each prompt token, when given
     lora_request: LoRARequest | None = None  # the adapter the worker applies to its tokens
+    prompt_embeds: torch.Tensor | None = None  # a prompt given as embeddings: the rows of its prompt positions
 
 
 @dataclass(slots=True, frozen=True)

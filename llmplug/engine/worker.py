@@ -196,6 +196,8 @@ class Worker:
             "pooling": runner.pooling_info,
             "num_state_slots": spec.num_state_slots,
             "row_variant": row_variant_weights(runner.model),
+            # the width of prompt embeddings (model.enable_prompt_embeds): the model's, or the config's hidden_size
+            "embedding_size": getattr(runner.model, "embedding_size", None) or getattr(hf, "hidden_size", None),
         }
 
     # ---- LoRA adapters (called through Executor.collective_rpc) ----

@@ -34,6 +34,7 @@ ALIASES: dict[str, str] = {
     "runner": "model.runner",
     "convert": "model.convert",
     "model_impl": "model.model_impl",
+    "enable_prompt_embeds": "model.enable_prompt_embeds",
     "block_size": "cache.block_size",
     "num_gpu_blocks_override": "cache.num_blocks",
     "kv_cache_memory": "cache.kv_cache_memory",
