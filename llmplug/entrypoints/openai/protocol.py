@@ -134,6 +134,8 @@ class SamplingRequest(OpenAIModel):
     length_penalty: float = Field(1.0, ge=-100.0, le=100.0)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # vLLM's: the top-k logprobs of each prompt token (the engine's decoding.max_logprobs bounds it)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_COUNT)
     # vLLM's scheduling priority: lower values are served first; only with scheduler.policy "priority"
     priority: Priority = 0
     # structured output: OpenAI's response_format (also accepted on completions, as vLLM does) or vLLM's extras
@@ -225,6 +227,19 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: bool = False
 
 
+class PromptLogprob(OpenAIModel):
+    """vLLM's `prompt_logprobs` entry: one token's logprob at a prompt position, its rank and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# per prompt position (None for the first, which nothing predicts): token id -> its logprob; the prompt's own
+# token and the top `prompt_logprobs`
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class ChatTopLogprob(OpenAIModel):
     token: str
     logprob: float
@@ -283,6 +298,7 @@ class ChatCompletionResponse(OpenAIModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, with the request's prompt_logprobs
 
 
 class DeltaMessage(OpenAIModel):
@@ -322,7 +338,7 @@ class CompletionRequest(SamplingRequest):
     """POST /v1/completions."""
 
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
-    max_tokens: Count | None = 16
+    max_tokens: int | None = Field(16, ge=0, le=MAX_COUNT)  # 0: only with echo (the prompt alone, for scoring)
     logprobs: int | None = Field(None, ge=0, le=MAX_COUNT)  # the engine's decoding.max_logprobs bounds it
     echo: bool = False
     suffix: str | None = None
@@ -342,6 +358,7 @@ class CompletionChoice(OpenAIModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, with prompt_logprobs (or echo with logprobs)
 
 
 class CompletionResponse(OpenAIModel):

@@ -58,6 +58,11 @@ from llmplug.entrypoints.openai.serving_engine import (
     until_disconnected,
     usage_info,
 )
+from llmplug.entrypoints.openai.serving_completion import (
+    check_prompt_logprobs,
+    check_sampling_fields,
+    format_prompt_logprobs,
+)
 from llmplug.entrypoints.openai.serving_lora import ServedAdapters
 
 
@@ -77,6 +82,7 @@ class OpenAIServingChat(OpenAIServing):
         self.check_caps(body)
         self.log_ignored_fields(body, "/v1/chat/completions")
         _check_supported(body)
+        check_prompt_logprobs(body, self.engine)
         named = body.tool_choice.function.name if isinstance(body.tool_choice, NamedToolChoice) else None
         choice = tool_choice([t.function for t in body.tools or ()], None if named else body.tool_choice, named,
                              body.parallel_tool_calls, self.parsers.auto_tool_choice)
@@ -85,7 +91,8 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = self.max_tokens(body.max_completion_tokens or body.max_tokens, len(prompt_ids), param, "messages")
         top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         reader, overrides = self.reply_plan(body, choice, prompt_text)
-        params = self.sampling_params(body, max_tokens, top_logprobs, body.stream, **overrides)
+        params = self.sampling_params(body, max_tokens, top_logprobs, body.stream,
+                                      prompt_logprobs=body.prompt_logprobs, **overrides)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         beam = self.beam_search_params(body, params, lora)
         outputs = self.generate(prompt_text, prompt_ids, params, request_id, lora, beam, priority=body.priority)
@@ -99,6 +106,7 @@ class OpenAIServingChat(OpenAIServing):
             id=request_id, model=model, created=now(),
             choices=[_choice(c, top_logprobs, reader) for c in sorted(final.outputs, key=lambda c: c.index)],
             usage=usage_info(len(prompt_ids), sum(len(c.token_ids) for c in final.outputs), final.num_cached_tokens),
+            prompt_logprobs=format_prompt_logprobs(final.prompt_logprobs, len(prompt_ids), body.prompt_logprobs),
         )
         return Response(response.model_dump_json(), media_type="application/json")
 
@@ -170,6 +178,7 @@ def _check_supported(body: ChatCompletionRequest) -> None:
                           param="chat_template")
     if body.top_logprobs is not None and not body.logprobs:
         raise OpenAIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+    check_sampling_fields(body)
 
 
 def _logprobs(completion: CompletionOutput, top_logprobs: int | None) -> ChatChoiceLogprobs | None:
