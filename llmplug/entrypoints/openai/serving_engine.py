@@ -43,6 +43,15 @@ T = TypeVar("T")
 
 # OpenAI's default sampling values where a request leaves a field out.
 DEFAULT_TEMPERATURE = 1.0
+# Sampling fields a beam search does not apply (it ranks whole beams by their logprobs and samples only through
+# `temperature`; its text skips special tokens), each with the values that leave it off: any other value is a
+# 400 naming the field rather than an answer that ignored it.
+_BEAM_SEARCH_NEUTRAL = {
+    "top_p": (None, 1.0), "top_k": (None, -1, 0), "min_p": (None, 0.0), "presence_penalty": (None, 0.0),
+    "frequency_penalty": (None, 0.0), "repetition_penalty": (None, 1.0), "logit_bias": (None, {}),
+    "stop_token_ids": (None, []), "bad_words": (None, []), "allowed_token_ids": (None,), "min_tokens": (0,),
+    "skip_special_tokens": (True,),
+}
 
 
 class ClientDisconnected(Exception):
@@ -135,6 +144,13 @@ class OpenAIServing:
                 raise OpenAIError(400, f"use_beam_search cannot be combined with {name}: beam search ranks whole "
                                        "beams by their logprobs and returns no per-token logprobs, stop strings "
                                        "or grammars", param=name)
+        ignored = [name for name, neutral in _BEAM_SEARCH_NEUTRAL.items() if getattr(request, name) not in neutral]
+        if request.seed is not None and request.temperature:  # its one sampled candidate per beam is not seeded
+            ignored.append("seed")
+        if ignored:
+            raise OpenAIError(400, f"use_beam_search cannot be combined with {', '.join(ignored)}: beam search ranks "
+                                   "whole beams by their logprobs, sampling only through temperature, and would "
+                                   "ignore it", param=ignored[0])
         if request.priority:
             raise OpenAIError(400, "use_beam_search cannot be combined with priority: the beams' steps are queued "
                                    "as requests of their own, at the default priority", param="priority")

@@ -50,6 +50,12 @@ def test_chat_beams_equal_offline_streamed_too(server, offline):
     ({"logprobs": 2}, {}, "logprobs"),
     ({"n": 30}, {}, "beam_width"),  # 60 logprobs per beam > decoding.max_logprobs
     ({}, {"length_penalty": 1e9}, "length_penalty"),
+    # sampling fields beam search would ignore
+    ({"top_p": 0.5}, {}, "top_p"),
+    ({"seed": 1, "temperature": 0.5}, {}, "seed"),
+    ({"frequency_penalty": 0.5}, {"top_k": 5}, "top_k"),
+    ({}, {"repetition_penalty": 1.2}, "repetition_penalty"),
+    ({}, {"skip_special_tokens": False}, "skip_special_tokens"),
 ])
 def test_bad_beam_search_requests_are_400_and_the_next_works(server, offline, fields, extra_body, param):
     client = server.client()
