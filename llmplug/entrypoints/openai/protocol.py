@@ -337,7 +337,9 @@ class ChatCompletionStreamResponse(OpenAIModel):
 class CompletionRequest(SamplingRequest):
     """POST /v1/completions."""
 
-    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]] | None = None  # this or prompt_embeds, or both
+    # vLLM's: base64 of torch.save'd [num_tokens, hidden_size] tensors (--enable-prompt-embeds); before `prompt`'s
+    prompt_embeds: str | list[str] | None = None
     max_tokens: int | None = Field(16, ge=0, le=MAX_COUNT)  # 0: only with echo (the prompt alone, for scoring)
     logprobs: int | None = Field(None, ge=0, le=MAX_COUNT)  # the engine's decoding.max_logprobs bounds it
     echo: bool = False

@@ -11,14 +11,17 @@ from __future__ import annotations
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
 
 from llmplug.core.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from llmplug.engine.async_llm import AsyncLLM
+from llmplug.engine.prompt_embeds import PLACEHOLDER_TOKEN_ID
 from llmplug.entrypoints.openai.backpressure import EventStreamResponse
 from llmplug.entrypoints.openai.errors import OpenAIError
+from llmplug.entrypoints.openai.prompt_embeds import load_prompt_embeds
 from llmplug.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -47,7 +50,8 @@ class _Prompt:
     """One prompt of the request: its text (None when given as token ids) and token ids."""
 
     text: str | None
-    token_ids: list[int]
+    token_ids: list[int]  # placeholders for a prompt given as embeddings
+    embeds: Any = None  # its embeddings (a checked tensor), for vLLM's prompt_embeds
 
 
 @dataclass
@@ -78,7 +82,7 @@ class OpenAIServingCompletion(OpenAIServing):
         self.log_ignored_fields(body, "/v1/completions")
         _check_supported(body)
         check_prompt_logprobs(body, self.engine)
-        prompts = await self._prompts(body.prompt)
+        prompts = await self._all_prompts(body)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = []
         for i, prompt in enumerate(prompts):
@@ -87,7 +91,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                           prompt_logprobs=_prompt_logprobs(body))
             beam = self.beam_search_params(body, params, lora)
             streams.append(self.generate(prompt.text, prompt.token_ids, params, f"{request_id}-{i}", lora, beam,
-                                         admit=False, priority=body.priority))
+                                         admit=False, priority=body.priority, prompt_embeds=prompt.embeds))
         outputs = self.admitted(merge(streams), body.n * len(prompts))  # every prompt's n sequences, at once
         if body.stream:
             first = await until_disconnected(raw_request, anext(outputs))
@@ -105,6 +109,19 @@ class OpenAIServingCompletion(OpenAIServing):
         usage = usage_info(sum(len(p.token_ids) for p in prompts), num_generated, cached)
         response = CompletionResponse(id=request_id, created=now(), model=model, choices=choices, usage=usage)
         return Response(response.model_dump_json(), media_type="application/json")
+
+    async def _all_prompts(self, body: CompletionRequest) -> list[_Prompt]:
+        """vLLM's `prompt_embeds` first, then `prompt`'s (beside prompt_embeds an empty prompt is none: the openai
+        client must send one)."""
+        if body.prompt_embeds is None:
+            if body.prompt is None:
+                raise OpenAIError(400, "a completion needs prompt or prompt_embeds", param="prompt")
+            return await self._prompts(body.prompt)
+        if body.echo:
+            raise OpenAIError(400, "echo is not supported with prompt_embeds: the prompt has no text", param="echo")
+        tensors = await load_prompt_embeds(self.engine, body.prompt_embeds)
+        embedded = [_Prompt(None, [PLACEHOLDER_TOKEN_ID] * len(t), t) for t in tensors]
+        return embedded + ([] if body.prompt in (None, "", []) else await self._prompts(body.prompt))
 
     async def _prompts(self, prompt: str | list[int] | list[str] | list[list[int]]) -> list[_Prompt]:
         """Every prompt of the request, tokenized as the offline engine does."""

@@ -188,11 +188,12 @@ class OpenAIServing:
 
     async def generate(self, prompt_text: str | None, prompt_ids: list[int], params: SamplingParams,
                        request_id: str, lora: LoRARequest | None = None,
-                       beam: BeamSearchParams | None = None, admit: bool = True, priority: int = 0
-                       ) -> AsyncGenerator[RequestOutput, None]:
+                       beam: BeamSearchParams | None = None, admit: bool = True, priority: int = 0,
+                       prompt_embeds: Any = None) -> AsyncGenerator[RequestOutput, None]:
         """The engine's outputs of one request, recorded in the metrics however the request ends.
 
         `priority` orders it among the waiting requests under scheduler.policy "priority" (`check_priority`).
+        `prompt_embeds` (a checked tensor) replaces the prompt: `prompt_ids` are then its placeholders.
 
         With `beam`, the request is a beam search: one finished output whose completions are the best beams.
 
@@ -206,7 +207,8 @@ class OpenAIServing:
             if self.metrics.request_logger is not None:
                 self.metrics.request_logger.log(request_id, prompt_text, prompt_ids, params, lora)
             delta = params.output_kind == RequestOutputKind.DELTA
-            prompt = {"prompt": prompt_text, "prompt_token_ids": prompt_ids}
+            prompt = {"prompt": prompt_text, "prompt_token_ids": prompt_ids} if prompt_embeds is None else {
+                "prompt_embeds": prompt_embeds}
             outcome = "abort"  # unless it finishes or fails: the consumer went away
             if beam is None:
                 outputs = self.engine.generate(prompt, params, request_id, priority=priority, lora_request=lora)

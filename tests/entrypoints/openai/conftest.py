@@ -124,6 +124,17 @@ def server(engine) -> Iterator[RunningServer]:
 
 
 @pytest.fixture(scope="package")
+def embeds_server(tiny_chat_model) -> Iterator[RunningServer]:
+    """A server whose engine takes prompt embeddings (--enable-prompt-embeds), on the tiny chat model."""
+    engine = AsyncLLM(str(tiny_chat_model), **ENGINE_KWARGS, enable_prompt_embeds=True)
+    try:
+        with serve(engine) as running:
+            yield running
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="package")
 def default_server() -> Iterator[RunningServer]:
     """A server on the real default model (SmolLM2-135M-Instruct, GGUF), shared by the fuzz and soak tests.
 
