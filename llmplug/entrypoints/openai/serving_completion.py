@@ -82,6 +82,9 @@ class OpenAIServingCompletion(OpenAIServing):
         self.log_ignored_fields(body, "/v1/completions")
         _check_supported(body)
         check_prompt_logprobs(body, self.engine)
+        if body.echo and self.renderer.tokenizer is None:
+            raise OpenAIError(400, "echo needs the model's tokenizer to decode the prompt, and this server runs "
+                                   "without one (skip_tokenizer_init)", param="echo")
         prompts = await self._all_prompts(body)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = []
@@ -163,15 +166,18 @@ class OpenAIServingCompletion(OpenAIServing):
         yet: pass the prompt's logprobs), then the generated ones'."""
         if body.logprobs is None:
             return None
-        decode = self.renderer.need_tokenizer().decode
         logprobs = CompletionLogprobs()
         if prompt_logprobs is not None:
             positions = _prompt_positions(prompt_logprobs, len(prompt.token_ids))
-            _add_logprobs(logprobs, prompt.token_ids, positions, body.logprobs, text_offset, decode)
+            _add_logprobs(logprobs, prompt.token_ids, positions, body.logprobs, text_offset, self._decode)
             text_offset += len(self._prompt_text(prompt))
         if completion.logprobs is not None:
-            _add_logprobs(logprobs, completion.token_ids, completion.logprobs, body.logprobs, text_offset, decode)
+            _add_logprobs(logprobs, completion.token_ids, completion.logprobs, body.logprobs, text_offset,
+                          self._decode)
         return logprobs
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.renderer.need_tokenizer().decode(token_ids)
 
     async def _stream(self, first: tuple[int, RequestOutput], outputs: AsyncGenerator[tuple[int, RequestOutput], None],
                       request_id: str, model: str, body: CompletionRequest,

@@ -251,3 +251,22 @@ def test_streamed_echo_of_n_choices_each_start_with_the_prompt_and_its_logprobs(
         assert len(token_logprobs) == num_prompt_tokens + (index >= 2) + 3
         assert all(lp is not None for lp in token_logprobs[1:])
         assert choices[-1]["finish_reason"] is not None
+
+
+def test_without_a_tokenizer_echo_is_400_and_logprobs_still_work(tiny_chat_model, smollm_tokenizer):
+    from llmplug import AsyncLLM
+    from tests.entrypoints.openai.conftest import ENGINE_KWARGS, serve
+
+    ids = smollm_tokenizer.encode(PROMPT)
+    engine = AsyncLLM(str(tiny_chat_model), skip_tokenizer_init=True, **ENGINE_KWARGS)
+    try:
+        with serve(engine) as bare:
+            refused = post(bare, "completions", dict(prompt=ids, max_tokens=0, echo=True, logprobs=1))
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == "echo"
+            reply = post(bare, "completions", dict(prompt=ids, max_tokens=2, logprobs=1, prompt_logprobs=1))
+            assert reply.status_code == 200, reply.text
+            choice = reply.json()["choices"][0]
+            assert len(choice["logprobs"]["token_logprobs"]) == 2
+            assert len(choice["prompt_logprobs"]) == len(ids)
+    finally:
+        engine.shutdown()
