@@ -44,6 +44,7 @@ def guided_decoding_params(request: Any, forced: Constraint | None = None,
     if forced is not None:
         found.append(forced)
     if not found:
+        _check_nothing_to_configure(request)
         return None
     if len(found) > 1:
         names = ", ".join(item.param for item in found)
@@ -56,6 +57,16 @@ def guided_decoding_params(request: Any, forced: Constraint | None = None,
                                     start_after_token_ids=start_after_token_ids)
     except InvalidRequestError as exc:
         raise OpenAIError(400, str(exc), param=constraint.param) from exc
+
+
+def _check_nothing_to_configure(request: Any) -> None:
+    """400 for a request that configures a constraint it does not set: the setting would be ignored."""
+    if getattr(request, "guided_decoding_backend", None) is not None:
+        raise OpenAIError(400, "guided_decoding_backend names a backend, but the request sets no constraint for it "
+                               "(guided_json, structured_outputs, response_format, ...)", param="guided_decoding_backend")
+    if getattr(request, "structured_outputs", None) is not None:
+        raise OpenAIError(400, "structured_outputs sets no constraint (json, json_object, regex, choice, grammar or "
+                               "structural_tag)", param="structured_outputs")
 
 
 def _structured_outputs(request: Any) -> list[Constraint]:

@@ -84,6 +84,9 @@ class OpenAIServingResponses(OpenAIServingChat):
 
 
 def _check_supported(body: ResponsesRequest) -> None:
+    if body.store:  # OpenAI's default is true, but a client that leaves it out sends nothing: None here
+        raise OpenAIError(400, "store true is not supported: this server stores no responses (vLLM stores none "
+                               "unless told to); send store false or leave it out", param="store")
     if body.previous_response_id is not None:
         raise OpenAIError(400, "previous_response_id is not supported: this server stores no responses; "
                                "send the whole conversation as input", param="previous_response_id")
