@@ -75,7 +75,6 @@ def per_doc(results: dict) -> dict[int, tuple[list[float], list[bool], float, fl
             for s in results["samples"][TASK]}
 
 
-@pytest.mark.slow
 def test_lm_eval_local_completions_scores_equal_lm_eval_hf(server, tiny_chat_model, tmp_path, monkeypatch):
     for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
         monkeypatch.setenv(name, "1")
