@@ -63,7 +63,8 @@ def _check_nothing_to_configure(request: Any) -> None:
     """400 for a request that configures a constraint it does not set: the setting would be ignored."""
     if getattr(request, "guided_decoding_backend", None) is not None:
         raise OpenAIError(400, "guided_decoding_backend names a backend, but the request sets no constraint for it "
-                               "(guided_json, structured_outputs, response_format, ...)", param="guided_decoding_backend")
+                               "(guided_json, structured_outputs, response_format, ...)",
+                          param="guided_decoding_backend")
     if getattr(request, "structured_outputs", None) is not None:
         raise OpenAIError(400, "structured_outputs sets no constraint (json, json_object, regex, choice, grammar or "
                                "structural_tag)", param="structured_outputs")

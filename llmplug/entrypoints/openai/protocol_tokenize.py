@@ -67,4 +67,6 @@ class DetokenizeRequest(OpenAIModel):
 
 
 class DetokenizeResponse(OpenAIModel):
+    """The text of the ids (special tokens kept)."""
+
     prompt: str

@@ -9,7 +9,7 @@ the rate limit, so a route added here is guarded without anyone remembering to g
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Query, Request
@@ -230,7 +230,7 @@ def dev_router(engine: AsyncLLM) -> APIRouter:
     return router
 
 
-async def _unless_busy(command: Any) -> None:
+async def _unless_busy(command: Awaitable[None]) -> None:
     """Await an engine command that needs an idle engine (or an awake one); 409 naming why it cannot run now."""
     try:
         await command
