@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from llmplug.core.errors import ConfigError
+from llmplug.entrypoints.arg_types import positive_int
 from llmplug.entrypoints.engine_args import add_engine_args, config_from_args
 
 URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
@@ -49,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("-o", "--output-file", required=True, metavar="FILE",
                    help="Where the answers go, one JSON line per input line, in input order. An existing file is "
                         "resumed: lines it answers are skipped, the others appended.")
-    g.add_argument("--max-concurrency", type=_positive, default=64, metavar="N",
+    g.add_argument("--max-concurrency", type=positive_int, default=64, metavar="N",
                    help="Most lines in flight at once (the engine batches them). Default: 64.")
     g.add_argument("--served-model-name", action="append", metavar="NAME",
                    help="Name a line's body.model may give (repeatable). Default: the model as given.")
@@ -57,13 +58,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="Jinja chat template for every chat line. Default: the model's own.")
     g.add_argument("--disable-progress-bar", action="store_true", help="No progress bar on stderr.")
     add_engine_args(parser)
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
-    return value
 
 
 def run(args: argparse.Namespace) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+from llmplug.entrypoints.arg_types import non_negative_float, positive_int
 from llmplug.entrypoints.engine_args import add_engine_args, config_from_args
 
 
@@ -31,7 +32,7 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                         "bursts up to N. Over it: 429 with Retry-After. Default: no limit.")
     g.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, metavar="BYTES",
                    help="Largest request body accepted (413 beyond). Default: 8 MiB.")
-    g.add_argument("--max-waiting-requests", type=_positive, default=1024, metavar="N",
+    g.add_argument("--max-waiting-requests", type=positive_int, default=1024, metavar="N",
                    help="Most requests (counted as sequences: n per request) waiting for a place in the running "
                         "batch; past it: 503 with Retry-After. Default: 1024.")
     g.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE",
@@ -41,11 +42,11 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                    help="Name clients use as `model` (repeatable). Default: the model as given.")
     g.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="On SIGTERM, how long in-flight requests may take to finish. Default: 30.")
-    g.add_argument("--stream-send-timeout", type=_non_negative, default=30.0, metavar="SECONDS",
+    g.add_argument("--stream-send-timeout", type=non_negative_float, default=30.0, metavar="SECONDS",
                    help="A response whose client reads nothing for this long, once its buffers are full, is dropped "
                         "and its request aborted (its admission slots and KV blocks freed): a client that stops "
                         "reading its stream cannot hold them. 0: wait forever. Default: 30.")
-    g.add_argument("--health-stall-timeout", type=_non_negative, default=60.0, metavar="SECONDS",
+    g.add_argument("--health-stall-timeout", type=non_negative_float, default=60.0, metavar="SECONDS",
                    help="/health answers 503 (code engine_stalled) once the engine's current step or command has "
                         "run this long while work waits: a stalled engine, not only a dead one, fails the load "
                         "balancer's check. 0: off. Default: 60.")
@@ -66,7 +67,7 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                         "Default: off (prompts stay out of the log).")
     g.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false",
                    help=argparse.SUPPRESS)  # vLLM's older flag: the default here
-    g.add_argument("--max-log-len", type=_positive, metavar="N",
+    g.add_argument("--max-log-len", type=positive_int, metavar="N",
                    help="With --enable-log-requests: characters of a prompt (and prompt token ids) logged. "
                         "Default: all.")
     g = parser.add_argument_group("LoRA adapters (the engine needs --enable-lora; see docs/lora.md)")
@@ -92,20 +93,6 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                         "name (in tree: deepseek_r1, qwen3). Structured output then constrains the answer only. "
                         "Default: none.")
     add_engine_args(parser, model_positional=True)
-
-
-def _non_negative(text: str) -> float:
-    value = float(text)
-    if not value >= 0:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
-    return value
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
-    return value
 
 
 def _run_serve(args: argparse.Namespace) -> int:

@@ -14,30 +14,17 @@ import sys
 import time
 from typing import Any
 
+from llmplug.entrypoints.arg_types import non_negative_int, positive_int
 from llmplug.entrypoints.bench.metrics import LATENCY_PERCENTILES, latency_summary, percentile, throughput_summary
 from llmplug.entrypoints.engine_args import add_engine_args, config_from_args
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
-    return value
-
-
-def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
-
-
 def _common_arguments(g: Any, input_len: int, output_len: int) -> None:
-    g.add_argument("--input-len", type=_positive, default=input_len, metavar="N",
+    g.add_argument("--input-len", type=positive_int, default=input_len, metavar="N",
                    help=f"Tokens in each prompt (random ids). Default: {input_len}.")
-    g.add_argument("--output-len", type=_positive, default=output_len, metavar="N",
+    g.add_argument("--output-len", type=positive_int, default=output_len, metavar="N",
                    help=f"Tokens each request generates (ignore_eos). Default: {output_len}.")
-    g.add_argument("--n", type=_positive, default=1, help="Completions per prompt. Default: 1.")
+    g.add_argument("--n", type=positive_int, default=1, help="Completions per prompt. Default: 1.")
     g.add_argument("--output-json", metavar="FILE", help="Also write the results to this JSON file.")
     g.add_argument("--disable-tqdm", action="store_true", help="No progress bar.")
 
@@ -46,7 +33,7 @@ def add_throughput_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("benchmark")
     g.add_argument("--dataset-name", choices=["random"], default="random",
                    help="Where prompts come from: random token ids (the only one here). Default: random.")
-    g.add_argument("--num-prompts", type=_positive, default=1000, metavar="N",
+    g.add_argument("--num-prompts", type=positive_int, default=1000, metavar="N",
                    help="Prompts, all given to the engine at once. Default: 1000.")
     _common_arguments(g, input_len=1024, output_len=128)
     add_engine_args(parser)
@@ -54,11 +41,11 @@ def add_throughput_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_latency_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("benchmark")
-    g.add_argument("--batch-size", type=_positive, default=8, metavar="N",
+    g.add_argument("--batch-size", type=positive_int, default=8, metavar="N",
                    help="Prompts in the batch timed at each iteration. Default: 8.")
-    g.add_argument("--num-iters-warmup", type=_non_negative, default=10, metavar="N",
+    g.add_argument("--num-iters-warmup", type=non_negative_int, default=10, metavar="N",
                    help="Untimed iterations first. Default: 10.")
-    g.add_argument("--num-iters", type=_positive, default=30, metavar="N",
+    g.add_argument("--num-iters", type=positive_int, default=30, metavar="N",
                    help="Timed iterations. Default: 30.")
     _common_arguments(g, input_len=32, output_len=128)
     add_engine_args(parser)

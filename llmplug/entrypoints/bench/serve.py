@@ -18,6 +18,7 @@ import sys
 import time
 from typing import Any
 
+from llmplug.entrypoints.arg_types import positive_int
 from llmplug.entrypoints.bench.metrics import RequestTiming, serving_summary
 
 
@@ -37,25 +38,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("load")
     g.add_argument("--dataset-name", choices=["random"], default="random",
                    help="Where prompts come from: random token ids (the only one here). Default: random.")
-    g.add_argument("--num-prompts", type=_positive, default=1000, metavar="N", help="Requests. Default: 1000.")
-    g.add_argument("--random-input-len", type=_positive, default=1024, metavar="N",
+    g.add_argument("--num-prompts", type=positive_int, default=1000, metavar="N", help="Requests. Default: 1000.")
+    g.add_argument("--random-input-len", type=positive_int, default=1024, metavar="N",
                    help="Tokens in each prompt. Default: 1024.")
-    g.add_argument("--random-output-len", type=_positive, default=128, metavar="N",
+    g.add_argument("--random-output-len", type=positive_int, default=128, metavar="N",
                    help="Tokens each request generates. Default: 128.")
     g.add_argument("--request-rate", type=float, default=float("inf"), metavar="RPS",
                    help="Requests started per second (Poisson arrivals); inf: all at once. Default: inf.")
-    g.add_argument("--max-concurrency", type=_positive, default=None, metavar="N",
+    g.add_argument("--max-concurrency", type=positive_int, default=None, metavar="N",
                    help="Most requests in flight at once. Default: no limit.")
     g.add_argument("--seed", type=int, default=0, help="Seeds the prompts and the arrivals. Default: 0.")
     g.add_argument("--save-result", metavar="FILE", help="Also write the results to this JSON file.")
     g.add_argument("--disable-tqdm", action="store_true", help="No progress bar.")
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
-    return value
 
 
 def run(args: argparse.Namespace) -> int:

@@ -81,6 +81,23 @@ class RunningServer:
         raise AssertionError(f"engine still busy after {timeout} s: {self.engine.stats()}")
 
 
+def hold_engine_step(server: RunningServer, monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """Hold the server's engine after its next step until `release` is set (`held` tells the step ran): whatever
+    a test sends meanwhile waits in the engine's command queue behind a request that surely runs."""
+    held, release = threading.Event(), threading.Event()
+    real_step = server.engine.llm_engine.step
+
+    def held_step():
+        outputs = real_step()
+        if not release.is_set():
+            held.set()
+            release.wait(30)
+        return outputs
+
+    monkeypatch.setattr(server.engine.llm_engine, "step", held_step)
+    return held, release
+
+
 def is_idle(engine: AsyncLLM) -> bool:
     stats = engine.stats()
     return stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["kv_cache_usage"] == 0.0

@@ -4,7 +4,6 @@ the generation routes sees while the engine sleeps."""
 
 from __future__ import annotations
 
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,7 +14,7 @@ from llmplug import AsyncLLM
 from llmplug.entrypoints.cli import build_parser
 from llmplug.entrypoints.openai.api_server import ServerSettings
 
-from .conftest import ENGINE_KWARGS, serve
+from .conftest import ENGINE_KWARGS, hold_engine_step, serve
 
 KEY = "dev-key"
 DEV_ROUTES = [("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/is_sleeping"), ("POST", "/reset_prefix_cache")]
@@ -115,17 +114,7 @@ def test_reset_prefix_cache_forgets_cached_prompts(dev_server):
 
 def test_reset_prefix_cache_while_a_request_runs_is_409(dev_server, monkeypatch):
     """The engine's step is held once a long request runs, so the reset arrives while it surely runs."""
-    held, release = threading.Event(), threading.Event()
-    real_step = dev_server.engine.llm_engine.step
-
-    def held_step():
-        outputs = real_step()
-        if not release.is_set():
-            held.set()
-            release.wait(30)
-        return outputs
-
-    monkeypatch.setattr(dev_server.engine.llm_engine, "step", held_step)
+    held, release = hold_engine_step(dev_server, monkeypatch)
     with ThreadPoolExecutor(2) as pool:
         running = pool.submit(complete, dev_server, max_tokens=200, ignore_eos=True)
         assert held.wait(30)

@@ -3,7 +3,6 @@ the waiting requests (lower first); under "fcfs" a non-zero one is a 400 naming 
 
 from __future__ import annotations
 
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -12,7 +11,7 @@ import pytest
 
 from llmplug import AsyncLLM
 
-from .conftest import ENGINE_KWARGS, serve
+from .conftest import ENGINE_KWARGS, hold_engine_step, serve
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 ROUTES = {
@@ -86,17 +85,7 @@ def test_a_later_request_with_a_lower_priority_value_is_served_first(priority_se
                                                                      monkeypatch):
     """One sequence runs at a time; while a long request runs (its step held), a priority 10 request arrives, then
     a priority -10 one. When the long one ends, the -10 request runs first, though it came second."""
-    held, release = threading.Event(), threading.Event()
-    real_step = priority_server.engine.llm_engine.step
-
-    def held_step():
-        outputs = real_step()
-        if not release.is_set():
-            held.set()
-            release.wait(30)
-        return outputs
-
-    monkeypatch.setattr(priority_server.engine.llm_engine, "step", held_step)
+    held, release = hold_engine_step(priority_server, monkeypatch)
     finished: dict[int, float] = {}
 
     def complete(priority: int, max_tokens: int) -> None:
