@@ -1,0 +1,124 @@
+"""Projectors: a vision encoder's patch features [B, patches, vision_hidden] -> the language model's
+embeddings [B, tokens, text_hidden], one module per kind, each loading transformers' checkpoint names.
+
+- `MLPProjector` (LLaVA's `multi_modal_projector`): linear_1 -> act -> linear_2, one token per patch;
+- `PooledProjector` (Gemma 3's): the patch grid average-pooled to `mm_tokens_per_image`, Gemma RMSNorm
+  (`1 + w`), then a matmul with `mm_input_projection_weight` ([vision_hidden, text_hidden], stored
+  transposed to a linear layer's);
+- `PixelShuffleConnector` (Idefics3 / SmolVLM's `connector`): each `scale_factor` x `scale_factor` block
+  of patches folded into one token of scale_factor**2 times the features, then a bias-free linear.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmplug.layers.activation import Activation
+from llmplug.layers.layernorm import RMSNorm
+from llmplug.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from llmplug.layers.weight_utils import load_mapped_weights
+
+__all__ = ["MLPProjector", "PixelShuffleConnector", "PooledProjector", "pixel_shuffle"]
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+class MLPProjector(nn.Module):
+    """linear_2(act(linear_1(x))): [..., vision_hidden] -> [..., text_hidden]; linear_1 column- and linear_2
+    row-parallel, so the output is whole on every rank."""
+
+    def __init__(
+        self, vision_hidden: int, text_hidden: int, activation: str = "gelu", bias: bool = True, prefix: str = ""
+    ) -> None:
+        super().__init__()
+        self.linear_1 = ColumnParallelLinear(vision_hidden, text_hidden, bias, prefix=_join(prefix, "linear_1"))
+        self.act = Activation(activation)
+        self.linear_2 = RowParallelLinear(text_hidden, text_hidden, bias, prefix=_join(prefix, "linear_2"))
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(self.act(self.linear_1(features)))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load `linear_1.*` / `linear_2.*` (names below `multi_modal_projector.`)."""
+        return load_mapped_weights(self, weights)
+
+
+class PooledProjector(nn.Module):
+    """[B, grid * grid, vision_hidden] -> [B, tokens_per_image, text_hidden]: average-pool the patch grid, norm,
+    project. Replicated on every rank (it is one small matrix)."""
+
+    def __init__(
+        self, vision_hidden: int, text_hidden: int, patches_per_side: int, tokens_per_image: int, eps: float,
+        prefix: str = "",
+    ) -> None:
+        super().__init__()
+        tokens_per_side = int(tokens_per_image**0.5)
+        if tokens_per_side**2 != tokens_per_image or patches_per_side % tokens_per_side:
+            raise ValueError(
+                f"{tokens_per_image} tokens per image must be a square whose side divides the {patches_per_side} "
+                "patches per side of the vision grid"
+            )
+        self.patches_per_side, self.kernel = patches_per_side, patches_per_side // tokens_per_side
+        self.mm_soft_emb_norm = RMSNorm(vision_hidden, eps, weight_offset=1.0)
+        self.projection = ReplicatedLinear(vision_hidden, text_hidden, bias=False, prefix=_join(prefix, "projection"))
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        b, _, hidden = features.shape
+        grid = features.transpose(1, 2).reshape(b, hidden, self.patches_per_side, self.patches_per_side)
+        pooled = F.avg_pool2d(grid, self.kernel, self.kernel).flatten(2).transpose(1, 2)  # [B, tokens, hidden]
+        return self.projection(self.mm_soft_emb_norm(pooled))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load `mm_soft_emb_norm.weight` and `mm_input_projection_weight` (its [in, out] transposed)."""
+        return load_mapped_weights(self, _projection_as_linear(weights))
+
+
+def _projection_as_linear(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+    """Gemma 3 stores its projection as a bare [vision_hidden, text_hidden] matrix: our linear's weight, transposed."""
+    for name, tensor in weights:
+        yield ("projection.weight", tensor.t()) if name == "mm_input_projection_weight" else (name, tensor)
+
+
+def pixel_shuffle(x: torch.Tensor, scale: int) -> torch.Tensor:
+    """[B, side * side, C] -> [B, side * side / scale**2, C * scale**2]: each scale x scale block of the patch grid
+    becomes one token, in transformers' Idefics3 order."""
+    b, n, c = x.shape
+    side = int(n**0.5)
+    if side * side != n or side % scale:
+        raise ValueError(f"{n} patches are not a square grid whose side divides by the scale factor {scale}")
+    x = x.view(b, side, side // scale, c * scale)  # columns folded in groups of `scale`
+    x = x.permute(0, 2, 1, 3).reshape(b, side // scale, side // scale, c * scale * scale)  # then rows
+    return x.permute(0, 2, 1, 3).reshape(b, n // (scale * scale), c * scale * scale)
+
+
+class PixelShuffleConnector(nn.Module):
+    """[B, patches, vision_hidden] -> [B, patches / scale**2, text_hidden]: pixel shuffle, then a bias-free linear
+    (replicated: its output is merged into every rank's embeddings)."""
+
+    def __init__(self, vision_hidden: int, text_hidden: int, scale_factor: int, prefix: str = "") -> None:
+        super().__init__()
+        self.scale_factor = scale_factor
+        self.modality_projection = _ModalityProjection(
+            vision_hidden * scale_factor**2, text_hidden, _join(prefix, "modality_projection")
+        )
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.modality_projection.proj(pixel_shuffle(features, self.scale_factor))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load `modality_projection.proj.weight` (names below `connector.`)."""
+        return load_mapped_weights(self, weights)
+
+
+class _ModalityProjection(nn.Module):
+    """Holds `proj` under transformers' module path (`modality_projection.proj`)."""
+
+    def __init__(self, input_size: int, output_size: int, prefix: str) -> None:
+        super().__init__()
+        self.proj = ReplicatedLinear(input_size, output_size, bias=False, prefix=_join(prefix, "proj"))

@@ -1,0 +1,297 @@
+"""One vision transformer (ViT) for the CLIP and SigLIP families, its variants as data (`ViTConfig`).
+
+An image becomes a grid of patch embeddings (a strided conv), optionally led by a learned class token,
+plus learned position embeddings; then an optional pre-norm and pre-LN encoder layers (bidirectional
+attention over one image's patches, a two-layer MLP). The families differ only in flags:
+
+| family | class token | patch-conv bias | pre-norm | post-norm      | activation        |
+|--------|-------------|-----------------|----------|----------------|-------------------|
+| CLIP   | yes         | no              | yes      | the pooled CLS | quick_gelu        |
+| SigLIP | no          | yes             | no       | every token    | gelu_pytorch_tanh |
+
+A vision-language model takes the hidden states of one encoder layer (`feature_layer`, indexed like
+transformers' `hidden_states`: 0 is the embeddings' output, -1 the last layer's, -2 the one before), so
+the layers after it are never built and their checkpoint tensors are skipped (as vLLM does).
+
+Attention is not paged: all of an image's patches are present at once, so it is
+`scaled_dot_product_attention` over [images, heads, patches, head_dim], sharded by heads over the
+tensor-parallel ranks like the decoder's (fused q/k/v column-parallel, out_proj row-parallel).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from llmplug.layers.checkpoint_names import CheckpointNames, HeadLayout
+from llmplug.layers.decoder.arch import MLPConfig
+from llmplug.layers.decoder.mlp import DecoderMLP
+from llmplug.layers.layernorm import LayerNorm
+from llmplug.layers.linear import QKVParallelLinear, RowParallelLinear
+from llmplug.layers.weight_utils import StackedParamsMap, default_weight_loader, frozen_parameter, load_mapped_weights
+
+__all__ = ["VIT_LAYOUTS", "ViTConfig", "ViTLayout", "VisionTransformer", "vit_config"]
+
+PostNorm = Literal["pooled", "tokens"]
+
+
+@dataclass(frozen=True, slots=True)
+class ViTLayout:
+    """What distinguishes one ViT family from another (the table in the module doc)."""
+
+    class_token: bool  # a learned token before the patches (its position embedding is position 0)
+    patch_bias: bool  # the patch conv has a bias
+    pre_norm: bool  # a LayerNorm on the embeddings before the first layer (CLIP's `pre_layrnorm`)
+    post_norm: PostNorm  # `post_layernorm` on the pooled class token only, or on every token of the output
+
+
+# HF vision config `model_type` -> its family's layout
+VIT_LAYOUTS: dict[str, ViTLayout] = {
+    "clip_vision_model": ViTLayout(class_token=True, patch_bias=False, pre_norm=True, post_norm="pooled"),
+    "siglip_vision_model": ViTLayout(class_token=False, patch_bias=True, pre_norm=False, post_norm="tokens"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ViTConfig:
+    """A vision transformer's shape and family layout, read once from its HF vision config."""
+
+    layout: ViTLayout
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int  # in the checkpoint; fewer are built when a feature layer comes earlier
+    num_heads: int
+    image_size: int  # the square size the position embeddings were trained for
+    patch_size: int
+    num_channels: int
+    activation: str  # a name of llmplug.layers.activation.ACTIVATIONS
+    eps: float
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def grid_size(self) -> int:
+        """Patches per side of a trained-size image."""
+        return self.image_size // self.patch_size
+
+    @property
+    def num_positions(self) -> int:
+        """Learned position embeddings: one per patch of a trained-size image, plus the class token's."""
+        return self.grid_size**2 + int(self.layout.class_token)
+
+
+def vit_config(hf: PretrainedConfig) -> ViTConfig:
+    """The `ViTConfig` of a `CLIPVisionConfig` or `SiglipVisionConfig` (a VLM's `vision_config`)."""
+    layout = VIT_LAYOUTS.get(hf.model_type)
+    if layout is None:
+        raise ValueError(
+            f"vision config of model_type {hf.model_type!r} is not a ViT llmplug builds; known: {sorted(VIT_LAYOUTS)}"
+        )
+    return ViTConfig(
+        layout=layout,
+        hidden_size=hf.hidden_size,
+        intermediate_size=hf.intermediate_size,
+        num_layers=hf.num_hidden_layers,
+        num_heads=hf.num_attention_heads,
+        image_size=hf.image_size,
+        patch_size=hf.patch_size,
+        num_channels=hf.num_channels,
+        activation=hf.hidden_act,
+        eps=hf.layer_norm_eps,
+    )
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _frozen_module(module: nn.Module) -> nn.Module:
+    """`module` with its parameters frozen and loaded whole (`default_weight_loader`)."""
+    for param in module.parameters():
+        param.requires_grad_(False)
+        param.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+    return module
+
+
+class VisionEmbeddings(nn.Module):
+    """pixel_values [B, C, H, W] -> [B, (1 +) patches, hidden]: patch conv, class token, position embeddings.
+
+    Another image size than the trained one gets its position embeddings resized bicubically over the
+    patch grid (transformers' `interpolate_pos_encoding`); the class token's stays as it is.
+    """
+
+    def __init__(self, config: ViTConfig) -> None:
+        super().__init__()
+        self.config = config
+        c = config
+        self.patch_embedding = _frozen_module(
+            nn.Conv2d(c.num_channels, c.hidden_size, c.patch_size, stride=c.patch_size, bias=c.layout.patch_bias)
+        )
+        if c.layout.class_token:
+            self.class_embedding = frozen_parameter(torch.empty(c.hidden_size), default_weight_loader)
+        self.position_embedding = _frozen_module(nn.Embedding(c.num_positions, c.hidden_size))
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        weight = self.patch_embedding.weight
+        patches = self.patch_embedding(pixel_values.to(weight.dtype))  # [B, hidden, rows, cols]
+        rows, cols = patches.shape[-2:]
+        embeddings = patches.flatten(2).transpose(1, 2)  # [B, rows * cols, hidden]
+        if self.config.layout.class_token:
+            cls = self.class_embedding.expand(embeddings.shape[0], 1, -1)
+            embeddings = torch.cat([cls.to(embeddings.dtype), embeddings], dim=1)
+        return embeddings + self._positions(rows, cols)
+
+    def _positions(self, rows: int, cols: int) -> torch.Tensor:
+        """[(1 +) rows * cols, hidden]: the learned table, resized when the grid is not the trained one."""
+        table = self.position_embedding.weight  # [num_positions, hidden]
+        g = self.config.grid_size
+        if (rows, cols) == (g, g):
+            return table
+        lead = int(self.config.layout.class_token)
+        grid = table[lead:].reshape(1, g, g, -1).permute(0, 3, 1, 2)  # [1, hidden, g, g]
+        grid = F.interpolate(grid, size=(rows, cols), mode="bicubic", align_corners=False)
+        return torch.cat([table[:lead], grid.permute(0, 2, 3, 1).reshape(rows * cols, -1)])
+
+
+class VisionAttention(nn.Module):
+    """Bidirectional multi-head attention over each image's tokens, this rank's heads."""
+
+    def __init__(self, config: ViTConfig, prefix: str = "") -> None:
+        super().__init__()
+        d = config.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, d, config.num_heads, config.num_heads, bias=True, prefix=_join(prefix, "qkv_proj")
+        )
+        self.out_proj = RowParallelLinear(config.hidden_size, config.hidden_size, prefix=_join(prefix, "out_proj"))
+        self.num_heads, self.head_dim = self.qkv_proj.num_heads, d
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, N, hidden] -> [B, N, hidden]."""
+        b, n, _ = x.shape
+        qkv = self.qkv_proj(x).view(b, n, 3, self.num_heads, self.head_dim)  # [B, N, (q, k, v), H, D]
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, H, N, D]
+        out = F.scaled_dot_product_attention(q, k, v)  # scale 1 / sqrt(D), as the checkpoints were trained
+        return self.out_proj(out.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim))
+
+
+class VisionEncoderLayer(nn.Module):
+    """x + attn(norm1(x)), then x + mlp(norm2(x))."""
+
+    def __init__(self, config: ViTConfig, prefix: str = "") -> None:
+        super().__init__()
+        self.layer_norm1 = LayerNorm(config.hidden_size, config.eps)
+        self.self_attn = VisionAttention(config, _join(prefix, "self_attn"))
+        self.layer_norm2 = LayerNorm(config.hidden_size, config.eps)
+        mlp = MLPConfig(activation=config.activation, gated=False, bias=True)
+        self.mlp = DecoderMLP(mlp, config.hidden_size, config.intermediate_size, _join(prefix, "mlp"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, N, hidden] -> [B, N, hidden]."""
+        x = x + self.self_attn(self.layer_norm1(x))
+        return x + self.mlp(self.layer_norm2(x))
+
+
+class VisionEncoder(nn.Module):
+    """The stack of encoder layers (those up to the chosen feature layer)."""
+
+    def __init__(self, config: ViTConfig, num_layers: int, prefix: str = "") -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(
+            VisionEncoderLayer(config, _join(prefix, f"layers.{i}")) for i in range(num_layers)
+        )
+
+
+# transformers' checkpoint names -> ours: q/k/v fused (STACKED), fc1/fc2 are the shared MLP's up/down
+STACKED: StackedParamsMap = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v")}
+CHECKPOINT_NAMES = CheckpointNames(
+    # a CLIPVisionModel / SiglipVisionModel checkpoint keeps everything under `vision_model.` (transformers 5
+    # drops it in memory); both forms load
+    prefixes={
+        f"vision_model.{name}": name for name in ("embeddings", "pre_layrnorm", "encoder", "post_layernorm", "head")
+    },
+    renames={"mlp.fc1": "mlp.up_proj", "mlp.fc2": "mlp.down_proj"},
+    ignored=("position_ids",),  # a non-persistent buffer some old checkpoints saved
+)
+
+
+class VisionTransformer(nn.Module):
+    """pixel_values [B, C, H, W] -> [B, tokens, hidden]: the hidden states of `feature_layer`.
+
+    `feature_layer`: None gives transformers' `last_hidden_state` (SigLIP's post-norm applied; CLIP's
+    post-norm is on the pooled class token only, see `pool`); an int i gives `hidden_states[i]` (never
+    post-normed); a sequence gives those layers' states concatenated along the features, in its order.
+    Only the layers up to the deepest one asked for are built.
+    """
+
+    def __init__(
+        self, config: ViTConfig, feature_layer: int | tuple[int, ...] | None = None, prefix: str = ""
+    ) -> None:
+        super().__init__()
+        self.config, self.feature_layer = config, feature_layer
+        self.feature_indices = self._indices(config, feature_layer)
+        self.embeddings = VisionEmbeddings(config)
+        if config.layout.pre_norm:
+            self.pre_layrnorm = LayerNorm(config.hidden_size, config.eps)  # transformers' spelling, kept
+        num_built = max(self.feature_indices) if self.feature_indices else config.num_layers
+        self.encoder = VisionEncoder(config, num_built, _join(prefix, "encoder"))
+        if feature_layer is None:  # the post-norm is only ever applied after the last layer
+            self.post_layernorm = LayerNorm(config.hidden_size, config.eps)
+
+    @staticmethod
+    def _indices(config: ViTConfig, feature_layer: int | tuple[int, ...] | None) -> tuple[int, ...]:
+        """The non-negative `hidden_states` indices asked for (empty: the last hidden state)."""
+        if feature_layer is None:
+            return ()
+        layers = (feature_layer,) if isinstance(feature_layer, int) else tuple(feature_layer)
+        count = config.num_layers + 1  # hidden_states: the embeddings' output, then each layer's
+        for layer in layers:
+            if not -count <= layer < count:
+                raise ValueError(
+                    f"vision feature layer {layer} is outside the {count} hidden states of a "
+                    f"{config.num_layers}-layer vision encoder (indices {-count}..{count - 1})"
+                )
+        return tuple(layer % count for layer in layers)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """[B, C, H, W] -> [B, (1 +) patches, hidden (times the number of feature layers)]."""
+        x = self.embeddings(pixel_values)  # [B, (1 +) patches, hidden]
+        if self.config.layout.pre_norm:
+            x = self.pre_layrnorm(x)
+        states = {0: x}
+        for i, layer in enumerate(self.encoder.layers, start=1):
+            x = states[i] = layer(x)
+        if not self.feature_indices:
+            return self.post_layernorm(x) if self.config.layout.post_norm == "tokens" else x
+        return torch.cat([states[i] for i in self.feature_indices], dim=-1)
+
+    def pool(self, last_hidden_state: torch.Tensor) -> torch.Tensor:
+        """CLIP's pooled output: post_layernorm(last_hidden_state[:, 0]) [B, hidden] (the class token's)."""
+        if self.config.layout.post_norm != "pooled" or self.feature_layer is not None:
+            raise ValueError("only a CLIP-layout ViT built with feature_layer=None has a pooled class token")
+        return self.post_layernorm(last_hidden_state[:, 0])
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load a CLIPVisionModel / SiglipVisionModel's tensors (with or without `vision_model.`); the layers and
+        norms this encoder does not build, and SigLIP's attention-pooling `head`, are skipped. Returns the
+        loaded parameter names."""
+        c = self.config
+        heads = HeadLayout(c.num_heads, c.num_heads, c.head_dim)
+        return load_mapped_weights(self, self._built_only(CHECKPOINT_NAMES.translate(weights, heads)), STACKED)
+
+    def _built_only(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        """The (our-named) tensors of the modules this encoder built."""
+        num_built = len(self.encoder.layers)
+        for name, tensor in weights:
+            parts = name.split(".")
+            if parts[:2] == ["encoder", "layers"] and int(parts[2]) >= num_built:
+                continue
+            if parts[0] == "head" or (parts[0] == "post_layernorm" and not hasattr(self, "post_layernorm")):
+                continue
+            yield name, tensor
