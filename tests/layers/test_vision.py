@@ -11,6 +11,12 @@ import torch
 from torch import nn
 from transformers import CLIPVisionConfig, CLIPVisionModel, SiglipVisionConfig, SiglipVisionModel
 
+from llmplug.communicators.parallel_state import (
+    DistributedEnv,
+    destroy_distributed_environment,
+    init_distributed_environment,
+    initialize_model_parallel,
+)
 from llmplug.core.errors import ModelLoadError
 from llmplug.layers.vision import (
     MLPProjector,
@@ -21,6 +27,7 @@ from llmplug.layers.vision import (
     vit_config,
 )
 from llmplug.layers.weight_utils import missing_parameters
+from tests.communicators.ranks import run_ranks
 
 SHAPE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, image_size=32)
 
@@ -178,3 +185,36 @@ def test_idefics3_connector_equals_transformers() -> None:
     with torch.no_grad():
         torch.testing.assert_close(ours(features), hf(features), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(pixel_shuffle(features, 2), hf.pixel_shuffle(features, 2))
+
+
+def _vit_and_projector_on_this_rank() -> torch.Tensor:
+    """In each of 2 tensor-parallel ranks: the CLIP ViT (half the heads and MLP features) and the LLaVA projector,
+    loaded from the whole checkpoint; their output (whole on every rank after the all-reduces)."""
+    init_distributed_environment(DistributedEnv.from_environ())
+    initialize_model_parallel(tp=2, pp=1, dp=1)
+    hf = _clip()
+    vit = _load(VisionTransformer(vit_config(hf.config), -2), hf, "vision_model.")
+    assert vit.encoder.layers[0].self_attn.num_heads == 2
+    projector = MLPProjector(32, 48)
+    projector.load_weights(_projector_weights().items())
+    with torch.no_grad():
+        out = projector(vit(_pixels()))
+    destroy_distributed_environment()
+    return out
+
+
+def _projector_weights() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(2)
+    shapes = {"linear_1.weight": (48, 32), "linear_1.bias": (48,), "linear_2.weight": (48, 48), "linear_2.bias": (48,)}
+    return {name: torch.randn(shape, generator=g) for name, shape in shapes.items()}
+
+
+def test_tensor_parallel_ranks_each_compute_the_whole_output() -> None:
+    hf = _clip()
+    w = _projector_weights()
+    with torch.no_grad():
+        features = hf(_pixels(), output_hidden_states=True).hidden_states[-2]
+        hidden = torch.nn.functional.gelu(features @ w["linear_1.weight"].T + w["linear_1.bias"])
+        expected = hidden @ w["linear_2.weight"].T + w["linear_2.bias"]
+    for out in run_ranks(_vit_and_projector_on_this_rank, world_size=2):
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
