@@ -36,7 +36,10 @@ if TYPE_CHECKING:  # no heavy imports at run time
 #      input_split); llmplug.testing.check_quantization_method / save_quantized_checkpoint
 # 1.8: the model's optional prompt-embeddings surface: `supports_prompt_embeds`, `embed_input_ids(input_ids)`,
 #      `forward(..., inputs_embeds=None)`, `embedding_size`; DecoderArchConfig.embedding_multiplier_in_table
-PLUGIN_API_VERSION = "1.8"
+# 1.9: the model's optional multimodal surface: `supports_multimodal`, `embed_multimodal(**item_tensors)` (one
+#      [num_placeholder_tokens, embedding_size] tensor per item), `image_token_id`; the config's
+#      model.limit_mm_per_prompt, scheduler.max_num_encoder_input_tokens and scheduler.encoder_cache_size
+PLUGIN_API_VERSION = "1.9"
 
 
 @runtime_checkable

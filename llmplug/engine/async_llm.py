@@ -34,7 +34,7 @@ from llmplug.core.errors import EngineDeadError, InvalidRequestError, RequestFai
 from llmplug.core.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
 from llmplug.core.params import BeamSearchParams, PoolingParams, RequestOutputKind, SamplingParams
 from llmplug.engine.beam_search import next_token_logprobs, start_search, step_params
-from llmplug.engine.input_processor import PromptType
+from llmplug.engine.input_processor import PromptType, is_multimodal_prompt
 from llmplug.engine.llm_engine import LLMEngine
 from llmplug.engine.request_stream import RequestStream
 from llmplug.lora.request import LoRARequest
@@ -230,6 +230,9 @@ class AsyncLLM:
         if params.bad_words:  # tokenized here, off the event loop and the engine thread (the engine reuses them)
             await asyncio.get_running_loop().run_in_executor(None, self.llm_engine.processor.bad_words_token_ids,
                                                              params)
+        if is_multimodal_prompt(prompt):  # the processor runs off the event loop and the engine thread
+            prompt = await asyncio.get_running_loop().run_in_executor(
+                None, self.llm_engine.processor.process_multimodal, prompt)
         stream = self._register(request_id, delta=params.output_kind == RequestOutputKind.DELTA)
         self._commands.put(_AddRequest(request_id, prompt, params, priority, time.time(), lora_request))
         finished = False

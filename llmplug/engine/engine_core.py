@@ -74,6 +74,8 @@ class EngineCore:
             policy=sched.policy,
             speculator=self._speculator(),
             max_loras=config.lora.max_loras if config.lora.enable_lora else None,
+            max_num_encoder_input_tokens=sched.max_num_encoder_input_tokens,
+            encoder_cache_size=sched.encoder_cache_size,
         )
         self.loras: dict[int, LoRARequest] = {}  # adapters loaded on the workers, by lora_int_id
         # the load each adapter's K/V belong to: ids may be reused after a removal, loads never are

@@ -15,6 +15,8 @@ from llmplug.engine.request_limits import RequestLimits, check_list_sizes, check
 if TYPE_CHECKING:
     import torch
 
+    from llmplug.engine.multimodal import MultiModalProcessor
+
 # A prompt is text, or a dict with "prompt" (text) or "prompt_token_ids", or "prompt_embeds" (EmbedsPrompt).
 PromptType = Union[str, dict[str, Any]]
 
@@ -24,16 +26,24 @@ def is_embeds_prompt(prompt: PromptType) -> bool:
     return isinstance(prompt, dict) and "prompt_embeds" in prompt
 
 
+def is_multimodal_prompt(prompt: PromptType) -> bool:
+    """True for a prompt with images: {"prompt" or "prompt_token_ids", "multi_modal_data"}, or one processed already
+    (`InputProcessor.process_multimodal`'s result, which carries "mm_features")."""
+    return isinstance(prompt, dict) and ("multi_modal_data" in prompt or "mm_features" in prompt)
+
+
 BAD_WORDS_CACHE_SIZE = 64  # bad-word lists kept tokenized (shared read-only by the requests that give them)
 
 
 class InputProcessor:
     """Tokenizes prompts and checks prompts and sampling parameters against the model and the engine's limits."""
 
-    def __init__(self, tokenizer: Any | None, limits: RequestLimits, embedding_size: int | None = None):
+    def __init__(self, tokenizer: Any | None, limits: RequestLimits, embedding_size: int | None = None,
+                 mm_processor: MultiModalProcessor | None = None):
         self.tokenizer = tokenizer
         self.limits = limits
         self.embedding_size = embedding_size  # prompt embeddings' width; None: the engine takes no prompt_embeds
+        self.mm_processor = mm_processor  # a multimodal model's HF processor; None: the model takes text only
         self._bad_words: OrderedDict[tuple[str, ...], list[list[int]]] = OrderedDict()  # words -> sequences, LRU
         self._lock = threading.Lock()  # AsyncLLM fills the cache from a worker thread, the engine thread reads it
 
@@ -73,6 +83,25 @@ class InputProcessor:
                                       "none", param="prompt_logprobs")
         _, token_ids, params = self.process({"prompt_token_ids": [PLACEHOLDER_TOKEN_ID] * len(embeds)}, params)
         return embeds, token_ids, params
+
+    def process_multimodal(self, prompt: dict[str, Any]) -> dict[str, Any]:
+        """A prompt with images run through the model's processor: {"prompt": text or None, "prompt_token_ids": ids
+        with each image's placeholders expanded, "mm_features": one MultiModalFeature per image}. Checks the images
+        (modality, count, type) first; InvalidRequestError naming what is wrong. Blocking (pixels, tokenizer): call
+        it off the event loop and the engine thread."""
+        if "mm_features" in prompt:  # processed already (AsyncLLM does it on a worker thread)
+            return prompt
+        if self.mm_processor is None:
+            raise InvalidRequestError("multi_modal_data was given, but this model takes text only (it is not a "
+                                      "multimodal model); send the prompt without images", param="multi_modal_data")
+        images = self.mm_processor.images_of(prompt["multi_modal_data"])
+        text = prompt.get("prompt")
+        ids = _token_ids(prompt["prompt_token_ids"]) if "prompt_token_ids" in prompt else None
+        if ids is None and not isinstance(text, str):
+            raise InvalidRequestError("a prompt with multi_modal_data needs 'prompt' (text) or 'prompt_token_ids'",
+                                      param="prompt")
+        token_ids, features = self.mm_processor.process(text if ids is None else None, ids, images)
+        return {"prompt": text, "prompt_token_ids": token_ids, "mm_features": features}
 
     def process_pooling(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text, token ids) of a prompt to pool: it may fill the whole context (nothing is generated)."""
@@ -121,6 +150,10 @@ class InputProcessor:
         if is_embeds_prompt(prompt):  # generate() takes them (process_embeds); pooling and beam search do not
             raise InvalidRequestError("prompt_embeds is accepted by generation only (LLM.generate, completions); "
                                       "pooling and beam search take text or token ids", param="prompt_embeds")
+        if is_multimodal_prompt(prompt):  # generate() takes them (process_multimodal)
+            raise InvalidRequestError("multi_modal_data is accepted by generation only (LLM.generate, LLM.chat, chat "
+                                      "completions); pooling and beam search take text or token ids",
+                                      param="multi_modal_data")
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             return prompt.get("prompt"), _token_ids(prompt["prompt_token_ids"])
         text = prompt.get("prompt") if isinstance(prompt, dict) else prompt

@@ -2,8 +2,10 @@
 
 A request's K/V live in fixed-size blocks (`block_size` tokens each) listed in its block table.
 A block that is full is named by a hash of its tokens chained to the hash of the block before it,
-so equal hashes mean equal prefixes (under the same LoRA adapter: its id is hashed in too; a prompt given as
-embeddings: the digest of its rows in the block is too, never only its placeholder tokens). Freed
+so equal hashes mean equal prefixes. What the tokens alone do not say enters as the block's extra keys
+(`block_extra_keys`): the LoRA adapter's id and load; for a prompt given as embeddings, the digest of its rows in
+the block; for a multimodal prompt, the content hash of each image whose placeholders fall in the block — never
+only placeholder tokens. Freed
 blocks keep their hash and stay reusable until the pool needs them again; the least recently freed is
 evicted first.
 
@@ -24,6 +26,7 @@ from dataclasses import dataclass, replace
 from typing import Iterable, Sequence
 
 from llmplug.core.errors import ConfigError
+from llmplug.engine.multimodal import block_keys as mm_block_keys
 from llmplug.engine.prompt_embeds import embeds_digest
 from llmplug.engine.request import Request
 
@@ -41,6 +44,15 @@ def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], extra_keys: 
     if extra_keys:
         h.update(repr(extra_keys).encode())
     return int.from_bytes(h.digest(), "little")
+
+
+def block_extra_keys(request: Request, block: int, block_size: int) -> tuple:
+    """What names block `block` of the request beside its tokens: its adapter (K/V computed under an adapter are the
+    adapter's; an id can name another adapter after a removal, a load is never reused), its prompt embeddings' rows
+    and its images."""
+    start = block * block_size
+    lora = () if request.lora_request is None else (request.lora_int_id, request.lora_load)
+    return lora + _embeds_key(request, block, block_size) + mm_block_keys(request.mm_features, start, start + block_size)
 
 
 def _embeds_key(request: Request, block: int, block_size: int) -> tuple:
@@ -344,11 +356,8 @@ class KVCacheManager:
         """request.block_hashes extended to cover its first `num_full_blocks` blocks."""
         hashes, tokens, size = request.block_hashes, request.all_token_ids, self.block_size
         parent = hashes[-1] if hashes else None
-        # K/V computed under an adapter are the adapter's: its id and load are part of every block's name (an id
-        # can name another adapter after a removal; a load is never reused)
-        extra = () if request.lora_request is None else (request.lora_int_id, request.lora_load)
         for i in range(len(hashes), num_full_blocks):
-            parent = hash_block(parent, tuple(tokens[i * size : (i + 1) * size]), extra + _embeds_key(request, i, size))
+            parent = hash_block(parent, tuple(tokens[i * size : (i + 1) * size]), block_extra_keys(request, i, size))
             hashes.append(parent)
         return hashes
 

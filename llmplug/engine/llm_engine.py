@@ -14,7 +14,7 @@ from llmplug.core.plugins import PluginRegistry
 from llmplug.engine.batch_invariance import resolve_batch_invariant
 from llmplug.engine.engine_core import EngineCore
 from llmplug.engine.guided_decoding import GuidedDecodingManager, RequestGrammar
-from llmplug.engine.input_processor import InputProcessor, PromptType, is_embeds_prompt
+from llmplug.engine.input_processor import InputProcessor, PromptType, is_embeds_prompt, is_multimodal_prompt
 from llmplug.engine.output_processor import EngineCoreOutput, OutputProcessor
 from llmplug.engine.pooling import PoolingInfo, resolve_model_kind, resolve_pooling_params
 from llmplug.engine.request_limits import RequestLimits
@@ -77,7 +77,7 @@ class LLMEngine:
         info = self.engine_core.model_info
         limits = RequestLimits.of(info["vocab_size"], self.engine_core.max_model_len, self.config.decoding)
         embedding_size = info["embedding_size"] if self.config.model.enable_prompt_embeds else None
-        self.processor = InputProcessor(self.tokenizer, limits, embedding_size)
+        self.processor = InputProcessor(self.tokenizer, limits, embedding_size, self._mm_processor(info))
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_ids = self._eos_token_ids(loader.load_generation_config(self.config.model))
         self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None  # the tokenizer's, if it has one
@@ -87,6 +87,16 @@ class LLMEngine:
         # a pooling engine: its model's tasks and defaults, and its unfinished requests' prompts and metrics
         self.pooling = PoolingInfo.from_model_info(info["pooling"]) if info.get("pooling") else None
         self._pooling_requests: dict[str, tuple[list[int], RequestMetrics]] = {}
+
+    def _mm_processor(self, info: dict[str, Any]) -> Any:
+        """The model folder's own HF processor, for a multimodal model (None for a text-only one)."""
+        if info.get("image_token_id") is None:
+            return None
+        from llmplug.engine.multimodal import MultiModalProcessor
+
+        model = self.config.model
+        return MultiModalProcessor(model.model, info["image_token_id"], model.limit_mm_per_prompt,
+                                   model.trust_remote_code)
 
     def _eos_token_ids(self, generation_config: dict[str, Any]) -> tuple[int, ...]:
         """Every end-of-sequence id the model declares (as vLLM): the tokenizer's, the model config's and the
@@ -129,7 +139,11 @@ class LLMEngine:
                 "guided_decoding cannot be combined with speculative decoding (speculative_config): each draft "
                 "position would need the grammar advanced through the drafts before it", param="guided_decoding",
             )
-        embeds = None
+        embeds, mm_features = None, None
+        if is_multimodal_prompt(prompt):  # images processed (here, on the caller's thread, unless done already)
+            processed = self.processor.process_multimodal(prompt)
+            mm_features = processed["mm_features"] or None
+            prompt = {"prompt": processed["prompt"], "prompt_token_ids": processed["prompt_token_ids"]}
         if is_embeds_prompt(prompt):  # placeholder token ids; the model runner puts the rows in their place
             embeds, token_ids, params = self.processor.process_embeds(prompt, params)
             text = None
@@ -150,6 +164,7 @@ class LLMEngine:
                 grammar=RequestGrammar(grammar, child.guided_decoding.start_after_token_ids) if grammar else None,
                 lora_request=lora_request,
                 prompt_embeds=embeds,
+                mm_features=mm_features,
             )
             try:
                 self.engine_core.add_request(request)

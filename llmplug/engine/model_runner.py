@@ -17,6 +17,8 @@ from llmplug.core.config import EngineConfig
 from llmplug.core.errors import ConfigError
 from llmplug.core.plugins import PluginRegistry
 from llmplug.engine.block_table import BlockTable
+from llmplug.engine.encoder_cache import EncoderCache
+from llmplug.engine.multimodal import check_engine as check_multimodal_engine
 from llmplug.engine.pipeline_stage import PipelineStage
 from llmplug.engine.prompt_embeds import check_engine as check_prompt_embeds_engine, step_inputs_embeds
 from llmplug.engine.sampler import Sampler
@@ -100,6 +102,8 @@ class ModelRunner:
         self.lora_manager: LoRAManager | None = None  # built by load_model when lora.enable_lora
         self.lora_of: dict[str, LoRARequest] = {}  # running requests that use an adapter
         self.prompt_embeds: dict[str, torch.Tensor] = {}  # running requests' prompts given as embeddings (model dtype)
+        self.mm_features: dict[str, list] = {}  # running requests' images (MultiModalFeature), in prompt order
+        self.encoder_cache = EncoderCache()  # their encoder outputs, by content hash
 
     # ---- set-up -------------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -114,10 +118,13 @@ class ModelRunner:
         loader = build_loader(self.registry, fmt, self.config.load)
         self.model = loader.load_model(self.config, device=self.device)
         check_prompt_embeds_engine(self.config, self.model)
+        check_multimodal_engine(self.config, self.model)
         self.stage = PipelineStage(self.model)
         # what a step calls: the model, or its forward captured by torch.compile (device.compile)
         self.forward: Callable[..., object] = CompiledForward(self.model) if self.config.device.compile else self.model
         self.hf_config = loader.load_hf_config(self.config.model)
+        if getattr(self.model, "supports_multimodal", False):  # vocabulary and context are the language model's
+            self.hf_config = self.hf_config.get_text_config()
         self.sampling_state = SamplingState(vocab_size=self.hf_config.vocab_size, device=self.device)
         # processors contributed by `llmplug.hooks` plugins apply to every request
         hook = self.registry.hook_manager().hook
@@ -234,6 +241,7 @@ class ModelRunner:
             self.prompt_token_ids.pop(req_id, None)
             self.lora_of.pop(req_id, None)
             self.prompt_embeds.pop(req_id, None)  # a resumed request brings them again
+            self.mm_features.pop(req_id, None)
         for req_id in scheduler_output.finished_req_ids:
             self.prompt_logprobs_sent.pop(req_id, None)
         for req in scheduler_output.requests:
@@ -249,6 +257,8 @@ class ModelRunner:
                     self.lora_of[new.req_id] = new.lora_request
                 if new.prompt_embeds is not None:
                     self.prompt_embeds[new.req_id] = new.prompt_embeds.to(self.device, self.dtype)
+                if new.mm_features:
+                    self.mm_features[new.req_id] = new.mm_features
 
     def prepare_inputs(self, reqs: list[ScheduledRequest], block_tables: np.ndarray) -> BatchInputs:
         """Flatten the scheduled tokens of all requests into one batch (numpy, then one copy to torch);
@@ -317,9 +327,10 @@ class ModelRunner:
         attn_metadata = self.attn_backend.build_metadata(batch.common)
         model_kwargs = self._model_kwargs(scheduler_output)
         lora_mapping = self._lora_mapping(scheduler_output, batch)
+        mm_chunks = self._mm_chunks(scheduler_output)  # the encoder runs outside the step's attention context
         try:
             with forward_context(attn_metadata, batch.recurrent, lora_mapping):
-                embeds_chunks = self._prompt_embeds_chunks(requests)
+                embeds_chunks = self._prompt_embeds_chunks(requests) + mm_chunks
                 if embeds_chunks:  # (embedding lookups may be LoRA-adapted: inside the step's context)
                     model_kwargs["inputs_embeds"] = step_inputs_embeds(
                         self.model.embed_input_ids, batch.input_ids, embeds_chunks
@@ -375,6 +386,23 @@ class ModelRunner:
             embeds = self.prompt_embeds.get(r.req_id)
             if embeds is not None and r.num_computed_tokens < len(embeds):
                 chunks.append((row, embeds[r.num_computed_tokens : r.num_computed_tokens + len(r.token_ids)]))
+            row += len(r.token_ids)
+        return chunks
+
+    def _mm_chunks(self, scheduler_output: SchedulerOutput) -> list[tuple[int, torch.Tensor]]:
+        """(first row in the step, rows) of the encoder outputs that fill the step's image placeholders, computing
+        the images not cached (each once, whatever the chunking) after dropping those the scheduler evicted."""
+        self.encoder_cache.drop(scheduler_output.free_encoder_identifiers)
+        if not self.mm_features:
+            return []
+        chunks, row = [], 0
+        for r in scheduler_output.requests:
+            features = self.mm_features.get(r.req_id)
+            start, end = r.num_computed_tokens, r.num_computed_tokens + len(r.token_ids)
+            if features and features[-1].end > start:
+                needed = [f for f in features if f.offset < end and f.end > start]
+                self.encoder_cache.ensure(self.model, needed, self.device, self.dtype)
+                chunks += [(row + offset, rows) for offset, rows in self.encoder_cache.step_rows(needed, start, end)]
             row += len(r.token_ids)
         return chunks
 

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     import torch
 
     from llmplug.engine.guided_decoding import RequestGrammar
+    from llmplug.engine.multimodal import MultiModalFeature
 
 
 class RequestStatus(enum.Enum):
@@ -68,6 +69,8 @@ class Request:
     lora_load: int | None = None  # which load of that adapter (EngineCore numbers them): part of its blocks' names
     # a prompt given as embeddings [num_prompt_tokens, embedding_size] (CPU); prompt_token_ids are then placeholders
     prompt_embeds: torch.Tensor | None = None
+    # a multimodal prompt's images in prompt order (engine/multimodal.py): kept across preemption for the recompute
+    mm_features: list[MultiModalFeature] | None = None
 
     @property
     def lora_int_id(self) -> int | None:

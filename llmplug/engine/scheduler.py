@@ -30,12 +30,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable, Literal
 
 from llmplug.core.errors import ConfigError, InvalidRequestError
+from llmplug.engine.encoder_cache import EncoderCacheManager
 from llmplug.engine.kv_cache import KVCacheManager, PrefixCacheStats
 from llmplug.engine.request import Request, RequestStatus
 from llmplug.engine.scheduler_output import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 from llmplug.engine.spec_decode.draft import NO_DRAFT, Draft
 
 if TYPE_CHECKING:
+    from llmplug.engine.multimodal import MultiModalFeature
     from llmplug.engine.spec_decode.speculator import Speculator
 
 logger = logging.getLogger(__name__)
@@ -130,6 +132,8 @@ class Scheduler:
         policy: Literal["fcfs", "priority"] = "fcfs",
         speculator: Speculator | None = None,
         max_loras: int | None = None,
+        max_num_encoder_input_tokens: int | None = None,
+        encoder_cache_size: int | None = None,
     ) -> None:
         if policy not in ("fcfs", "priority"):
             raise ConfigError(f"scheduler.policy={policy!r} is not one of 'fcfs', 'priority'")
@@ -141,6 +145,10 @@ class Scheduler:
         self.policy = policy
         self.speculator = speculator  # speculative decoding: draft tokens for decoding requests
         self.max_loras = max_loras  # distinct adapters among the running requests; None: LoRA is off
+        # multimodal prompts: image placeholders a step may encode, and the encoder outputs kept for reuse
+        self.max_num_encoder_input_tokens = max_num_encoder_input_tokens or max_num_batched_tokens
+        self.encoder_cache = EncoderCacheManager(encoder_cache_size or self.max_num_encoder_input_tokens)
+        self._encoder_budget = self.max_num_encoder_input_tokens  # left in the step being scheduled
         # A request may not outgrow the whole cache either, or it would preempt itself forever.
         kv = kv_cache_manager
         self.max_num_tokens = max_model_len if kv is None else min(max_model_len, kv.num_blocks * kv.block_size)
@@ -235,6 +243,8 @@ class Scheduler:
         request.status = status
         if self.kv_cache_manager is not None:
             self.kv_cache_manager.free(request)
+        if request.mm_features:
+            self.encoder_cache.release(request)
         del self.requests[request.request_id]
         del self._sort_keys[request.request_id]
         self.guided.pop(request.request_id, None)
@@ -251,6 +261,7 @@ class Scheduler:
             self._admit_compiled()
         scheduled: list[ScheduledRequest] = []
         preempted: set[str] = set()
+        self._encoder_budget = self.max_num_encoder_input_tokens
         budget = self._schedule_running(scheduled, preempted, self.max_num_batched_tokens)
         # After a preemption the cache is full: admitting new requests would only preempt again.
         if not preempted:
@@ -260,6 +271,7 @@ class Scheduler:
             num_scheduled_tokens=sum(len(s.token_ids) for s in scheduled),
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=preempted,
+            free_encoder_identifiers=self.encoder_cache.take_freed(),
         )
         self.finished_req_ids = set()
         return output
@@ -283,6 +295,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new_tokens = self._num_new_tokens(request.num_tokens - request.num_computed_tokens, budget)
+            num_new_tokens, to_encode = self._encoder_inputs(request, request.num_computed_tokens, num_new_tokens)
             draft = NO_DRAFT
             if num_new_tokens == 1:
                 draft = all_drafts.get(request.request_id, NO_DRAFT).truncated(budget - 1)
@@ -290,6 +303,7 @@ class Scheduler:
                 draft = NO_DRAFT  # speculation never preempts: without free blocks for its drafts the request decodes one
             num_drafts = len(draft.token_ids)
             if num_new_tokens > 0 and self._allocate_or_preempt(request, num_new_tokens + num_drafts, preempted):
+                self._use_encoder_inputs(request, request.num_computed_tokens, num_new_tokens, to_encode)
                 scheduled.append(self._scheduled_request(request, num_new_tokens, new=None, draft=draft))
                 budget -= num_new_tokens + num_drafts
             i += 1
@@ -323,6 +337,8 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Free a running request's blocks; it is recomputed from all_token_ids when resumed."""
         self.kv_cache_manager.free(request)
+        if request.mm_features:  # its encoder outputs stay cached (evictable) for the recompute
+            self.encoder_cache.release(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -344,13 +360,47 @@ class Scheduler:
                 break
             computed_blocks, num_computed_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_new_tokens = self._num_new_tokens(request.num_tokens - num_computed_tokens, budget)
+            num_new_tokens, to_encode = self._encoder_inputs(request, num_computed_tokens, num_new_tokens)
             if num_new_tokens == 0 or not self.kv_cache_manager.allocate_slots(
                 request, num_new_tokens, computed_blocks
             ):
                 break
+            self._use_encoder_inputs(request, num_computed_tokens, num_new_tokens, to_encode)
             self.waiting.pop()
             scheduled.append(self._admit(request, num_computed_tokens, num_new_tokens))
             budget -= num_new_tokens
+
+    def _encoder_inputs(
+        self, request: Request, start: int, num_new_tokens: int
+    ) -> tuple[int, list[MultiModalFeature]]:
+        """The chunk [start, start + num_new_tokens) cut before the first image whose encoder output is not cached
+        and that the step's encoder budget or the encoder cache cannot take (0: the request waits a step), and the
+        images the chunk needs computed. An image larger than the budget is computed alone in a step."""
+        end, to_encode, num_pending = start + num_new_tokens, [], 0
+        for feature in request.mm_features or ():
+            if feature.offset >= end or feature.end <= start or self.encoder_cache.has(feature.identifier):
+                continue
+            if any(f.identifier == feature.identifier for f in to_encode):
+                continue
+            alone = self._encoder_budget == self.max_num_encoder_input_tokens and not to_encode
+            fits = alone or feature.length <= self._encoder_budget - num_pending
+            if not (fits and self.encoder_cache.can_allocate(feature, num_pending)):
+                return max(feature.offset - start, 0), to_encode
+            to_encode.append(feature)
+            num_pending += feature.length
+        return num_new_tokens, to_encode
+
+    def _use_encoder_inputs(
+        self, request: Request, start: int, num_new_tokens: int, to_encode: list[MultiModalFeature]
+    ) -> None:
+        """Charge the step's encoder budget for `to_encode` and hold, for the request, every image its chunk fills."""
+        for feature in to_encode:
+            self.encoder_cache.allocate(request, feature)
+            self._encoder_budget -= feature.length
+        end = start + num_new_tokens
+        for feature in request.mm_features or ():
+            if feature.offset < end and feature.end > start:
+                self.encoder_cache.use(request, feature)
 
     def _adapter_fits(self, request: Request) -> bool:
         """True when the request's adapter is running already or a device slot is left for it."""
@@ -377,6 +427,7 @@ class Scheduler:
             pooling_params=request.pooling_params,
             token_type_ids=request.token_type_ids,
             prompt_embeds=request.prompt_embeds,
+            mm_features=request.mm_features,
         )
         return self._scheduled_request(request, num_new_tokens, new)
 
@@ -426,6 +477,8 @@ class Scheduler:
             token_ids = sampled.get(scheduled.req_id)
             num_rejected = self._num_rejected(scheduled, token_ids)
             request.num_computed_tokens += len(scheduled.token_ids) - num_rejected
+            if request.mm_features:  # images whose placeholders are all computed are needed no more
+                self.encoder_cache.release(request, request.num_computed_tokens)
             if scheduled.req_id in runner_output.failed:  # this request alone ends; the batch goes on
                 self._fail(request, runner_output.failed[scheduled.req_id])
                 updated.append(request)

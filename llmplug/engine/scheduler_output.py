@@ -11,6 +11,8 @@ from llmplug.lora.request import LoRARequest
 if TYPE_CHECKING:
     import torch
 
+    from llmplug.engine.multimodal import MultiModalFeature
+
 
 @dataclass(slots=True, frozen=True)
 class NewRequestData:
@@ -25,6 +27,7 @@ class NewRequestData:
     token_type_ids: list[int] | None = None  # pooling: the segment of each prompt token, when given
     lora_request: LoRARequest | None = None  # the adapter the worker applies to its tokens
     prompt_embeds: torch.Tensor | None = None  # a prompt given as embeddings: the rows of its prompt positions
+    mm_features: list[MultiModalFeature] | None = None  # a multimodal prompt's images (engine/multimodal.py)
 
 
 @dataclass(slots=True, frozen=True)
@@ -58,6 +61,8 @@ class SchedulerOutput:
     preempted_req_ids: set[str]
     # guided decoding: [num_sampling_requests, ceil(V / 32)] int32, rows in logits order; None: no grammar
     grammar_bitmask: torch.Tensor | None = None
+    # encoder outputs the scheduler's encoder cache evicted: the runner drops them (engine/encoder_cache.py)
+    free_encoder_identifiers: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)

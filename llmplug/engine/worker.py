@@ -198,6 +198,9 @@ class Worker:
             "row_variant": row_variant_weights(runner.model),
             # the width of prompt embeddings (model.enable_prompt_embeds): the model's, or the config's hidden_size
             "embedding_size": getattr(runner.model, "embedding_size", None) or getattr(hf, "hidden_size", None),
+            # a multimodal model's placeholder token (the input processor expands each image into a run of them)
+            "image_token_id": getattr(runner.model, "image_token_id", None)
+            if getattr(runner.model, "supports_multimodal", False) else None,
         }
 
     # ---- LoRA adapters (called through Executor.collective_rpc) ----

@@ -51,6 +51,11 @@ class ModelConfig(_Section):
     enable_prompt_embeds: bool = Field(
         False, description="Accept prompts given as embeddings (`prompt_embeds`) instead of tokens."
     )
+    limit_mm_per_prompt: dict[str, int] = Field(
+        default_factory=dict,
+        description="Most items of each modality in one prompt of a multimodal model, e.g. '{\"image\": 2}' "
+        "(--limit-mm-per-prompt); a modality not named allows 1 (vLLM's default); 0 refuses that modality.",
+    )
     # "none" by default: dense weights are what the parity tests hold against transformers; int4 trades
     # prefill and large-batch speed for single-stream speed (docs/quantization.md)
     quantization: str = Field(
@@ -110,6 +115,27 @@ class ModelConfig(_Section):
         ),
     )
 
+    @field_validator("limit_mm_per_prompt", mode="before")
+    @classmethod
+    def _limits_from_json(cls, value: Any) -> Any:
+        """The flag's value is JSON text ('{"image": 2}', as vLLM's); a file or kwargs give a mapping."""
+        if not isinstance(value, str):
+            return value
+        import json
+
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"not JSON ({error}); write it as '{{\"image\": 2}}'") from None
+
+    @field_validator("limit_mm_per_prompt")
+    @classmethod
+    def _non_negative_limits(cls, limits: dict[str, int]) -> dict[str, int]:
+        bad = {k: v for k, v in limits.items() if v < 0}
+        if bad:
+            raise ValueError(f"limits must be 0 or more, got {bad}")
+        return limits
+
     @field_validator("quantization")
     @classmethod
     def _known_quantization(cls, name: str) -> str:
@@ -165,6 +191,16 @@ class SchedulerConfig(_Section):
         "pooling models: 32768, or max_model_len if longer.",
     )
     enable_chunked_prefill: bool = Field(True, description="Split long prompts across steps.")
+    max_num_encoder_input_tokens: int | None = Field(
+        None, gt=0,
+        description="Multimodal models: encoder tokens (image placeholders) one step may compute; default: the step's "
+        "token budget. An item larger than it is computed alone in a step.",
+    )
+    encoder_cache_size: int | None = Field(
+        None, gt=0,
+        description="Multimodal models: encoder outputs (in placeholder tokens) kept for reuse by later chunks and "
+        "requests, least recently used dropped first; default: max_num_encoder_input_tokens.",
+    )
     policy: Literal["fcfs", "priority"] = Field("fcfs", description="Order of waiting requests.")
 
     def token_budget(self, max_model_len: int) -> int:

@@ -1,0 +1,291 @@
+"""Images in prompts (vLLM's `multi_modal_data`): their checks, their processing by the model's own HF processor,
+and what the engine keeps of each one — a `MultiModalFeature`.
+
+The processor (transformers' `AutoProcessor` of the model folder) resizes and normalizes the pixels and expands
+each image placeholder of the prompt (LLaVA's `<image>`) into the image's tokens, so the prompt's token count is
+final before the request is queued. Each image becomes a feature: its processor tensors, a content hash and the
+span of placeholder tokens it fills. The engine never looks at the pixels again: the scheduler counts and chunks
+the placeholders like any prompt tokens, the block hashes name them by the content hash, and the model runner puts
+the encoder's output rows in the placeholders' place (engine/encoder_cache.py).
+
+Processing runs where the request is made: on the caller's thread for `LLM`, on a worker thread for `AsyncLLM`
+(never on the event loop or the engine thread).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from llmplug.core.errors import ConfigError, InvalidRequestError
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+    from llmplug.core.config import EngineConfig
+
+__all__ = ["MultiModalFeature", "MultiModalProcessor", "block_keys", "check_engine", "to_image"]
+
+MODALITIES = ("image",)
+DEFAULT_LIMIT = 1  # items of a modality per prompt when limit_mm_per_prompt does not name it (vLLM's default)
+LIMIT_FLAG = "model.limit_mm_per_prompt (--limit-mm-per-prompt)"
+TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids"})  # processor outputs that are not the image's
+
+
+@dataclass(slots=True, frozen=True, eq=False)
+class MultiModalFeature:
+    """One image of a prompt, as the engine keeps it (vLLM's MultiModalFeatureSpec)."""
+
+    modality: str  # "image"
+    identifier: str  # content hash of `data`: equal processed images, equal identifier (encoder cache, block hashes)
+    data: dict[str, torch.Tensor]  # the processor's tensors for this item alone, e.g. pixel_values [1, 3, H, W]
+    offset: int  # its first placeholder token in the prompt
+    length: int  # its placeholder tokens: the rows `embed_multimodal` returns for it
+
+    @property
+    def end(self) -> int:
+        """One past its last placeholder token."""
+        return self.offset + self.length
+
+
+def check_engine(config: EngineConfig, model: Any) -> None:
+    """ConfigError when a multimodal model is run where its images cannot go: pipeline parallelism (the image rows
+    enter at the first layer, on the first stage only) or speculative decoding (drafters read token ids)."""
+    if not getattr(model, "supports_multimodal", False):
+        return
+    if config.parallel.pipeline_parallel_size > 1:
+        raise ConfigError(f"{type(model).__name__} takes images, which pipeline parallelism does not carry yet "
+                          "(parallel.pipeline_parallel_size > 1): run it with tensor parallelism or on one worker")
+    if config.speculative_config.method is not None:
+        raise ConfigError(f"{type(model).__name__} takes images, whose placeholder tokens the drafters of "
+                          "speculative decoding cannot read: start without speculative_config")
+
+
+def block_keys(features: list[MultiModalFeature] | None, start: int, end: int) -> tuple:
+    """The extra keys of the block of tokens [start, end): (identifier, first placeholder of it in the block) of each
+    item whose placeholders fall in it — the same tokens with another image are another block."""
+    if not features:
+        return ()
+    return tuple((f.identifier, start - f.offset) for f in features if f.offset < end and f.end > start)
+
+
+def to_image(value: Any, where: str) -> Image.Image:
+    """A PIL image (RGB) from a PIL image, a numpy [H, W, C] uint8 array or a torch [C, H, W] / [H, W, C] tensor."""
+    from PIL import Image
+
+    if isinstance(value, Image.Image):
+        return value.convert("RGB") if value.mode != "RGB" else value
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu()
+        if value.dim() == 3 and value.shape[0] in (1, 3, 4) and value.shape[-1] not in (1, 3, 4):
+            value = value.permute(1, 2, 0)  # CHW -> HWC
+        value = value.numpy()
+    if not isinstance(value, np.ndarray):
+        raise InvalidRequestError(
+            f"{where} is a {type(value).__name__}; an image must be a PIL image, a numpy [H, W, C] uint8 array or a "
+            "torch [C, H, W] tensor", param="multi_modal_data")
+    return Image.fromarray(_uint8_hwc(value, where)).convert("RGB")
+
+
+def _uint8_hwc(array: np.ndarray, where: str) -> np.ndarray:
+    """An [H, W, C] uint8 array (C 1, 3 or 4), from uint8 or [0, 1] floats; InvalidRequestError otherwise."""
+    if array.ndim == 2:
+        array = array[:, :, None]
+    if array.ndim != 3 or array.shape[-1] not in (1, 3, 4) or 0 in array.shape:
+        raise InvalidRequestError(f"{where} has shape {list(array.shape)}; an image array is [H, W, C] with C 1, 3 "
+                                  "or 4 (or [C, H, W] as a torch tensor)", param="multi_modal_data")
+    if array.dtype.kind == "f":
+        if not np.isfinite(array).all() or array.min() < 0 or array.max() > 1:
+            raise InvalidRequestError(f"{where}: a float image must hold values in [0, 1]", param="multi_modal_data")
+        array = np.round(array * 255)
+    elif array.dtype != np.uint8:
+        raise InvalidRequestError(f"{where} has dtype {array.dtype}; an image array is uint8 or float in [0, 1]",
+                                  param="multi_modal_data")
+    array = array.astype(np.uint8)
+    return array[:, :, 0] if array.shape[-1] == 1 else array
+
+
+def content_hash(data: dict[str, torch.Tensor]) -> str:
+    """A digest of an item's processed tensors (names, dtypes, shapes and bytes): identical images, identical hash."""
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(data):
+        tensor = data[name].contiguous()
+        h.update(f"{name}:{tensor.dtype}:{list(tensor.shape)};".encode())
+        h.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return h.hexdigest()
+
+
+class MultiModalProcessor:
+    """The model's own HF processor, run on a request's text (or token ids) and images.
+
+    `image_token_id`: the placeholder token the processor expands each image into (config `image_token_index` /
+    `image_token_id`); `limits`: the most items of each modality per prompt."""
+
+    def __init__(self, model_path: str, image_token_id: int, limits: dict[str, int],
+                 trust_remote_code: bool = False) -> None:
+        from transformers import AutoProcessor
+
+        # the PIL image processors: the torchvision ones need torchvision, which llmplug does not require
+        self.hf_processor = AutoProcessor.from_pretrained(model_path, backend="pil", trust_remote_code=trust_remote_code)
+        self.image_token_id = image_token_id
+        self.limits = limits
+        self._lock = threading.Lock()  # a processor and its tokenizer are not documented as thread-safe
+
+    @property
+    def placeholder(self) -> str:
+        """The text a prompt holds once per image (get_placeholder_str in vLLM): LLaVA's `<image>`."""
+        return self.hf_processor.image_token
+
+    def images_of(self, mm_data: Any) -> list[Image.Image]:
+        """The request's images, checked (modality, count, type) before any processing."""
+        if not isinstance(mm_data, dict):
+            raise InvalidRequestError(f"multi_modal_data must be a dict such as {{'image': image}}, got "
+                                      f"{type(mm_data).__name__}", param="multi_modal_data")
+        unknown = sorted(set(mm_data) - set(MODALITIES))
+        if unknown:
+            raise InvalidRequestError(f"multi_modal_data holds {unknown}; this engine takes {list(MODALITIES)}",
+                                      param="multi_modal_data")
+        items = mm_data.get("image", [])
+        items = list(items) if isinstance(items, (list, tuple)) else [items]
+        limit = self.limits.get("image", DEFAULT_LIMIT)
+        if len(items) > limit:
+            raise InvalidRequestError(
+                f"the prompt has {len(items)} images, but at most {limit} are allowed per prompt; raise "
+                f"{LIMIT_FLAG}, e.g. '{{\"image\": {len(items)}}}'", param="multi_modal_data")
+        return [to_image(item, f"multi_modal_data['image'][{i}]") for i, item in enumerate(items)]
+
+    def process(self, text: str | None, token_ids: list[int] | None,
+                images: list[Image.Image]) -> tuple[list[int], list[MultiModalFeature]]:
+        """(prompt token ids with each image's placeholders expanded, one feature per image in prompt order)."""
+        if not images:
+            ids = token_ids if token_ids is not None else self._tokenize(text)
+            return ids, []
+        with self._lock:
+            if text is not None and token_ids is None:
+                out = self._call(text=[text], images=images)
+                ids = out["input_ids"][0].tolist()
+            else:  # token ids: each single placeholder becomes the run the processor makes of it
+                out = self._call(text=[self.placeholder * len(images)], images=images)
+                ids = self._expand(token_ids, out["input_ids"][0].tolist(), len(images))
+        spans = self._spans(ids, len(images))
+        items = _split_items({k: v for k, v in out.items() if k not in TEXT_KEYS and torch.is_tensor(v)},
+                             len(images))
+        features = [MultiModalFeature("image", content_hash(data), data, offset, length)
+                    for data, (offset, length) in zip(items, spans)]
+        return ids, features
+
+    def _call(self, **kwargs: Any) -> Any:
+        try:
+            return self.hf_processor(**kwargs, return_tensors="pt")
+        except (ValueError, TypeError, OSError) as error:  # e.g. fewer placeholders than images
+            raise InvalidRequestError(f"the model's processor refused the prompt: {error}",
+                                      param="multi_modal_data") from None
+
+    def _tokenize(self, text: str) -> list[int]:
+        return list(self.hf_processor.tokenizer.encode(text))
+
+    def _expand(self, token_ids: list[int], processed: list[int], num_images: int) -> list[int]:
+        """`token_ids` whose single placeholders are replaced by the processor's expansion of one image each; ids
+        expanded already (as many placeholders as the processor makes) are kept."""
+        num_expanded = processed.count(self.image_token_id)
+        if token_ids.count(self.image_token_id) == num_expanded:
+            return list(token_ids)
+        if token_ids.count(self.image_token_id) != num_images:
+            raise InvalidRequestError(
+                f"prompt_token_ids hold {token_ids.count(self.image_token_id)} image placeholders (token "
+                f"{self.image_token_id}), but {num_images} images were given: put one per image",
+                param="prompt_token_ids")
+        run = [self.image_token_id] * (num_expanded // num_images)
+        return [t for token in token_ids for t in (run if token == self.image_token_id else [token])]
+
+    def _spans(self, ids: list[int], num_images: int) -> list[tuple[int, int]]:
+        """(offset, length) of each image's placeholders: one run of placeholder tokens per image; runs that touch
+        are split into equal parts (every image of the prompt expands alike)."""
+        runs, i = [], 0
+        while i < len(ids):
+            if ids[i] == self.image_token_id:
+                j = i
+                while j < len(ids) and ids[j] == self.image_token_id:
+                    j += 1
+                runs.append((i, j - i))
+                i = j
+            else:
+                i += 1
+        if len(runs) == num_images:
+            return runs
+        total = sum(length for _, length in runs)
+        if len(runs) < num_images and total % num_images == 0:
+            each = total // num_images
+            return [(offset + k * each, each) for offset, length in runs for k in range(length // each)]
+        raise InvalidRequestError(
+            f"the prompt holds {len(runs)} image placeholder runs for {num_images} images: write the placeholder "
+            f"{self.placeholder!r} once per image", param="multi_modal_data")
+
+
+def _split_items(tensors: dict[str, torch.Tensor], num_items: int) -> list[dict[str, torch.Tensor]]:
+    """Each item's own slice of the processor's batched tensors (first dimension: one row per item)."""
+    for name, tensor in tensors.items():
+        if tensor.shape[0] != num_items:
+            raise InvalidRequestError(f"the processor's {name} has {tensor.shape[0]} rows for {num_items} images; "
+                                      "this model's processor is not supported", param="multi_modal_data")
+    return [{name: tensor[i : i + 1].contiguous() for name, tensor in tensors.items()} for i in range(num_items)]
+
+
+IMAGE_PART_TYPES = ("image_url", "image_pil", "image")  # OpenAI's, and vLLM's offline forms
+
+
+def has_image_parts(conversation: list[dict[str, Any]]) -> bool:
+    """True when a message's content lists an image part."""
+    return any(isinstance(m.get("content"), list) and any(isinstance(p, dict) and p.get("type") in IMAGE_PART_TYPES
+                                                          for p in m["content"]) for m in conversation)
+
+
+def split_chat_images(conversation: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Image.Image]]:
+    """(the conversation with each image part as {"type": "image"}, the images in order). `image_url` parts are read
+    by the server's media loader (llmplug.multimodal.media) under its default policy: data URLs only offline."""
+    messages, images = [], []
+    for message in conversation:
+        content = message.get("content")
+        if not isinstance(content, list):
+            messages.append(message)
+            continue
+        parts = []
+        for i, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in IMAGE_PART_TYPES:
+                images.append(_part_image(part, kind, f"content[{i}]"))
+                parts.append({"type": "image"})
+            else:
+                parts.append(part)
+        messages.append({**message, "content": parts})
+    return messages, images
+
+
+def _part_image(part: dict[str, Any], kind: str, where: str) -> Image.Image:
+    if kind == "image_url":
+        value = part.get("image_url")
+        url = value.get("url") if isinstance(value, dict) else value
+        if not isinstance(url, str):
+            raise InvalidRequestError(f"{where}: an image_url part needs {{'image_url': {{'url': ...}}}}",
+                                      param="messages")
+        from llmplug.multimodal.media import MediaPolicy, load_image_url
+
+        return load_image_url(url, MediaPolicy(), param=f"{where}.image_url")
+    if kind not in part:
+        raise InvalidRequestError(f"{where}: a part of type {kind!r} needs the image under {kind!r}", param="messages")
+    return to_image(part[kind], f"{where}.{kind}")
+
+
+def flatten_image_parts(messages: list[dict[str, Any]], placeholder: str) -> list[dict[str, Any]]:
+    """Messages whose list contents are one string, each image part as `placeholder` (for a text chat template)."""
+    def text(content: Any) -> Any:
+        if not isinstance(content, list):
+            return content
+        return "".join(placeholder if p.get("type") == "image" else str(p.get("text", "")) for p in content)
+
+    return [{**m, "content": text(m.get("content"))} for m in messages]
