@@ -1,0 +1,135 @@
+"""LLaVA 1.5 (`LlavaForConditionalGeneration`): a language family that exists (the generic decoder, as its
+`text_config` says: Llama, Mistral, Qwen2) plus the shared vision blocks — a CLIP ViT whose `vision_feature_layer`
+hidden states (-2 by default) are taken, less the class token under the "default" `vision_feature_select_strategy`,
+and the two-layer GELU MLP projector. One image is one run of `image_token_index` placeholders, one per patch.
+
+Checkpoints come in transformers 5's layout (`model.language_model.*`, `model.vision_tower.*`,
+`model.multi_modal_projector.*`, `lm_head.*`) and the older one (`language_model.model.*`,
+`language_model.lm_head.*`, `vision_tower.*`, `multi_modal_projector.*`, which transformers still saves).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from llmplug.core.errors import ModelLoadError
+from llmplug.layers.decoder import DecoderForCausalLM
+from llmplug.layers.vision import MLPProjector, VisionTransformer, vit_config
+from llmplug.plugins.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+
+__all__ = ["LlavaForConditionalGeneration"]
+
+# text_config.model_type -> the decoder family that runs it
+LANGUAGE_MODELS: dict[str, type[DecoderForCausalLM]] = {
+    "llama": LlamaForCausalLM,
+    "mistral": MistralForCausalLM,
+    "qwen2": Qwen2ForCausalLM,
+}
+
+# checkpoint prefix -> (our submodule, the prefix its own load_weights expects); the longest match wins
+CHECKPOINT_PREFIXES: dict[str, tuple[str, str]] = {
+    "model.language_model.": ("language_model", "model."),
+    "language_model.model.": ("language_model", "model."),
+    "language_model.lm_head.": ("language_model", "lm_head."),
+    "lm_head.": ("language_model", "lm_head."),
+    "model.vision_tower.": ("vision_tower", ""),
+    "vision_tower.": ("vision_tower", ""),
+    "model.multi_modal_projector.": ("multi_modal_projector", ""),
+    "multi_modal_projector.": ("multi_modal_projector", ""),
+}
+
+
+def _language_model_class(text_config: PretrainedConfig) -> type[DecoderForCausalLM]:
+    cls = LANGUAGE_MODELS.get(text_config.model_type)
+    if cls is None:
+        raise ModelLoadError(f"LLaVA with a {text_config.model_type!r} language model is not supported; known: "
+                             f"{sorted(LANGUAGE_MODELS)}")
+    return cls
+
+
+class LlavaForConditionalGeneration(nn.Module):
+    """LLaVA 1.5: CLIP ViT -> MLP projector -> image rows in the decoder's input embeddings."""
+
+    supports_multimodal = True  # embed_multimodal(**processor tensors of one item) -> one [tokens, hidden] per item
+    supports_prompt_embeds = True
+    supports_tensor_parallel = True  # the ViT and the projector shard like the decoder; each rank encodes whole
+    supports_pipeline_parallel = False
+    supports_int4 = True
+
+    def __init__(self, *, config: PretrainedConfig, prefix: str = "") -> None:
+        super().__init__()
+        self.config = config
+        if config.vision_feature_select_strategy not in ("default", "full"):
+            raise ModelLoadError(f"vision_feature_select_strategy {config.vision_feature_select_strategy!r} is not "
+                                 "'default' or 'full'")
+        self.image_token_id = int(config.image_token_index)
+        self.drop_class_token = config.vision_feature_select_strategy == "default"
+        layer = config.vision_feature_layer
+        feature_layer = layer if isinstance(layer, int) else tuple(layer)
+        vision = vit_config(config.vision_config)
+        self.vision_tower = VisionTransformer(vision, feature_layer, prefix=_join(prefix, "vision_tower"))
+        num_layers = 1 if isinstance(layer, int) else len(layer)
+        self.multi_modal_projector = MLPProjector(
+            vision.hidden_size * num_layers, config.text_config.hidden_size, config.projector_hidden_act,
+            bias=bool(getattr(config, "multimodal_projector_bias", True)),
+            prefix=_join(prefix, "multi_modal_projector"))
+        cls = _language_model_class(config.text_config)
+        self.language_model = cls(config=config.text_config, prefix=_join(prefix, "language_model"))
+
+    @classmethod
+    def batch_invariance_gap(cls, config: PretrainedConfig) -> str | None:
+        """The language model's (each image is encoded alone, so its rows never depend on the batch)."""
+        return _language_model_class(config.text_config).batch_invariance_gap(config.text_config)
+
+    @property
+    def embedding_size(self) -> int:
+        """Columns of the input embeddings (and of each image's rows)."""
+        return self.language_model.embedding_size
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> token embeddings [T, hidden]."""
+        return self.language_model.embed_input_ids(input_ids)
+
+    def embed_multimodal(self, pixel_values: torch.Tensor, **_: Any) -> list[torch.Tensor]:
+        """pixel_values [B, C, H, W] -> one [patches, hidden] tensor per image: its placeholder rows."""
+        features = self.vision_tower(pixel_values)  # [B, 1 + patches, vision_hidden * feature layers]
+        if self.drop_class_token:
+            features = features[:, 1:]
+        return list(self.multi_modal_projector(features))  # B x [patches, hidden]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors: Any = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions [T] -> hidden states [T, hidden]; the model runner puts the image rows in
+        `inputs_embeds` at their placeholders."""
+        return self.language_model(input_ids, positions, intermediate_tensors, inputs_embeds=inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor, sampling_metadata: Any = None) -> torch.Tensor:
+        """[N, hidden] -> float32 logits [N, vocab]."""
+        return self.language_model.compute_logits(hidden_states, sampling_metadata)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Route each checkpoint tensor to its part (either layout); returns the loaded parameter names."""
+        parts: dict[str, list[tuple[str, torch.Tensor]]] = {name: [] for name, _ in CHECKPOINT_PREFIXES.values()}
+        unknown = []
+        for name, tensor in weights:
+            match = max((p for p in CHECKPOINT_PREFIXES if name.startswith(p)), key=len, default=None)
+            if match is None:
+                unknown.append(name)
+                continue
+            part, inner = CHECKPOINT_PREFIXES[match]
+            parts[part].append((inner + name[len(match):], tensor))
+        if unknown:
+            raise ModelLoadError(f"LLaVA checkpoint tensors outside its language model, vision tower and projector: "
+                                 f"{unknown[:8]}")
+        loaded = set()
+        for part, part_weights in parts.items():
+            loaded |= {f"{part}.{name}" for name in getattr(self, part).load_weights(part_weights)}
+        return loaded
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name

@@ -1,0 +1,241 @@
+"""LLaVA 1.5 against transformers on a tiny random checkpoint and drawn pictures: greedy tokens equal and
+log-probabilities within 1e-4 (float32), plain, under chunked prefill whose budget is smaller than one image, and
+with preemption; prefix caching by image content; the encoder cache; bad inputs refused before queueing."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+
+import pytest
+import torch
+
+from llmplug import LLM, SamplingParams
+from llmplug.core.errors import InvalidRequestError
+from tests.multimodal.conftest import NUM_IMAGE_TOKENS, gradient, shapes
+
+MAX_TOKENS = 8
+ONE = "USER: <image>\nWhat is in the picture? ASSISTANT:"
+TWO = "USER: <image> and <image>\nWhich one is brighter? ASSISTANT:"
+
+
+def greedy(logprobs: int = 2) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=logprobs)
+
+
+def make_llm(tiny_llava, **kwargs) -> LLM:
+    kwargs = {"dtype": "float32", "block_size": 4, "num_gpu_blocks_override": 128,
+              "limit_mm_per_prompt": {"image": 2}, **kwargs}
+    return LLM(str(tiny_llava.path), **kwargs)
+
+
+def hf_reference(tiny_llava, text: str, images: list) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy tokens from the same processor output, and its log-softmax rows over prompt + tokens."""
+    inputs = tiny_llava.processor(text=text, images=images, return_tensors="pt")
+    with torch.inference_mode():
+        out = tiny_llava.hf_model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
+        full = out[0]
+        logits = tiny_llava.hf_model(input_ids=full[None, :-1], pixel_values=inputs["pixel_values"]).logits[0]
+    return full[inputs["input_ids"].shape[1]:].tolist(), torch.log_softmax(logits.float(), -1)
+
+
+def assert_matches_hf(tiny_llava, output, text: str, images: list) -> None:
+    tokens, log_probs = hf_reference(tiny_llava, text, images)
+    completion = output.outputs[0]
+    assert list(completion.token_ids) == tokens
+    prompt_len = len(output.prompt_token_ids)
+    assert log_probs.shape[0] == prompt_len + MAX_TOKENS - 1  # the engine's prompt holds the expanded placeholders
+    for t, position in enumerate(completion.logprobs):
+        for token, logprob in position.items():
+            assert logprob.logprob == pytest.approx(float(log_probs[prompt_len - 1 + t, token]), abs=1e-4)
+
+
+def cases(images):
+    g, s = images["gradient"], images["shapes"]
+    return [(ONE, [g]), (ONE, [s]), (TWO, [g, s]), (TWO, [s, g])]
+
+
+@pytest.mark.parametrize("engine_kwargs", [
+    {},
+    {"max_num_batched_tokens": 6},  # chunks of 6 tokens: an image's 16 placeholders span three steps
+    {"max_num_batched_tokens": 6, "num_gpu_blocks_override": 26, "max_num_seqs": 4},  # and preempted, recomputed
+], ids=["plain", "chunked_prefill", "chunked_and_preempted"])
+def test_greedy_tokens_and_logprobs_match_transformers(tiny_llava, images, engine_kwargs):
+    llm = make_llm(tiny_llava, **engine_kwargs)
+    prompts = [{"prompt": text, "multi_modal_data": {"image": imgs}} for text, imgs in cases(images)]
+    outputs = llm.generate(prompts, greedy(), use_tqdm=False)
+    for (text, imgs), output in zip(cases(images), outputs):
+        assert output.prompt_token_ids.count(tiny_llava.hf_model.config.image_token_index) == \
+            NUM_IMAGE_TOKENS * len(imgs)
+        assert_matches_hf(tiny_llava, output, text, imgs)
+    if "num_gpu_blocks_override" in engine_kwargs:
+        assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
+    assert outputs[0].outputs[0].token_ids != outputs[1].outputs[0].token_ids  # the picture matters
+    llm.shutdown()
+
+
+def test_token_ids_prompt_with_one_placeholder_per_image_is_expanded(tiny_llava, images):
+    llm = make_llm(tiny_llava)
+    ids = tiny_llava.processor.tokenizer.encode(TWO)
+    imgs = [images["shapes"], images["gradient"]]
+    (output,) = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": imgs}}, greedy(),
+                             use_tqdm=False)
+    assert_matches_hf(tiny_llava, output, TWO, imgs)
+    llm.shutdown()
+
+
+def test_numpy_and_torch_images_are_the_pil_image(tiny_llava, images):
+    import numpy as np
+
+    llm = make_llm(tiny_llava)
+    array = np.array(images["gradient"])
+    forms = [images["gradient"], array, torch.from_numpy(array).permute(2, 0, 1), torch.from_numpy(array)]
+    outputs = llm.generate([{"prompt": ONE, "multi_modal_data": {"image": f}} for f in forms], greedy(),
+                           use_tqdm=False)
+    assert len({tuple(o.outputs[0].token_ids) for o in outputs}) == 1
+    llm.shutdown()
+
+
+def engine_runner(llm):
+    return llm.llm_engine.engine_core.executor.worker.model_runner
+
+
+def test_prefix_cache_hits_for_the_same_image_and_misses_for_another(tiny_llava, images):
+    llm = make_llm(tiny_llava)
+    g, s = images["gradient"], images["shapes"]
+    first = llm.generate({"prompt": ONE, "multi_modal_data": {"image": g}}, greedy(), use_tqdm=False)[0]
+    same = llm.generate({"prompt": ONE, "multi_modal_data": {"image": g}}, greedy(), use_tqdm=False)[0]
+    other = llm.generate({"prompt": ONE, "multi_modal_data": {"image": s}}, greedy(), use_tqdm=False)[0]
+    image_start = first.prompt_token_ids.index(tiny_llava.hf_model.config.image_token_index)
+    assert first.num_cached_tokens == 0
+    assert same.num_cached_tokens > image_start + NUM_IMAGE_TOKENS  # the blocks holding the image are reused
+    assert other.num_cached_tokens <= image_start  # only the text before the image: its blocks name the image
+    assert same.outputs[0].token_ids == first.outputs[0].token_ids
+    assert_matches_hf(tiny_llava, same, ONE, [g])
+    assert_matches_hf(tiny_llava, other, ONE, [s])
+    llm.shutdown()
+
+
+def test_encoder_runs_once_per_image_across_chunks_and_requests(tiny_llava, images):
+    llm = make_llm(tiny_llava, max_num_batched_tokens=6, enable_prefix_caching=False)
+    cache = engine_runner(llm).encoder_cache
+    g, s = images["gradient"], images["shapes"]
+    llm.generate({"prompt": ONE, "multi_modal_data": {"image": g}}, greedy(), use_tqdm=False)
+    assert cache.num_encoder_calls == 1  # its 16 placeholders took three chunks
+    llm.generate({"prompt": TWO, "multi_modal_data": {"image": [g, s]}}, greedy(), use_tqdm=False)
+    assert cache.num_encoder_calls == 2  # the gradient came from the cache
+    out = llm.generate({"prompt": TWO, "multi_modal_data": {"image": [s, s]}}, greedy(), use_tqdm=False)[0]
+    assert cache.num_encoder_calls == 2
+    assert_matches_hf(tiny_llava, out, TWO, [s, s])
+    llm.shutdown()
+
+
+def test_encoder_cache_evicts_unused_images_beyond_its_size(tiny_llava, images):
+    llm = make_llm(tiny_llava, encoder_cache_size=NUM_IMAGE_TOKENS, enable_prefix_caching=False)
+    cache = engine_runner(llm).encoder_cache
+    pictures = [gradient(40 + 4 * i, 40) for i in range(3)]
+    outputs = llm.generate([{"prompt": ONE, "multi_modal_data": {"image": p}} for p in pictures], greedy(),
+                           use_tqdm=False)
+    assert cache.num_encoder_calls == 3 and len(cache.outputs) == 1  # room for one image: the others dropped
+    for picture, output in zip(pictures, outputs):
+        assert_matches_hf(tiny_llava, output, ONE, [picture])
+    llm.shutdown()
+
+
+def data_url(image) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def test_chat_takes_image_url_and_pil_parts(tiny_llava, images):
+    llm = make_llm(tiny_llava)
+    g = images["gradient"]
+    messages = [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(g)}}, {"type": "text", "text": "What is it?"}]}]
+    pil = [{"role": "user", "content": [{"type": "image_pil", "image_pil": g}, {"type": "text", "text": "What is it?"}]}]
+    by_url = llm.chat(messages, greedy(), use_tqdm=False)[0]
+    by_pil = llm.chat(pil, greedy(), use_tqdm=False)[0]
+    text = tiny_llava.processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}],
+        tokenize=False, add_generation_prompt=True)
+    assert by_url.outputs[0].token_ids == by_pil.outputs[0].token_ids
+    tokens, _ = hf_reference(tiny_llava, text, [g])  # (PNG is lossless: the same pixels)
+    assert list(by_url.outputs[0].token_ids) == tokens
+    llm.shutdown()
+
+
+def test_async_llm_processes_images_off_the_event_loop(tiny_llava, images):
+    from llmplug.engine.async_llm import AsyncLLM
+
+    engine = AsyncLLM(str(tiny_llava.path), dtype="float32", block_size=4,
+                      num_gpu_blocks_override=128)
+
+    async def run():
+        last = None
+        async for out in engine.generate({"prompt": ONE, "multi_modal_data": {"image": images["shapes"]}}, greedy(),
+                                          "r1"):
+            last = out
+        return last
+
+    try:
+        output = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert_matches_hf(tiny_llava, output, ONE, [images["shapes"]])
+
+
+def test_bad_images_are_refused_before_queueing_and_the_next_request_works(tiny_llava, images):
+    llm = make_llm(tiny_llava, limit_mm_per_prompt={"image": 1})
+    g = images["gradient"]
+    with pytest.raises(InvalidRequestError, match="2 images, but at most 1.*limit-mm-per-prompt"):
+        llm.generate({"prompt": TWO, "multi_modal_data": {"image": [g, g]}}, greedy(), use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match=r"multi_modal_data\['image'\]\[0\] is a str"):
+        llm.generate({"prompt": ONE, "multi_modal_data": {"image": "cat.png"}}, greedy(), use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="has shape"):
+        llm.generate({"prompt": ONE, "multi_modal_data": {"image": torch.zeros(5)}}, greedy(), use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="audio"):
+        llm.generate({"prompt": ONE, "multi_modal_data": {"audio": g}}, greedy(), use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="processor refused.*<image>"):  # no placeholder in the prompt
+        llm.generate({"prompt": "USER: hi ASSISTANT:", "multi_modal_data": {"image": g}}, greedy(), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    output = llm.generate({"prompt": ONE, "multi_modal_data": {"image": g}}, greedy(), use_tqdm=False)[0]
+    assert_matches_hf(tiny_llava, output, ONE, [g])
+    llm.shutdown()
+
+
+def test_a_text_model_refuses_images_by_name(tiny_text_model, images):
+    llm = LLM(str(tiny_text_model), dtype="float32", num_gpu_blocks_override=32)
+    with pytest.raises(InvalidRequestError, match="takes text only"):
+        llm.generate({"prompt": "Hello", "multi_modal_data": {"image": images["gradient"]}}, use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="takes text only"):
+        llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": images["gradient"]}]}],
+                 use_tqdm=False)
+    assert llm.generate("Hello", SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids
+    llm.shutdown()
+
+
+def test_transformers_5_weight_names_load_the_same_model(tiny_llava, images, tmp_path):
+    """`model.language_model.*`, `model.vision_tower.*`, `model.multi_modal_projector.*`, `lm_head.*` (the layout
+    transformers 5 holds in memory) as well as the older one transformers saves."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    renames = {"language_model.model.": "model.language_model.", "language_model.lm_head.": "lm_head.",
+               "vision_tower.": "model.vision_tower.", "multi_modal_projector.": "model.multi_modal_projector."}
+    tensors = load_file(tiny_llava.path / "model.safetensors")
+    renamed = {}
+    for name, tensor in tensors.items():
+        old = next(p for p in renames if name.startswith(p))
+        renamed[renames[old] + name[len(old):]] = tensor
+    for item in tiny_llava.path.iterdir():
+        if item.is_file() and item.name != "model.safetensors":
+            shutil.copy(item, tmp_path / item.name)
+    save_file(renamed, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    llm = LLM(str(tmp_path), dtype="float32", block_size=4, num_gpu_blocks_override=64)
+    output = llm.generate({"prompt": ONE, "multi_modal_data": {"image": images["gradient"]}}, greedy(),
+                          use_tqdm=False)[0]
+    assert_matches_hf(tiny_llava, output, ONE, [images["gradient"]])
+    llm.shutdown()
