@@ -239,3 +239,26 @@ def test_transformers_5_weight_names_load_the_same_model(tiny_llava, images, tmp
                           use_tqdm=False)[0]
     assert_matches_hf(tiny_llava, output, ONE, [images["gradient"]])
     llm.shutdown()
+
+
+def test_tensor_parallel_encodes_on_every_rank(tiny_llava, images):
+    """TP=2: each rank runs its half of the vision tower's heads and of the projector on the same image."""
+    llm = make_llm(tiny_llava, tensor_parallel_size=2, max_num_batched_tokens=6)
+    try:
+        outputs = llm.generate([{"prompt": text, "multi_modal_data": {"image": imgs}} for text, imgs in cases(images)],
+                               greedy(), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for (text, imgs), output in zip(cases(images), outputs):
+        assert_matches_hf(tiny_llava, output, text, imgs)
+
+
+def test_an_image_prompt_gives_bitwise_the_same_result_alone_and_in_a_batch(tiny_llava, images):
+    llm = make_llm(tiny_llava, batch_invariant=True, enable_prefix_caching=False)
+    prompts = [{"prompt": text, "multi_modal_data": {"image": imgs}} for text, imgs in cases(images)]
+    alone = llm.generate(prompts[2], greedy(), use_tqdm=False)[0]
+    batched = llm.generate(prompts[:2] + [prompts[2]] + ["a text prompt beside them"], greedy(), use_tqdm=False)[2]
+    assert alone.outputs[0].token_ids == batched.outputs[0].token_ids
+    assert [{t: lp.logprob for t, lp in p.items()} for p in alone.outputs[0].logprobs] == \
+        [{t: lp.logprob for t, lp in p.items()} for p in batched.outputs[0].logprobs]
+    llm.shutdown()
