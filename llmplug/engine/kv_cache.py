@@ -52,7 +52,8 @@ def block_extra_keys(request: Request, block: int, block_size: int) -> tuple:
     and its images."""
     start = block * block_size
     lora = () if request.lora_request is None else (request.lora_int_id, request.lora_load)
-    return lora + _embeds_key(request, block, block_size) + mm_block_keys(request.mm_features, start, start + block_size)
+    images = mm_block_keys(request.mm_features, start, start + block_size)
+    return lora + _embeds_key(request, block, block_size) + images
 
 
 def _embeds_key(request: Request, block: int, block_size: int) -> tuple:

@@ -131,7 +131,8 @@ class MultiModalProcessor:
         from transformers import AutoProcessor
 
         # the PIL image processors: the torchvision ones need torchvision, which llmplug does not require
-        self.hf_processor = AutoProcessor.from_pretrained(model_path, backend="pil", trust_remote_code=trust_remote_code)
+        self.hf_processor = AutoProcessor.from_pretrained(model_path, backend="pil",
+                                                          trust_remote_code=trust_remote_code)
         self.image_token_id = image_token_id
         self.limits = limits
         self._lock = threading.Lock()  # a processor and its tokenizer are not documented as thread-safe

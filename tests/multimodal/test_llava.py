@@ -154,7 +154,8 @@ def test_chat_takes_image_url_and_pil_parts(tiny_llava, images):
     g = images["gradient"]
     messages = [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": data_url(g)}}, {"type": "text", "text": "What is it?"}]}]
-    pil = [{"role": "user", "content": [{"type": "image_pil", "image_pil": g}, {"type": "text", "text": "What is it?"}]}]
+    pil = [{"role": "user", "content": [
+        {"type": "image_pil", "image_pil": g}, {"type": "text", "text": "What is it?"}]}]
     by_url = llm.chat(messages, greedy(), use_tqdm=False)[0]
     by_pil = llm.chat(pil, greedy(), use_tqdm=False)[0]
     text = tiny_llava.processor.apply_chat_template(

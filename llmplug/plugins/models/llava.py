@@ -58,7 +58,7 @@ class LlavaForConditionalGeneration(nn.Module):
     supports_prompt_embeds = True
     supports_tensor_parallel = True  # the ViT and the projector shard like the decoder; each rank encodes whole
     supports_pipeline_parallel = False
-    supports_int4 = True
+    supports_int4 = False  # not proven with the vision tower's layers
 
     def __init__(self, *, config: PretrainedConfig, prefix: str = "") -> None:
         super().__init__()
