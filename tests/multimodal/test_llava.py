@@ -263,3 +263,33 @@ def test_an_image_prompt_gives_bitwise_the_same_result_alone_and_in_a_batch(tiny
     assert [{t: lp.logprob for t, lp in p.items()} for p in alone.outputs[0].logprobs] == \
         [{t: lp.logprob for t, lp in p.items()} for p in batched.outputs[0].logprobs]
     llm.shutdown()
+
+
+def test_a_prefix_hit_that_ends_inside_an_image_computes_the_rest_of_it(tiny_llava, images):
+    """A prompt that ends with its image: the second time, the cached blocks end inside the image, and the rest of
+    its placeholders take rows of the image's encoder output (computed again: the cache evicted it meanwhile)."""
+    llm = make_llm(tiny_llava, encoder_cache_size=NUM_IMAGE_TOKENS)
+    cache = engine_runner(llm).encoder_cache
+    text, g = "USER: <image>", images["gradient"]
+    first = llm.generate({"prompt": text, "multi_modal_data": {"image": g}}, greedy(), use_tqdm=False)[0]
+    llm.generate({"prompt": ONE, "multi_modal_data": {"image": images["shapes"]}}, greedy(), use_tqdm=False)
+    again = llm.generate({"prompt": text, "multi_modal_data": {"image": g}}, greedy(), use_tqdm=False)[0]
+    image_start = first.prompt_token_ids.index(tiny_llava.hf_model.config.image_token_index)
+    assert image_start < again.num_cached_tokens < len(again.prompt_token_ids)
+    assert cache.num_encoder_calls == 3
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert_matches_hf(tiny_llava, again, text, [g])
+    llm.shutdown()
+
+
+def test_max_model_len_counts_the_image_tokens(tiny_llava, images):
+    imgs = [images["gradient"], images["shapes"]]
+    one_image = tiny_llava.processor(text=ONE, images=imgs[:1], return_tensors="pt")["input_ids"].shape[1]
+    llm = make_llm(tiny_llava, max_model_len=one_image + 4)  # the text of TWO alone would fit
+    assert len(tiny_llava.processor.tokenizer.encode(TWO)) < one_image
+    too_long = rf"the prompt has \d+ tokens, but the context length is {one_image + 4}"
+    with pytest.raises(InvalidRequestError, match=too_long):
+        llm.generate({"prompt": TWO, "multi_modal_data": {"image": imgs}}, greedy(), use_tqdm=False)
+    assert llm.generate({"prompt": ONE, "multi_modal_data": {"image": imgs[0]}}, SamplingParams(max_tokens=2),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    llm.shutdown()
