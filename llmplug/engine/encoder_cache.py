@@ -74,6 +74,13 @@ class EncoderCacheManager:
                 del self.users[feature.identifier]
                 self.unused[feature.identifier] = None
 
+    def reset(self) -> None:
+        """Evict every item no request needs (new weights: the cached outputs are the old weights')."""
+        while self.unused:
+            victim, _ = self.unused.popitem(last=False)
+            self.num_used_tokens -= self.cached.pop(victim)
+            self.freed.append(victim)
+
     def take_freed(self) -> list[str]:
         """The items evicted since the last call (the runner drops their tensors)."""
         freed, self.freed = self.freed, []

@@ -316,9 +316,11 @@ class EngineCore:
             self.reset_prefix_cache()  # no block computed with the old weights may be hit again
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix (EngineStateError while requests hold blocks); a pooling engine caches none."""
+        """Forget every cached prefix (EngineStateError while requests hold blocks) and every cached encoder output
+        (images); a pooling engine caches none."""
         if self.kv_cache_manager is not None and not self.kv_cache_manager.reset_prefix_cache():
             raise EngineStateError("the prefix cache can only be reset while no request is running")
+        self.scheduler.encoder_cache.reset()  # the runner drops them with the next step
 
     def sleep(self, level: int = 1) -> None:
         """Free the KV cache (and offload, level 1, or discard, level 2, the weights) on every worker."""

@@ -293,3 +293,15 @@ def test_max_model_len_counts_the_image_tokens(tiny_llava, images):
     assert llm.generate({"prompt": ONE, "multi_modal_data": {"image": imgs[0]}}, SamplingParams(max_tokens=2),
                         use_tqdm=False)[0].outputs[0].token_ids
     llm.shutdown()
+
+
+def test_resetting_the_prefix_cache_drops_the_encoder_outputs_too(tiny_llava, images):
+    """New weights (update_weights resets the prefix cache): an image cached under the old ones is encoded again."""
+    llm = make_llm(tiny_llava)
+    cache = engine_runner(llm).encoder_cache
+    prompt = {"prompt": ONE, "multi_modal_data": {"image": images["gradient"]}}
+    llm.generate(prompt, greedy(), use_tqdm=False)
+    llm.reset_prefix_cache()
+    again = llm.generate(prompt, greedy(), use_tqdm=False)[0]
+    assert cache.num_encoder_calls == 2 and again.num_cached_tokens == 0 and len(cache.outputs) == 1
+    llm.shutdown()
