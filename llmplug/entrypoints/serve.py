@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import argparse
 
-from llmplug.entrypoints.arg_types import non_negative_float, positive_int
+from llmplug.entrypoints.arg_types import non_negative_float, positive_float, positive_int
 from llmplug.entrypoints.engine_args import add_engine_args, config_from_args
+from llmplug.multimodal.media import DEFAULT_FETCH_TIMEOUT, DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS
 
 
 def _serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -92,6 +93,20 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                    help="Split the model's reasoning from its answer (reasoning_content): an llmplug.reasoning_parsers "
                         "name (in tree: deepseek_r1, qwen3). Structured output then constrains the answer only. "
                         "Default: none.")
+    g = parser.add_argument_group("image inputs (a model that takes images; see docs/multimodal.md)")
+    g.add_argument("--allowed-local-media-path", metavar="DIR",
+                   help="Serve file:// image URLs from inside DIR (symlinks and '..' resolved: nothing outside it). "
+                        "Default: file:// URLs refused.")
+    g.add_argument("--allowed-media-domains", metavar="HOST1,HOST2,...",
+                   help="Hosts http(s) image URLs may name (redirects too), comma-separated. Default: none, http(s) "
+                        "image URLs refused (vLLM fetches from any host); data: URLs always work.")
+    g.add_argument("--media-fetch-timeout", type=positive_float, default=DEFAULT_FETCH_TIMEOUT, metavar="SECONDS",
+                   help="Longest an image download may take (vLLM's VLLM_IMAGE_FETCH_TIMEOUT). Default: 5.")
+    g.add_argument("--max-media-bytes", type=positive_int, default=DEFAULT_MAX_BYTES, metavar="BYTES",
+                   help="Largest encoded image (download, file or data URL). Default: 20 MiB.")
+    g.add_argument("--max-image-pixels", type=positive_int, default=DEFAULT_MAX_PIXELS, metavar="N",
+                   help="Most pixels (width x height) of one image, checked from its header before decoding. "
+                        "Default: 50000000.")
     add_engine_args(parser, model_positional=True)
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from llmplug.core.errors import InvalidRequestError
+from llmplug.core.errors import ConfigError, InvalidRequestError
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -50,9 +50,9 @@ class MediaPolicy:
     def of(cls, allowed_local_media_path: str | None = None, allowed_media_domains: str | None = None,
            **limits: float) -> "MediaPolicy":
         """A policy from the flags' text: a folder (resolved now) and comma-separated host names."""
-        folder = Path(allowed_local_media_path).resolve(strict=True) if allowed_local_media_path else None
+        folder = Path(allowed_local_media_path).resolve() if allowed_local_media_path else None
         if folder is not None and not folder.is_dir():
-            raise NotADirectoryError(f"--allowed-local-media-path {allowed_local_media_path}: not a folder")
+            raise ConfigError(f"--allowed-local-media-path {allowed_local_media_path}: no such folder")
         domains = frozenset(d.strip().lower() for d in (allowed_media_domains or "").split(",") if d.strip())
         return cls(folder, domains, **limits)
 
@@ -160,7 +160,7 @@ def _file_bytes(url: str, policy: MediaPolicy, param: str) -> bytes:
     except (OSError, RuntimeError):  # missing, or a symlink loop
         raise InvalidRequestError(f"{param}: no such file under the allowed media path: {_shown(str(path))}",
                                   param=param) from None
-    if not resolved.is_relative_to(folder):
+    if not resolved.is_relative_to(folder.resolve()):
         raise InvalidRequestError(f"{param}: {_shown(str(path))} is outside the allowed media path "
                                   "(--allowed-local-media-path)", param=param)
     if not resolved.is_file():

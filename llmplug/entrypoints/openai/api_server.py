@@ -41,6 +41,7 @@ from llmplug.engine.async_llm import AsyncLLM
 from llmplug.entrypoints.openai.admission import AdmissionControl
 from llmplug.entrypoints.openai.backpressure import SendTimeoutMiddleware
 from llmplug.entrypoints.openai.errors import OpenAIError, error_body, error_response, status_phrase
+from llmplug.entrypoints.openai.image_inputs import ImageLoader
 from llmplug.entrypoints.openai.loggable import RequestLogger
 from llmplug.entrypoints.openai.metrics import ServerMetrics
 from llmplug.entrypoints.openai.prompt_renderer import PromptRenderer, load_chat_template
@@ -70,6 +71,7 @@ from llmplug.entrypoints.openai.serving_responses import OpenAIServingResponses
 from llmplug.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from llmplug.entrypoints.openai.tracing import RequestTracer, TraceHeadersMiddleware, tracer_provider
 from llmplug.entrypoints.openai.vllm_metrics import cache_config_info
+from llmplug.multimodal.media import MediaPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +113,7 @@ class ServerSettings:
     enable_log_requests: bool = False  # log each request's id, prompt and sampling params (prompts are off by default)
     max_log_len: int | None = None  # characters of a prompt (and token ids) a request log line shows; None: all
     enable_dev_endpoints: bool = False  # /sleep, /wake_up, /is_sleeping, /reset_prefix_cache (behind the key)
+    media: MediaPolicy = field(default_factory=MediaPolicy)  # where image URLs may point, and their limits
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServerSettings":
@@ -138,6 +141,9 @@ class ServerSettings:
             otlp_traces_endpoint=args.otlp_traces_endpoint,
             enable_log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
             enable_dev_endpoints=args.enable_dev_endpoints or os.environ.get(DEV_MODE_ENV) == "1",
+            media=MediaPolicy.of(args.allowed_local_media_path, args.allowed_media_domains,
+                                 fetch_timeout=args.media_fetch_timeout, max_bytes=args.max_media_bytes,
+                                 max_pixels=args.max_image_pixels),
         )
 
 
@@ -148,7 +154,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> FastA
     tracer = request_tracer(settings, names[0])
     metrics = ServerMetrics(engine.stats, names[0], engine.max_model_len, cache_config_info(engine), tracer,
                             RequestLogger(settings.max_log_len) if settings.enable_log_requests else None)
-    renderer = PromptRenderer(engine.get_tokenizer(), settings.chat_template)
+    renderer = PromptRenderer(engine.get_tokenizer(), settings.chat_template, engine.llm_engine.processor.mm_processor)
     admission = AdmissionControl(settings.max_waiting_requests, lambda: engine.stats()["num_running"])
     adapters = ServedAdapters.with_resolvers(engine, names, settings.lora_resolvers, engine.llm_engine.registry)
 
@@ -158,6 +164,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> FastA
             await adapters.load(name, path)
         yield
         renderer.shutdown()
+        image_loader.shutdown()
         if tracer is not None and settings.tracer_provider is None:  # ours: send the spans still batched
             tracer.shutdown()
 
@@ -168,13 +175,15 @@ def build_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> FastA
     parsers = ReplyParsers.load(settings.tool_call_parser, settings.enable_auto_tool_choice,
                                 settings.reasoning_parser, engine.get_tokenizer(), engine.llm_engine.registry)
     shared = (engine, names, metrics, renderer, admission)
-    chat = OpenAIServingChat(*shared, parsers, adapters=adapters)
+    image_loader = app.state.image_loader = ImageLoader.for_engine(engine, names[0], settings.media)
+    chat = OpenAIServingChat(*shared, parsers, adapters=adapters, image_loader=image_loader)
     generates, pools = kind_guards(engine)
     pooling_model = engine.pooling is not None  # /openapi.json lists the routes of the model's kind
     app.include_router(health_router(engine, metrics, settings.health_stall_timeout))
     app.include_router(models_router(engine, names, adapters, chat.check_model, settings.allow_runtime_lora_updating))
     app.include_router(generation_router(chat, OpenAIServingCompletion(*shared, adapters=adapters),
-                                         OpenAIServingResponses(*shared, parsers, adapters=adapters), generates,
+                                         OpenAIServingResponses(*shared, parsers, adapters=adapters,
+                                                                image_loader=image_loader), generates,
                                          in_schema=not pooling_model))
     app.include_router(pooling_router(OpenAIServingPooling(*shared), pools, in_schema=pooling_model))
     app.include_router(tokenization_router(OpenAIServingTokenization(*shared, chat, adapters=adapters)))

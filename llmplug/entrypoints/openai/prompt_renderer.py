@@ -62,9 +62,12 @@ def reserved_template_kwargs(tokenizer: Any) -> frozenset[str]:
 class PromptRenderer:
     """Renders conversations and tokenizes text on one worker thread, with the server's chat template."""
 
-    def __init__(self, tokenizer: Any | None, chat_template: str | None = None):
+    def __init__(self, tokenizer: Any | None, chat_template: str | None = None, mm_processor: Any | None = None):
         self.tokenizer = tokenizer
         self.chat_template = chat_template  # None: the tokenizer's own
+        # a multimodal model's processor (llmplug.engine.multimodal.MultiModalProcessor): its chat template renders
+        # conversations with images, as LLM.chat renders them
+        self.mm_processor = mm_processor
         self.reserved = reserved_template_kwargs(tokenizer) if tokenizer is not None else frozenset()
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmplug-prompts")
 
@@ -72,7 +75,11 @@ class PromptRenderer:
         """The chat template every request is rendered with (None: there is none)."""
         if self.chat_template is not None:
             return self.chat_template
-        return getattr(self.tokenizer, "chat_template", None)
+        return getattr(self.tokenizer, "chat_template", None) or self._processor_template()
+
+    def _processor_template(self) -> str | None:
+        """The chat template of a multimodal model's processor (None: no such processor, or it has none)."""
+        return getattr(self.mm_processor.hf_processor, "chat_template", None) if self.mm_processor else None
 
     def need_tokenizer(self) -> Any:
         """The tokenizer; 400 when the engine runs without one."""
@@ -102,17 +109,21 @@ class PromptRenderer:
         return await self._off_loop(lambda: [pair_prompt(tokenizer, a, b) for a, b in pairs])
 
     async def render_chat(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any],
-                          client_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:
+                          client_kwargs: dict[str, Any] | None = None,
+                          has_images: bool = False) -> tuple[str, list[int]]:
         """A conversation through the chat template: (prompt text, token ids), as `LLM.chat` renders it.
 
-        `client_kwargs` (a request's chat_template_kwargs) may hold only the template's own variables.
+        `client_kwargs` (a request's chat_template_kwargs) may hold only the template's own variables. With
+        `has_images` (image parts as `{"type": "image"}` in the messages' content lists) and no --chat-template, the
+        model processor's template renders it, or the tokenizer's with each image as the processor's placeholder.
         """
         self.need_tokenizer()
         self.check_client_kwargs(client_kwargs or {})
         if self.template_text() is None:
             raise OpenAIError(400, "the model's tokenizer has no chat template; start the server with "
                                    "--chat-template FILE", param="messages")
-        return await self._off_loop(lambda: self._render(messages, {**(client_kwargs or {}), **template_kwargs}))
+        kwargs = {**(client_kwargs or {}), **template_kwargs}
+        return await self._off_loop(lambda: self._render(messages, kwargs, has_images))
 
     def check_client_kwargs(self, kwargs: dict[str, Any]) -> None:
         """400 for a `chat_template_kwargs` key that would replace or bypass the template."""
@@ -124,15 +135,27 @@ class PromptRenderer:
                      "and add_generation_prompt / continue_final_message as request fields",
                 param="chat_template_kwargs")
 
-    def _render(self, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> tuple[str, list[int]]:
+    def _render(self, messages: list[dict[str, Any]], kwargs: dict[str, Any],
+                has_images: bool = False) -> tuple[str, list[int]]:
         kwargs.setdefault("add_generation_prompt", True)
         try:
-            text = self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template, tokenize=False,
-                                                      **kwargs)
+            text = self._apply_template(messages, kwargs, has_images)
         except Exception as exc:  # a template that raises (jinja's raise_exception) is the caller's input problem
             raise OpenAIError(400, f"the chat template failed on these messages: {exc}", param="messages") from exc
         # the template already holds the special tokens: no second BOS
         return text, list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _apply_template(self, messages: list[dict[str, Any]], kwargs: dict[str, Any], has_images: bool) -> str:
+        """The prompt text; a conversation with images is rendered as LLM.chat renders it (the processor's template,
+        else each image as the placeholder in the tokenizer's), unless the server has its own template."""
+        own = getattr(self.tokenizer, "chat_template", None)
+        if self.chat_template is None and self.mm_processor is not None and (has_images or own is None):
+            if self._processor_template():
+                return self.mm_processor.hf_processor.apply_chat_template(messages, tokenize=False, **kwargs)
+            from llmplug.engine.multimodal import flatten_image_parts
+
+            messages = flatten_image_parts(messages, self.mm_processor.placeholder)
+        return self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template, tokenize=False, **kwargs)
 
     async def _off_loop(self, work: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._thread, work)

@@ -151,11 +151,20 @@ class SamplingRequest(OpenAIModel):
 # --- /v1/chat/completions -----------------------------------------------------------------------
 
 
+class ImageURL(OpenAIModel):
+    """`image_url` of an image part: a data:image/...;base64 URL, or a file:// or http(s) URL the server allows."""
+
+    url: str | None = None  # required: a part without it is a 400 naming it (after the model check)
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the model's processor decides the resolution
+
+
 class ContentPart(OpenAIModel):
-    """One part of a message's content; only `{"type": "text", "text": ...}` is supported."""
+    """One part of a message's content: `{"type": "text", "text": ...}` or `{"type": "image_url", "image_url":
+    {"url": ...}}` (for a model that takes images)."""
 
     type: str
     text: str | None = None
+    image_url: ImageURL | None = None
 
 
 class FunctionCall(OpenAIModel):
@@ -376,10 +385,14 @@ class CompletionResponse(OpenAIModel):
 
 
 class ResponsesContentPart(OpenAIModel):
-    """A part of an input message: input_text (or output_text, in an earlier assistant turn)."""
+    """A part of an input message: input_text (or output_text, in an earlier assistant turn), or input_image
+    (`image_url`: a URL as in chat; `file_id` is refused: this server stores no files)."""
 
     type: str
     text: str | None = None
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: Literal["auto", "low", "high"] | None = None
 
 
 class ResponsesInputMessage(OpenAIModel):

@@ -19,6 +19,7 @@ from llmplug.entrypoints.openai.admission import AdmissionControl
 from llmplug.entrypoints.openai.backpressure import EventStreamResponse
 from llmplug.entrypoints.openai.errors import OpenAIError
 from llmplug.entrypoints.openai.guided import guided_decoding_params
+from llmplug.entrypoints.openai.image_inputs import ImageInputs, ImageLoader
 from llmplug.entrypoints.openai.metrics import ServerMetrics
 from llmplug.entrypoints.openai.prompt_renderer import PromptRenderer
 from llmplug.entrypoints.openai.protocol import (
@@ -71,9 +72,11 @@ class OpenAIServingChat(OpenAIServing):
 
     def __init__(self, engine: AsyncLLM, model_names: list[str], metrics: ServerMetrics, renderer: PromptRenderer,
                  admission: AdmissionControl, parsers: ReplyParsers | None = None,
-                 adapters: ServedAdapters | None = None):
+                 adapters: ServedAdapters | None = None, image_loader: ImageLoader | None = None):
         super().__init__(engine, model_names, metrics, renderer, admission, adapters)
         self.parsers = parsers or ReplyParsers()
+        # image parts: checked against the model, loaded under the server's media policy (default: data URLs only)
+        self.image_loader = image_loader or ImageLoader.for_engine(engine, model_names[0])
         self.template_takes_tools = template_takes_tools(renderer.template_text())
 
     async def create(self, body: ChatCompletionRequest, raw_request: Request) -> Response:
@@ -86,39 +89,55 @@ class OpenAIServingChat(OpenAIServing):
         named = body.tool_choice.function.name if isinstance(body.tool_choice, NamedToolChoice) else None
         choice = tool_choice([t.function for t in body.tools or ()], None if named else body.tool_choice, named,
                              body.parallel_tool_calls, self.parsers.auto_tool_choice)
-        prompt_text, prompt_ids = await self.render_prompt(body, choice)
+        images = ImageInputs()
+        prompt_text, prompt_ids = await self.render_prompt(body, choice, images)
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.max_tokens(body.max_completion_tokens or body.max_tokens, len(prompt_ids), param, "messages")
+        pictures = await self.image_loader.load(images)
+        if pictures:  # the processor's expansion adds tokens: the engine gives what room is left (or a 400)
+            max_tokens = body.max_completion_tokens or body.max_tokens
         top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         reader, overrides = self.reply_plan(body, choice, prompt_text)
         params = self.sampling_params(body, max_tokens, top_logprobs, body.stream,
                                       prompt_logprobs=body.prompt_logprobs, **overrides)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         beam = self.beam_search_params(body, params, lora)
-        outputs = self.generate(prompt_text, prompt_ids, params, request_id, lora, beam, priority=body.priority)
+        if beam is not None and pictures:
+            raise OpenAIError(400, "use_beam_search cannot be combined with images: the beams' steps are queued as "
+                                   "prompts of token ids, without the images", param="use_beam_search")
+        outputs = self.generate(prompt_text, prompt_ids, params, request_id, lora, beam, priority=body.priority,
+                                images=pictures)
         if body.stream:
             # wait for the first output here, so an error the engine finds gets its status code
             first = await until_disconnected(raw_request, anext(outputs))
-            stream = self._stream(first, outputs, request_id, model, body, len(prompt_ids), reader)
+            num_prompt_tokens = len(first.prompt_token_ids) if pictures else len(prompt_ids)  # expanded by then
+            stream = self._stream(first, outputs, request_id, model, body, num_prompt_tokens, reader)
             return EventStreamResponse(stream, headers=SSE_HEADERS)
         final = await until_disconnected(raw_request, last_output(outputs))
+        num_prompt_tokens = len(final.prompt_token_ids) if pictures else len(prompt_ids)
         response = ChatCompletionResponse(
             id=request_id, model=model, created=now(),
             choices=[_choice(c, top_logprobs, reader) for c in sorted(final.outputs, key=lambda c: c.index)],
-            usage=usage_info(len(prompt_ids), sum(len(c.token_ids) for c in final.outputs), final.num_cached_tokens),
-            prompt_logprobs=format_prompt_logprobs(final.prompt_logprobs, len(prompt_ids), body.prompt_logprobs),
+            usage=usage_info(num_prompt_tokens, sum(len(c.token_ids) for c in final.outputs), final.num_cached_tokens),
+            prompt_logprobs=format_prompt_logprobs(final.prompt_logprobs, num_prompt_tokens, body.prompt_logprobs),
         )
         return Response(response.model_dump_json(), media_type="application/json")
 
-    async def render_prompt(self, body: Any, choice: ToolChoice | None) -> tuple[str, list[int]]:
+    async def render_prompt(self, body: Any, choice: ToolChoice | None,
+                            images: ImageInputs | None = None) -> tuple[str, list[int]]:
         """The prompt: the messages (and tools) through the server's chat template, off the event loop. `body` is a
-        chat request, or a /tokenize chat request (the same message and template fields)."""
+        chat request, or a /tokenize chat request (the same message and template fields). Image parts are recorded
+        in `images` and checked against the model first (None: refused)."""
         hint = self.parsers.tool_parser.format_hint if self.parsers.tool_parser else ""
-        messages, tool_kwargs = template_input(chat_messages(body.messages), choice, self.template_takes_tools, hint)
+        rendered = chat_messages(body.messages, images)
+        if images is not None:
+            self.image_loader.check(images)
+        messages, tool_kwargs = template_input(rendered, choice, self.template_takes_tools, hint)
         template_kwargs = {**tool_kwargs, "add_generation_prompt": body.add_generation_prompt}
         if body.continue_final_message:
             template_kwargs.update(continue_final_message=True, add_generation_prompt=False)
-        return await self.renderer.render_chat(messages, template_kwargs, body.chat_template_kwargs)
+        return await self.renderer.render_chat(messages, template_kwargs, body.chat_template_kwargs,
+                                               has_images=bool(images and images.refs))
 
     def reply_plan(self, body: Any, choice: ToolChoice | None, prompt_text: str) -> tuple[ReplyReader, dict[str, Any]]:
         """How the answers are read, and what that changes in the sampling: the grammar of a forced call (after

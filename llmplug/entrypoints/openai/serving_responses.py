@@ -21,6 +21,7 @@ from fastapi.responses import Response
 from llmplug.core.outputs import CompletionOutput, RequestOutput
 from llmplug.entrypoints.openai.backpressure import EventStreamResponse
 from llmplug.entrypoints.openai.errors import OpenAIError
+from llmplug.entrypoints.openai.image_inputs import ImageInputs
 from llmplug.entrypoints.openai.protocol import (
     IncompleteDetails,
     InputTokensDetails,
@@ -44,7 +45,7 @@ from llmplug.entrypoints.openai.serving_engine import (
     chat_logprobs,
     error_status,
     last_output,
-    message_text,
+    message_content,
     sse,
     until_disconnected,
 )
@@ -64,19 +65,31 @@ class OpenAIServingResponses(OpenAIServingChat):
         choice = tool_choice(body.tools, None if named else body.tool_choice, named, body.parallel_tool_calls,
                              self.parsers.auto_tool_choice)
         hint = self.parsers.tool_parser.format_hint if self.parsers.tool_parser else ""
-        messages, tool_kwargs = template_input(_messages(body), choice, self.template_takes_tools, hint)
+        images = ImageInputs()
+        rendered = _messages(body, images)
+        self.image_loader.check(images)
+        messages, tool_kwargs = template_input(rendered, choice, self.template_takes_tools, hint)
         template_kwargs = {**tool_kwargs, "add_generation_prompt": True}
-        prompt_text, prompt_ids = await self.renderer.render_chat(messages, template_kwargs)
+        prompt_text, prompt_ids = await self.renderer.render_chat(messages, template_kwargs,
+                                                                  has_images=bool(images.refs))
         max_tokens = self.max_tokens(body.max_output_tokens, len(prompt_ids), "max_output_tokens", "input")
+        pictures = await self.image_loader.load(images)
+        if pictures:  # the processor's expansion adds tokens: the engine gives what room is left (or a 400)
+            max_tokens = body.max_output_tokens
         reader, overrides = self.reply_plan(body, choice, prompt_text)
         params = self.sampling_params(body, max_tokens, body.top_logprobs, body.stream, **overrides)
         response_id = f"resp_{uuid.uuid4().hex}"
-        outputs = self.generate(prompt_text, prompt_ids, params, response_id, lora, priority=body.priority)
+        outputs = self.generate(prompt_text, prompt_ids, params, response_id, lora, priority=body.priority,
+                                images=pictures)
         builder = _ResponseBuilder(response_id, model, body, len(prompt_ids), reader)
         if body.stream:
             first = await until_disconnected(raw_request, anext(outputs))
+            if pictures:  # the prompt the engine runs holds their placeholders
+                builder.num_prompt_tokens = len(first.prompt_token_ids)
             return EventStreamResponse(builder.events(first, outputs), headers=SSE_HEADERS)
         final = await until_disconnected(raw_request, last_output(outputs))
+        if pictures:
+            builder.num_prompt_tokens = len(final.prompt_token_ids)
         completion = final.outputs[0]
         builder.add_tokens(completion, final.num_cached_tokens)
         builder.add_whole(completion.text)
@@ -92,8 +105,9 @@ def _check_supported(body: ResponsesRequest) -> None:
                                "send the whole conversation as input", param="previous_response_id")
 
 
-def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
-    """`instructions` as the system message, then the input: user text, or messages, calls and call results."""
+def _messages(body: ResponsesRequest, images: ImageInputs) -> list[dict[str, Any]]:
+    """`instructions` as the system message, then the input: user text, or messages (their images recorded in
+    `images`), calls and call results."""
     messages: list[dict[str, Any]] = [{"role": "system", "content": body.instructions}] if body.instructions else []
     if isinstance(body.input, str):
         return messages + [{"role": "user", "content": body.input}]
@@ -109,7 +123,7 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
             messages.append({"role": "tool", "content": item.output, "tool_call_id": item.call_id})
         else:
             role = "system" if item.role == "developer" else item.role
-            messages.append({"role": role, "content": message_text(item.content, f"input[{i}].content")})
+            messages.append({"role": role, "content": message_content(item.content, f"input[{i}].content", images)})
     if not messages:
         raise OpenAIError(400, "input must not be empty", param="input")
     return messages
