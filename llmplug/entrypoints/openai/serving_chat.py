@@ -91,6 +91,9 @@ class OpenAIServingChat(OpenAIServing):
                              body.parallel_tool_calls, self.parsers.auto_tool_choice)
         images = ImageInputs()
         prompt_text, prompt_ids = await self.render_prompt(body, choice, images)
+        if body.use_beam_search and images.refs:  # before any image is read
+            raise OpenAIError(400, "use_beam_search cannot be combined with images: the beams' steps are queued as "
+                                   "prompts of token ids, without the images", param="use_beam_search")
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.max_tokens(body.max_completion_tokens or body.max_tokens, len(prompt_ids), param, "messages")
         pictures = await self.image_loader.load(images)
@@ -102,9 +105,6 @@ class OpenAIServingChat(OpenAIServing):
                                       prompt_logprobs=body.prompt_logprobs, **overrides)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         beam = self.beam_search_params(body, params, lora)
-        if beam is not None and pictures:
-            raise OpenAIError(400, "use_beam_search cannot be combined with images: the beams' steps are queued as "
-                                   "prompts of token ids, without the images", param="use_beam_search")
         outputs = self.generate(prompt_text, prompt_ids, params, request_id, lora, beam, priority=body.priority,
                                 images=pictures)
         if body.stream:

@@ -492,3 +492,20 @@ def test_llava_limit_and_bad_image_then_next_request(llava_server, images):
     assert status == 400 and "messages[0].content[1]" in assert_openai_error(body, 400)["message"]
     status, body, _ = post(llava_server, CHAT, {"messages": conversation("shapes", images=images), "max_tokens": 2})
     assert status == 200, body
+
+
+def test_llava_max_tokens_past_the_context_with_the_image_tokens(llava_server, llava_offline, images):
+    """The image's tokens count against the context: max_tokens that fits the text alone is a 400 naming it."""
+    room = LLAVA_KWARGS["max_model_len"] - len(llava_offline["gradient"].prompt_token_ids)
+    request = {"messages": conversation("gradient", images=images), "max_tokens": room + 1}
+    status, body, _ = post(llava_server, CHAT, request)
+    error = assert_openai_error(body, 400)
+    assert status == 400 and error["param"] == "max_tokens", error
+    status, body, _ = post(llava_server, CHAT, {**request, "max_tokens": room})
+    assert status == 200 and body["usage"]["completion_tokens"] <= room, body
+
+
+def test_beam_search_with_images_is_a_400(llava_server, images):
+    request = {"messages": conversation("gradient", images=images), "max_tokens": 2, "use_beam_search": True, "n": 2}
+    status, body, _ = post(llava_server, CHAT, request)
+    assert status == 400 and assert_openai_error(body, 400)["param"] == "use_beam_search"
