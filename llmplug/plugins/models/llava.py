@@ -75,7 +75,7 @@ class LlavaForConditionalGeneration(nn.Module):
         num_layers = 1 if isinstance(layer, int) else len(layer)
         self.multi_modal_projector = MLPProjector(
             vision.hidden_size * num_layers, config.text_config.hidden_size, config.projector_hidden_act,
-            bias=bool(getattr(config, "multimodal_projector_bias", True)),
+            bias=bool(config.multimodal_projector_bias),
             prefix=_join(prefix, "multi_modal_projector"))
         cls = _language_model_class(config.text_config)
         self.language_model = cls(config=config.text_config, prefix=_join(prefix, "language_model"))
