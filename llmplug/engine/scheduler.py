@@ -16,6 +16,10 @@ holds no KV blocks, and finishes in the step that ran it. A pooling engine has n
 
 With LoRA, the running requests use at most `max_loras` distinct adapters (the worker's device
 slots): a waiting request of another adapter waits until one of them has no running request left.
+
+A request with images (`mm_features`) is chunked like any other, anywhere inside an image's placeholders;
+a chunk only stops before an image whose encoder output is not cached when the step's encoder budget or
+the encoder cache cannot take it (engine/encoder_cache.py).
 """
 
 from __future__ import annotations
