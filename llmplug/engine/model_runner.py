@@ -327,7 +327,8 @@ class ModelRunner:
         attn_metadata = self.attn_backend.build_metadata(batch.common)
         model_kwargs = self._model_kwargs(scheduler_output)
         lora_mapping = self._lora_mapping(scheduler_output, batch)
-        mm_chunks = self._mm_chunks(scheduler_output)  # the encoder runs outside the step's attention context
+        # the encoder runs outside the step's attention context; a request whose image fails to encode ends alone
+        mm_chunks, mm_failed = self._mm_chunks(scheduler_output)
         try:
             with forward_context(attn_metadata, batch.recurrent, lora_mapping):
                 embeds_chunks = self._prompt_embeds_chunks(requests) + mm_chunks
@@ -340,13 +341,15 @@ class ModelRunner:
             self._discard_step(batch)
             raise
         if hidden_states is None:  # an earlier pipeline stage: the last one samples
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], failed=mm_failed)
         if self.pooling_info is not None:  # a pooling engine: every request pools
             pooled, failed = self._pool(scheduler_output, batch, hidden_states)
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], pooler_output=pooled, failed=failed)
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], pooler_output=pooled,
+                                     failed={**failed, **mm_failed})
         prompt_logprobs = self._prompt_logprobs(scheduler_output, batch, hidden_states, lora_mapping)
         if not batch.sample_req_ids:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], prompt_logprobs=prompt_logprobs)
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], prompt_logprobs=prompt_logprobs,
+                                     failed=mm_failed)
         logits = self._compute_logits(hidden_states, batch.sample_indices, lora_mapping)
         req_ids = batch.sample_req_ids
         drafts = {r.req_id: r for r in scheduler_output.requests if r.spec_token_ids}
@@ -357,6 +360,7 @@ class ModelRunner:
         if self.eagle is not None:
             output.draft_token_ids = self.eagle.propose(scheduler_output, hidden_states, output, self)
         output.prompt_logprobs = prompt_logprobs
+        output.failed.update(mm_failed)
         return output
 
     def _discard_step(self, batch: BatchInputs) -> None:
@@ -389,22 +393,30 @@ class ModelRunner:
             row += len(r.token_ids)
         return chunks
 
-    def _mm_chunks(self, scheduler_output: SchedulerOutput) -> list[tuple[int, torch.Tensor]]:
+    def _mm_chunks(self, scheduler_output: SchedulerOutput) -> tuple[list[tuple[int, torch.Tensor]], dict[str, str]]:
         """(first row in the step, rows) of the encoder outputs that fill the step's image placeholders, computing
-        the images not cached (each once, whatever the chunking) after dropping those the scheduler evicted."""
+        the images not cached (each once, whatever the chunking) after dropping those the scheduler evicted; and
+        the requests whose image failed to encode, with why (they end; their rows keep the placeholder
+        embeddings, which no other request attends to, and their blocks are never named in the prefix cache)."""
         self.encoder_cache.drop(scheduler_output.free_encoder_identifiers)
         if not self.mm_features:
-            return []
-        chunks, row = [], 0
+            return [], {}
+        chunks, failed, row = [], {}, 0
         for r in scheduler_output.requests:
             features = self.mm_features.get(r.req_id)
             start, end = r.num_computed_tokens, r.num_computed_tokens + len(r.token_ids)
             if features and features[-1].end > start:
                 needed = [f for f in features if f.offset < end and f.end > start]
-                self.encoder_cache.ensure(self.model, needed, self.device, self.dtype)
-                chunks += [(row + offset, rows) for offset, rows in self.encoder_cache.step_rows(needed, start, end)]
+                try:
+                    self.encoder_cache.ensure(self.model, needed, self.device, self.dtype)
+                except Exception as error:  # this request's image: the batch goes on without it
+                    logger.warning("request %s: encoding its image failed: %r", r.req_id, error)
+                    failed[r.req_id] = f"encoding its image failed: {error!r}"
+                else:
+                    chunks += [(row + offset, rows)
+                               for offset, rows in self.encoder_cache.step_rows(needed, start, end)]
             row += len(r.token_ids)
-        return chunks
+        return chunks, failed
 
     def _model_kwargs(self, scheduler_output: SchedulerOutput) -> dict[str, torch.Tensor]:
         """Inputs beyond token ids and positions: token types (segments of text pairs) for models that take them."""

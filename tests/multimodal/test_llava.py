@@ -305,3 +305,34 @@ def test_resetting_the_prefix_cache_drops_the_encoder_outputs_too(tiny_llava, im
     again = llm.generate(prompt, greedy(), use_tqdm=False)[0]
     assert cache.num_encoder_calls == 2 and again.num_cached_tokens == 0 and len(cache.outputs) == 1
     llm.shutdown()
+
+
+def test_an_image_that_fails_to_encode_ends_only_its_own_request(tiny_llava, images, monkeypatch):
+    """The encoder raises for one image: that request ends with the error, the other image request and a text
+    request in the same steps are answered as transformers answers them, and no block of the failed request is
+    left named in the prefix cache — the same image, once it encodes, is computed afresh and answered right."""
+    llm = make_llm(tiny_llava)
+    model = engine_runner(llm).model
+    g, s = images["gradient"], images["shapes"]
+    real = model.embed_multimodal
+    broken = tiny_llava.processor(text=ONE, images=[s], return_tensors="pt")["pixel_values"]
+
+    def flaky(**data):
+        if torch.equal(data["pixel_values"].reshape(broken.shape), broken):
+            raise RuntimeError("vision tower out of memory")
+        return real(**data)
+
+    monkeypatch.setattr(model, "embed_multimodal", flaky)
+    text = "USER: What is in the picture? ASSISTANT:"
+    outs = llm.generate([{"prompt": ONE, "multi_modal_data": {"image": s}},
+                         {"prompt": ONE, "multi_modal_data": {"image": g}}, text], greedy(), use_tqdm=False)
+    failed = outs[0].outputs[0]
+    assert failed.finish_reason == "abort" and "vision tower out of memory" in failed.error
+    assert_matches_hf(tiny_llava, outs[1], ONE, [g])
+    assert outs[2].outputs[0].finish_reason == "length" and outs[2].outputs[0].error is None
+    monkeypatch.setattr(model, "embed_multimodal", real)
+    again = llm.generate({"prompt": ONE, "multi_modal_data": {"image": s}}, greedy(), use_tqdm=False)[0]
+    image_start = again.prompt_token_ids.index(tiny_llava.hf_model.config.image_token_index)
+    assert again.num_cached_tokens <= image_start  # nothing the failed request wrote past its text is reused
+    assert_matches_hf(tiny_llava, again, ONE, [s])
+    llm.shutdown()
