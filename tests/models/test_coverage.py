@@ -10,7 +10,10 @@ from .cases_transformers_backend import BACKEND_CASES, BACKEND_POOLING_CASES
 ALL_CASES = [*CASES, *POOLING_CASES, *BACKEND_CASES, *BACKEND_POOLING_CASES]
 # vision-language families, proven with images against transformers by their own tests (the harness's cases are
 # token prompts): architecture -> the test module
-MULTIMODAL_PARITY = {"LlavaForConditionalGeneration": "tests/multimodal/test_llava.py"}
+MULTIMODAL_PARITY = {
+    "LlavaForConditionalGeneration": "tests/multimodal/test_llava.py",
+    "Gemma3ForConditionalGeneration": "tests/multimodal/test_gemma3_vision.py",
+}
 
 
 def registered_architectures() -> set[str]:

@@ -1,0 +1,66 @@
+"""Gemma 3 with images (`Gemma3ForConditionalGeneration`): LLaVA's layout with other blocks — a SigLIP ViT whose
+last hidden state (post-norm applied) is average-pooled to `mm_tokens_per_image` rows by the Gemma 3 projector,
+and the Gemma 3 text decoder. Each image is one run of `image_token_id` placeholders between the processor's
+`<start_of_image>` and `<end_of_image>` tokens; the image rows are not scaled by sqrt(hidden) as the text
+embeddings are (as in transformers).
+
+Not yet exact with images: transformers lets each image's tokens attend to one another bidirectionally
+(`token_type_ids` -> a block mask over the causal one, prefill only); llmplug's paged attention is causal over
+every prompt token, so the image tokens' later rows (and what follows them) differ from transformers'. Text-only
+prompts are exact. The bidirectional block needs the image spans in the attention metadata, both backends'
+prefill masks and a scheduler that never splits an image across prefill chunks (docs/multimodal.md, Families).
+Pan-and-scan crops (several pixel rows per image) are refused when processing; the processor's default is off.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from llmplug.core.errors import ModelLoadError
+from llmplug.layers.vision import PooledProjector, VisionTransformer, vit_config
+from llmplug.plugins.models.gemma import Gemma3ForCausalLM
+from llmplug.plugins.models.llava import LlavaForConditionalGeneration
+
+__all__ = ["Gemma3ForConditionalGeneration"]
+
+logger = logging.getLogger(__name__)
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+class Gemma3ForConditionalGeneration(LlavaForConditionalGeneration):
+    """Gemma 3: SigLIP ViT -> pooled projector -> image rows in the Gemma 3 decoder's input embeddings (LLaVA's
+    checkpoint layouts, weight routing, embedding and logits, inherited)."""
+
+    def __init__(self, *, config: PretrainedConfig, prefix: str = "") -> None:
+        nn.Module.__init__(self)  # LLaVA's parts are built differently here; its other methods are shared
+        self.config = config
+        if config.text_config.model_type != "gemma3_text":
+            raise ModelLoadError(f"Gemma 3 with a {config.text_config.model_type!r} language model is not Gemma 3")
+        self.image_token_id = int(config.image_token_id)
+        vision = vit_config(config.vision_config)
+        self.vision_tower = VisionTransformer(vision, None, prefix=_join(prefix, "vision_tower"))
+        self.multi_modal_projector = PooledProjector(
+            vision.hidden_size, config.text_config.hidden_size, vision.grid_size, config.mm_tokens_per_image,
+            vision.eps, prefix=_join(prefix, "multi_modal_projector"),
+        )
+        self.language_model = Gemma3ForCausalLM(config=config.text_config, prefix=_join(prefix, "language_model"))
+        logger.warning("Gemma 3 image tokens attend causally here; transformers lets each image's tokens see one "
+                       "another, so answers about images may differ from transformers' (text-only prompts are exact)")
+
+    @classmethod
+    def batch_invariance_gap(cls, config: PretrainedConfig) -> str | None:
+        """The language model's (each image is encoded alone, so its rows never depend on the batch)."""
+        return Gemma3ForCausalLM.batch_invariance_gap(config.text_config)
+
+    def embed_multimodal(self, pixel_values: torch.Tensor, **_: Any) -> list[torch.Tensor]:
+        """pixel_values [B, C, H, W] -> one [mm_tokens_per_image, hidden] tensor per image: its placeholder rows."""
+        features = self.vision_tower(pixel_values)  # [B, patches, vision_hidden], post-normed
+        return list(self.multi_modal_projector(features))  # B x [mm_tokens_per_image, hidden]
