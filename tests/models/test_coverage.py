@@ -12,6 +12,7 @@ ALL_CASES = [*CASES, *POOLING_CASES, *BACKEND_CASES, *BACKEND_POOLING_CASES]
 # token prompts): architecture -> the test module
 MULTIMODAL_PARITY = {
     "LlavaForConditionalGeneration": "tests/multimodal/test_llava.py",
+    "LlavaNextForConditionalGeneration": "tests/multimodal/test_llava_next.py",
     "Gemma3ForConditionalGeneration": "tests/multimodal/test_gemma3_vision.py",
 }
 

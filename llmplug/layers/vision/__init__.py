@@ -3,13 +3,17 @@
 Exports the ViT (`VisionTransformer`, built from a `ViTConfig` that `vit_config` reads from a CLIP or
 SigLIP vision config; `ViTLayout` / `VIT_LAYOUTS` are the per-family flags) and the projectors
 (`MLPProjector` for LLaVA, `PooledProjector` for Gemma 3, `PixelShuffleConnector` for Idefics3 / SmolVLM,
-with `pixel_shuffle`). Each loads transformers' checkpoint names through its own `load_weights`.
+with `pixel_shuffle`), and the any-resolution tiling of LLaVA-NeXT (`AnyResGrid`: tile counts and the packing
+of the tiles' rows, with `select_best_resolution` and `unpad_features`). Each loads transformers' checkpoint
+names through its own `load_weights`.
 """
 
+from llmplug.layers.vision.anyres import AnyResGrid, select_best_resolution, unpad_features
 from llmplug.layers.vision.projectors import MLPProjector, PixelShuffleConnector, PooledProjector, pixel_shuffle
 from llmplug.layers.vision.vit import VIT_LAYOUTS, ViTConfig, ViTLayout, VisionTransformer, vit_config
 
 __all__ = [
+    "AnyResGrid",
     "MLPProjector",
     "PixelShuffleConnector",
     "PooledProjector",
@@ -18,5 +22,7 @@ __all__ = [
     "ViTLayout",
     "VisionTransformer",
     "pixel_shuffle",
+    "select_best_resolution",
+    "unpad_features",
     "vit_config",
 ]

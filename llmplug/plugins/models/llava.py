@@ -6,6 +6,10 @@ and the two-layer GELU MLP projector. One image is one run of `image_token_index
 Checkpoints come in transformers 5's layout (`model.language_model.*`, `model.vision_tower.*`,
 `model.multi_modal_projector.*`, `lm_head.*`) and the older one (`language_model.model.*`,
 `language_model.lm_head.*`, `vision_tower.*`, `multi_modal_projector.*`, which transformers still saves).
+
+LLaVA-NeXT (`LlavaNextForConditionalGeneration`, llava-v1.6) is LLaVA 1.5 with any-resolution images: each image
+comes as a base tile plus the tiles of a grid chosen from `image_grid_pinpoints`, all encoded and projected alike,
+then packed with a learned `image_newline` row after each row of the tiles' feature map (layers/vision/anyres.py).
 """
 
 from __future__ import annotations
@@ -18,10 +22,10 @@ from transformers import PretrainedConfig
 
 from llmplug.core.errors import ModelLoadError
 from llmplug.layers.decoder import DecoderForCausalLM
-from llmplug.layers.vision import MLPProjector, VisionTransformer, vit_config
+from llmplug.layers.vision import AnyResGrid, MLPProjector, VisionTransformer, vit_config
 from llmplug.plugins.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 
-__all__ = ["LlavaForConditionalGeneration"]
+__all__ = ["LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration"]
 
 # text_config.model_type -> the decoder family that runs it
 LANGUAGE_MODELS: dict[str, type[DecoderForCausalLM]] = {
@@ -96,10 +100,14 @@ class LlavaForConditionalGeneration(nn.Module):
 
     def embed_multimodal(self, pixel_values: torch.Tensor, **_: Any) -> list[torch.Tensor]:
         """pixel_values [B, C, H, W] -> one [patches, hidden] tensor per image: its placeholder rows."""
+        return list(self.encode_images(pixel_values))  # B x [patches, hidden]
+
+    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """pixel_values [B, C, H, W] -> projected patch features [B, patches, hidden] (class token dropped)."""
         features = self.vision_tower(pixel_values)  # [B, 1 + patches, vision_hidden * feature layers]
         if self.drop_class_token:
             features = features[:, 1:]
-        return list(self.multi_modal_projector(features))  # B x [patches, hidden]
+        return self.multi_modal_projector(features)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors: Any = None,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
@@ -129,6 +137,45 @@ class LlavaForConditionalGeneration(nn.Module):
         for part, part_weights in parts.items():
             loaded |= {f"{part}.{name}" for name in getattr(self, part).load_weights(part_weights)}
         return loaded
+
+
+class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
+    """LLaVA-NeXT: LLaVA 1.5's tower, projector and decoder over anyres tiles, packed with `image_newline` rows."""
+
+    NEWLINE_NAMES = ("model.image_newline", "image_newline")  # the checkpoint layouts of transformers 5 and before
+
+    def __init__(self, *, config: PretrainedConfig, prefix: str = "") -> None:
+        super().__init__(config=config, prefix=prefix)
+        vision = config.vision_config
+        if not self.drop_class_token and vit_config(vision).layout.class_token:
+            raise ModelLoadError("vision_feature_select_strategy 'full' keeps the class token, which anyres tiles "
+                                 "cannot be laid out with; LLaVA-NeXT checkpoints use 'default'")
+        pinpoints = tuple((int(h), int(w)) for h, w in config.image_grid_pinpoints)
+        self.grid = AnyResGrid(pinpoints, vision.image_size, vision.image_size // vision.patch_size)
+        self.image_newline = nn.Parameter(torch.empty(config.text_config.hidden_size))
+
+    def embed_multimodal(self, pixel_values: torch.Tensor, image_sizes: torch.Tensor,
+                         **_: Any) -> list[torch.Tensor]:
+        """pixel_values [1, tiles (+ batch padding), C, H, W], image_sizes [1, 2] (height, width) -> one
+        [rows, hidden] tensor: the base tile's rows and the unpadded tile map's, a newline row after each row."""
+        image_size = (int(image_sizes[0, 0]), int(image_sizes[0, 1]))
+        tiles = pixel_values[0, : self.grid.num_tiles(image_size)]  # the processor pads to a prompt's most tiles
+        features = self.encode_images(tiles)  # [1 + grid tiles, patches, hidden]
+        return [self.grid.pack(features, image_size, self.image_newline)]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """`image_newline` here, the rest routed as LLaVA 1.5's."""
+        loaded: set[str] = set()
+
+        def others() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                if name in self.NEWLINE_NAMES:
+                    self.image_newline.data.copy_(tensor)
+                    loaded.add("image_newline")
+                else:
+                    yield name, tensor
+
+        return super().load_weights(others()) | loaded
 
 
 def _join(prefix: str, name: str) -> str:
