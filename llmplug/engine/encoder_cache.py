@@ -88,7 +88,7 @@ class EncoderCacheManager:
 
 
 class EncoderCache:
-    """The encoder outputs the model runner holds, by identifier: [num_placeholder_tokens, hidden] each."""
+    """The encoder outputs the model runner holds, by identifier: [num_embeds, hidden] each."""
 
     def __init__(self) -> None:
         self.outputs: dict[str, torch.Tensor] = {}
@@ -106,19 +106,17 @@ class EncoderCache:
                 continue
             data = {k: v.to(device, dtype if v.is_floating_point() else v.dtype) for k, v in feature.data.items()}
             (rows,) = model.embed_multimodal(**data)  # [length, hidden]
-            if rows.shape[0] != feature.length:
+            if rows.shape[0] != feature.num_embeds:
                 raise RuntimeError(f"{type(model).__name__}.embed_multimodal returned {rows.shape[0]} rows for an "
-                                   f"{feature.modality} of {feature.length} placeholder tokens")
+                                   f"{feature.modality} of {feature.num_embeds} placeholder tokens")
             self.outputs[feature.identifier] = rows
             self.num_encoder_calls += 1
 
     def step_rows(self, features: list[MultiModalFeature], start: int, end: int) -> list[tuple[int, torch.Tensor]]:
         """(offset from `start`, rows) of the encoder outputs that fill placeholders of tokens [start, end) — a
-        chunk may start or end anywhere inside an item."""
+        chunk may start or end anywhere inside an item, and an item's placeholders may be several runs."""
         chunks = []
         for feature in features:
-            lo, hi = max(start, feature.offset), min(end, feature.end)
-            if lo < hi:
-                rows = self.outputs[feature.identifier][lo - feature.offset : hi - feature.offset]
-                chunks.append((lo - start, rows))
+            for lo, hi, first_row in feature.embed_runs(start, end):
+                chunks.append((lo - start, self.outputs[feature.identifier][first_row : first_row + hi - lo]))
         return chunks

@@ -45,12 +45,49 @@ class MultiModalFeature:
     identifier: str  # content hash of `data`: equal processed images, equal identifier (encoder cache, block hashes)
     data: dict[str, torch.Tensor]  # the processor's tensors for this item alone, e.g. pixel_values [1, 3, H, W]
     offset: int  # its first placeholder token in the prompt
-    length: int  # its placeholder tokens: the rows `embed_multimodal` returns for it
+    length: int  # tokens of its span, from its first placeholder to its last
+    # which tokens of the span take the encoder's rows (vLLM's PlaceholderRange.is_embed): None when all do; an item
+    # whose placeholders are split into runs by text tokens (Idefics3's tiles and their <row_i_col_j> tags) has one
+    is_embed: torch.Tensor | None = None  # bool [length]
 
     @property
     def end(self) -> int:
         """One past its last placeholder token."""
         return self.offset + self.length
+
+    @property
+    def num_embeds(self) -> int:
+        """The rows `embed_multimodal` returns for it: its placeholder tokens."""
+        return self.length if self.is_embed is None else int(self.is_embed.sum())
+
+    def embed_runs(self, start: int, end: int) -> list[tuple[int, int, int]]:
+        """(first token, one past the last, first encoder row) of each run of its placeholders within tokens
+        [start, end) — a chunk may start or end anywhere inside the item."""
+        lo, hi = max(start, self.offset), min(end, self.end)
+        if lo >= hi:
+            return []
+        if self.is_embed is None:
+            return [(lo, hi, lo - self.offset)]
+        rows_before = torch.cumsum(self.is_embed, 0) - self.is_embed.long()  # [length]: rows before each token
+        runs = []
+        for run_lo, run_hi in _true_runs(self.is_embed[lo - self.offset : hi - self.offset].tolist()):
+            runs.append((lo + run_lo, lo + run_hi, int(rows_before[lo - self.offset + run_lo])))
+        return runs
+
+
+def _true_runs(flags: list[bool]) -> list[tuple[int, int]]:
+    """(start, end) of each run of True in `flags`."""
+    runs, i = [], 0
+    while i < len(flags):
+        if flags[i]:
+            j = i
+            while j < len(flags) and flags[j]:
+                j += 1
+            runs.append((i, j))
+            i = j
+        else:
+            i += 1
+    return runs
 
 
 def check_engine(config: EngineConfig, model: Any) -> None:
@@ -173,12 +210,32 @@ class MultiModalProcessor:
             else:  # token ids: each single placeholder becomes the run the processor makes of it
                 out = self._call(text=[self.placeholder * len(images)], images=images)
                 ids = self._expand(token_ids, out["input_ids"][0].tolist(), len(images))
-        spans = self._spans(ids, len(images))
-        items = _split_items({k: v for k, v in out.items() if k not in TEXT_KEYS and torch.is_tensor(v)},
-                             len(images))
-        features = [MultiModalFeature("image", content_hash(data), data, offset, length)
-                    for data, (offset, length) in zip(items, spans)]
+        tensors = {k: v for k, v in out.items() if k not in TEXT_KEYS and torch.is_tensor(v)}
+        runs = _true_runs([t == self.image_token_id for t in ids])
+        # an image as several runs of placeholders, or a prompt's tiles in one row: ask the processor whose is which
+        laid_out = len(runs) == len(images) and all(t.shape[0] == len(images) for t in tensors.values())
+        counts = None if laid_out else self._counts(images)
+        spans = self._spans(runs, ids, len(images), counts and counts["num_image_tokens"])
+        items = _split_items(tensors, len(images), counts and counts["num_image_patches"])
+        features = [MultiModalFeature("image", content_hash(data), data, offset, length, is_embed)
+                    for data, (offset, length, is_embed) in zip(items, spans)]
         return ids, features
+
+    def _counts(self, images: list[Image.Image]) -> dict[str, list[int]] | None:
+        """Each image's placeholder tokens and tiles as the processor reckons them (transformers'
+        `_get_num_multimodal_tokens`), for prompts where an image is several runs of placeholders or several tiles;
+        None when the processor does not tell."""
+        count = getattr(self.hf_processor, "_get_num_multimodal_tokens", None)
+        if count is None:
+            return None
+        try:
+            data = count(image_sizes=[(image.height, image.width) for image in images])
+        except (NotImplementedError, TypeError, ValueError, KeyError, AttributeError):
+            return None  # not implemented for this processor's options: the runs alone decide, or the prompt is refused
+        tokens, patches = getattr(data, "num_image_tokens", None), getattr(data, "num_image_patches", None)
+        if tokens is None or patches is None:
+            return None
+        return {"num_image_tokens": list(tokens), "num_image_patches": list(patches)}
 
     def _call(self, **kwargs: Any) -> Any:
         try:
@@ -201,40 +258,63 @@ class MultiModalProcessor:
                 f"prompt_token_ids hold {token_ids.count(self.image_token_id)} image placeholders (token "
                 f"{self.image_token_id}), but {num_images} images were given: put one per image",
                 param="prompt_token_ids")
+        plain = self._tokenize(self.placeholder * num_images)
+        if len(processed) - num_expanded != len(plain) - plain.count(self.image_token_id):
+            raise InvalidRequestError(
+                "this model's processor expands an image into placeholder and other tokens (tile tags, image "
+                "delimiters), which a token-id prompt cannot be expanded into: send the prompt as text, or "
+                "prompt_token_ids holding each image's expansion already", param="prompt_token_ids")
         run = [self.image_token_id] * (num_expanded // num_images)
         return [t for token in token_ids for t in (run if token == self.image_token_id else [token])]
 
-    def _spans(self, ids: list[int], num_images: int) -> list[tuple[int, int]]:
-        """(offset, length) of each image's placeholders: one run of placeholder tokens per image; runs that touch
-        are split into equal parts (every image of the prompt expands alike)."""
-        runs, i = [], 0
-        while i < len(ids):
-            if ids[i] == self.image_token_id:
-                j = i
-                while j < len(ids) and ids[j] == self.image_token_id:
-                    j += 1
-                runs.append((i, j - i))
-                i = j
-            else:
-                i += 1
+    def _spans(self, runs: list[tuple[int, int]], ids: list[int], num_images: int,
+               num_tokens: list[int] | None = None) -> list[tuple[int, int, torch.Tensor | None]]:
+        """(offset, length, is_embed) of each image's span, from the (start, end) `runs` of placeholders in `ids`:
+        one run per image; else the processor's count of each image's placeholders (`num_tokens`), each image's
+        span then running from its first placeholder to its last, its text tokens masked out; else runs that touch
+        split into equal parts (every image of the prompt expands alike)."""
         if len(runs) == num_images:
-            return runs
-        total = sum(length for _, length in runs)
+            return [(start, end - start, None) for start, end in runs]
+        total = sum(end - start for start, end in runs)
+        if num_tokens is not None and len(num_tokens) == num_images and sum(num_tokens) == total:
+            return self._grouped_spans(ids, num_tokens)
         if len(runs) < num_images and total % num_images == 0:
             each = total // num_images
-            return [(offset + k * each, each) for offset, length in runs for k in range(length // each)]
+            return [(start + k * each, each, None) for start, end in runs for k in range((end - start) // each)]
         raise InvalidRequestError(
             f"the prompt holds {len(runs)} image placeholder runs for {num_images} images: write the placeholder "
             f"{self.placeholder!r} once per image", param="multi_modal_data")
 
+    def _grouped_spans(self, ids: list[int], num_tokens: list[int]) -> list[tuple[int, int, torch.Tensor | None]]:
+        """Consecutive placeholders grouped `num_tokens[i]` to image i; each span's mask marks its placeholders."""
+        ids_t = torch.tensor(ids)
+        positions = (ids_t == self.image_token_id).nonzero().flatten().tolist()
+        spans, first = [], 0
+        for count in num_tokens:
+            offset, end = positions[first], positions[first + count - 1] + 1
+            is_embed = ids_t[offset:end] == self.image_token_id
+            spans.append((offset, end - offset, None if bool(is_embed.all()) else is_embed))
+            first += count
+        return spans
 
-def _split_items(tensors: dict[str, torch.Tensor], num_items: int) -> list[dict[str, torch.Tensor]]:
-    """Each item's own slice of the processor's batched tensors (first dimension: one row per item)."""
+
+def _split_items(tensors: dict[str, torch.Tensor], num_items: int,
+                 num_tiles: list[int] | None = None) -> list[dict[str, torch.Tensor]]:
+    """Each item's own slice of the processor's batched tensors: one row per item along the first dimension, or,
+    for a processor that lays one prompt's tiles out along the second ([1, tiles, ...], Idefics3's), each item's
+    `num_tiles` of them (kept as [1, its tiles, ...])."""
+    items: list[dict[str, torch.Tensor]] = [{} for _ in range(num_items)]
     for name, tensor in tensors.items():
-        if tensor.shape[0] != num_items:
+        if tensor.shape[0] == num_items:
+            parts = tensor.split(1)
+        elif tensor.shape[0] == 1 and tensor.dim() > 1 and num_tiles and sum(num_tiles) == tensor.shape[1]:
+            parts = tensor.split(num_tiles, dim=1)
+        else:
             raise InvalidRequestError(f"the processor's {name} has {tensor.shape[0]} rows for {num_items} images; "
                                       "this model's processor is not supported", param="multi_modal_data")
-    return [{name: tensor[i : i + 1].contiguous() for name, tensor in tensors.items()} for i in range(num_items)]
+        for item, part in zip(items, parts):
+            item[name] = part.contiguous()
+    return items
 
 
 IMAGE_PART_TYPES = ("image_url", "image_pil", "image")  # OpenAI's, and vLLM's offline forms

@@ -70,3 +70,21 @@ def test_block_hashes_name_the_images_in_the_block():
     assert block_extra_keys(x, 1, 4) == (("x", 0),) and block_extra_keys(y, 1, 4) == (("y", 0),)
     assert block_extra_keys(x, 2, 4) == (("x", 4),)  # where in the image the block starts
     assert block_extra_keys(x, 5, 4) == ()
+
+
+def test_an_item_split_into_runs_fills_only_its_masked_tokens_however_chunked():
+    """An image whose placeholders are runs with text between them (Idefics3's tile tags): one item over the whole
+    span, an is_embed mask, one encoder row per masked token — in order, whatever the chunk boundaries."""
+    from llmplug.engine.encoder_cache import EncoderCache
+
+    mask = torch.tensor([1, 1, 0, 0, 1, 1, 1, 0, 1], dtype=torch.bool)
+    item = MultiModalFeature("image", "x", {"pixel_values": torch.zeros(1)}, 5, len(mask), mask)
+    assert (item.num_embeds, item.end) == (6, 14)
+    cache = EncoderCache()
+    cache.outputs["x"] = torch.arange(6.0)[:, None]  # [num_embeds, hidden]
+    for chunk in (1, 2, 3, 4, 20):
+        filled = {}
+        for start in range(0, 20, chunk):
+            for offset, rows in cache.step_rows([item], start, start + chunk):
+                filled.update({start + offset + k: int(row) for k, row in enumerate(rows)})
+        assert filled == {5: 0, 6: 1, 9: 2, 10: 3, 11: 4, 13: 5}, chunk
