@@ -218,3 +218,18 @@ def test_tensor_parallel_ranks_each_compute_the_whole_output() -> None:
         expected = hidden @ w["linear_2.weight"].T + w["linear_2.bias"]
     for out in run_ranks(_vit_and_projector_on_this_rank, world_size=2):
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("size", [(38, 38), (24, 40)], ids=["trained_grid", "other_grid"])
+def test_idefics3_bucketed_positions_equal_transformers(size: tuple[int, int]) -> None:
+    """Idefics3 / SmolVLM's ViT: position ids bucketed from fractional coordinates, which on a 19 x 19 trained grid
+    map some patches to a neighbour's id (float32), and on another full grid stretch it over the trained table."""
+    from transformers import Idefics3VisionConfig
+    from transformers.models.idefics3.modeling_idefics3 import Idefics3VisionTransformer
+
+    torch.manual_seed(0)
+    hf = Idefics3VisionTransformer(Idefics3VisionConfig(**{**SHAPE, "image_size": 38}, patch_size=2)).eval()
+    ours = _load(VisionTransformer(vit_config(hf.config)), hf)
+    pixels = torch.randn(2, 3, *size, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(pixels), hf(pixels).last_hidden_state, atol=1e-5, rtol=1e-5)

@@ -1,13 +1,18 @@
-"""One vision transformer (ViT) for the CLIP and SigLIP families, its variants as data (`ViTConfig`).
+"""One vision transformer (ViT) for the CLIP, SigLIP and Idefics3 families, its variants as data (`ViTConfig`).
 
 An image becomes a grid of patch embeddings (a strided conv), optionally led by a learned class token,
 plus learned position embeddings; then an optional pre-norm and pre-LN encoder layers (bidirectional
 attention over one image's patches, a two-layer MLP). The families differ only in flags:
 
-| family | class token | patch-conv bias | pre-norm | post-norm      | activation        |
-|--------|-------------|-----------------|----------|----------------|-------------------|
-| CLIP   | yes         | no              | yes      | the pooled CLS | quick_gelu        |
-| SigLIP | no          | yes             | no       | every token    | gelu_pytorch_tanh |
+| family            | class token | patch-conv bias | pre-norm | post-norm      | activation        | positions |
+|-------------------|-------------|-----------------|----------|----------------|-------------------|-----------|
+| CLIP              | yes         | no              | yes      | the pooled CLS | quick_gelu        | resized   |
+| SigLIP            | no          | yes             | no       | every token    | gelu_pytorch_tanh | resized   |
+| Idefics3, SmolVLM | no          | yes             | no       | every token    | gelu_pytorch_tanh | bucketed  |
+
+Positions for a grid other than the trained one: "resized" interpolates the learned table bicubically; "bucketed"
+(Idefics3's NaViT-style embeddings) gives patch (i, j) of a rows x cols grid the trained grid's entry at the bucket
+of its fractional coordinates (i / rows, j / cols), computed in float32 exactly as transformers does.
 
 A vision-language model takes the hidden states of one encoder layer (`feature_layer`, indexed like
 transformers' `hidden_states`: 0 is the embeddings' output, -1 the last layer's, -2 the one before), so
@@ -48,12 +53,17 @@ class ViTLayout:
     patch_bias: bool  # the patch conv has a bias
     pre_norm: bool  # a LayerNorm on the embeddings before the first layer (CLIP's `pre_layrnorm`)
     post_norm: PostNorm  # `post_layernorm` on the pooled class token only, or on every token of the output
+    bucketed_positions: bool = False  # position ids by fractional-coordinate buckets (the module doc), not resizing
 
 
 # HF vision config `model_type` -> its family's layout
 VIT_LAYOUTS: dict[str, ViTLayout] = {
     "clip_vision_model": ViTLayout(class_token=True, patch_bias=False, pre_norm=True, post_norm="pooled"),
     "siglip_vision_model": ViTLayout(class_token=False, patch_bias=True, pre_norm=False, post_norm="tokens"),
+    "idefics3_vision": ViTLayout(class_token=False, patch_bias=True, pre_norm=False, post_norm="tokens",
+                                 bucketed_positions=True),
+    "smolvlm_vision": ViTLayout(class_token=False, patch_bias=True, pre_norm=False, post_norm="tokens",
+                                bucketed_positions=True),
 }
 
 
@@ -152,12 +162,27 @@ class VisionEmbeddings(nn.Module):
         """[(1 +) rows * cols, hidden]: the learned table, resized when the grid is not the trained one."""
         table = self.position_embedding.weight  # [num_positions, hidden]
         g = self.config.grid_size
+        if self.config.layout.bucketed_positions:
+            return table[_bucketed_position_ids(rows, cols, g).to(table.device)]
         if (rows, cols) == (g, g):
             return table
         lead = int(self.config.layout.class_token)
         grid = table[lead:].reshape(1, g, g, -1).permute(0, 3, 1, 2)  # [1, hidden, g, g]
         grid = F.interpolate(grid, size=(rows, cols), mode="bicubic", align_corners=False)
         return torch.cat([table[:lead], grid.permute(0, 2, 3, 1).reshape(rows * cols, -1)])
+
+
+def _bucketed_position_ids(rows: int, cols: int, grid: int) -> torch.Tensor:
+    """[rows * cols] ids into a grid x grid table: each patch's fractional coordinates bucketed as transformers'
+    Idefics3VisionEmbeddings does (float32, so even a trained-size grid may map a patch to its neighbour's id)."""
+    boundaries = torch.arange(1 / grid, 1.0, 1 / grid)
+
+    def buckets(n: int) -> torch.Tensor:
+        step = 1.0 / torch.tensor([n])  # float32, as transformers computes it from the patch mask's counts
+        fractions = torch.clamp(torch.arange(n, dtype=torch.float32) * step, max=1.0 - 1e-6)
+        return torch.bucketize(fractions, boundaries, right=True)
+
+    return (buckets(rows)[:, None] * grid + buckets(cols)[None, :]).flatten()
 
 
 class VisionAttention(nn.Module):
