@@ -14,6 +14,8 @@ MULTIMODAL_PARITY = {
     "LlavaForConditionalGeneration": "tests/multimodal/test_llava.py",
     "LlavaNextForConditionalGeneration": "tests/multimodal/test_llava_next.py",
     "Gemma3ForConditionalGeneration": "tests/multimodal/test_gemma3_vision.py",
+    "Idefics3ForConditionalGeneration": "tests/multimodal/test_idefics3.py",
+    "SmolVLMForConditionalGeneration": "tests/multimodal/test_idefics3.py",
 }
 
 
