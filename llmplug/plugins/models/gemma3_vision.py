@@ -24,15 +24,11 @@ from transformers import PretrainedConfig
 from llmplug.core.errors import ModelLoadError
 from llmplug.layers.vision import PooledProjector, VisionTransformer, vit_config
 from llmplug.plugins.models.gemma import Gemma3ForCausalLM
-from llmplug.plugins.models.llava import LlavaForConditionalGeneration
+from llmplug.plugins.models.llava import LlavaForConditionalGeneration, _join
 
 __all__ = ["Gemma3ForConditionalGeneration"]
 
 logger = logging.getLogger(__name__)
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
 
 
 class Gemma3ForConditionalGeneration(LlavaForConditionalGeneration):
@@ -40,25 +36,26 @@ class Gemma3ForConditionalGeneration(LlavaForConditionalGeneration):
     checkpoint layouts, weight routing, embedding and logits, inherited)."""
 
     def __init__(self, *, config: PretrainedConfig, prefix: str = "") -> None:
-        nn.Module.__init__(self)  # LLaVA's parts are built differently here; its other methods are shared
-        self.config = config
-        if config.text_config.model_type != "gemma3_text":
-            raise ModelLoadError(f"Gemma 3 with a {config.text_config.model_type!r} language model is not Gemma 3")
-        self.image_token_id = int(config.image_token_id)
-        vision = vit_config(config.vision_config)
-        self.vision_tower = VisionTransformer(vision, None, prefix=_join(prefix, "vision_tower"))
-        self.multi_modal_projector = PooledProjector(
-            vision.hidden_size, config.text_config.hidden_size, vision.grid_size, config.mm_tokens_per_image,
-            vision.eps, prefix=_join(prefix, "multi_modal_projector"),
-        )
-        self.language_model = Gemma3ForCausalLM(config=config.text_config, prefix=_join(prefix, "language_model"))
+        super().__init__(config=config, prefix=prefix)
         logger.warning("Gemma 3 image tokens attend causally here; transformers lets each image's tokens see one "
                        "another, so answers about images may differ from transformers' (text-only prompts are exact)")
 
+    def build_vision(self, config: PretrainedConfig, prefix: str) -> tuple[nn.Module, nn.Module]:
+        """A SigLIP ViT's last hidden state (post-norm) and the pooled projector."""
+        vision = vit_config(config.vision_config)
+        tower = VisionTransformer(vision, None, prefix=_join(prefix, "vision_tower"))
+        projector = PooledProjector(
+            vision.hidden_size, config.text_config.hidden_size, vision.grid_size, config.mm_tokens_per_image,
+            vision.eps, prefix=_join(prefix, "multi_modal_projector"),
+        )
+        return tower, projector
+
     @classmethod
-    def batch_invariance_gap(cls, config: PretrainedConfig) -> str | None:
-        """The language model's (each image is encoded alone, so its rows never depend on the batch)."""
-        return Gemma3ForCausalLM.batch_invariance_gap(config.text_config)
+    def language_model_class(cls, text_config: PretrainedConfig) -> type[Gemma3ForCausalLM]:
+        """Gemma 3's text decoder."""
+        if text_config.model_type != "gemma3_text":
+            raise ModelLoadError(f"Gemma 3 with a {text_config.model_type!r} language model is not Gemma 3")
+        return Gemma3ForCausalLM
 
     def embed_multimodal(self, pixel_values: torch.Tensor, **_: Any) -> list[torch.Tensor]:
         """pixel_values [B, C, H, W] -> one [mm_tokens_per_image, hidden] tensor per image: its placeholder rows."""

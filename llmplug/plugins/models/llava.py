@@ -67,27 +67,38 @@ class LlavaForConditionalGeneration(nn.Module):
     def __init__(self, *, config: PretrainedConfig, prefix: str = "") -> None:
         super().__init__()
         self.config = config
+        self.image_token_id = int(config.image_token_id)
+        self.vision_tower, self.multi_modal_projector = self.build_vision(config, prefix)
+        text_config = config.text_config
+        self.language_model = self.language_model_class(text_config)(config=text_config,
+                                                                      prefix=_join(prefix, "language_model"))
+
+    def build_vision(self, config: PretrainedConfig, prefix: str) -> tuple[nn.Module, nn.Module]:
+        """The vision tower and the projector: a CLIP ViT's `vision_feature_layer` and the MLP projector."""
         if config.vision_feature_select_strategy not in ("default", "full"):
             raise ModelLoadError(f"vision_feature_select_strategy {config.vision_feature_select_strategy!r} is not "
                                  "'default' or 'full'")
-        self.image_token_id = int(config.image_token_index)
         self.drop_class_token = config.vision_feature_select_strategy == "default"
         layer = config.vision_feature_layer
         feature_layer = layer if isinstance(layer, int) else tuple(layer)
         vision = vit_config(config.vision_config)
-        self.vision_tower = VisionTransformer(vision, feature_layer, prefix=_join(prefix, "vision_tower"))
+        tower = VisionTransformer(vision, feature_layer, prefix=_join(prefix, "vision_tower"))
         num_layers = 1 if isinstance(layer, int) else len(layer)
-        self.multi_modal_projector = MLPProjector(
+        projector = MLPProjector(
             vision.hidden_size * num_layers, config.text_config.hidden_size, config.projector_hidden_act,
             bias=bool(config.multimodal_projector_bias),
             prefix=_join(prefix, "multi_modal_projector"))
-        cls = _language_model_class(config.text_config)
-        self.language_model = cls(config=config.text_config, prefix=_join(prefix, "language_model"))
+        return tower, projector
+
+    @classmethod
+    def language_model_class(cls, text_config: PretrainedConfig) -> type[DecoderForCausalLM]:
+        """The decoder family that runs `text_config`."""
+        return _language_model_class(text_config)
 
     @classmethod
     def batch_invariance_gap(cls, config: PretrainedConfig) -> str | None:
         """The language model's (each image is encoded alone, so its rows never depend on the batch)."""
-        return _language_model_class(config.text_config).batch_invariance_gap(config.text_config)
+        return cls.language_model_class(config.text_config).batch_invariance_gap(config.text_config)
 
     @property
     def embedding_size(self) -> int:
