@@ -135,6 +135,8 @@ class RequestTracker:
 
     def observe(self, output: RequestOutput, delta: bool) -> None:
         """Count an output's tokens (added when `delta`, else the totals so far); close on the final one."""
+        if output.prompt_token_ids:  # the engine's count, image placeholders expanded
+            self.num_prompt_tokens = len(output.prompt_token_ids)
         before = sum(self.num_generated.values())
         for completion in output.outputs:
             seen = self.num_generated.get(completion.index, 0) if delta else 0

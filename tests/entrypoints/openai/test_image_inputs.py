@@ -450,6 +450,24 @@ def test_openai_client_image_answers_as_offline(llava_server, llava_offline, ima
     assert reply.usage.prompt_tokens == len(expected.prompt_token_ids)  # the image tokens counted
 
 
+def test_metrics_count_the_image_tokens_of_the_prompt(llava_server, llava_offline, images):
+    """vllm:request_prompt_tokens observes the engine's prompt (placeholders expanded), as usage does."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def prompt_tokens_sum() -> float:
+        text = post_get(llava_server, "/metrics").decode()
+        family = next(f for f in text_string_to_metric_families(text) if f.name == "vllm:request_prompt_tokens")
+        return next(s.value for s in family.samples if s.name.endswith("_sum"))
+
+    llava_server.wait_idle()
+    before = prompt_tokens_sum()
+    reply = llava_server.client().chat.completions.create(
+        model=llava_server.model, messages=conversation("gradient", images=images), temperature=0, max_tokens=2)
+    llava_server.wait_idle()
+    assert reply.usage.prompt_tokens == len(llava_offline["gradient"].prompt_token_ids)
+    assert prompt_tokens_sum() - before == reply.usage.prompt_tokens
+
+
 def test_file_url_answers_as_the_same_image_inline(llava_server, llava_offline, llava_media):
     messages = [{"role": "user", "content": [{"type": "text", "text": "What is in the picture?"},
                                              image_part((llava_media / "gradient.png").as_uri())]}]
