@@ -21,10 +21,9 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from llmplug.core.errors import ModelLoadError
 from llmplug.layers.vision import PooledProjector, VisionTransformer, vit_config
 from llmplug.plugins.models.gemma import Gemma3ForCausalLM
-from llmplug.plugins.models.llava import LlavaForConditionalGeneration, _join
+from llmplug.plugins.models.llava import LlavaForConditionalGeneration, maybe_prefix
 
 __all__ = ["Gemma3ForConditionalGeneration"]
 
@@ -35,6 +34,8 @@ class Gemma3ForConditionalGeneration(LlavaForConditionalGeneration):
     """Gemma 3: SigLIP ViT -> pooled projector -> image rows in the Gemma 3 decoder's input embeddings (LLaVA's
     checkpoint layouts, weight routing, embedding and logits, inherited)."""
 
+    language_models = {"gemma3_text": Gemma3ForCausalLM}
+
     def __init__(self, *, config: PretrainedConfig, prefix: str = "") -> None:
         super().__init__(config=config, prefix=prefix)
         logger.warning("Gemma 3 image tokens attend causally here; transformers lets each image's tokens see one "
@@ -43,19 +44,12 @@ class Gemma3ForConditionalGeneration(LlavaForConditionalGeneration):
     def build_vision(self, config: PretrainedConfig, prefix: str) -> tuple[nn.Module, nn.Module]:
         """A SigLIP ViT's last hidden state (post-norm) and the pooled projector."""
         vision = vit_config(config.vision_config)
-        tower = VisionTransformer(vision, None, prefix=_join(prefix, "vision_tower"))
+        tower = VisionTransformer(vision, None, prefix=maybe_prefix(prefix, "vision_tower"))
         projector = PooledProjector(
             vision.hidden_size, config.text_config.hidden_size, vision.grid_size, config.mm_tokens_per_image,
-            vision.eps, prefix=_join(prefix, "multi_modal_projector"),
+            vision.eps, prefix=maybe_prefix(prefix, "multi_modal_projector"),
         )
         return tower, projector
-
-    @classmethod
-    def language_model_class(cls, text_config: PretrainedConfig) -> type[Gemma3ForCausalLM]:
-        """Gemma 3's text decoder."""
-        if text_config.model_type != "gemma3_text":
-            raise ModelLoadError(f"Gemma 3 with a {text_config.model_type!r} language model is not Gemma 3")
-        return Gemma3ForCausalLM
 
     def embed_multimodal(self, pixel_values: torch.Tensor, **_: Any) -> list[torch.Tensor]:
         """pixel_values [B, C, H, W] -> one [mm_tokens_per_image, hidden] tensor per image: its placeholder rows."""

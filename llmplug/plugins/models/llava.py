@@ -47,14 +47,6 @@ CHECKPOINT_PREFIXES: dict[str, tuple[str, str]] = {
 }
 
 
-def _language_model_class(text_config: PretrainedConfig) -> type[DecoderForCausalLM]:
-    cls = LANGUAGE_MODELS.get(text_config.model_type)
-    if cls is None:
-        raise ModelLoadError(f"LLaVA with a {text_config.model_type!r} language model is not supported; known: "
-                             f"{sorted(LANGUAGE_MODELS)}")
-    return cls
-
-
 class LlavaForConditionalGeneration(nn.Module):
     """LLaVA 1.5: CLIP ViT -> MLP projector -> image rows in the decoder's input embeddings."""
 
@@ -63,6 +55,9 @@ class LlavaForConditionalGeneration(nn.Module):
     supports_tensor_parallel = True  # the ViT and the projector shard like the decoder; each rank encodes whole
     supports_pipeline_parallel = False
     supports_int4 = False  # not proven with the vision tower's layers
+    # the family's data: text_config.model_type -> decoder family; checkpoint prefix -> (part, its inner prefix)
+    language_models: dict[str, type[DecoderForCausalLM]] = LANGUAGE_MODELS
+    checkpoint_prefixes: dict[str, tuple[str, str]] = CHECKPOINT_PREFIXES
 
     def __init__(self, *, config: PretrainedConfig, prefix: str = "") -> None:
         super().__init__()
@@ -71,7 +66,7 @@ class LlavaForConditionalGeneration(nn.Module):
         self.vision_tower, self.multi_modal_projector = self.build_vision(config, prefix)
         text_config = config.text_config
         self.language_model = self.language_model_class(text_config)(config=text_config,
-                                                                      prefix=_join(prefix, "language_model"))
+                                                                      prefix=maybe_prefix(prefix, "language_model"))
 
     def build_vision(self, config: PretrainedConfig, prefix: str) -> tuple[nn.Module, nn.Module]:
         """The vision tower and the projector: a CLIP ViT's `vision_feature_layer` and the MLP projector."""
@@ -82,18 +77,22 @@ class LlavaForConditionalGeneration(nn.Module):
         layer = config.vision_feature_layer
         feature_layer = layer if isinstance(layer, int) else tuple(layer)
         vision = vit_config(config.vision_config)
-        tower = VisionTransformer(vision, feature_layer, prefix=_join(prefix, "vision_tower"))
+        tower = VisionTransformer(vision, feature_layer, prefix=maybe_prefix(prefix, "vision_tower"))
         num_layers = 1 if isinstance(layer, int) else len(layer)
         projector = MLPProjector(
             vision.hidden_size * num_layers, config.text_config.hidden_size, config.projector_hidden_act,
             bias=bool(config.multimodal_projector_bias),
-            prefix=_join(prefix, "multi_modal_projector"))
+            prefix=maybe_prefix(prefix, "multi_modal_projector"))
         return tower, projector
 
     @classmethod
     def language_model_class(cls, text_config: PretrainedConfig) -> type[DecoderForCausalLM]:
-        """The decoder family that runs `text_config`."""
-        return _language_model_class(text_config)
+        """The decoder family that runs `text_config` (`language_models`)."""
+        family = cls.language_models.get(text_config.model_type)
+        if family is None:
+            raise ModelLoadError(f"{cls.__name__} with a {text_config.model_type!r} language model is not supported; "
+                                 f"known: {sorted(cls.language_models)}")
+        return family
 
     @classmethod
     def batch_invariance_gap(cls, config: PretrainedConfig) -> str | None:
@@ -132,18 +131,19 @@ class LlavaForConditionalGeneration(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Route each checkpoint tensor to its part (either layout); returns the loaded parameter names."""
-        parts: dict[str, list[tuple[str, torch.Tensor]]] = {name: [] for name, _ in CHECKPOINT_PREFIXES.values()}
+        prefixes = self.checkpoint_prefixes
+        parts: dict[str, list[tuple[str, torch.Tensor]]] = {name: [] for name, _ in prefixes.values()}
         unknown = []
         for name, tensor in weights:
-            match = max((p for p in CHECKPOINT_PREFIXES if name.startswith(p)), key=len, default=None)
+            match = max((p for p in prefixes if name.startswith(p)), key=len, default=None)
             if match is None:
                 unknown.append(name)
                 continue
-            part, inner = CHECKPOINT_PREFIXES[match]
+            part, inner = prefixes[match]
             parts[part].append((inner + name[len(match):], tensor))
         if unknown:
-            raise ModelLoadError(f"LLaVA checkpoint tensors outside its language model, vision tower and projector: "
-                                 f"{unknown[:8]}")
+            raise ModelLoadError(f"{type(self).__name__} checkpoint tensors outside its language model, vision tower "
+                                 f"and projector: {unknown[:8]}")
         loaded = set()
         for part, part_weights in parts.items():
             loaded |= {f"{part}.{name}" for name in getattr(self, part).load_weights(part_weights)}
@@ -189,5 +189,6 @@ class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
         return super().load_weights(others()) | loaded
 
 
-def _join(prefix: str, name: str) -> str:
+def maybe_prefix(prefix: str, name: str) -> str:
+    """`prefix.name`, or `name` at the top (vLLM's helper of the same name)."""
     return f"{prefix}.{name}" if prefix else name
