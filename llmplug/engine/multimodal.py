@@ -209,7 +209,7 @@ class MultiModalProcessor:
                 ids = out["input_ids"][0].tolist()
             else:  # token ids: each single placeholder becomes the run the processor makes of it
                 out = self._call(text=[self.placeholder * len(images)], images=images)
-                ids = self._expand(token_ids, out["input_ids"][0].tolist(), len(images))
+                ids = self._expand(token_ids, out["input_ids"][0].tolist(), images)
         tensors = {k: v for k, v in out.items() if k not in TEXT_KEYS and torch.is_tensor(v)}
         runs = _true_runs([t == self.image_token_id for t in ids])
         # an image as several runs of placeholders, or a prompt's tiles in one row: ask the processor whose is which
@@ -247,10 +247,11 @@ class MultiModalProcessor:
     def _tokenize(self, text: str) -> list[int]:
         return list(self.hf_processor.tokenizer.encode(text))
 
-    def _expand(self, token_ids: list[int], processed: list[int], num_images: int) -> list[int]:
-        """`token_ids` whose single placeholders are replaced by the processor's expansion of one image each; ids
-        expanded already (as many placeholders as the processor makes) are kept."""
-        num_expanded = processed.count(self.image_token_id)
+    def _expand(self, token_ids: list[int], processed: list[int], images: list[Image.Image]) -> list[int]:
+        """`token_ids` whose single placeholders are replaced by the processor's expansion of one image each (each
+        image's own count: anyres images of other sizes expand to other counts); ids expanded already (as many
+        placeholders as the processor makes) are kept."""
+        num_images, num_expanded = len(images), processed.count(self.image_token_id)
         if token_ids.count(self.image_token_id) == num_expanded:
             return list(token_ids)
         if token_ids.count(self.image_token_id) != num_images:
@@ -264,8 +265,25 @@ class MultiModalProcessor:
                 "this model's processor expands an image into placeholder and other tokens (tile tags, image "
                 "delimiters), which a token-id prompt cannot be expanded into: send the prompt as text, or "
                 "prompt_token_ids holding each image's expansion already", param="prompt_token_ids")
-        run = [self.image_token_id] * (num_expanded // num_images)
-        return [t for token in token_ids for t in (run if token == self.image_token_id else [token])]
+        lengths = iter(self._run_lengths(processed, images))
+        return [t for token in token_ids
+                for t in ([self.image_token_id] * next(lengths) if token == self.image_token_id else [token])]
+
+    def _run_lengths(self, processed: list[int], images: list[Image.Image]) -> list[int]:
+        """Each image's placeholder count in `processed` (the expansion of one placeholder per image, whose runs
+        may touch): the runs themselves, else the processor's count, else equal parts."""
+        runs = _true_runs([t == self.image_token_id for t in processed])
+        if len(runs) == len(images):
+            return [end - start for start, end in runs]
+        total = sum(end - start for start, end in runs)
+        counts = self._counts(images)
+        if counts is not None and sum(counts["num_image_tokens"]) == total:
+            return counts["num_image_tokens"]
+        if total % len(images):
+            raise InvalidRequestError(
+                f"the processor expanded {len(images)} images into {total} placeholders and does not say whose is "
+                "which: send the prompt as text", param="prompt_token_ids")
+        return [total // len(images)] * len(images)
 
     def _spans(self, runs: list[tuple[int, int]], ids: list[int], num_images: int,
                num_tokens: list[int] | None = None) -> list[tuple[int, int, torch.Tensor | None]]:

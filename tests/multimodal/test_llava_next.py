@@ -190,6 +190,18 @@ def test_images_of_a_prompt_keep_their_own_tiles(tiny_llava_next, pictures):
     llm.shutdown()
 
 
+def test_token_ids_prompt_with_one_placeholder_per_image_expands_each_by_its_own_count(tiny_llava_next, pictures):
+    """Two images of other sizes expand to 72 and 34 placeholders: a token-id prompt with one per image answers
+    as the text prompt does."""
+    llm = make_llm(tiny_llava_next)
+    imgs = [pictures["portrait"], pictures["wide"]]
+    ids = tiny_llava_next.processor.tokenizer.encode(TWO)
+    (output,) = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": imgs}}, greedy(),
+                             use_tqdm=False)
+    assert_matches_hf(tiny_llava_next, output, TWO, imgs)
+    llm.shutdown()
+
+
 def test_prefix_cache_hits_for_the_same_image_and_misses_for_another(tiny_llava_next, pictures):
     llm = make_llm(tiny_llava_next)
     landscape, tall = pictures["landscape"], pictures["tall"]
