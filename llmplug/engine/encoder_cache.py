@@ -34,10 +34,18 @@ class EncoderCacheManager:
         self.unused: OrderedDict[str, None] = OrderedDict()  # cached, needed by nobody: evictable, LRU first
         self.num_used_tokens = 0
         self.freed: list[str] = []  # evicted since the last take_freed(): the runner drops them
+        # image items looked up when a request's chunk first reaches them, and those found (vllm:mm_cache_*)
+        self.num_queries = 0
+        self.num_hits = 0
 
     def has(self, identifier: str) -> bool:
         """True when the runner holds (or is about to compute) this item."""
         return identifier in self.cached
+
+    def count_lookup(self, hit: bool) -> None:
+        """Count one item looked up for a request (`hit`: its encoder output was held or being computed already)."""
+        self.num_queries += 1
+        self.num_hits += hit
 
     def can_allocate(self, feature: MultiModalFeature, num_pending: int = 0) -> bool:
         """Room for a new item once unused ones are evicted, beside `num_pending` tokens of items about to be

@@ -17,6 +17,7 @@ from llmplug.engine.request import Request, RequestStatus
 from llmplug.engine.scheduler import Scheduler
 from llmplug.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from llmplug.engine.spec_decode.speculator import RunnerDrafts, Speculator
+from llmplug.engine.step_histogram import StepHistogram
 from llmplug.engine.sleep_mode import SLEEP_TAGS, check_sleep_level, check_wake_tags
 from llmplug.engine.weight_update import weight_batches
 from llmplug.lora.request import LoRARequest
@@ -78,6 +79,7 @@ class EngineCore:
             encoder_cache_size=sched.encoder_cache_size,
         )
         self.loras: dict[int, LoRARequest] = {}  # adapters loaded on the workers, by lora_int_id
+        self.iteration_tokens = StepHistogram()  # tokens each step that ran put through the model
         # the load each adapter's K/V belong to: ids may be reused after a removal, loads never are
         self.lora_loads: dict[int, int] = {}
         self.asleep: frozenset[str] = frozenset()  # the SLEEP_TAGS that are asleep now
@@ -208,6 +210,8 @@ class EngineCore:
             raise
         if self.kv_cache_manager is not None:  # a pooling engine keeps no KV cache
             self.kv_cache_manager.finish_step(runner_output.failed)
+        if scheduler_output.num_scheduled_tokens:  # a step that only waited for grammars ran no model
+            self.iteration_tokens.observe(scheduler_output.num_scheduled_tokens)
         return self._outputs(updated, runner_output)
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -221,6 +225,7 @@ class EngineCore:
                 wait_for_any([r.grammar for r in self.scheduler.compiling], timeout=GRAMMAR_WAIT_S)
         runner_output = self.executor.execute_model(scheduler_output)
         runner_output.failed.update(failed)
+        runner_output.corrupted.difference_update(failed)  # its grammar raised: that is why it ends
         return runner_output
 
     def is_fatal(self, error: Exception) -> bool:
@@ -352,13 +357,20 @@ class EngineCore:
         stats = {
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
+            "num_waiting_deferred": self.scheduler.num_waiting_deferred,  # the rest of num_waiting: for capacity
             "num_preemptions": self.scheduler.num_preemptions,
             "kv_cache_usage": kv.usage if kv else 0.0,
             "prefix_cache_hit_rate": kv.prefix_cache_stats.hit_rate if kv else 0.0,
             # the counts behind the rate (tokens looked up, tokens found), for rate() over any window
             "prefix_cache_queries": kv.prefix_cache_stats.queries if kv else 0,
             "prefix_cache_hits": kv.prefix_cache_stats.hits if kv else 0,
+            "iteration_tokens": self.iteration_tokens.snapshot(),  # a StepHistogramSnapshot
+            # requests aborted because their logits could not be sampled or verified (NaN, +inf, all masked)
+            "num_corrupted_requests": self.scheduler.num_corrupted_requests,
         }
+        if self.model_info.get("image_token_id") is not None:  # a multimodal model: its encoder cache
+            stats.update(mm_cache_queries=self.scheduler.encoder_cache.num_queries,
+                         mm_cache_hits=self.scheduler.encoder_cache.num_hits)
         if self.scheduler.max_loras is not None:  # LoRA on: the adapters of running and of waiting requests
             stats.update(self._lora_adapters())
         if self.scheduler.speculator is not None:
@@ -369,6 +381,7 @@ class EngineCore:
                 spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
                 spec_decode_acceptance_rate=spec.acceptance_rate,
                 spec_decode_mean_accepted_length=spec.mean_accepted_length,
+                spec_decode_num_accepted_tokens_per_pos=spec.num_accepted_tokens_per_pos,
             )
         return stats
 

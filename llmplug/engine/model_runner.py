@@ -361,6 +361,7 @@ class ModelRunner:
             output.draft_token_ids = self.eagle.propose(scheduler_output, hidden_states, output, self)
         output.prompt_logprobs = prompt_logprobs
         output.failed.update(mm_failed)
+        output.corrupted.difference_update(mm_failed)  # its image failed: that is why it ends
         return output
 
     def _discard_step(self, batch: BatchInputs) -> None:
@@ -378,10 +379,11 @@ class ModelRunner:
         failed = {}
         if any(unsampleable):
             failed = {req_ids[row]: UNSAMPLEABLE for row, bad in enumerate(unsampleable) if bad}
+        corrupted = set(failed)
         failed.update((req_ids[row], why) for row, why in out.failed_rows.items())
-        return ModelRunnerOutput(
-            req_ids=req_ids, sampled_token_ids=[[t] for t in sampled], logprobs=out.logprobs, failed=failed
-        )
+        corrupted.difference_update(req_ids[row] for row in out.failed_rows)  # a raising processor is its own reason
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[t] for t in sampled], logprobs=out.logprobs,
+                                 failed=failed, corrupted=corrupted)
 
     def _prompt_embeds_chunks(self, requests: list[ScheduledRequest]) -> list[tuple[int, torch.Tensor]]:
         """(first row in the step, rows) of the prompt embeddings that the step's positions of each request take."""

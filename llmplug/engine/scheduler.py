@@ -31,7 +31,7 @@ import time
 from bisect import insort
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable, Literal
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Literal
 
 from llmplug.core.errors import ConfigError, InvalidRequestError
 from llmplug.engine.encoder_cache import EncoderCacheManager
@@ -78,6 +78,9 @@ class FcfsQueue:
     def __len__(self) -> int:
         return len(self._queue)
 
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._queue)
+
 
 class PriorityQueue:
     """Waiting requests by sort key (lower priority value first, then arrival)."""
@@ -108,6 +111,9 @@ class PriorityQueue:
 
     def __len__(self) -> int:
         return len(self._heap)
+
+    def __iter__(self) -> Iterator[Request]:
+        return (request for _, request in self._heap)
 
 
 @dataclass(slots=True, frozen=True)
@@ -164,6 +170,7 @@ class Scheduler:
         self.guided: dict[str, Request] = {}  # unfinished requests under a grammar (the step's bitmask rows)
         self._failed: list[Request] = []  # grammar failed to compile: finished, reported by the next update
         self.num_preemptions = 0
+        self.num_corrupted_requests = 0  # aborted because their logits were not finite (vllm:corrupted_requests)
         self._sort_keys: dict[str, SortKey] = {}
         self._arrivals = itertools.count()
 
@@ -307,7 +314,8 @@ class Scheduler:
                 draft = NO_DRAFT  # speculation never preempts: without free blocks for its drafts the request decodes one
             num_drafts = len(draft.token_ids)
             if num_new_tokens > 0 and self._allocate_or_preempt(request, num_new_tokens + num_drafts, preempted):
-                self._use_encoder_inputs(request, request.num_computed_tokens, num_new_tokens, to_encode)
+                self._use_encoder_inputs(request, request.num_computed_tokens, num_new_tokens, to_encode,
+                                         admitted=False)
                 scheduled.append(self._scheduled_request(request, num_new_tokens, new=None, draft=draft))
                 budget -= num_new_tokens + num_drafts
             i += 1
@@ -369,7 +377,7 @@ class Scheduler:
                 request, num_new_tokens, computed_blocks
             ):
                 break
-            self._use_encoder_inputs(request, num_computed_tokens, num_new_tokens, to_encode)
+            self._use_encoder_inputs(request, num_computed_tokens, num_new_tokens, to_encode, admitted=True)
             self.waiting.pop()
             scheduled.append(self._admit(request, num_computed_tokens, num_new_tokens))
             budget -= num_new_tokens
@@ -395,13 +403,21 @@ class Scheduler:
         return num_new_tokens, to_encode
 
     def _use_encoder_inputs(
-        self, request: Request, start: int, num_new_tokens: int, to_encode: list[MultiModalFeature]
+        self, request: Request, start: int, num_new_tokens: int, to_encode: list[MultiModalFeature], admitted: bool
     ) -> None:
-        """Charge the step's encoder budget for `to_encode` and hold, for the request, every image its chunk fills."""
+        """Charge the step's encoder budget for `to_encode` and hold, for the request, every image its chunk fills.
+
+        Each image item is counted as one encoder-cache lookup in the chunk that first reaches it: the chunk holding
+        its first placeholder, or the first chunk after (re)admission, `admitted`, which may start inside it. It is a
+        miss when this step computes it for this request (once: a repeat of the same image in the chunk is a hit)."""
+        end, computing = start + num_new_tokens, {feature.identifier for feature in to_encode}
+        for feature in request.mm_features or ():
+            if feature.offset < end and feature.end > start and (admitted or feature.offset >= start):
+                self.encoder_cache.count_lookup(hit=feature.identifier not in computing)
+                computing.discard(feature.identifier)
         for feature in to_encode:
             self.encoder_cache.allocate(request, feature)
             self._encoder_budget -= feature.length
-        end = start + num_new_tokens
         for feature in request.mm_features or ():
             if feature.offset < end and feature.end > start:
                 self.encoder_cache.use(request, feature)
@@ -484,6 +500,7 @@ class Scheduler:
             if request.mm_features:  # images whose placeholders are all computed are needed no more
                 self.encoder_cache.release(request, request.num_computed_tokens)
             if scheduled.req_id in runner_output.failed:  # this request alone ends; the batch goes on
+                self.num_corrupted_requests += scheduled.req_id in runner_output.corrupted
                 self._fail(request, runner_output.failed[scheduled.req_id])
                 updated.append(request)
                 continue
@@ -582,6 +599,18 @@ class Scheduler:
     def num_waiting(self) -> int:
         """Requests waiting to be admitted (new, preempted, or for their grammar)."""
         return len(self.waiting) + len(self.compiling)
+
+    @property
+    def num_waiting_deferred(self) -> int:
+        """Waiting requests held back by something other than room in the batch: their grammar still compiling, or
+        their adapter needing a device slot while every slot serves another running adapter. The others of
+        `num_waiting` wait for capacity: KV blocks, the step's token or encoder budget, max_num_seqs, or their turn."""
+        deferred = len(self.compiling)
+        if self.max_loras is not None:
+            running = {r.lora_int_id for r in self.running if r.lora_request is not None}
+            if len(running) >= self.max_loras:
+                deferred += sum(r.lora_request is not None and r.lora_int_id not in running for r in self.waiting)
+        return deferred
 
     def get_request(self, req_id: str) -> Request | None:
         """The unfinished request with this id, if any."""

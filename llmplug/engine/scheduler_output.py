@@ -74,6 +74,8 @@ class ModelRunnerOutput:
     logprobs: list | None = None
     prompt_logprobs: dict[str, object] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why it could not be sampled
+    # the ids among `failed` whose logits held NaN or +inf or masked every token (counted: vllm:corrupted_requests)
+    corrupted: set[str] = field(default_factory=set)
     pooler_output: dict[str, torch.Tensor] = field(default_factory=dict)  # request id -> its result (CPU, float32)
     # speculative decoding by the runner (EAGLE): request id -> the drafts it proposes for the request's next step
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)

@@ -64,6 +64,7 @@ def test_nan_logits_in_one_row_of_eight_abort_that_request_only(llm, params):
     nan_logits(llm, PROMPTS[3])
     outs = generate(llm, params)
     assert outs[3].finish_reason == "abort" and "NaN" in outs[3].error
+    assert llm.stats()["num_corrupted_requests"] == 1  # vllm:corrupted_requests: that request, once
     for i, (out, want) in enumerate(zip(outs, clean)):
         if i != 3:
             assert (out.token_ids, out.finish_reason, out.error) == (want.token_ids, "length", None)
@@ -116,6 +117,7 @@ def test_a_raising_logits_processor_ends_its_request_only(llm):
     params[5] = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logits_processors=[explode])
     outs = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)]
     assert outs[5].finish_reason == "abort" and "processor bug" in outs[5].error
+    assert llm.stats()["num_corrupted_requests"] == 0  # a raising processor is no corruption of the logits
     assert outs[5].token_ids == clean[5].token_ids[:3]
     assert [o.token_ids for i, o in enumerate(outs) if i != 5] == [c.token_ids for i, c in enumerate(clean) if i != 5]
     assert_no_leak(llm)

@@ -417,3 +417,19 @@ def test_random_load_with_aborts_keeps_blocks_consistent_and_leaks_nothing(polic
     assert sched.num_preemptions > 0 and sched.kv_cache_manager.prefix_cache_stats.hits > 0
     assert_no_leak(sched)
     assert worker.row_of == {}  # every finished request's row was dropped
+
+
+def test_a_request_whose_adapter_has_no_slot_is_deferred_the_others_wait_for_capacity():
+    from llmplug.lora.request import LoRARequest
+
+    sched = make_scheduler(max_loras=1, max_num_seqs=2)
+    adapters = [None, LoRARequest("a", 1, "/a"), LoRARequest("b", 2, "/b"), LoRARequest("a", 1, "/a"), None]
+    for i, lora in enumerate(adapters):
+        request = make_request(f"r{i}", 6)
+        request.lora_request = lora
+        sched.add_request(request)
+    step(sched)  # r0 and r1 run (max_num_seqs=2): adapter a holds the only slot
+    assert sched.num_waiting == 3
+    assert sched.num_waiting_deferred == 1  # r2 needs a slot for b; r3 (adapter a) and r4 wait their turn
+    run_until_done(sched)
+    assert sched.num_waiting_deferred == 0

@@ -72,6 +72,10 @@ def test_greedy_output_equals_plain_decoding(arch, variant, tiny_models, tmp_pat
     assert 0 < stats["spec_decode_acceptance_rate"] <= 1
     assert stats["spec_decode_mean_accepted_length"] == pytest.approx(
         1 + stats["spec_decode_num_accepted_tokens"] / stats["spec_decode_num_drafts"])
+    # acceptance stops at the first rejection: each position accepts no more often than the one before it
+    per_pos = stats["spec_decode_num_accepted_tokens_per_pos"]
+    assert len(per_pos) == NGRAM["num_speculative_tokens"] and sum(per_pos) == stats["spec_decode_num_accepted_tokens"]
+    assert per_pos == sorted(per_pos, reverse=True) and per_pos[0] <= stats["spec_decode_num_drafts"]
     if variant == "preemption":
         assert stats["num_preemptions"] > 0
     assert_no_leak(llm)

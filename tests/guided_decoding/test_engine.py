@@ -89,6 +89,8 @@ def test_a_request_waits_for_its_grammar_while_others_run(tiny_llm):
         while "free" not in finished:
             finished.update({o.request_id: o for o in engine.step() if o.finished})
         assert "guided" not in finished and engine.engine_core.scheduler.compiling
+        stats = engine.engine_core.stats()  # vllm:num_requests_waiting_by_reason{reason="deferred"}
+        assert (stats["num_waiting"], stats["num_waiting_deferred"]) == (1, 1)
     finally:
         GatedXGrammar.gate.set()
     while engine.has_unfinished_requests():

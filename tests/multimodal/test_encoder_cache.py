@@ -88,3 +88,50 @@ def test_an_item_split_into_runs_fills_only_its_masked_tokens_however_chunked():
             for offset, rows in cache.step_rows([item], start, start + chunk):
                 filled.update({start + offset + k: int(row) for k, row in enumerate(rows)})
         assert filled == {5: 0, 6: 1, 9: 2, 10: 3, 11: 4, 13: 5}, chunk
+
+
+def lookups(sched) -> tuple[int, int]:
+    return sched.encoder_cache.num_queries, sched.encoder_cache.num_hits
+
+
+def test_each_image_item_is_one_lookup_and_a_cached_image_is_a_hit():
+    sched = make_scheduler(max_num_batched_tokens=128)
+    sched.add_request(image_request("a", [feature("x", 4)]))
+    run_until_done(sched)
+    assert lookups(sched) == (1, 0)  # computed for a
+    sched.add_request(image_request("b", [feature("x", 20), feature("y", 2)]))
+    run_until_done(sched)
+    assert lookups(sched) == (3, 1)  # x held from a's request, y computed
+
+
+def test_an_image_spread_over_chunks_is_looked_up_once_and_a_repeat_in_one_chunk_hits():
+    sched = make_scheduler(max_num_batched_tokens=6)  # 16 placeholders span three chunks at least
+    sched.add_request(image_request("a", [feature("x", 4)]))
+    run_until_done(sched)
+    assert lookups(sched) == (1, 0)
+    sched = make_scheduler(max_num_batched_tokens=128)
+    sched.add_request(image_request("b", [feature("z", 0), feature("z", 20)]))  # the same picture twice
+    run_until_done(sched)
+    assert lookups(sched) == (2, 1)  # encoded once for both
+
+
+def test_the_same_image_twice_is_two_mm_cache_queries_and_one_hit_in_stats_and_metrics(tiny_llava, images):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from llmplug import LLM, SamplingParams
+    from llmplug.entrypoints.openai.metrics import ServerMetrics
+
+    llm = LLM(str(tiny_llava.path), dtype="float32", block_size=4, num_gpu_blocks_override=128,
+              enable_prefix_caching=False)  # else the second prompt's image blocks come from the prefix cache
+    try:
+        params = SamplingParams(temperature=0, max_tokens=2)
+        for question in ("What is it?", "Which colour?"):  # one after the other: the second finds it cached
+            llm.generate({"prompt": f"USER: <image>\n{question} ASSISTANT:",
+                          "multi_modal_data": {"image": images["gradient"]}}, params, use_tqdm=False)
+        stats = llm.stats()
+        assert (stats["mm_cache_queries"], stats["mm_cache_hits"]) == (2, 1)
+        text = ServerMetrics(llm.stats, "llava", 256).render().decode()
+        samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+        assert (samples["vllm:mm_cache_queries_total"], samples["vllm:mm_cache_hits_total"]) == (2, 1)
+    finally:
+        llm.shutdown()

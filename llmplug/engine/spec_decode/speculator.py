@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from llmplug.core.config import SpeculativeConfig
@@ -69,6 +69,8 @@ class SpecDecodeStats:
     num_drafts: int = 0  # request-steps that verified at least one draft token
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # accepted drafts by their position in the draft (0: first); acceptance stops at the first rejection
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
     @property
     def acceptance_rate(self) -> float:
@@ -87,7 +89,7 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None):
         self.num_speculative_tokens = config.num_speculative_tokens
         self.proposer = proposer or NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-        self._stats = SpecDecodeStats()
+        self._stats = SpecDecodeStats(num_accepted_tokens_per_pos=[0] * self.num_speculative_tokens)
 
     def propose(self, requests: list[tuple[Request, int]]) -> dict[str, Draft]:
         """Drafts of at most `room` (and num_speculative_tokens) tokens for each (request, room) that can
@@ -110,6 +112,11 @@ class Speculator:
         self._stats.num_drafts += 1
         self._stats.num_draft_tokens += num_draft_tokens
         self._stats.num_accepted_tokens += num_accepted_tokens
+        per_pos = self._stats.num_accepted_tokens_per_pos
+        if num_accepted_tokens > len(per_pos):  # a proposer that drafted past num_speculative_tokens
+            per_pos.extend([0] * (num_accepted_tokens - len(per_pos)))
+        for pos in range(num_accepted_tokens):  # the accepted drafts are the first num_accepted_tokens
+            per_pos[pos] += 1
 
     def shutdown(self) -> None:
         """Release the proposer."""
@@ -118,4 +125,4 @@ class Speculator:
     @property
     def stats(self) -> SpecDecodeStats:
         """A snapshot of the counters."""
-        return replace(self._stats)
+        return replace(self._stats, num_accepted_tokens_per_pos=list(self._stats.num_accepted_tokens_per_pos))

@@ -49,6 +49,7 @@ class DraftVerifier:
         for i, req_id in zip(drafted_rows, drafted_ids):
             if not all(finite[offset : offset + num_rows[i]]):
                 output.failed[req_id] = UNVERIFIABLE  # that request alone ends
+                output.corrupted.add(req_id)
             offset += num_rows[i]
         tokens = self._verify_rows(verified_logits, [drafted[r] for r in drafted_ids], finite)
         for req_id, accepted in zip(drafted_ids, tokens):

@@ -2,8 +2,9 @@
 `PrometheusStatLogger`, so that dashboards, autoscalers and routers written for vLLM read llmplug as they are.
 
 Every series carries `model_name` (the first served name) and `engine` ("0": one engine core per server).
-Engine state (running / waiting requests, KV-cache usage, prefix-cache and preemption counters, speculative
-decoding and LoRA) is read from `AsyncLLM.stats()` at scrape time; per-request metrics are recorded by the
+Engine state (running / waiting requests, KV-cache usage, prefix-cache, encoder-cache, preemption and
+corrupted-request counters, speculative decoding and LoRA) is read from `AsyncLLM.stats()` at scrape time, and
+so is the tokens-per-step histogram the engine core keeps at every step; per-request metrics are recorded by the
 `RequestTracker` of `metrics.py` from the engine's own timestamps (`RequestMetrics`). What vLLM exports and
 llmplug cannot measure is left out, never exported as a made-up value (docs/observability.md lists it).
 
@@ -13,16 +14,18 @@ each of the n child requests); `vllm:lora_requests_info` holds only the current 
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from llmplug.entrypoints.openai.metrics import RequestTracker
+    from llmplug.engine.step_histogram import StepHistogramSnapshot
 
 LABELS = ["model_name", "engine"]
 ENGINE = "0"  # the engine index: one engine core behind each server
@@ -170,6 +173,7 @@ class _VllmEngineCollector(Collector):
                            stats.get("num_running", 0))
         yield self._family(gauge, "vllm:num_requests_waiting", "Number of requests waiting to be processed.",
                            stats.get("num_waiting", 0))
+        yield self._waiting_by_reason(stats)
         yield self._family(gauge, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage)
         yield self._family(gauge, "vllm:gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage."
                            "DEPRECATED: Use vllm:kv_cache_usage_perc instead.", usage)
@@ -181,13 +185,52 @@ class _VllmEngineCollector(Collector):
                                "cached tokens." + deprecated.format("hits"), stats.get("prefix_cache_hits", 0))
         yield self._family(counter, "vllm:num_preemptions", "Cumulative number of preemption from the engine.",
                            stats.get("num_preemptions", 0))
+        yield self._family(counter, "vllm:corrupted_requests", "Corrupted requests, in terms of total number of "
+                           "requests with NaNs in logits.", stats.get("num_corrupted_requests", 0))
+        if "iteration_tokens" in stats:
+            yield self._histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                                  stats["iteration_tokens"])
+        if "mm_cache_queries" in stats:  # a multimodal model
+            yield self._family(counter, "vllm:mm_cache_queries", "Multi-modal cache queries, in terms of number of "
+                               "queried items.", stats["mm_cache_queries"])
+            yield self._family(counter, "vllm:mm_cache_hits", "Multi-modal cache hits, in terms of number of cached "
+                               "items.", stats["mm_cache_hits"])
         if "spec_decode_num_drafts" in stats:  # speculative decoding on
-            for name, doc in (("num_drafts", "Number of spec decoding drafts."),
-                              ("num_draft_tokens", "Number of draft tokens."),
-                              ("num_accepted_tokens", "Number of accepted tokens.")):
-                yield self._family(counter, f"vllm:spec_decode_{name}", doc, stats[f"spec_decode_{name}"])
+            yield from self._spec_decode(stats)
         if "max_loras" in stats:  # LoRA on
             yield _lora_info(stats)
+
+    def _waiting_by_reason(self, stats: dict[str, Any]) -> GaugeMetricFamily:
+        """The waiting requests split: "deferred" (grammar compiling, no adapter slot) and "capacity" (the rest)."""
+        family = GaugeMetricFamily(
+            "vllm:num_requests_waiting_by_reason", "Number of waiting requests by reason. Reason labels: 'capacity' = "
+            "waiting for scheduling capacity; 'deferred' = deferred by transient constraints (LoRA budget, KV "
+            "transfer, blocked status). Sum of all reasons equals vllm:num_requests_waiting.",
+            labels=[*LABELS, "reason"])
+        deferred = stats.get("num_waiting_deferred", 0)
+        family.add_metric([*self._values, "capacity"], stats.get("num_waiting", 0) - deferred)
+        family.add_metric([*self._values, "deferred"], deferred)
+        return family
+
+    def _histogram(self, name: str, doc: str, snapshot: StepHistogramSnapshot) -> HistogramMetricFamily:
+        """A histogram the engine accumulated, with Prometheus's cumulative buckets."""
+        family = HistogramMetricFamily(name, doc, labels=LABELS)
+        cumulative = list(itertools.accumulate(snapshot.counts))
+        buckets = [(str(float(bound)), n) for bound, n in zip(snapshot.bounds, cumulative)]
+        family.add_metric(self._values, [*buckets, ("+Inf", snapshot.count)], snapshot.sum)
+        return family
+
+    def _spec_decode(self, stats: dict[str, Any]) -> Iterator[CounterMetricFamily]:
+        """vLLM's speculative-decoding counters, the accepted drafts by draft position among them."""
+        for name, doc in (("num_drafts", "Number of spec decoding drafts."),
+                          ("num_draft_tokens", "Number of draft tokens."),
+                          ("num_accepted_tokens", "Number of accepted tokens.")):
+            yield self._family(CounterMetricFamily, f"vllm:spec_decode_{name}", doc, stats[f"spec_decode_{name}"])
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted tokens per draft position.", labels=[*LABELS, "position"])
+        for position, accepted in enumerate(stats.get("spec_decode_num_accepted_tokens_per_pos", ())):
+            per_pos.add_metric([*self._values, str(position)], accepted)
+        yield per_pos
 
 
 def _lora_info(stats: dict[str, Any]) -> GaugeMetricFamily:

@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from llmplug import AsyncLLM
 from llmplug.entrypoints.openai.metrics import ServerMetrics
+from llmplug.engine.step_histogram import ITERATION_TOKENS_BUCKETS, StepHistogram
 from llmplug.entrypoints.openai.vllm_metrics import build_1_2_5_buckets
 
 from .conftest import ENGINE_KWARGS, serve
@@ -29,6 +30,9 @@ EXPECTED = {
     "vllm:gpu_prefix_cache_queries": ("counter", BASE),
     "vllm:gpu_prefix_cache_hits": ("counter", BASE),
     "vllm:num_preemptions": ("counter", BASE),
+    "vllm:corrupted_requests": ("counter", BASE),
+    "vllm:num_requests_waiting_by_reason": ("gauge", (*BASE, "reason")),
+    "vllm:iteration_tokens_total": ("histogram", BASE),
     "vllm:prompt_tokens": ("counter", BASE),
     "vllm:generation_tokens": ("counter", BASE),
     "vllm:request_success": ("counter", (*BASE, "finished_reason")),
@@ -206,6 +210,11 @@ def test_speculative_decoding_counters_under_vllms_names(tiny_chat_model):
         for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
             assert fams[f"vllm:spec_decode_{name}"].type == "counter"
             assert value(fams, f"vllm:spec_decode_{name}", "_total") == stats[f"spec_decode_{name}"]
+        per_pos = stats["spec_decode_num_accepted_tokens_per_pos"]
+        assert len(per_pos) == 3 and sum(per_pos) == stats["spec_decode_num_accepted_tokens"] > 0
+        for position, accepted in enumerate(per_pos):
+            assert value(fams, "vllm:spec_decode_num_accepted_tokens_per_pos", "_total",
+                         position=str(position)) == accepted
     finally:
         engine.shutdown()
 
@@ -230,3 +239,54 @@ def test_the_engine_reports_the_adapters_of_running_and_waiting_requests(tiny_ch
             (engine.config.lora.max_loras, [], [])
     finally:
         engine.shutdown()
+
+
+def render(stats: dict) -> dict:
+    metrics = ServerMetrics(lambda: stats, "base", 256)
+    return {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
+
+
+def test_iteration_tokens_histogram_is_the_engines_with_vllms_buckets():
+    steps = StepHistogram()
+    for num_tokens in (1, 1, 8, 9, 300, 20000):
+        steps.observe(num_tokens)
+    fams = render({"iteration_tokens": steps.snapshot()})
+    family = fams["vllm:iteration_tokens_total"]
+    assert family.type == "histogram"
+    buckets = {float(s.labels["le"]): s.value for s in family.samples if s.name.endswith("_bucket")}
+    assert list(buckets)[:-1] == list(ITERATION_TOKENS_BUCKETS)
+    assert (buckets[1.0], buckets[8.0], buckets[16.0], buckets[512.0], buckets[16384.0], buckets[float("inf")]) == \
+        (2, 3, 4, 5, 5, 6)  # cumulative, as Prometheus reads them
+    assert value(fams, "vllm:iteration_tokens_total", "_count") == 6
+    assert value(fams, "vllm:iteration_tokens_total", "_sum") == 1 + 1 + 8 + 9 + 300 + 20000
+
+
+def test_engine_steps_reach_the_iteration_tokens_histogram(server):
+    client = server.client()
+    server.wait_idle()
+    before = families(server)
+    answer = client.completions.create(model=server.model, prompt="count the steps", max_tokens=4, temperature=0.0,
+                                       extra_body={"ignore_eos": True})
+    server.wait_idle()
+    after = families(server)
+    steps = value(after, "vllm:iteration_tokens_total", "_count") - value(before, "vllm:iteration_tokens_total",
+                                                                         "_count")
+    tokens = value(after, "vllm:iteration_tokens_total", "_sum") - value(before, "vllm:iteration_tokens_total", "_sum")
+    # one prefill step (the prompt fits the budget; prefix-cache hits are not run), then one per further token
+    assert steps == answer.usage.completion_tokens
+    usage = answer.usage
+    assert usage.completion_tokens - 1 < tokens <= usage.prompt_tokens + usage.completion_tokens - 1
+
+
+def test_corrupted_requests_and_mm_cache_counters_are_the_engines():
+    fams = render({"num_corrupted_requests": 3, "mm_cache_queries": 5, "mm_cache_hits": 2})
+    assert value(fams, "vllm:corrupted_requests", "_total") == 3
+    assert value(fams, "vllm:mm_cache_queries", "_total") == 5 and value(fams, "vllm:mm_cache_hits", "_total") == 2
+    assert fams["vllm:mm_cache_queries"].type == "counter" == fams["vllm:mm_cache_hits"].type
+    assert "vllm:mm_cache_queries" not in render({"num_corrupted_requests": 0})  # a text-only model: no series
+
+
+def test_waiting_requests_split_into_capacity_and_deferred():
+    fams = render({"num_waiting": 5, "num_waiting_deferred": 2})
+    assert value(fams, "vllm:num_requests_waiting_by_reason", reason="capacity") == 3
+    assert value(fams, "vllm:num_requests_waiting_by_reason", reason="deferred") == 2
