@@ -71,6 +71,24 @@ def tiny_text_model(tmp_path_factory) -> Path:
     return path
 
 
+def copy_with_renamed_weights(source: Path, target: Path, renames: dict[str, str]) -> dict[str, torch.Tensor]:
+    """Copy a checkpoint folder, each tensor name's prefix in `renames` replaced (another layout of the same
+    weights); returns the renamed tensors."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    renamed = {}
+    for name, tensor in load_file(source / "model.safetensors").items():
+        old = next(p for p in renames if name.startswith(p))
+        renamed[renames[old] + name[len(old):]] = tensor
+    for item in source.iterdir():
+        if item.is_file() and item.name != "model.safetensors":
+            shutil.copy(item, target / item.name)
+    save_file(renamed, target / "model.safetensors", metadata={"format": "pt"})
+    return renamed
+
+
 def gradient(width: int, height: int) -> Image.Image:
     """A red-to-blue horizontal gradient over a green vertical one."""
     x = np.linspace(0, 255, width)[None, :].repeat(height, 0)

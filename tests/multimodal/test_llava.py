@@ -13,7 +13,7 @@ import torch
 
 from llmplug import LLM, SamplingParams
 from llmplug.core.errors import InvalidRequestError
-from tests.multimodal.conftest import NUM_IMAGE_TOKENS, gradient, shapes
+from tests.multimodal.conftest import NUM_IMAGE_TOKENS, copy_with_renamed_weights, gradient, shapes
 
 MAX_TOKENS = 8
 ONE = "USER: <image>\nWhat is in the picture? ASSISTANT:"
@@ -220,21 +220,9 @@ def test_a_text_model_refuses_images_by_name(tiny_text_model, images):
 def test_transformers_5_weight_names_load_the_same_model(tiny_llava, images, tmp_path):
     """`model.language_model.*`, `model.vision_tower.*`, `model.multi_modal_projector.*`, `lm_head.*` (the layout
     transformers 5 holds in memory) as well as the older one transformers saves."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
     renames = {"language_model.model.": "model.language_model.", "language_model.lm_head.": "lm_head.",
                "vision_tower.": "model.vision_tower.", "multi_modal_projector.": "model.multi_modal_projector."}
-    tensors = load_file(tiny_llava.path / "model.safetensors")
-    renamed = {}
-    for name, tensor in tensors.items():
-        old = next(p for p in renames if name.startswith(p))
-        renamed[renames[old] + name[len(old):]] = tensor
-    for item in tiny_llava.path.iterdir():
-        if item.is_file() and item.name != "model.safetensors":
-            shutil.copy(item, tmp_path / item.name)
-    save_file(renamed, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    copy_with_renamed_weights(tiny_llava.path, tmp_path, renames)
     llm = LLM(str(tmp_path), dtype="float32", block_size=4, num_gpu_blocks_override=64)
     output = llm.generate({"prompt": ONE, "multi_modal_data": {"image": images["gradient"]}}, greedy(),
                           use_tqdm=False)[0]

@@ -14,7 +14,7 @@ import torch
 
 from llmplug import LLM, SamplingParams
 from llmplug.layers.vision import AnyResGrid
-from tests.multimodal.conftest import CHAT_TEMPLATE, IMAGE_TOKEN, gradient, shapes
+from tests.multimodal.conftest import CHAT_TEMPLATE, IMAGE_TOKEN, copy_with_renamed_weights, gradient, shapes
 
 MAX_TOKENS = 8
 PINPOINTS = [[32, 64], [64, 32], [64, 64]]  # (height, width): llava-v1.6's grids scaled to a 32-pixel tower
@@ -221,22 +221,10 @@ def test_prefix_cache_hits_for_the_same_image_and_misses_for_another(tiny_llava_
 
 def test_transformers_5_weight_names_load_the_same_model(tiny_llava_next, pictures, tmp_path):
     """`model.image_newline`, `model.vision_tower.*`, ... (transformers 5's layout) as well as the saved one."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
     renames = {"language_model.model.": "model.language_model.", "language_model.lm_head.": "lm_head.",
                "vision_tower.": "model.vision_tower.", "multi_modal_projector.": "model.multi_modal_projector.",
                "image_newline": "model.image_newline"}
-    renamed = {}
-    for name, tensor in load_file(tiny_llava_next.path / "model.safetensors").items():
-        old = next(p for p in renames if name.startswith(p))
-        renamed[renames[old] + name[len(old):]] = tensor
-    assert "model.image_newline" in renamed
-    for item in tiny_llava_next.path.iterdir():
-        if item.is_file() and item.name != "model.safetensors":
-            shutil.copy(item, tmp_path / item.name)
-    save_file(renamed, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    assert "model.image_newline" in copy_with_renamed_weights(tiny_llava_next.path, tmp_path, renames)
     llm = LLM(str(tmp_path), dtype="float32", block_size=4, num_gpu_blocks_override=64)
     output = llm.generate({"prompt": ONE, "multi_modal_data": {"image": pictures["portrait"]}}, greedy(),
                           use_tqdm=False)[0]
