@@ -16,6 +16,7 @@ MULTIMODAL_PARITY = {
     "Gemma3ForConditionalGeneration": "tests/multimodal/test_gemma3_vision.py",
     "Idefics3ForConditionalGeneration": "tests/multimodal/test_idefics3.py",
     "SmolVLMForConditionalGeneration": "tests/multimodal/test_idefics3.py",
+    "AyaVisionForConditionalGeneration": "tests/multimodal/test_aya_vision.py",
 }
 
 

@@ -3,13 +3,19 @@
 Exports the ViT (`VisionTransformer`, built from a `ViTConfig` that `vit_config` reads from a CLIP or
 SigLIP vision config; `ViTLayout` / `VIT_LAYOUTS` are the per-family flags) and the projectors
 (`MLPProjector` for LLaVA, `PooledProjector` for Gemma 3, `PixelShuffleConnector` for Idefics3 / SmolVLM,
-with `pixel_shuffle`), and the any-resolution tiling of LLaVA-NeXT (`AnyResGrid`: tile counts and the packing
-of the tiles' rows, with `select_best_resolution` and `unpad_features`). Each loads transformers' checkpoint
-names through its own `load_weights`.
+with `pixel_shuffle`; `ShuffledMLPProjector` for InternVL and Aya Vision), and the any-resolution tiling of
+LLaVA-NeXT (`AnyResGrid`: tile counts and the packing of the tiles' rows, with `select_best_resolution` and
+`unpad_features`). Each loads transformers' checkpoint names through its own `load_weights`.
 """
 
 from llmplug.layers.vision.anyres import AnyResGrid, select_best_resolution, unpad_features
-from llmplug.layers.vision.projectors import MLPProjector, PixelShuffleConnector, PooledProjector, pixel_shuffle
+from llmplug.layers.vision.projectors import (
+    MLPProjector,
+    PixelShuffleConnector,
+    PooledProjector,
+    ShuffledMLPProjector,
+    pixel_shuffle,
+)
 from llmplug.layers.vision.vit import VIT_LAYOUTS, ViTConfig, ViTLayout, VisionTransformer, vit_config
 
 __all__ = [
@@ -17,6 +23,7 @@ __all__ = [
     "MLPProjector",
     "PixelShuffleConnector",
     "PooledProjector",
+    "ShuffledMLPProjector",
     "VIT_LAYOUTS",
     "ViTConfig",
     "ViTLayout",

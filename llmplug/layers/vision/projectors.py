@@ -6,7 +6,9 @@ embeddings [B, tokens, text_hidden], one module per kind, each loading transform
   (`1 + w`), then a matmul with `mm_input_projection_weight` ([vision_hidden, text_hidden], stored
   transposed to a linear layer's);
 - `PixelShuffleConnector` (Idefics3 / SmolVLM's `connector`): each `scale_factor` x `scale_factor` block
-  of patches folded into one token of scale_factor**2 times the features, then a bias-free linear.
+  of patches folded into one token of scale_factor**2 times the features, then a bias-free linear;
+- `ShuffledMLPProjector` (InternVL's and Aya Vision's `multi_modal_projector`): the same pixel shuffle, a LayerNorm,
+  then linear_1 -> act -> linear_2 (InternVL) or a SwiGLU over linear_1's two halves (Aya Vision).
 """
 
 from __future__ import annotations
@@ -18,11 +20,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmplug.layers.activation import Activation
-from llmplug.layers.layernorm import RMSNorm
+from llmplug.layers.layernorm import LayerNorm, RMSNorm
 from llmplug.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from llmplug.layers.weight_utils import load_mapped_weights
 
-__all__ = ["MLPProjector", "PixelShuffleConnector", "PooledProjector", "pixel_shuffle"]
+__all__ = ["MLPProjector", "PixelShuffleConnector", "PooledProjector", "ShuffledMLPProjector", "pixel_shuffle"]
 
 
 def _join(prefix: str, name: str) -> str:
@@ -122,3 +124,37 @@ class _ModalityProjection(nn.Module):
     def __init__(self, input_size: int, output_size: int, prefix: str) -> None:
         super().__init__()
         self.proj = ReplicatedLinear(input_size, output_size, bias=False, prefix=_join(prefix, "proj"))
+
+
+class ShuffledMLPProjector(nn.Module):
+    """[B, patches, vision_hidden] -> [B, patches / scale**2, text_hidden]: pixel shuffle, LayerNorm, then
+    linear_2(act(linear_1(x))), or with `gated` linear_2(silu(b) * a) where a, b are linear_1's output halves (Aya
+    Vision's SwiGLU, its gate second). Replicated on every rank: its output is merged into every rank's embeddings,
+    and a gated linear_1 cannot be split by columns without pairing each rank's halves."""
+
+    def __init__(
+        self, vision_hidden: int, text_hidden: int, scale_factor: int, eps: float, activation: str = "gelu",
+        gated: bool = False, intermediate_size: int | None = None, prefix: str = "",
+    ) -> None:
+        super().__init__()
+        folded, intermediate = vision_hidden * scale_factor**2, intermediate_size or text_hidden
+        if gated and intermediate % 2:
+            raise ValueError(f"a gated projector splits its {intermediate} intermediate features in halves: use an "
+                             "even alignment_intermediate_size")
+        self.scale_factor, self.gated = scale_factor, gated
+        self.layer_norm = LayerNorm(folded, eps)
+        self.linear_1 = ReplicatedLinear(folded, intermediate, bias=True, prefix=_join(prefix, "linear_1"))
+        self.act = Activation("silu" if gated else activation)
+        hidden_in = intermediate // 2 if gated else intermediate
+        self.linear_2 = ReplicatedLinear(hidden_in, text_hidden, bias=True, prefix=_join(prefix, "linear_2"))
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        x = self.linear_1(self.layer_norm(pixel_shuffle(features, self.scale_factor)))  # [B, tokens, intermediate]
+        if self.gated:
+            x, gate = x.chunk(2, dim=-1)
+            return self.linear_2(self.act(gate) * x)
+        return self.linear_2(self.act(x))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load `layer_norm.*`, `linear_1.*`, `linear_2.*` (names below `multi_modal_projector.`)."""
+        return load_mapped_weights(self, weights)

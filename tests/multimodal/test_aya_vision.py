@@ -1,0 +1,120 @@
+"""Aya Vision against transformers on a tiny random checkpoint (SigLIP ViT, gated shuffled projector, Cohere 2 decoder)
+and drawn pictures: greedy tokens equal and log-probabilities within 1e-4 (float32), one and two images per prompt,
+plain and under chunked prefill whose budget is smaller than one image; a multi-tile image's rows equal transformers'
+image features."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmplug import LLM, SamplingParams
+from tests.models.tiny_models import train_llama_tokenizer
+
+MAX_TOKENS = 6
+TOKENS_PER_TILE = 4  # (32 / 8) ** 2 patches, pixel-shuffled by 2
+SPECIAL_TOKENS = ["<image>", "<|START_OF_IMG|>", "<|END_OF_IMG|>", "<|IMG_PATCH|>", "<|IMG_LINE_BREAK|>", "TILE",
+                  "TILE_GLOBAL"]
+ONE = "User: <image> What is in the picture?\nAssistant:"
+TWO = "User: <image> and <image> Which one is brighter?\nAssistant:"
+
+
+@dataclass
+class TinyAya:
+    path: Path
+    processor: object
+    hf_model: torch.nn.Module
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> TinyAya:
+    """A SigLIP ViT on 32x32 tiles (patch 8), downsample factor 2, a 2-layer Cohere 2 (one windowed layer with rotary,
+    one global without), and an AyaVisionProcessor whose image processor makes one 32x32 tile per image
+    (`max_patches=1`: the engine splits a prompt's tensors per image by rows, one row per image)."""
+    from transformers import AyaVisionConfig, AyaVisionForConditionalGeneration, Cohere2Config, SiglipVisionConfig
+    from transformers.models.aya_vision.processing_aya_vision import AyaVisionProcessor
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+
+    path = tmp_path_factory.mktemp("tiny_aya_vision")
+    tokenizer = train_llama_tokenizer(path / "tokenizer")
+    tokenizer.add_special_tokens({"pad_token": "<pad>", "additional_special_tokens": SPECIAL_TOKENS})
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                image_size=32, patch_size=8)
+    text = Cohere2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, sliding_window=16,
+                         layer_types=["sliding_attention", "full_attention"], bos_token_id=1, eos_token_id=2,
+                         pad_token_id=tokenizer.pad_token_id, logit_scale=1.0, initializer_range=0.3)
+    config = AyaVisionConfig(vision_config=vision.to_dict(), text_config=text.to_dict(), downsample_factor=2,
+                             image_token_index=tokenizer.convert_tokens_to_ids("<|IMG_PATCH|>"),
+                             alignment_intermediate_size=96)
+    torch.manual_seed(0)
+    model = AyaVisionForConditionalGeneration(config).eval()
+    with torch.no_grad():  # transformers' init leaves the tiny projector's rows small: make the pictures matter
+        for linear in (model.model.multi_modal_projector.linear_1, model.model.multi_modal_projector.linear_2):
+            linear.weight.normal_(0, 0.5)
+    model.save_pretrained(path)
+    image_processor = GotOcr2ImageProcessorPil(size={"height": 32, "width": 32}, max_patches=1)
+    processor = AyaVisionProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=8, img_size=32,
+                                   downsample_factor=2)
+    processor.save_pretrained(path)
+    return TinyAya(path, processor, model)
+
+
+def greedy() -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+
+
+def hf_reference(tiny: TinyAya, text: str, images: list) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy tokens from the same processor output, and its log-softmax rows over prompt + tokens."""
+    inputs = tiny.processor(text=text, images=images, return_tensors="pt")
+    with torch.inference_mode():
+        full = tiny.hf_model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)[0]
+        logits = tiny.hf_model(input_ids=full[None, :-1], pixel_values=inputs["pixel_values"]).logits[0]
+    return full[inputs["input_ids"].shape[1]:].tolist(), torch.log_softmax(logits.float(), -1)
+
+
+def assert_matches_hf(tiny: TinyAya, output, text: str, images: list) -> None:
+    tokens, log_probs = hf_reference(tiny, text, images)
+    completion = output.outputs[0]
+    assert list(completion.token_ids) == tokens
+    prompt_len = len(output.prompt_token_ids)
+    assert log_probs.shape[0] == prompt_len + MAX_TOKENS - 1  # the engine's prompt holds the processor's expansion
+    for t, position in enumerate(completion.logprobs):
+        for token, logprob in position.items():
+            assert logprob.logprob == pytest.approx(float(log_probs[prompt_len - 1 + t, token]), abs=1e-4)
+
+
+def cases(images):
+    g, s = images["gradient"], images["shapes"]
+    return [(ONE, [g]), (ONE, [s]), (TWO, [s, g])]
+
+
+def runner(llm):
+    return llm.llm_engine.engine_core.executor.worker.model_runner
+
+
+@pytest.mark.parametrize("engine_kwargs", [{}, {"max_num_batched_tokens": 3}], ids=["plain", "chunked_prefill"])
+def test_greedy_tokens_and_logprobs_match_transformers(tiny, images, engine_kwargs):
+    """Chunks of 3 tokens: each image's 4 placeholders span two steps."""
+    llm = LLM(str(tiny.path), dtype="float32", block_size=4, num_gpu_blocks_override=128,
+              limit_mm_per_prompt={"image": 2}, **engine_kwargs)
+    try:
+        assert type(runner(llm).model).__name__ == "AyaVisionForConditionalGeneration"  # ours, not the fallback
+        outputs = llm.generate([{"prompt": text, "multi_modal_data": {"image": imgs}} for text, imgs in cases(images)],
+                               greedy(), use_tqdm=False)
+        if not engine_kwargs:  # a multi-tile image (the processor's default tiling): the rows of each tile, in order
+            tiles = tiny.processor.image_processor(images["gradient"], crop_to_patches=True, max_patches=4,
+                                                   return_tensors="pt")["pixel_values"]
+            assert tiles.shape[0] > 2
+            with torch.inference_mode():
+                (ours,) = runner(llm).model.embed_multimodal(pixel_values=tiles)
+                theirs = tiny.hf_model.model.get_image_features(pixel_values=tiles).pooler_output
+            torch.testing.assert_close(ours, theirs.flatten(0, 1), atol=1e-5, rtol=1e-5)
+    finally:
+        llm.shutdown()
+    for (text, imgs), output in zip(cases(images), outputs):
+        assert_matches_hf(tiny, output, text, imgs)
+    assert outputs[0].outputs[0].token_ids != outputs[1].outputs[0].token_ids  # the picture matters
