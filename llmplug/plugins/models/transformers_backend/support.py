@@ -15,6 +15,10 @@ __all__ = [
     "base_model_class",
     "causal_lm_architectures",
     "causal_lm_class",
+    "image_text_to_text_class",
+    "is_encoder",
+    "multimodal_unsupported_reason",
+    "sequence_classification_class",
     "unsupported_reason",
 ]
 
@@ -37,6 +41,27 @@ def base_model_class(config: PretrainedConfig) -> type | None:
     return _lookup(MODEL_MAPPING, config)
 
 
+def image_text_to_text_class(config: PretrainedConfig) -> type | None:
+    """transformers' image-text-to-text class for the config's model type (AutoModelForImageTextToText's), or None."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+    return _lookup(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING, config)
+
+
+def sequence_classification_class(config: PretrainedConfig) -> type | None:
+    """transformers' sequence-classification class for the config's model type, or None."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
+
+    return _lookup(MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING, config)
+
+
+def is_encoder(config: PretrainedConfig) -> bool:
+    """Whether the model type is a bidirectional encoder: transformers has a masked-LM class for it (BERT's kin)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING
+
+    return _lookup(MODEL_FOR_MASKED_LM_MAPPING, config) is not None
+
+
 def _lookup(mapping: object, config: PretrainedConfig) -> type | None:
     try:
         found = mapping[type(config)]  # type: ignore[index]
@@ -57,6 +82,37 @@ def unsupported_reason(hf_class: type, config: PretrainedConfig) -> str | None:
             f"runs only {sorted(ATTENTION_LAYER_TYPES)} layers"
         )
     return None
+
+
+# image-text-to-text model types whose language model needs more than image rows in its input embeddings and
+# causal attention: positions or masks the backend's paged attention does not compute
+MULTIMODAL_GAPS = {
+    "paligemma": "its prefix (image and prompt) attends bidirectionally, a mask paged attention does not build",
+    "gemma3": "its image tokens attend bidirectionally, a mask paged attention does not build",
+    "gemma3n": "its image tokens attend bidirectionally, a mask paged attention does not build",
+    "mllama": "its images enter through cross-attention layers, which have no paged KV cache",
+}
+
+
+def multimodal_unsupported_reason(hf_class: type, config: PretrainedConfig) -> str | None:
+    """Why the backend cannot run image-text-to-text `hf_class` on `config` (None: it can): its language model's
+    reason, a known gap, or multimodal rotary positions (a `get_rope_index`, Qwen2-VL's M-RoPE)."""
+    gap = MULTIMODAL_GAPS.get(config.model_type)
+    if gap is not None:
+        return f"{hf_class.__name__}: {gap}"
+    if _computes_rope_index(hf_class):
+        return (f"{hf_class.__name__} positions its image tokens with multimodal rotary positions (M-RoPE), which "
+                "the backend does not compute")
+    return unsupported_reason(hf_class, config.get_text_config())
+
+
+def _computes_rope_index(hf_class: type) -> bool:
+    """Whether a class of `hf_class`'s modeling module computes M-RoPE indices (`get_rope_index`, Qwen2-VL's)."""
+    import sys
+
+    module = sys.modules[hf_class.__module__]
+    return any(isinstance(obj, type) and obj.__module__ == module.__name__ and hasattr(obj, "get_rope_index")
+               for obj in vars(module).values())
 
 
 def causal_lm_architectures(model_types: Iterable[str] | None = None) -> dict[str, tuple[str | None, bool]]:

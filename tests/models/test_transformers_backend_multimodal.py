@@ -1,0 +1,145 @@
+"""Vision-language models through the transformers backend (transformers' own image-text-to-text class, its
+language model on llmplug's paged attention): LLaVA forced through it (model_impl="transformers") and VipLLaVA,
+which has no native row, give transformers' greedy tokens with log-probabilities within 1e-4 (float32) on drawn
+pictures of two sizes, one and two per prompt, plain and under chunked prefill whose budget is smaller than an
+image; LLaVA's tokens equal the native row's; a prefix-cache hit for the same image; families whose merge is more
+than image rows at the placeholders are refused by name."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmplug import LLM, SamplingParams
+from llmplug.core.config import EngineConfig
+from llmplug.loaders.default import DefaultLoader
+from llmplug.plugins.models.llava import LlavaForConditionalGeneration as NativeLlava
+from llmplug.plugins.models.transformers_backend import TransformersForMultimodalLM, backend_class
+from tests.multimodal.conftest import IMAGE_TOKEN, images, tiny_llava  # noqa: F401  (fixtures)
+
+MAX_TOKENS = 6
+ONE = "USER: <image>\nWhat is in the picture? ASSISTANT:"
+TWO = "USER: <image> and <image>\nWhich one is brighter? ASSISTANT:"
+
+
+@dataclass
+class TinyVlm:
+    path: Path
+    processor: object
+    hf_model: torch.nn.Module
+
+
+@pytest.fixture(scope="module")
+def tiny_vipllava(tmp_path_factory, tiny_llava) -> TinyVlm:  # noqa: F811
+    """A tiny random VipLLaVA (CLIP 32x32, patch 8; features of three layers; a 2-layer Llama), saved with the
+    LLaVA processor and tokenizer it shares."""
+    from transformers import VipLlavaConfig, VipLlavaForConditionalGeneration
+
+    path = tmp_path_factory.mktemp("tiny_vipllava")
+    llava = tiny_llava.hf_model.config
+    config = VipLlavaConfig(vision_config=llava.vision_config.to_dict(), text_config=llava.text_config.to_dict(),
+                            image_token_index=llava.image_token_index, vision_feature_layer=[-2, -3, 1])
+    torch.manual_seed(1)
+    model = VipLlavaForConditionalGeneration(config).eval()
+    model.save_pretrained(path)
+    tiny_llava.processor.save_pretrained(path)
+    return TinyVlm(path, tiny_llava.processor, model)
+
+
+def greedy() -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+
+
+def make_llm(path: Path, **kwargs) -> LLM:
+    kwargs = {"dtype": "float32", "block_size": 4, "num_gpu_blocks_override": 128,
+              "limit_mm_per_prompt": {"image": 2}, **kwargs}
+    return LLM(str(path), **kwargs)
+
+
+def model_class(path: Path, model_impl: str = "auto") -> type:
+    loader = DefaultLoader(EngineConfig().load)
+    return loader.get_model_class(loader.load_hf_config(EngineConfig(model={"model": str(path)}).model), model_impl)
+
+
+def assert_matches_hf(vlm, output, text: str, pictures: list) -> None:
+    """Greedy tokens equal to transformers' `generate` on the same processor output, log-probabilities within 1e-4."""
+    inputs = vlm.processor(text=text, images=pictures, return_tensors="pt")
+    with torch.inference_mode():
+        full = vlm.hf_model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)[0]
+        logits = vlm.hf_model(input_ids=full[None, :-1], pixel_values=inputs["pixel_values"]).logits[0]
+    log_probs = torch.log_softmax(logits.float(), -1)
+    completion, prompt_len = output.outputs[0], len(output.prompt_token_ids)
+    assert list(completion.token_ids) == full[inputs["input_ids"].shape[1]:].tolist()
+    assert prompt_len == inputs["input_ids"].shape[1]
+    for t, position in enumerate(completion.logprobs):
+        for token, logprob in position.items():
+            assert logprob.logprob == pytest.approx(float(log_probs[prompt_len - 1 + t, token]), abs=1e-4)
+
+
+def prompts(images):  # noqa: F811
+    g, s = images["gradient"], images["shapes"]
+    return [(ONE, [g]), (ONE, [s]), (TWO, [g, s])]
+
+
+def generate(llm: LLM, cases) -> list:
+    return llm.generate([{"prompt": text, "multi_modal_data": {"image": pics}} for text, pics in cases], greedy(),
+                        use_tqdm=False)
+
+
+def test_llava_through_the_backend_matches_transformers_and_the_native_row(tiny_llava, images):  # noqa: F811
+    assert model_class(tiny_llava.path, "transformers") is TransformersForMultimodalLM
+    assert model_class(tiny_llava.path) is NativeLlava
+    cases = prompts(images)
+    llm = make_llm(tiny_llava.path, model_impl="transformers", max_num_batched_tokens=6)  # 16-token images chunked
+    try:
+        backend = generate(llm, cases)
+    finally:
+        llm.shutdown()
+    for (text, pictures), output in zip(cases, backend):
+        assert_matches_hf(tiny_llava, output, text, pictures)
+    assert backend[0].outputs[0].token_ids != backend[1].outputs[0].token_ids  # the picture matters
+    llm = make_llm(tiny_llava.path, model_impl="native")
+    try:
+        native = generate(llm, cases)
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in backend] == [o.outputs[0].token_ids for o in native]
+
+
+def test_a_family_without_a_native_row_runs_on_the_backend(tiny_vipllava, images):  # noqa: F811
+    assert model_class(tiny_vipllava.path) is TransformersForMultimodalLM
+    cases = prompts(images)
+    llm = make_llm(tiny_vipllava.path)
+    try:
+        outputs = generate(llm, cases)
+        again = generate(llm, cases[:1])[0]  # the same image: its blocks come from the prefix cache
+        chunked = make_llm(tiny_vipllava.path, max_num_batched_tokens=6)
+        try:
+            chunked_outputs = generate(chunked, cases)
+        finally:
+            chunked.shutdown()
+    finally:
+        llm.shutdown()
+    for (text, pictures), output in zip(cases, outputs):
+        assert_matches_hf(tiny_vipllava, output, text, pictures)
+    assert again.num_cached_tokens > output.prompt_token_ids.index(tiny_vipllava.hf_model.config.image_token_index)
+    assert again.outputs[0].token_ids == outputs[0].outputs[0].token_ids
+    assert [o.outputs[0].token_ids for o in chunked_outputs] == [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize(("model_type", "why"), [
+    ("paligemma", "prefix .* attends bidirectionally"),
+    ("qwen2_vl", "multimodal rotary positions"),
+    ("mllama", "cross-attention"),
+])
+def test_families_whose_merge_the_backend_cannot_run_are_refused_by_name(model_type, why):
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    config = AutoConfig.for_model(model_type)
+    config.architectures = [MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[model_type]]
+    with pytest.raises(ValueError, match=why):
+        backend_class(config)
