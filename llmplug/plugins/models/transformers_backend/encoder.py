@@ -47,6 +47,10 @@ def prompt_spans(positions: torch.Tensor) -> list[tuple[int, int]]:
 class _WholePromptEncoder(TransformersModel):
     """A transformers model run prompt by prompt on its own attention; forward gives its bare model's rows."""
 
+    @staticmethod
+    def refusal(hf_class: type, config: PretrainedConfig) -> str | None:
+        return None  # transformers' own attention runs whatever the class is
+
     is_pooling_model: ClassVar[bool] = True
     paged: ClassVar[bool] = False
     supports_tensor_parallel: ClassVar[bool] = False  # transformers' attention runs on one worker
@@ -104,6 +108,17 @@ class TransformersEncoderForSequenceClassification(_WholePromptEncoder):
             raise ValueError(f"transformers has no sequence classifier for model type {config.model_type!r}")
         return hf_class
 
+    @staticmethod
+    def refusal(hf_class: type, config: PretrainedConfig) -> str | None:
+        """Why the class's head cannot run on a prompt's rows (built on the meta device to see it), or None."""
+        with torch.device("meta"):
+            model = hf_class._from_config(copy.deepcopy(config))
+        try:
+            _head_parts(model)
+        except ValueError as error:
+            return str(error)
+        return None
+
     def __init__(self, *, config: PretrainedConfig, prefix: str = "") -> None:
         super().__init__(config=config, prefix=prefix)
         self.head = _head_parts(self.model)
@@ -140,17 +155,12 @@ def _head_parts(model: nn.Module) -> list[nn.Module]:
                          f"on a prompt's rows: {[list(layout) for layout in HEAD_LAYOUTS]}")
     parts = [getattr(model, part) for part in names]
     probe = torch.zeros(1, 3, model.config.hidden_size, device="meta")
-    for part in parts:
-        probe = _on_meta(part, probe)
+    for part in parts:  # copies on the meta device: the shapes, without computing on the weights
+        probe = copy.deepcopy(part).to("meta")(probe)
     if tuple(probe.shape) != (1, model.config.num_labels):
         raise ValueError(f"{name}'s head gives {tuple(probe.shape)} for one prompt of 3 tokens, not one row of "
                          f"{model.config.num_labels} labels: it does not pool the prompt itself")
     return parts
-
-
-def _on_meta(part: nn.Module, probe: torch.Tensor) -> torch.Tensor:
-    """`part` applied to a meta tensor: its output shape, computed without its weights' values."""
-    return copy.deepcopy(part).to("meta")(probe)
 
 
 def _arguments(function: object) -> set[str]:

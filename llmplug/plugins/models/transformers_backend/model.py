@@ -41,7 +41,7 @@ def backend_class(config: PretrainedConfig) -> type[nn.Module]:
     architecture = (getattr(config, "architectures", None) or ["<none>"])[0]
     for backend, hf_class in _candidates(config):
         if hf_class is not None and hf_class.__name__ == architecture:
-            reason = backend.refusal(hf_class, config) if backend.paged else None
+            reason = backend.refusal(hf_class, config)
             if reason is not None:
                 raise ValueError(f"architecture {architecture!r} cannot run on the transformers backend: {reason}")
             return backend
