@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import DebertaV2Config, DistilBertConfig, ElectraConfig
+from transformers import DebertaV2Config, DistilBertConfig, ElectraConfig, RobertaConfig
 
 from llmplug import LLM
 from llmplug.core.config import EngineConfig
@@ -31,9 +31,10 @@ SENTENCES = ["the cat sat on the mat", "a dog ran fast", "red bird sang today", 
 FLOAT32 = {**BASE_ENGINE_KWARGS, "dtype": "float32", "skip_tokenizer_init": False}
 
 
-def model_class(path: Path) -> type:
+def model_class(path: Path, model_impl: str = "auto") -> type:
+    """The class the engine's loader picks for the checkpoint at `path`."""
     loader = DefaultLoader(EngineConfig().load)
-    return loader.get_model_class(loader.load_hf_config(EngineConfig(model={"model": str(path)}).model))
+    return loader.get_model_class(loader.load_hf_config(EngineConfig(model={"model": str(path)}).model), model_impl)
 
 
 # a sentence-transformers folder as the hub holds them: modules.json, the pooling module's config, Normalize
@@ -117,6 +118,19 @@ def test_classifiers_of_encoders_without_a_native_row_give_transformers_logits(t
     assert model_class(path) is TransformersEncoderForSequenceClassification
     report = runner.check(case)
     assert report.task == "classify" and report.max_diff <= 1e-5
+
+
+def test_a_native_encoder_forced_through_the_backend_embeds_as_transformers(tmp_path_factory) -> None:
+    case = PoolingParityCase(  # RoBERTa's positions start after its padding index: transformers' own count them
+        "TransformersEncoderForEmbedding-roberta",
+        lambda: tiny_config(RobertaConfig, pad_token_id=1, architectures=["RobertaModel"]),
+        engine_kwargs={"dtype": "float32", "model_impl": "transformers"}, atol=1e-5)
+    runner = PoolingParityRunner(tmp_path_factory.mktemp("backend_roberta"))
+    path, _ = runner.checkpoint(case)
+    assert model_class(path, "transformers") is TransformersEncoderForEmbedding
+    assert model_class(path) is not TransformersEncoderForEmbedding  # auto: RoBERTa is native
+    report = runner.check(case)
+    assert report.task == "embed" and report.max_diff <= 1e-5
 
 
 def test_a_classifier_whose_head_does_not_pool_the_prompt_is_refused_by_name(tmp_path) -> None:
