@@ -104,6 +104,8 @@ class ModelRunner:
         self.prompt_embeds: dict[str, torch.Tensor] = {}  # running requests' prompts given as embeddings (model dtype)
         self.mm_features: dict[str, list] = {}  # running requests' images (MultiModalFeature), in prompt order
         self.encoder_cache = EncoderCache()  # their encoder outputs, by content hash
+        # M-RoPE models (layers/mrope.py): each running request's prompt positions [3, P] and decode delta
+        self.mrope_positions: dict[str, tuple[np.ndarray, int]] = {}
 
     # ---- set-up -------------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -120,6 +122,7 @@ class ModelRunner:
         check_prompt_embeds_engine(self.config, self.model)
         check_multimodal_engine(self.config, self.model)
         self.stage = PipelineStage(self.model)
+        self.uses_mrope = hasattr(self.model, "get_mrope_input_positions")  # its positions are [3, T]
         # what a step calls: the model, or its forward captured by torch.compile (device.compile)
         self.forward: Callable[..., object] = CompiledForward(self.model) if self.config.device.compile else self.model
         self.hf_config = loader.load_hf_config(self.config.model)
@@ -242,6 +245,7 @@ class ModelRunner:
             self.lora_of.pop(req_id, None)
             self.prompt_embeds.pop(req_id, None)  # a resumed request brings them again
             self.mm_features.pop(req_id, None)
+            self.mrope_positions.pop(req_id, None)
         for req_id in scheduler_output.finished_req_ids:
             self.prompt_logprobs_sent.pop(req_id, None)
         for req in scheduler_output.requests:
@@ -259,6 +263,9 @@ class ModelRunner:
                     self.prompt_embeds[new.req_id] = new.prompt_embeds.to(self.device, self.dtype)
                 if new.mm_features:
                     self.mm_features[new.req_id] = new.mm_features
+                if self.uses_mrope:  # once per request (and again when a preempted one resumes)
+                    self.mrope_positions[new.req_id] = self.model.get_mrope_input_positions(
+                        new.prompt_token_ids, new.mm_features or [])
 
     def prepare_inputs(self, reqs: list[ScheduledRequest], block_tables: np.ndarray) -> BatchInputs:
         """Flatten the scheduled tokens of all requests into one batch (numpy, then one copy to torch);
@@ -336,7 +343,8 @@ class ModelRunner:
                     model_kwargs["inputs_embeds"] = step_inputs_embeds(
                         self.model.embed_input_ids, batch.input_ids, embeds_chunks
                     )
-                hidden_states = self.stage.run(self.forward, batch.input_ids, batch.positions, **model_kwargs)
+                positions = self._mrope_step_positions(requests) if self.uses_mrope else batch.positions
+                hidden_states = self.stage.run(self.forward, batch.input_ids, positions, **model_kwargs)
         except BaseException:
             self._discard_step(batch)
             raise
@@ -419,6 +427,18 @@ class ModelRunner:
                                for offset, rows in self.encoder_cache.step_rows(needed, start, end)]
             row += len(r.token_ids)
         return chunks, failed
+
+    def _mrope_step_positions(self, requests: list[ScheduledRequest]) -> torch.Tensor:
+        """[3, T] M-RoPE positions of the step's tokens: a prompt token's from its request's prompt positions, a
+        later one's its sequence position plus the request's delta on every stream (vLLM's mrope_position_delta)."""
+        chunks = []
+        for r in requests:
+            prompt, delta = self.mrope_positions[r.req_id]
+            start, end = r.num_computed_tokens, r.num_computed_tokens + len(r.token_ids)
+            cut = min(max(start, prompt.shape[1]), end)  # prompt tokens of the chunk end here
+            generated = np.arange(cut, end, dtype=np.int64) + delta
+            chunks += [prompt[:, start:cut], np.broadcast_to(generated, (3, end - cut))]
+        return torch.from_numpy(np.concatenate(chunks, axis=1)).to(self.device)
 
     def _model_kwargs(self, scheduler_output: SchedulerOutput) -> dict[str, torch.Tensor]:
         """Inputs beyond token ids and positions: token types (segments of text pairs) for models that take them."""

@@ -34,7 +34,8 @@ __all__ = ["MultiModalFeature", "MultiModalProcessor", "block_keys", "check_engi
 MODALITIES = ("image",)
 DEFAULT_LIMIT = 1  # items of a modality per prompt when limit_mm_per_prompt does not name it (vLLM's default)
 LIMIT_FLAG = "model.limit_mm_per_prompt (--limit-mm-per-prompt)"
-TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids"})  # processor outputs that are not the image's
+# processor outputs that are not the image's (mm_token_type_ids: which tokens are placeholders, Qwen2-VL's)
+TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"})
 
 
 @dataclass(slots=True, frozen=True, eq=False)
@@ -320,13 +321,16 @@ def _split_items(tensors: dict[str, torch.Tensor], num_items: int,
                  num_tiles: list[int] | None = None) -> list[dict[str, torch.Tensor]]:
     """Each item's own slice of the processor's batched tensors: one row per item along the first dimension, or,
     for a processor that lays one prompt's tiles out along the second ([1, tiles, ...], Idefics3's), each item's
-    `num_tiles` of them (kept as [1, its tiles, ...])."""
+    `num_tiles` of them (kept as [1, its tiles, ...]), or along the first (all items' patches in one run
+    [patches, ...], Qwen2-VL's), each item's `num_tiles` rows."""
     items: list[dict[str, torch.Tensor]] = [{} for _ in range(num_items)]
     for name, tensor in tensors.items():
         if tensor.shape[0] == num_items:
             parts = tensor.split(1)
         elif tensor.shape[0] == 1 and tensor.dim() > 1 and num_tiles and sum(num_tiles) == tensor.shape[1]:
             parts = tensor.split(num_tiles, dim=1)
+        elif num_tiles and sum(num_tiles) == tensor.shape[0]:
+            parts = tensor.split(num_tiles)
         else:
             raise InvalidRequestError(f"the processor's {name} has {tensor.shape[0]} rows for {num_items} images; "
                                       "this model's processor is not supported", param="multi_modal_data")

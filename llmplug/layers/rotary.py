@@ -226,8 +226,11 @@ class RotaryEmbedding(nn.Module):
         kernel looks the angles up itself: `use_triton`)."""
         if use_triton(positions):
             return RotaryPositions(positions, self.cos_sin_cache, self.is_neox_style)
+        return self.rotation(self.cos_sin_cache.index_select(0, positions), dtype)  # rows [T, rotary_dim]
+
+    def rotation(self, rows: torch.Tensor, dtype: torch.dtype) -> RotaryCosSin:
+        """The rotation of each token from its row [T, rotary_dim] (cos | sin) of the table, in `dtype`."""
         half = self.rotary_dim // 2
-        rows = self.cos_sin_cache.index_select(0, positions)  # [T, rotary_dim]
         cos, sin = rows[:, :half], rows[:, half:]
         if self.is_neox_style:  # rotate-half layout: dims i and i + half form a pair
             full_cos, signed_sin = torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)

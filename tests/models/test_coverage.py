@@ -16,6 +16,8 @@ MULTIMODAL_PARITY = {
     "Gemma3ForConditionalGeneration": "tests/multimodal/test_gemma3_vision.py",
     "Idefics3ForConditionalGeneration": "tests/multimodal/test_idefics3.py",
     "SmolVLMForConditionalGeneration": "tests/multimodal/test_idefics3.py",
+    "Qwen2VLForConditionalGeneration": "tests/multimodal/test_qwen2_vl.py",
+    "Qwen2_5_VLForConditionalGeneration": "tests/multimodal/test_qwen2_vl.py",
     "AyaVisionForConditionalGeneration": "tests/multimodal/test_aya_vision.py",
 }
 

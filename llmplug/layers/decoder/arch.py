@@ -49,6 +49,8 @@ class RopeConfig:
     partial_rotary_factor: float = 1.0  # share of each head's leading dims that are rotated
     is_neox_style: bool = True  # rotate-half pairs (i, i + d/2); False: interleaved pairs (2i, 2i + 1), GPT-J style
     inverted: bool = False  # rotate by minus the angle (NanoChat's flipped rotate_half)
+    # multimodal RoPE (layers/mrope.py): frequencies per position stream (t, h, w); positions then come as [3, T]
+    mrope_section: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

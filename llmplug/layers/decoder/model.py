@@ -26,6 +26,7 @@ from llmplug.layers.decoder.arch import RECURRENT_MIXERS, DecoderArchConfig, Rop
 from llmplug.layers.decoder.fast_path import DecoderFastPath
 from llmplug.layers.decoder.layer import DecoderLayer
 from llmplug.layers.layernorm import make_norm
+from llmplug.layers.mrope import get_mrope
 from llmplug.layers.linear import ReplicatedLinear
 from llmplug.layers.pipeline import IntermediateTensors, PPMissingLayer, pp_layer_range, skip_missing_layers
 from llmplug.layers.position_embedding import LearnedPositionEmbedding, SinusoidalPositionEmbedding
@@ -122,6 +123,10 @@ class DecoderModel(nn.Module):
 
     def _rotary(self, rope: RopeConfig) -> RotaryEmbedding:
         dim = self.arch.rotary_dim(rope)
+        if rope.mrope_section is not None:  # positions come as [3, T] (or [T] without images)
+            if rope.scaling is not None:
+                raise ValueError(f"M-RoPE with rope scaling {dict(rope.scaling)} is not supported")
+            return get_mrope(self.arch.head_dim, dim, rope.max_position, rope.theta, rope.mrope_section)
         return get_rope(
             self.arch.head_dim, dim, rope.max_position, rope.theta, rope.scaling, rope.is_neox_style, rope.inverted
         )

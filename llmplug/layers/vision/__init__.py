@@ -5,7 +5,9 @@ SigLIP vision config; `ViTLayout` / `VIT_LAYOUTS` are the per-family flags) and 
 (`MLPProjector` for LLaVA, `PooledProjector` for Gemma 3, `PixelShuffleConnector` for Idefics3 / SmolVLM,
 with `pixel_shuffle`; `ShuffledMLPProjector` for InternVL and Aya Vision), and the any-resolution tiling of
 LLaVA-NeXT (`AnyResGrid`: tile counts and the packing of the tiles' rows, with `select_best_resolution` and
-`unpad_features`). Each loads transformers' checkpoint names through its own `load_weights`.
+`unpad_features`); and the Qwen2-VL / Qwen2.5-VL tower (`QwenVisionTransformer`, from a `QwenViTConfig` that
+`qwen_vit_config` reads) with its `PatchMerger`. Each loads transformers' checkpoint names through its own
+`load_weights`.
 """
 
 from llmplug.layers.vision.anyres import AnyResGrid, select_best_resolution, unpad_features
@@ -16,19 +18,24 @@ from llmplug.layers.vision.projectors import (
     ShuffledMLPProjector,
     pixel_shuffle,
 )
+from llmplug.layers.vision.qwen_vit import PatchMerger, QwenViTConfig, QwenVisionTransformer, qwen_vit_config
 from llmplug.layers.vision.vit import VIT_LAYOUTS, ViTConfig, ViTLayout, VisionTransformer, vit_config
 
 __all__ = [
     "AnyResGrid",
     "MLPProjector",
+    "PatchMerger",
     "PixelShuffleConnector",
     "PooledProjector",
+    "QwenViTConfig",
+    "QwenVisionTransformer",
     "ShuffledMLPProjector",
     "VIT_LAYOUTS",
     "ViTConfig",
     "ViTLayout",
     "VisionTransformer",
     "pixel_shuffle",
+    "qwen_vit_config",
     "select_best_resolution",
     "unpad_features",
     "vit_config",

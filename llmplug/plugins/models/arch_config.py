@@ -93,11 +93,15 @@ def rope_config_of(
             f"{architecture_of(hf)}: rope parameters are per layer type {sorted(params)}; read them with layers_of"
         )
     theta = float(params.pop("rope_theta", None) or 10000.0)
+    mrope_section = params.pop("mrope_section", None)
+    if params.pop("mrope_interleaved", False):  # Qwen3-VL's layout, not built: a text family's positions are [T]
+        mrope_section = None  # (the same on every stream), which plain RoPE rotates exactly alike
     partial = params.pop("partial_rotary_factor", None) or getattr(hf, "partial_rotary_factor", None)
     rope_type = params.get("rope_type") or params.get("type") or "default"
     scaling = MappingProxyType(params) if rope_type != "default" else None
     factor = float(partial_rotary_factor or partial or 1.0)
-    return RopeConfig(theta, hf.max_position_embeddings, scaling, factor, is_neox_style)
+    mrope = tuple(int(n) for n in mrope_section) if mrope_section else None
+    return RopeConfig(theta, hf.max_position_embeddings, scaling, factor, is_neox_style, mrope_section=mrope)
 
 
 def layers_of(
