@@ -31,10 +31,12 @@ from typing import TYPE_CHECKING, Any
 
 from llmplug.core.config import EngineConfig, load_config
 from llmplug.core.errors import EngineDeadError, InvalidRequestError, RequestFailedError
-from llmplug.core.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
+from llmplug.core.outputs import PoolingRequestOutput, RequestOutput
 from llmplug.core.params import BeamSearchParams, PoolingParams, RequestOutputKind, SamplingParams
+from llmplug.engine.aborted_output import aborted_output
 from llmplug.engine.beam_search import next_token_logprobs, start_search, step_params
 from llmplug.engine.input_processor import PromptType, is_multimodal_prompt
+from llmplug.engine.data_parallel import DataParallelEngine, ReplicaState, build_engine
 from llmplug.engine.llm_engine import LLMEngine
 from llmplug.engine.request_stream import RequestStream
 from llmplug.lora.request import LoRARequest
@@ -102,7 +104,7 @@ class AsyncLLM:
             kwargs["model"] = model
         if not isinstance(config, EngineConfig):
             config = load_config(kwargs=kwargs, file=config, order=("file", "kwargs", "cli")).config
-        self._start(lambda: LLMEngine(config), config.model.model)
+        self._start(lambda: build_engine(config), config.model.model)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "AsyncLLM":
@@ -197,6 +199,11 @@ class AsyncLLM:
         if self._dead_error is not None:
             raise self._dead_error
 
+    def replica_states(self) -> list[ReplicaState]:
+        """Each data-parallel replica's state (process, restarts, stats); empty for one engine in this process."""
+        engine = self.llm_engine
+        return engine.replica_states() if isinstance(engine, DataParallelEngine) else []
+
     def busy_for(self) -> float:
         """Seconds the engine thread has spent on its current step or command (0.0 while it waits for work).
 
@@ -245,7 +252,7 @@ class AsyncLLM:
                     raise item
                 if isinstance(item, _Aborted):
                     finished = True
-                    yield _aborted_output(request_id, last, params)
+                    yield aborted_output(request_id, last, params)
                     return
                 finished = item.finished
                 last = item
@@ -497,25 +504,3 @@ async def _final(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
 def _put_all(batch: list[tuple[RequestStream, Any]]) -> None:
     for stream, item in batch:
         stream.put(item)
-
-
-def _aborted_output(request_id: str, last: RequestOutput | None, params: SamplingParams) -> RequestOutput:
-    """The final output of an aborted request: unfinished completions end with finish_reason "abort"."""
-    cumulative = params.output_kind != RequestOutputKind.DELTA
-    previous = {c.index: c for c in last.outputs} if last is not None else {}
-    outputs = []
-    for index in range(params.n):
-        before = previous.get(index)
-        if before is not None and before.finish_reason is not None:
-            continue
-        text = before.text if (cumulative and before is not None) else ""
-        token_ids = list(before.token_ids) if (cumulative and before is not None) else []
-        outputs.append(CompletionOutput(index=index, text=text, token_ids=token_ids, finish_reason="abort"))
-    return RequestOutput(
-        request_id=request_id,
-        prompt=last.prompt if last is not None else None,
-        prompt_token_ids=last.prompt_token_ids if last is not None else [],
-        outputs=outputs,
-        finished=True,
-        metrics=last.metrics if last is not None else None,
-    )

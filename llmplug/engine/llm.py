@@ -21,6 +21,7 @@ from llmplug.core.outputs import (
 )
 from llmplug.core.params import BeamSearchParams, PoolingParams, SamplingParams
 from llmplug.engine.beam_search import next_token_logprobs, start_search, step_params
+from llmplug.engine.data_parallel import DataParallelEngine, build_engine
 from llmplug.engine.input_processor import PromptType
 from llmplug.engine.llm_engine import LLMEngine
 from llmplug.engine.pooling import pair_prompt, score_pairs
@@ -49,7 +50,7 @@ class LLM:
             # keyword arguments given to LLM override the file they come with
             resolved = load_config(kwargs=kwargs, file=config, order=("file", "kwargs", "cli"))
             engine_config = resolved.config
-        self._start(LLMEngine(engine_config))
+        self._start(build_engine(engine_config))  # with data_parallel_size > 1: replicas behind one front end
 
     @classmethod
     def from_engine(cls, llm_engine: LLMEngine) -> "LLM":
@@ -58,7 +59,7 @@ class LLM:
         self._start(llm_engine)
         return self
 
-    def _start(self, llm_engine: LLMEngine) -> None:
+    def _start(self, llm_engine: LLMEngine | DataParallelEngine) -> None:
         self.llm_engine = llm_engine
         self._ids = itertools.count()
 

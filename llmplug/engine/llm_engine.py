@@ -48,6 +48,21 @@ def prepare_config(config: EngineConfig, registry: PluginRegistry) -> EngineConf
     return config
 
 
+def build_input_processor(config: EngineConfig, tokenizer: Any | None, info: dict[str, Any],
+                          max_model_len: int) -> InputProcessor:
+    """The prompt checker and tokenizer of an engine whose model reported `info` (a worker's model_info)."""
+    limits = RequestLimits.of(info["vocab_size"], max_model_len, config.decoding)
+    embedding_size = info["embedding_size"] if config.model.enable_prompt_embeds else None
+    mm_processor = None
+    if info.get("image_token_id") is not None:  # the model folder's own HF processor
+        from llmplug.engine.multimodal import MultiModalProcessor
+
+        model = config.model
+        mm_processor = MultiModalProcessor(model.model, info["image_token_id"], model.limit_mm_per_prompt,
+                                           model.trust_remote_code)
+    return InputProcessor(tokenizer, limits, embedding_size, mm_processor)
+
+
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
     """The params of completion `index` of an n > 1 request: one sequence each, distinct seeds; only the first
     computes the prompt's logprobs (the prompt is shared), so the others may take its blocks from the cache."""
@@ -75,9 +90,7 @@ class LLMEngine:
         self.tokenizer = None if self.config.model.skip_tokenizer_init else loader.load_tokenizer(self.config.model)
         self.engine_core = EngineCore(self.config, self.registry)
         info = self.engine_core.model_info
-        limits = RequestLimits.of(info["vocab_size"], self.engine_core.max_model_len, self.config.decoding)
-        embedding_size = info["embedding_size"] if self.config.model.enable_prompt_embeds else None
-        self.processor = InputProcessor(self.tokenizer, limits, embedding_size, self._mm_processor(info))
+        self.processor = build_input_processor(self.config, self.tokenizer, info, self.engine_core.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_ids = self._eos_token_ids(loader.load_generation_config(self.config.model))
         self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None  # the tokenizer's, if it has one
@@ -87,16 +100,6 @@ class LLMEngine:
         # a pooling engine: its model's tasks and defaults, and its unfinished requests' prompts and metrics
         self.pooling = PoolingInfo.from_model_info(info["pooling"]) if info.get("pooling") else None
         self._pooling_requests: dict[str, tuple[list[int], RequestMetrics]] = {}
-
-    def _mm_processor(self, info: dict[str, Any]) -> Any:
-        """The model folder's own HF processor, for a multimodal model (None for a text-only one)."""
-        if info.get("image_token_id") is None:
-            return None
-        from llmplug.engine.multimodal import MultiModalProcessor
-
-        model = self.config.model
-        return MultiModalProcessor(model.model, info["image_token_id"], model.limit_mm_per_prompt,
-                                   model.trust_remote_code)
 
     def _eos_token_ids(self, generation_config: dict[str, Any]) -> tuple[int, ...]:
         """Every end-of-sequence id the model declares (as vLLM): the tokenizer's, the model config's and the

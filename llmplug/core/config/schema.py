@@ -213,7 +213,22 @@ class ParallelConfig(_Section):
 
     tensor_parallel_size: int = Field(1, gt=0, description="Ranks that split each layer.")
     pipeline_parallel_size: int = Field(1, gt=0, description="Ranks that split the layer stack.")
-    data_parallel_size: int = Field(1, gt=0, description="Independent engine replicas.")
+    data_parallel_size: int = Field(
+        1,
+        gt=0,
+        description=(
+            "Engine replicas, each in its own process on its own share of the cores (NUMA node by node), behind one "
+            "LLM / server that routes requests by load and prefix affinity; each replica runs tensor x pipeline "
+            "parallel workers of its own (docs/data_parallel.md)."
+        ),
+    )
+    data_parallel_routing: Literal["prefix_affinity", "least_loaded", "round_robin"] = Field(
+        "prefix_affinity",
+        description=(
+            "How data-parallel replicas get requests: prefix_affinity (to the replica that served the prompt's "
+            "prefix, unless it is much busier), least_loaded (fewest waiting + running requests) or round_robin."
+        ),
+    )
     enable_expert_parallel: bool = Field(
         False,
         description=(

@@ -153,7 +153,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> FastA
     names = settings.served_model_names or [engine.model_name]
     tracer = request_tracer(settings, names[0])
     metrics = ServerMetrics(engine.stats, names[0], engine.max_model_len, cache_config_info(engine), tracer,
-                            RequestLogger(settings.max_log_len) if settings.enable_log_requests else None)
+                            RequestLogger(settings.max_log_len) if settings.enable_log_requests else None,
+                            engine.replica_states if engine.replica_states() else None)
     renderer = PromptRenderer(engine.get_tokenizer(), settings.chat_template, engine.llm_engine.processor.mm_processor)
     admission = AdmissionControl(settings.max_waiting_requests, lambda: engine.stats()["num_running"])
     adapters = ServedAdapters.with_resolvers(engine, names, settings.lora_resolvers, engine.llm_engine.registry)

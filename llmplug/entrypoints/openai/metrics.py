@@ -3,7 +3,8 @@
 Per request: outcome counts, prompt and generated tokens, time to first token, time per output token
 and end-to-end latency. Engine gauges (running / waiting requests, KV-cache usage, prefix-cache hit
 rate), the preemption counter and, with speculative decoding, the draft counters, acceptance rate and mean
-accepted length are read from `AsyncLLM.stats()` when scraped. Per HTTP response: counts by endpoint and status.
+accepted length are read from `AsyncLLM.stats()` when scraped; with data-parallel replicas, whether each replica
+serves and its restarts (`engine` label), and vLLM's engine series once per replica. Per HTTP response: counts by endpoint and status.
 
 Every metric is exported twice: as `llmplug_*` (our own names) and under vLLM's v1 names, types, labels
 (`model_name`, `engine`) and buckets (`vllm:*`, see `vllm_metrics`), which dashboards, autoscalers and
@@ -25,6 +26,7 @@ from llmplug.core.params import SamplingParams
 from llmplug.entrypoints.openai.vllm_metrics import VllmMetrics
 
 if TYPE_CHECKING:
+    from llmplug.engine.data_parallel import ReplicaState
     from llmplug.entrypoints.openai.loggable import RequestLogger
     from llmplug.entrypoints.openai.tracing import RequestTracer
 
@@ -62,6 +64,24 @@ class _EngineCollector(Collector):
             yield from _spec_decode_metrics(stats)
 
 
+class _ReplicaCollector(Collector):
+    """Data-parallel replicas: whether each serves, and how often it was restarted (label `engine`: its index)."""
+
+    def __init__(self, replicas: Callable[[], list[ReplicaState]]):
+        self._replicas = replicas
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        up = GaugeMetricFamily("llmplug_dp_replica_up", "1 while the data-parallel replica serves requests, else 0 "
+                               "(starting, restarting, failed).", labels=["engine"])
+        restarts = CounterMetricFamily("llmplug_dp_replica_restarts", "Times the data-parallel replica was started "
+                                       "again after its process died.", labels=["engine"])
+        for state in self._replicas():
+            up.add_metric([str(state.index)], 1 if state.status == "running" else 0)
+            restarts.add_metric([str(state.index)], state.restarts)
+        yield up
+        yield restarts
+
+
 def _spec_decode_metrics(stats: dict[str, Any]) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
     """Draft counts (counters) and the acceptance rate and mean accepted length since start (gauges)."""
     for name, what in (("num_drafts", "Request-steps that verified draft tokens"),
@@ -81,7 +101,8 @@ class ServerMetrics:
 
     def __init__(self, engine_stats: Callable[[], dict[str, Any]], model_name: str = "",
                  max_model_len: int = 1024, cache_info: dict[str, str] | None = None,
-                 tracer: RequestTracer | None = None, request_logger: RequestLogger | None = None):
+                 tracer: RequestTracer | None = None, request_logger: RequestLogger | None = None,
+                 replicas: Callable[[], list[ReplicaState]] | None = None):
         self.registry = CollectorRegistry()
         self.tracer = tracer  # with tracing on: a span per request, made when its tracker records it
         self.request_logger = request_logger  # with --enable-log-requests: a log line per request as it arrives
@@ -100,7 +121,11 @@ class ServerMetrics:
         for outcome in OUTCOMES:  # every outcome shows up from the start, at 0
             self.requests.labels(outcome)
         r.register(_EngineCollector(engine_stats))
-        self.vllm = VllmMetrics(r, engine_stats, model_name, max_model_len, cache_info or {})
+        engines = None
+        if replicas is not None:
+            r.register(_ReplicaCollector(replicas))
+            engines = lambda: [(str(state.index), state.stats) for state in replicas()]  # noqa: E731
+        self.vllm = VllmMetrics(r, engine_stats, model_name, max_model_len, cache_info or {}, engines)
 
     def track(self, num_prompt_tokens: int, params: SamplingParams | None = None,
               request_id: str | None = None) -> "RequestTracker":

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from llmplug import __version__
 from llmplug.core.errors import EngineStateError
@@ -61,7 +61,8 @@ def health_router(engine: AsyncLLM, metrics: ServerMetrics, stall_timeout: float
     """/health, /version, /metrics: the open routes (security.OPEN_PATHS), for load balancers and Prometheus.
 
     /health answers 503 for a dead engine, and for a stalled one: a step or command running for more than
-    `stall_timeout` seconds (0: never reported) while work waits, which a load balancer must see too.
+    `stall_timeout` seconds (0: never reported) while work waits, which a load balancer must see too. With
+    data-parallel replicas it lists each one's status (200 while at least one serves, else 503).
     """
     router = APIRouter()
 
@@ -73,7 +74,13 @@ def health_router(engine: AsyncLLM, metrics: ServerMetrics, stall_timeout: float
             raise OpenAIError(503, f"The engine is stalled: its current step or command has run for {busy:.0f} s "
                                    f"while work waits (--health-stall-timeout is {stall_timeout:g} s).",
                               code="engine_stalled")
-        return Response(status_code=200)
+        replicas = engine.replica_states()
+        if not replicas:
+            return Response(status_code=200)
+        serving = any(state.status == "running" for state in replicas)
+        body = {"replicas": [{"engine": str(s.index), "status": s.status, "pid": s.pid, "restarts": s.restarts,
+                              "last_error": s.last_error} for s in replicas]}
+        return JSONResponse(body, status_code=200 if serving else 503)
 
     @router.get("/version")
     async def version() -> dict[str, str]:

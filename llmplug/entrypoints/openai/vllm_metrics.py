@@ -1,7 +1,8 @@
 """The server's metrics under vLLM's v1 names (`vllm:*`): the names, types, labels and buckets of vLLM's
 `PrometheusStatLogger`, so that dashboards, autoscalers and routers written for vLLM read llmplug as they are.
 
-Every series carries `model_name` (the first served name) and `engine` ("0": one engine core per server).
+Every series carries `model_name` (the first served name) and `engine` ("0": one engine core per server; with
+data-parallel replicas, the engine gauges and counters come once per replica, `engine` its index).
 Engine state (running / waiting requests, KV-cache usage, prefix-cache, encoder-cache, preemption and
 corrupted-request counters, speculative decoding and LoRA) is read from `AsyncLLM.stats()` at scrape time, and
 so is the tokens-per-step histogram the engine core keeps at every step; per-request metrics are recorded by the
@@ -20,7 +21,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -55,7 +56,8 @@ class VllmMetrics:
     """vLLM's per-request metrics (bound to this server's labels) and, registered beside them, its engine gauges."""
 
     def __init__(self, registry: CollectorRegistry, engine_stats: Callable[[], dict[str, Any]], model_name: str,
-                 max_model_len: int, cache_info: dict[str, str]):
+                 max_model_len: int, cache_info: dict[str, str],
+                 engines: Callable[[], list[tuple[str, dict[str, Any]]]] | None = None):
         self.model_name = model_name
         r, values = registry, (model_name, ENGINE)
         tokens = build_1_2_5_buckets(max_model_len)
@@ -107,7 +109,7 @@ class VllmMetrics:
             info = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", [*cache_info, "engine"],
                          registry=r)
             info.labels(*cache_info.values(), ENGINE).set(1)
-        r.register(_VllmEngineCollector(engine_stats, model_name))
+        r.register(_VllmEngineCollector(engines or (lambda: [(ENGINE, engine_stats())]), model_name))
 
     def record_finished(self, tracker: RequestTracker, outcome: str, end_time: float) -> None:
         """Record a request that ended (`outcome`: a finish reason, or "error", which is no success)."""
@@ -156,17 +158,35 @@ class VllmMetrics:
 class _VllmEngineCollector(Collector):
     """vLLM's engine gauges and counters, read from the engine's stats at scrape time."""
 
-    def __init__(self, stats: Callable[[], dict[str, Any]], model_name: str):
-        self._stats = stats
-        self._values = [model_name, ENGINE]
+    def __init__(self, engines: Callable[[], list[tuple[str, dict[str, Any]]]], model_name: str):
+        self._engines = engines
+        self._model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        """Every engine's series (one per data-parallel replica, by its `engine` label) in one family per name."""
+        families: dict[str, Metric] = {}
+        for engine, stats in self._engines():
+            for family in _EngineSeries([self._model_name, engine]).collect(stats):
+                merged = families.setdefault(family.name, family)
+                if merged is not family:  # a series without the engine label (lora info) is the same in each
+                    seen = {(sample.name, tuple(sorted(sample.labels.items()))) for sample in merged.samples}
+                    merged.samples.extend(sample for sample in family.samples
+                                          if (sample.name, tuple(sorted(sample.labels.items()))) not in seen)
+        yield from families.values()
+
+
+class _EngineSeries:
+    """One engine's series, labelled with `values` (model name, engine index)."""
+
+    def __init__(self, values: list[str]):
+        self._values = values
 
     def _family(self, kind: type, name: str, doc: str, value: float) -> GaugeMetricFamily | CounterMetricFamily:
         family = kind(name, doc, labels=LABELS)
         family.add_metric(self._values, value)
         return family
 
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        stats = self._stats()
+    def collect(self, stats: dict[str, Any]) -> Iterator[Metric]:
         gauge, counter = GaugeMetricFamily, CounterMetricFamily
         usage = stats.get("kv_cache_usage", 0.0)
         yield self._family(gauge, "vllm:num_requests_running", "Number of requests in model execution batches.",

@@ -1,0 +1,602 @@
+"""DataParallelEngine: `data_parallel_size` engine replicas in processes of their own, behind LLMEngine's interface.
+
+`LLM` and `AsyncLLM` (and so `llmplug serve`) build one when `parallel.data_parallel_size > 1` and drive it as
+they drive an LLMEngine: `add_request` routes a request to a replica, `step` returns the outputs the replicas
+sent since the last call. Each replica is a whole LLMEngine in a spawned process pinned to its share of the
+cores (dp_placement.py), with its own executor (tensor x pipeline parallel workers as configured); see
+dp_replica.py for the process and its messages.
+
+This front end tokenizes and checks every prompt with the replicas' own limits before routing it (a bad request
+is refused here, at once, as LLMEngine refuses it), and routes by queue depth and prefix affinity
+(dp_balancer.py). One thread per replica reads its messages and supervises it: when the process dies, that
+replica's requests end (finish_reason "abort", `error` naming the replica and how it died), the others go on,
+and the replica is started again (from the checkpoint: weights pushed by update_weights and LoRA adapters loaded
+at run time are not restored). `replica_states()` reports each replica for /health and the metrics.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import logging
+import multiprocessing
+import queue
+import signal
+import threading
+import time
+import weakref
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+from llmplug.core.config import EngineConfig
+from llmplug.core.errors import EngineDeadError, InvalidRequestError
+from llmplug.core.outputs import PoolingRequestOutput, RequestMetrics, RequestOutput
+from llmplug.core.params import PoolingParams, SamplingParams
+from llmplug.core.plugins import PluginRegistry
+from llmplug.engine.aborted_output import aborted_output
+from llmplug.engine.dp_balancer import LoadBalancer, prefix_keys
+from llmplug.engine.dp_placement import replica_cpus
+from llmplug.engine.dp_replica import (AbortRequests, AddRequest, Call, CallResult, Outputs, Ready, Shutdown,
+                                       StartFailed, recv, replica_main, send)
+from llmplug.engine.executors.main_guard import check_main_guard
+from llmplug.engine.guided_decoding import GuidedDecodingManager
+from llmplug.engine.input_processor import PromptType, is_embeds_prompt, is_multimodal_prompt
+from llmplug.engine.llm_engine import LLMEngine, build_input_processor, prepare_config
+from llmplug.engine.pooling import PoolingInfo
+from llmplug.engine.step_histogram import StepHistogramSnapshot
+from llmplug.loaders import build_loader
+from llmplug.lora.request import LoRARequest
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["DataParallelEngine", "ReplicaState", "build_engine", "merge_stats", "uses_replicas"]
+
+logger = logging.getLogger(__name__)
+
+# what the replicas' server process imports once (forkserver): torch, the engine, the model layers, transformers'
+# config classes (the seconds of a replica's start-up that are not its model's loading)
+PRELOAD_MODULES = ["llmplug.engine.dp_replica", "llmplug.engine.llm_engine", "llmplug.layers.decoder",
+                   "transformers.models.auto.configuration_auto", "transformers.models.auto.tokenization_auto"]
+POLL_S = 0.002  # how long `step` waits for outputs before it returns none (its caller then takes new requests)
+RESTART_DELAYS_S = (1.0, 5.0, 15.0)  # before each further attempt to restart a replica that fails to start
+STOP_GRACE_S = 5.0  # a replica asked to leave has this long before it is terminated
+
+
+def uses_replicas(config: EngineConfig) -> bool:
+    """True when `config` asks for data-parallel replicas run by llmplug (not by an external launcher)."""
+    parallel = config.parallel
+    return parallel.data_parallel_size > 1 and parallel.executor != "external_launcher"
+
+
+def build_engine(config: EngineConfig) -> LLMEngine | DataParallelEngine:
+    """The engine `config` asks for: one LLMEngine, or replicas behind a DataParallelEngine."""
+    return DataParallelEngine(config) if uses_replicas(config) else LLMEngine(config)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaState:
+    """One replica as /health and the metrics show it."""
+
+    index: int
+    status: str  # "starting", "running", "restarting", "failed" (gave up restarting) or "stopped"
+    pid: int | None
+    cpus: tuple[int, ...]
+    restarts: int
+    last_error: str | None  # why it last died or failed to start
+    stats: dict[str, Any]  # its engine's stats after its latest step
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheSummary:
+    """What the server reads of the KV cache: the blocks of all replicas together."""
+
+    num_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Died:
+    """A replica process ended; `reason` says how."""
+
+    reason: str
+
+
+@dataclass(slots=True)
+class _Tracked:
+    """An unfinished request: where it runs and what its final output needs if that replica dies."""
+
+    replica: int
+    generation: int  # of the replica process it was sent to
+    params: SamplingParams | PoolingParams | None
+    prompt_token_ids: list[int]
+    arrival_time: float
+    last: RequestOutput | None = None
+
+
+class _Replica:
+    """One replica: its process, its pipes, and the thread that reads its messages and restarts it."""
+
+    def __init__(self, index: int, cpus: list[int], config: EngineConfig, registry: PluginRegistry,
+                 events: queue.SimpleQueue):
+        self.index, self.cpus, self.config, self.registry = index, cpus, config, registry
+        self._events = events  # (index, generation, message) for the engine thread
+        self._lock = threading.Lock()  # guards the fields below, read by other threads
+        self.status = "starting"
+        self.generation = 0
+        self.process: Any = None
+        self.restarts = 0
+        self.last_error: str | None = None
+        self.stats: dict[str, Any] = {}
+        self.ready: Ready | None = None
+        self._commands: Any = None
+        self._send_lock = threading.Lock()
+        self._calls: dict[int, concurrent.futures.Future] = {}
+        self._call_ids = itertools.count()
+        self._closing = False
+        self._started = threading.Event()
+        self._start_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._supervise, name=f"llmplug-dp-replica-{index}", daemon=True)
+        self._thread.start()
+
+    # --- what the engine thread calls --------------------------------------------------------
+
+    def wait_started(self) -> Ready:
+        """The first start's Ready; its error when the replica could not start."""
+        self._started.wait()
+        if self._start_error is not None:
+            raise self._start_error
+        return self.ready
+
+    def serving(self) -> tuple[bool, int]:
+        """(whether it takes requests now, the generation of its process)."""
+        with self._lock:
+            return self.status == "running", self.generation
+
+    def send(self, message: Any, generation: int) -> None:
+        """Send to the process of `generation`; dropped when that process is gone (its death fails its requests)."""
+        with self._send_lock:
+            if self._commands is None or self.generation != generation:
+                return
+            try:
+                send(self._commands, message)
+            except OSError:  # it died meanwhile: the supervisor reports it
+                logger.debug("replica %d: dropped %s for a dead process", self.index, type(message).__name__)
+
+    def call(self, function: Callable[..., Any], args: tuple) -> concurrent.futures.Future:
+        """Run `function(engine, *args)` in the replica between its steps; the future gets its result."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self.status != "running":
+                raise EngineDeadError(f"data-parallel replica {self.index} is {self.status}")
+            call_id, generation = next(self._call_ids), self.generation
+            self._calls[call_id] = future
+        self.send(Call(call_id, function, args), generation)
+        return future
+
+    def state(self) -> ReplicaState:
+        with self._lock:
+            pid = self.process.pid if self.process is not None else None
+            return ReplicaState(self.index, self.status, pid, tuple(self.cpus), self.restarts, self.last_error,
+                                dict(self.stats))
+
+    def stop(self) -> None:
+        """Ask the process to leave, then terminate and kill it; the supervisor ends with it."""
+        with self._lock:
+            self._closing = True
+            process, generation = self.process, self.generation
+        if process is None:
+            return
+        self.send(Shutdown(), generation)
+        process.join(STOP_GRACE_S)
+        for ending in (process.terminate, process.kill):
+            if process.is_alive():
+                ending()
+                process.join(2)
+        self._thread.join(STOP_GRACE_S)
+
+    # --- the supervisor thread ---------------------------------------------------------------
+
+    def _supervise(self) -> None:
+        """Start the process, read its messages until it ends, report the end, start it again."""
+        failed_starts = 0
+        while True:
+            events = self._spawn()
+            started = self._read(events)
+            reason = self._exit_reason()
+            with self._lock:
+                closing = self._closing
+            if closing:
+                self._set_status("stopped")
+                return
+            if not started:
+                failed_starts += 1
+                if self.ready is None or failed_starts > len(RESTART_DELAYS_S):  # first start, or gave up
+                    self._give_up(reason)
+                    return
+                time.sleep(RESTART_DELAYS_S[failed_starts - 1])
+            else:
+                failed_starts = 0
+                self._report_death(reason)
+            with self._lock:
+                self.restarts += 1
+
+    def _spawn(self) -> Any:
+        """Start a process (the next generation); return the pipe its messages come through."""
+        context = _process_context()
+        command_reader, command_writer = context.Pipe(duplex=False)
+        event_reader, event_writer = context.Pipe(duplex=False)
+        process = context.Process(
+            target=replica_main, args=(self.config, self.registry, self.cpus, command_reader, event_writer),
+            name=f"llmplug-dp-replica-{self.index}", daemon=True,
+        )
+        process.start()
+        command_reader.close()  # the child's ends: its exit must close the pipes
+        event_writer.close()
+        with self._send_lock, self._lock:
+            self.process, self._commands = process, command_writer
+            self.generation += 1
+        return event_reader
+
+    def _read(self, events: Any) -> bool:
+        """Handle the process's messages until its pipe closes; True when it had started."""
+        started = False
+        try:
+            while True:
+                message = recv(events)
+                if isinstance(message, Outputs):
+                    with self._lock:
+                        self.stats = message.stats
+                    self._events.put((self.index, self.generation, message))
+                elif isinstance(message, CallResult):
+                    self._resolve(message)
+                elif isinstance(message, Ready):
+                    started = True
+                    self._on_ready(message)
+                elif isinstance(message, StartFailed):
+                    self._start_failed(message)
+        except (EOFError, OSError):
+            pass
+        finally:
+            events.close()
+        return started
+
+    def _on_ready(self, ready: Ready) -> None:
+        with self._lock:
+            self.status, self.stats = "running", ready.stats
+            first = self.ready is None
+            self.ready = ready
+        if first:
+            self._started.set()
+        else:
+            logger.warning("data-parallel replica %d is serving again (pid %d)", self.index, ready.pid)
+
+    def _start_failed(self, failed: StartFailed) -> None:
+        with self._lock:
+            self.last_error = f"{type(failed.error).__name__}: {failed.error}"
+            if self.ready is None:
+                self._start_error = failed.error
+        logger.error("data-parallel replica %d failed to start:\n%s", self.index, failed.traceback)
+
+    def _exit_reason(self) -> str:
+        process = self.process
+        process.join(STOP_GRACE_S)
+        code = process.exitcode
+        how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+        return f"data-parallel replica {self.index} (pid {process.pid}) exited ({how})"
+
+    def _report_death(self, reason: str) -> None:
+        """Its requests and calls fail; it is restarted (the caller loops)."""
+        logger.error("%s; its in-flight requests failed; restarting it", reason)
+        with self._lock:
+            self.status, self.last_error, self.stats = "restarting", reason, {}
+            calls, self._calls = self._calls, {}
+        self._events.put((self.index, self.generation, _Died(reason)))
+        for future in calls.values():
+            future.set_exception(EngineDeadError(reason))
+
+    def _give_up(self, reason: str) -> None:
+        with self._lock:
+            self.status = "failed"
+            self.last_error = self.last_error or reason
+            if self._start_error is None and self.ready is None:
+                self._start_error = EngineDeadError(f"{reason} before it was ready")
+        self._started.set()
+        self._events.put((self.index, self.generation, _Died(reason)))
+
+    def _resolve(self, result: CallResult) -> None:
+        with self._lock:
+            future = self._calls.pop(result.call_id, None)
+        if future is None:
+            return
+        if result.error is not None:
+            future.set_exception(result.error)
+        else:
+            future.set_result(result.value)
+
+    def _set_status(self, status: str) -> None:
+        with self._lock:
+            self.status = status
+
+
+class DataParallelEngine:
+    """LLMEngine's interface over `data_parallel_size` replica processes (engine-thread use, like LLMEngine)."""
+
+    def __init__(self, config: EngineConfig, registry: PluginRegistry | None = None):
+        self.registry = registry or PluginRegistry.from_config(config.plugins)
+        self.config = prepare_config(config, self.registry)
+        num_replicas = self.config.parallel.data_parallel_size
+        check_main_guard(f"{num_replicas} data-parallel replica processes")
+        loader = build_loader(self.registry, self.config.load.format, self.config.load)
+        loader.download_model(self.config.model)  # once, here, before any replica starts
+        self.tokenizer = None if self.config.model.skip_tokenizer_init else loader.load_tokenizer(self.config.model)
+        replica_config = self.config.model_copy(deep=True)
+        replica_config.parallel.data_parallel_size = 1
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self.replicas = [_Replica(i, cpus, replica_config, self.registry, self._events)
+                         for i, cpus in enumerate(replica_cpus(num_replicas))]
+        self._finalizer = weakref.finalize(self, _stop_all, self.replicas)
+        try:
+            ready = [replica.wait_started() for replica in self.replicas][0]
+        except BaseException:
+            self.shutdown()
+            raise
+        info = ready.model_info
+        self.engine_core = ReplicaCalls(self, ready)
+        self.processor = build_input_processor(self.config, self.tokenizer, info, ready.max_model_len)
+        self.eos_token_ids = ready.eos_token_ids
+        self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
+        self.guided = GuidedDecodingManager(self.tokenizer, info["vocab_size"], self.eos_token_id, self.config.decoding,
+                                            self.registry)
+        self.pooling = PoolingInfo.from_model_info(info["pooling"]) if info.get("pooling") else None
+        self.balancer = LoadBalancer(num_replicas, self.config.parallel.data_parallel_routing)
+        self._requests: dict[str, _Tracked] = {}
+        self._in_flight = [0] * num_replicas
+
+    # --- requests ----------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams | None = None,
+                    *, priority: int = 0, arrival_time: float | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
+        """Check the request, choose its replica and send it there (LLMEngine.add_request's contract)."""
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use; ids must be unique")
+        prompt, token_ids, keys = self._prepare(prompt, params)
+        states = [replica.serving() for replica in self.replicas]
+        serving = [up for up, _ in states]
+        if not any(serving):
+            raise EngineDeadError("no data-parallel replica is serving now: "
+                                  + "; ".join(f"{s.index}: {s.status}" for s in self.replica_states()))
+        index = self.balancer.choose(keys, self._depths(), serving)
+        arrival_time = arrival_time or time.time()
+        generation = states[index][1]
+        self.replicas[index].send(AddRequest(request_id, prompt, params, priority, arrival_time, lora_request),
+                                  generation)
+        self._requests[request_id] = _Tracked(index, generation, params, token_ids, arrival_time)
+        self._in_flight[index] += 1
+        self.balancer.record(keys, index)
+
+    def _prepare(self, prompt: PromptType, params: SamplingParams | PoolingParams | None
+                 ) -> tuple[PromptType, list[int], list[int]]:
+        """The prompt to send (token ids filled in: replicas tokenize nothing again), its ids and prefix keys.
+
+        A generation prompt of text or token ids is checked as the replica will check it; a pooling, embeddings
+        or image prompt is checked by its replica (its errors end the request) and routed by load alone."""
+        block_size = self.config.cache.block_size
+        if isinstance(params, PoolingParams) or is_embeds_prompt(prompt) or is_multimodal_prompt(prompt):
+            ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
+            plain = isinstance(params, PoolingParams) and ids is not None
+            return prompt, list(ids or []), prefix_keys(list(ids), block_size) if plain else []
+        text, token_ids, _ = self.processor.process(prompt, params or SamplingParams())
+        sent = dict(prompt) if isinstance(prompt, dict) else {"prompt": text}
+        sent["prompt_token_ids"] = token_ids
+        return sent, token_ids, prefix_keys(token_ids, block_size)
+
+    def _depths(self) -> list[int]:
+        """Each replica's queue: its unfinished requests as counted here, or as it reported (n > 1 counts n)."""
+        depths = []
+        for replica, in_flight in zip(self.replicas, self._in_flight):
+            stats = replica.stats
+            depths.append(max(in_flight, stats.get("num_waiting", 0) + stats.get("num_running", 0)))
+        return depths
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        """Stop requests (by the ids the user gave) in their replicas."""
+        by_replica: dict[tuple[int, int], list[str]] = {}
+        for request_id in request_ids:
+            tracked = self._untrack(request_id)
+            if tracked is not None:
+                by_replica.setdefault((tracked.replica, tracked.generation), []).append(request_id)
+        for (index, generation), ids in by_replica.items():
+            self.replicas[index].send(AbortRequests(ids), generation)
+
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
+        """The outputs the replicas sent since the last call (waiting up to POLL_S for the first)."""
+        outputs: list[RequestOutput | PoolingRequestOutput] = []
+        timeout: float | None = POLL_S
+        while True:
+            try:
+                index, generation, message = self._events.get(timeout=timeout) if timeout else \
+                    self._events.get_nowait()
+            except queue.Empty:
+                break
+            timeout = None
+            outputs.extend(self._handle(index, generation, message))
+        if all(replica.state().status == "failed" for replica in self.replicas):
+            raise EngineDeadError("every data-parallel replica failed and could not be restarted: "
+                                  + "; ".join(str(r.last_error) for r in self.replicas))
+        return outputs
+
+    def _handle(self, index: int, generation: int, message: Outputs | _Died) -> list[Any]:
+        if isinstance(message, _Died):
+            self.balancer.forget(index)  # its prefix cache is gone
+            lost = [rid for rid, t in self._requests.items() if t.replica == index and t.generation == generation]
+            return [self._lost(rid, message.reason) for rid in lost]
+        outputs = []
+        for output in message.outputs:
+            tracked = self._requests.get(output.request_id)
+            if tracked is None or tracked.replica != index:  # aborted meanwhile
+                continue
+            tracked.last = output
+            if output.finished:
+                self._untrack(output.request_id)
+            outputs.append(output)
+        for request_id, error in message.rejected:
+            if request_id in self._requests:
+                outputs.append(self._lost(request_id, f"{type(error).__name__}: {error}"))
+        return outputs
+
+    def _lost(self, request_id: str, error: str) -> RequestOutput | PoolingRequestOutput:
+        """The final output of a request its replica could not finish: aborted, with `error`."""
+        tracked = self._untrack(request_id)
+        if isinstance(tracked.params, PoolingParams):
+            return PoolingRequestOutput(request_id, None, tracked.prompt_token_ids, True,
+                                        RequestMetrics(tracked.arrival_time), error)
+        output = aborted_output(request_id, tracked.last, tracked.params or SamplingParams(), error)
+        if tracked.last is None:
+            output.prompt_token_ids = tracked.prompt_token_ids
+        return output
+
+    def _untrack(self, request_id: str) -> _Tracked | None:
+        tracked = self._requests.pop(request_id, None)
+        if tracked is not None:
+            self._in_flight[tracked.replica] -= 1
+        return tracked
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request is still running in some replica."""
+        return bool(self._requests)
+
+    # --- state ---------------------------------------------------------------------------------
+
+    def replica_states(self) -> list[ReplicaState]:
+        """Each replica's status, process and latest stats (thread-safe)."""
+        return [replica.state() for replica in self.replicas]
+
+    def get_tokenizer(self) -> Any | None:
+        """The tokenizer the replicas use (None with skip_tokenizer_init)."""
+        return self.tokenizer
+
+    def shutdown(self) -> None:
+        """Stop every replica process."""
+        self._finalizer()
+        if hasattr(self, "guided"):
+            self.guided.shutdown()
+
+
+class ReplicaCalls:
+    """What LLM and AsyncLLM call on an engine's `engine_core`, done on every serving replica.
+
+    A replica restarted later starts from the checkpoint: it does not get what these calls changed."""
+
+    def __init__(self, engine: DataParallelEngine, ready: Ready):
+        self._engine = engine
+        self.model_info = ready.model_info
+        self.max_model_len = ready.max_model_len
+        self.kv_cache_manager = KVCacheSummary(ready.num_blocks * len(engine.replicas))
+
+    def stats(self) -> dict[str, Any]:
+        """The replicas' stats merged (counts added, usage averaged, the prefix-cache rate recomputed)."""
+        return merge_stats([state.stats for state in self._engine.replica_states() if state.stats])
+
+    def _on_all(self, function: Callable[..., Any], *args: Any) -> list[Any]:
+        """`function(engine, *args)` on every serving replica; the first error is raised."""
+        replicas = [r for r in self._engine.replicas if r.serving()[0]]
+        if not replicas:
+            raise EngineDeadError("no data-parallel replica is serving now")
+        futures = [replica.call(function, args) for replica in replicas]
+        return [future.result() for future in futures]
+
+    def update_weights(self, weights: Iterable[tuple[str, "torch.Tensor"]]) -> None:
+        """New weights into every replica (sent once to each, on the CPU)."""
+        self._on_all(_core_method, "update_weights", [(name, tensor.cpu()) for name, tensor in weights])
+
+    def reset_prefix_cache(self) -> None:
+        self._on_all(_core_method, "reset_prefix_cache")
+
+    def sleep(self, level: int = 1) -> None:
+        self._on_all(_core_method, "sleep", level)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        self._on_all(_core_method, "wake_up", tags)
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        self._on_all(_core_method, "add_lora", lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return any(self._on_all(_core_method, "remove_lora", lora_int_id))
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self._on_all(_core_method, "list_loras")[0]
+
+    @property
+    def asleep(self) -> bool:
+        """True while anything sleeps in some replica."""
+        return any(self._on_all(_asleep))
+
+
+def _core_method(engine: LLMEngine, name: str, *args: Any) -> Any:
+    """Runs in a replica: `engine.engine_core.<name>(*args)`."""
+    return getattr(engine.engine_core, name)(*args)
+
+
+def _asleep(engine: LLMEngine) -> bool:
+    """Runs in a replica: whether anything of it sleeps."""
+    return bool(engine.engine_core.asleep)
+
+
+_MEAN_KEYS = ("kv_cache_usage", "spec_decode_acceptance_rate", "spec_decode_mean_accepted_length")
+
+
+def merge_stats(replica_stats: list[dict[str, Any]]) -> dict[str, Any]:
+    """Stats of replicas as one engine's: numbers added, histograms and per-position lists added element by
+    element, adapter names joined; usage and rates averaged, the prefix-cache hit rate from the merged counts."""
+    if not replica_stats:
+        return {}
+    merged: dict[str, Any] = {}
+    for key in dict.fromkeys(k for stats in replica_stats for k in stats):
+        values = [stats[key] for stats in replica_stats if key in stats]
+        merged[key] = _merge(key, values)
+    queries = merged.get("prefix_cache_queries", 0)
+    if "prefix_cache_hit_rate" in merged:
+        merged["prefix_cache_hit_rate"] = merged.get("prefix_cache_hits", 0) / queries if queries else 0.0
+    return merged
+
+
+def _merge(key: str, values: list[Any]) -> Any:
+    first = values[0]
+    if key in _MEAN_KEYS:
+        return sum(values) / len(values)
+    if isinstance(first, StepHistogramSnapshot):
+        counts = tuple(sum(c) for c in zip(*(v.counts for v in values)))
+        return StepHistogramSnapshot(first.bounds, counts, sum(v.sum for v in values), sum(v.count for v in values))
+    if isinstance(first, bool) or key == "max_loras":
+        return first
+    if isinstance(first, (int, float)):
+        return sum(values)
+    if isinstance(first, (list, tuple)) and all(isinstance(x, (int, float)) for v in values for x in v):
+        return [sum(x) for x in itertools.zip_longest(*values, fillvalue=0)]
+    if isinstance(first, (list, tuple, set)):  # names (LoRA adapters in use)
+        return sorted({x for v in values for x in v})
+    return first
+
+
+def _process_context() -> Any:
+    """Replica processes fork from a server process that imported the engine once (forkserver), where the
+    platform has one: a new or restarted replica then starts in the time its model takes to load, not the
+    seconds torch's import takes. The server process is started on first use and has run nothing but imports,
+    so no thread or OpenMP pool is forked. Elsewhere: spawn."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD_MODULES)
+    return context
+
+
+def _stop_all(replicas: list[_Replica]) -> None:
+    """Stop every replica at once (each is given STOP_GRACE_S)."""
+    threads = [threading.Thread(target=replica.stop, daemon=True) for replica in replicas]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
