@@ -19,6 +19,7 @@ MULTIMODAL_PARITY = {
     "Qwen2VLForConditionalGeneration": "tests/multimodal/test_qwen2_vl.py",
     "Qwen2_5_VLForConditionalGeneration": "tests/multimodal/test_qwen2_vl.py",
     "AyaVisionForConditionalGeneration": "tests/multimodal/test_aya_vision.py",
+    "InternVLForConditionalGeneration": "tests/multimodal/test_internvl.py",
 }
 
 

@@ -1,4 +1,5 @@
-"""One vision transformer (ViT) for the CLIP, SigLIP and Idefics3 families, its variants as data (`ViTConfig`).
+"""One vision transformer (ViT) for the CLIP, SigLIP, Idefics3 and InternViT families, its variants as data
+(`ViTConfig`).
 
 An image becomes a grid of patch embeddings (a strided conv), optionally led by a learned class token,
 plus learned position embeddings; then an optional pre-norm and pre-LN encoder layers (bidirectional
@@ -9,6 +10,11 @@ attention over one image's patches, a two-layer MLP). The families differ only i
 | CLIP              | yes         | no              | yes      | the pooled CLS | quick_gelu        | resized   |
 | SigLIP            | no          | yes             | no       | every token    | gelu_pytorch_tanh | resized   |
 | Idefics3, SmolVLM | no          | yes             | no       | every token    | gelu_pytorch_tanh | bucketed  |
+| InternViT         | yes         | yes             | no       | every token    | gelu              | resized   |
+
+InternViT (InternVL's tower) also scales each residual branch by a learned vector (`lambda_1`, `lambda_2`: layer
+scale), may use RMSNorm for its norms and may leave out the q/k/v bias; its post-norm exists only without mean
+pooling; its checkpoint names are its own (`encoder.layer.<i>.attention.projection_layer`, ...).
 
 Positions for a grid other than the trained one: "resized" interpolates the learned table bicubically; "bucketed"
 (Idefics3's NaViT-style embeddings) gives patch (i, j) of a rows x cols grid the trained grid's entry at the bucket
@@ -36,13 +42,45 @@ from transformers import PretrainedConfig
 from llmplug.layers.checkpoint_names import CheckpointNames, HeadLayout
 from llmplug.layers.decoder.arch import MLPConfig
 from llmplug.layers.decoder.mlp import DecoderMLP
-from llmplug.layers.layernorm import LayerNorm
+from llmplug.layers.layernorm import LayerNorm, NormConfig, make_norm
 from llmplug.layers.linear import QKVParallelLinear, RowParallelLinear
 from llmplug.layers.weight_utils import StackedParamsMap, default_weight_loader, frozen_parameter, load_mapped_weights
 
 __all__ = ["VIT_LAYOUTS", "ViTConfig", "ViTLayout", "VisionTransformer", "vit_config"]
 
 PostNorm = Literal["pooled", "tokens"]
+
+
+# transformers' checkpoint names -> ours: q/k/v fused (STACKED), fc1/fc2 are the shared MLP's up/down
+STACKED: StackedParamsMap = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v")}
+CHECKPOINT_NAMES = CheckpointNames(
+    # a CLIPVisionModel / SiglipVisionModel checkpoint keeps everything under `vision_model.` (transformers 5
+    # drops it in memory); both forms load
+    prefixes={
+        f"vision_model.{name}": name for name in ("embeddings", "pre_layrnorm", "encoder", "post_layernorm", "head")
+    },
+    renames={"mlp.fc1": "mlp.up_proj", "mlp.fc2": "mlp.down_proj"},
+    ignored=("position_ids",),  # a non-persistent buffer some old checkpoints saved
+)
+# InternVLVisionModel's names -> ours (its cls_token and position table lose their leading batch dims: `_unbatched`)
+INTERNVIT_NAMES = CheckpointNames(
+    prefixes={
+        "embeddings.cls_token": "embeddings.class_embedding",
+        "embeddings.position_embeddings": "embeddings.position_embedding.weight",
+        "embeddings.patch_embeddings.projection": "embeddings.patch_embedding",
+        "encoder.layer": "encoder.layers",
+        "layernorm": "post_layernorm",
+    },
+    renames={
+        **{f"attention.{p}": f"self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")},
+        "attention.projection_layer": "self_attn.out_proj",
+        "layernorm_before": "layer_norm1",
+        "layernorm_after": "layer_norm2",
+        "mlp.fc1": "mlp.up_proj",
+        "mlp.fc2": "mlp.down_proj",
+    },
+    ignored=("mask_token",),  # masked-image pretraining's token, unused at inference
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +92,8 @@ class ViTLayout:
     pre_norm: bool  # a LayerNorm on the embeddings before the first layer (CLIP's `pre_layrnorm`)
     post_norm: PostNorm  # `post_layernorm` on the pooled class token only, or on every token of the output
     bucketed_positions: bool = False  # position ids by fractional-coordinate buckets (the module doc), not resizing
+    layer_scale: bool = False  # each residual branch times a learned vector (InternViT's lambda_1, lambda_2)
+    names: CheckpointNames = CHECKPOINT_NAMES  # transformers' tensor names -> ours
 
 
 # HF vision config `model_type` -> its family's layout
@@ -64,6 +104,8 @@ VIT_LAYOUTS: dict[str, ViTLayout] = {
                                  bucketed_positions=True),
     "smolvlm_vision": ViTLayout(class_token=False, patch_bias=True, pre_norm=False, post_norm="tokens",
                                 bucketed_positions=True),
+    "internvl_vision": ViTLayout(class_token=True, patch_bias=True, pre_norm=False, post_norm="tokens",
+                                 layer_scale=True, names=INTERNVIT_NAMES),
 }
 
 
@@ -81,6 +123,8 @@ class ViTConfig:
     num_channels: int
     activation: str  # a name of llmplug.layers.activation.ACTIVATIONS
     eps: float
+    norm: Literal["layer", "rms"] = "layer"  # the encoder layers' and the post-norm's kind
+    qkv_bias: bool = True
 
     @property
     def head_dim(self) -> int:
@@ -98,12 +142,14 @@ class ViTConfig:
 
 
 def vit_config(hf: PretrainedConfig) -> ViTConfig:
-    """The `ViTConfig` of a `CLIPVisionConfig` or `SiglipVisionConfig` (a VLM's `vision_config`)."""
+    """The `ViTConfig` of a CLIP, SigLIP, Idefics3 or InternViT vision config (a VLM's `vision_config`)."""
     layout = VIT_LAYOUTS.get(hf.model_type)
     if layout is None:
         raise ValueError(
             f"vision config of model_type {hf.model_type!r} is not a ViT llmplug builds; known: {sorted(VIT_LAYOUTS)}"
         )
+    if hf.model_type == "internvl_vision":
+        return _internvit_config(hf, layout)
     return ViTConfig(
         layout=layout,
         hidden_size=hf.hidden_size,
@@ -116,6 +162,35 @@ def vit_config(hf: PretrainedConfig) -> ViTConfig:
         activation=hf.hidden_act,
         eps=hf.layer_norm_eps,
     )
+
+
+def _internvit_config(hf: PretrainedConfig, layout: ViTLayout) -> ViTConfig:
+    """InternVLVisionConfig: sizes as (height, width) pairs, a norm kind, an optional q/k/v bias."""
+    if hf.use_qk_norm or not hf.use_absolute_position_embeddings:
+        raise ValueError("InternViT with q/k norms (use_qk_norm, InternViT-6B) or without absolute position "
+                         "embeddings is not built by llmplug yet")
+    return ViTConfig(
+        layout=layout,
+        hidden_size=hf.hidden_size,
+        intermediate_size=hf.intermediate_size,
+        num_layers=hf.num_hidden_layers,
+        num_heads=hf.num_attention_heads,
+        image_size=_square(hf.image_size, "image_size"),
+        patch_size=_square(hf.patch_size, "patch_size"),
+        num_channels=hf.num_channels,
+        activation=hf.hidden_act,
+        eps=hf.layer_norm_eps,
+        norm={"layer_norm": "layer", "rms_norm": "rms"}[hf.norm_type],
+        qkv_bias=bool(hf.attention_bias),
+    )
+
+
+def _square(size: int | list[int] | tuple[int, ...], name: str) -> int:
+    """The side of a square size given as an int or a (height, width) pair."""
+    sides = {int(size)} if isinstance(size, int) else {int(side) for side in size}
+    if len(sides) != 1:
+        raise ValueError(f"vision {name} {size} is not square; llmplug's ViT takes square trained sizes")
+    return sides.pop()
 
 
 def _join(prefix: str, name: str) -> str:
@@ -192,7 +267,8 @@ class VisionAttention(nn.Module):
         super().__init__()
         d = config.head_dim
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, d, config.num_heads, config.num_heads, bias=True, prefix=_join(prefix, "qkv_proj")
+            config.hidden_size, d, config.num_heads, config.num_heads, bias=config.qkv_bias,
+            prefix=_join(prefix, "qkv_proj"),
         )
         self.out_proj = RowParallelLinear(config.hidden_size, config.hidden_size, prefix=_join(prefix, "out_proj"))
         self.num_heads, self.head_dim = self.qkv_proj.num_heads, d
@@ -207,20 +283,31 @@ class VisionAttention(nn.Module):
 
 
 class VisionEncoderLayer(nn.Module):
-    """x + attn(norm1(x)), then x + mlp(norm2(x))."""
+    """x + attn(norm1(x)), then x + mlp(norm2(x)); with layer scale each branch is first multiplied by its lambda."""
 
     def __init__(self, config: ViTConfig, prefix: str = "") -> None:
         super().__init__()
-        self.layer_norm1 = LayerNorm(config.hidden_size, config.eps)
+        self.layer_norm1 = _norm(config)
         self.self_attn = VisionAttention(config, _join(prefix, "self_attn"))
-        self.layer_norm2 = LayerNorm(config.hidden_size, config.eps)
+        self.layer_norm2 = _norm(config)
         mlp = MLPConfig(activation=config.activation, gated=False, bias=True)
         self.mlp = DecoderMLP(mlp, config.hidden_size, config.intermediate_size, _join(prefix, "mlp"))
+        self.layer_scale = config.layout.layer_scale
+        if self.layer_scale:
+            self.lambda_1 = frozen_parameter(torch.empty(config.hidden_size), default_weight_loader)
+            self.lambda_2 = frozen_parameter(torch.empty(config.hidden_size), default_weight_loader)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[B, N, hidden] -> [B, N, hidden]."""
-        x = x + self.self_attn(self.layer_norm1(x))
-        return x + self.mlp(self.layer_norm2(x))
+        attn = self.self_attn(self.layer_norm1(x))
+        x = x + (self.lambda_1 * attn if self.layer_scale else attn)
+        mlp = self.mlp(self.layer_norm2(x))
+        return x + (self.lambda_2 * mlp if self.layer_scale else mlp)
+
+
+def _norm(config: ViTConfig) -> nn.Module:
+    """The encoder's LayerNorm (with a bias) or RMSNorm over the hidden features."""
+    return make_norm(NormConfig(config.norm, config.eps, bias=config.norm == "layer"), config.hidden_size)
 
 
 class VisionEncoder(nn.Module):
@@ -231,19 +318,6 @@ class VisionEncoder(nn.Module):
         self.layers = nn.ModuleList(
             VisionEncoderLayer(config, _join(prefix, f"layers.{i}")) for i in range(num_layers)
         )
-
-
-# transformers' checkpoint names -> ours: q/k/v fused (STACKED), fc1/fc2 are the shared MLP's up/down
-STACKED: StackedParamsMap = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v")}
-CHECKPOINT_NAMES = CheckpointNames(
-    # a CLIPVisionModel / SiglipVisionModel checkpoint keeps everything under `vision_model.` (transformers 5
-    # drops it in memory); both forms load
-    prefixes={
-        f"vision_model.{name}": name for name in ("embeddings", "pre_layrnorm", "encoder", "post_layernorm", "head")
-    },
-    renames={"mlp.fc1": "mlp.up_proj", "mlp.fc2": "mlp.down_proj"},
-    ignored=("position_ids",),  # a non-persistent buffer some old checkpoints saved
-)
 
 
 class VisionTransformer(nn.Module):
@@ -267,7 +341,7 @@ class VisionTransformer(nn.Module):
         num_built = max(self.feature_indices) if self.feature_indices else config.num_layers
         self.encoder = VisionEncoder(config, num_built, _join(prefix, "encoder"))
         if feature_layer is None:  # the post-norm is only ever applied after the last layer
-            self.post_layernorm = LayerNorm(config.hidden_size, config.eps)
+            self.post_layernorm = _norm(config)
 
     @staticmethod
     def _indices(config: ViTConfig, feature_layer: int | tuple[int, ...] | None) -> tuple[int, ...]:
@@ -303,12 +377,13 @@ class VisionTransformer(nn.Module):
         return self.post_layernorm(last_hidden_state[:, 0])
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load a CLIPVisionModel / SiglipVisionModel's tensors (with or without `vision_model.`); the layers and
-        norms this encoder does not build, and SigLIP's attention-pooling `head`, are skipped. Returns the
-        loaded parameter names."""
+        """Load a CLIPVisionModel / SiglipVisionModel's tensors (with or without `vision_model.`), or an
+        InternVLVisionModel's; the layers and norms this encoder does not build, and SigLIP's attention-pooling
+        `head`, are skipped. Returns the loaded parameter names."""
         c = self.config
         heads = HeadLayout(c.num_heads, c.num_heads, c.head_dim)
-        return load_mapped_weights(self, self._built_only(CHECKPOINT_NAMES.translate(weights, heads)), STACKED)
+        translated = c.layout.names.translate(weights, heads)
+        return load_mapped_weights(self, self._built_only(_unbatched(translated)), STACKED)
 
     def _built_only(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
         """The (our-named) tensors of the modules this encoder built."""
@@ -320,3 +395,17 @@ class VisionTransformer(nn.Module):
             if parts[0] == "head" or (parts[0] == "post_layernorm" and not hasattr(self, "post_layernorm")):
                 continue
             yield name, tensor
+
+
+# the tensors InternViT stores with leading batch dimensions: cls_token [1, 1, hidden], position_embeddings
+# [1, positions, hidden] -> ours, [hidden] and [positions, hidden]
+UNBATCHED_DIMS = {"embeddings.class_embedding": 1, "embeddings.position_embedding.weight": 2}
+
+
+def _unbatched(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+    """(Our-named) tensors, those of UNBATCHED_DIMS without their leading size-1 dimensions."""
+    for name, tensor in weights:
+        dims = UNBATCHED_DIMS.get(name)
+        while dims is not None and tensor.dim() > dims and tensor.shape[0] == 1:
+            tensor = tensor[0]
+        yield name, tensor
