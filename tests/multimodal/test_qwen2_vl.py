@@ -180,3 +180,19 @@ def test_chunked_prefill_smaller_than_an_image_with_preemption_matches_transform
     generate_cases(llm, images, references)
     assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
     llm.shutdown()
+
+
+
+@pytest.mark.parametrize("tiny", ["qwen2_5_vl"], indirect=True)  # its tower shards every layer kind Qwen2-VL's does
+def test_tensor_parallel_encodes_on_every_rank(tiny, images, references):
+    """TP=2: each rank runs its half of the tower's heads and MLP and of the merger's features on the same patches;
+    the two-image prompts, chunked inside the images."""
+    llm = make_llm(tiny, tensor_parallel_size=2, max_num_batched_tokens=16)
+    try:
+        two = [2, 3]
+        outputs = llm.generate([{"prompt": cases(images)[i][0], "multi_modal_data": {"image": cases(images)[i][1]}}
+                                for i in two], greedy(), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for i, output in zip(two, outputs):
+        assert_matches_hf(output, references[i])
