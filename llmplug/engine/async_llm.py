@@ -36,7 +36,7 @@ from llmplug.core.params import BeamSearchParams, PoolingParams, RequestOutputKi
 from llmplug.engine.aborted_output import aborted_output
 from llmplug.engine.beam_search import next_token_logprobs, start_search, step_params
 from llmplug.engine.input_processor import PromptType, is_multimodal_prompt
-from llmplug.engine.data_parallel import DataParallelEngine, ReplicaState, build_engine
+from llmplug.engine.data_parallel import DataParallelEngine, ReplicaState, uses_replicas
 from llmplug.engine.llm_engine import LLMEngine
 from llmplug.engine.request_stream import RequestStream
 from llmplug.lora.request import LoRARequest
@@ -104,7 +104,8 @@ class AsyncLLM:
             kwargs["model"] = model
         if not isinstance(config, EngineConfig):
             config = load_config(kwargs=kwargs, file=config, order=("file", "kwargs", "cli")).config
-        self._start(lambda: build_engine(config), config.model.model)
+        engine_class = DataParallelEngine if uses_replicas(config) else LLMEngine  # replicas: data_parallel_size > 1
+        self._start(lambda: engine_class(config), config.model.model)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "AsyncLLM":
