@@ -121,7 +121,15 @@ def _layer(index: int, module: nn.Module, config: PretrainedConfig, heads: int, 
         float(getattr(module, "scaling", head_dim**-0.5)),
         kv_heads,
         prefix=f"{LAYERS_KWARG}.{index}",
-        sliding_window=getattr(module, "sliding_window", None) or None,
+        sliding_window=_sliding_window(module),
         logit_softcap=getattr(module, "attn_logit_softcapping", None),
         causal=bool(getattr(module, "is_causal", True)),
     )
+
+
+def _sliding_window(module: nn.Module) -> int | None:
+    """The window the module passes to attention: its own attribute (per layer type), else its config's (Mistral
+    and Mixtral pass `config.sliding_window` on every layer without keeping an attribute)."""
+    if hasattr(module, "sliding_window"):
+        return module.sliding_window or None
+    return getattr(getattr(module, "config", None), "sliding_window", None) or None
