@@ -14,6 +14,7 @@ import torch
 
 from llmplug import LLM, SamplingParams
 from tests.models.tiny_models import train_llama_tokenizer
+from tests.multimodal.conftest import copy_with_renamed_weights
 
 MAX_TOKENS = 8
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -45,7 +46,9 @@ def save_tiny(path: Path, family: str) -> TinyQwenVL:
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     train_llama_tokenizer(path / "tokenizer").save_pretrained(path / "tokenizer")
-    tokenizer = LlamaTokenizer.from_pretrained(path / "tokenizer", extra_special_tokens={"image_token": "<|image_pad|>"})
+    # the processor reads its placeholder from the tokenizer's named `image_token`
+    tokenizer = LlamaTokenizer.from_pretrained(path / "tokenizer",
+                                               extra_special_tokens={"image_token": "<|image_pad|>"})
     tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS})
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -55,7 +58,8 @@ def save_tiny(path: Path, family: str) -> TinyQwenVL:
     common = dict(num_heads=4, patch_size=4, temporal_patch_size=2, spatial_merge_size=2)
     if family == "qwen2_vl":
         vision = dict(depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2, **common)
-        config_class, model_class, tied = transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration, False
+        config_class, model_class = transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration
+        tied = False
     else:
         vision = dict(depth=3, hidden_size=32, intermediate_size=48, out_hidden_size=64, window_size=16,
                       fullatt_block_indexes=[1], **common)
@@ -161,6 +165,7 @@ def generate_cases(llm: LLM, images, references) -> list:
 
 def test_greedy_tokens_and_logprobs_match_transformers_and_the_prefix_cache_follows_the_image(
         tiny, images, references, plain_llm):
+    """Every case at once; then the same image again (a prefix-cache hit), another (a miss), and a token-id prompt."""
     assert type(runner(plain_llm).model).__name__ == tiny.hf_model.config.architectures[0]  # ours, not a fallback
     generate_cases(plain_llm, images, references)
     g = images["gradient"]
@@ -171,6 +176,13 @@ def test_greedy_tokens_and_logprobs_match_transformers_and_the_prefix_cache_foll
     assert same.num_cached_tokens >= first_image + TOKENS["gradient"]  # every block holding the image is reused
     assert other.num_cached_tokens <= first_image  # only the text before the image: its blocks name the image
     assert_matches_hf(same, references[0])  # the cached blocks' keys were rotated by the image's positions
+    # a token-id prompt with one placeholder per image: each expanded by its own image's count (40 and 48)
+    g, s = images["gradient"], images["shapes"]
+    ids = tiny.processor.tokenizer.encode(TWO)
+    (from_ids,) = plain_llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": [g, s]}}, greedy(),
+                                     use_tqdm=False)
+    assert from_ids.prompt_token_ids == tiny.processor(text=TWO, images=[g, s])["input_ids"][0]
+    assert_matches_hf(from_ids, references[2])
 
 
 def test_chunked_prefill_smaller_than_an_image_with_preemption_matches_transformers(tiny, images, references):
@@ -196,3 +208,15 @@ def test_tensor_parallel_encodes_on_every_rank(tiny, images, references):
         llm.shutdown()
     for i, output in zip(two, outputs):
         assert_matches_hf(output, references[i])
+
+
+@pytest.mark.parametrize("tiny", ["qwen2_vl"], indirect=True)  # the layout is the same for both rows
+def test_transformers_5_checkpoint_layout_loads_alike(tiny, images, references, tmp_path):
+    """The tensors renamed as transformers 5 holds them in memory (`model.language_model.*`, `model.visual.*`)."""
+    copy_with_renamed_weights(tiny.path, tmp_path, {"model.": "model.language_model.", "visual.": "model.visual.",
+                                                    "lm_head.": "lm_head."})
+    llm = make_llm(TinyQwenVL(tmp_path, tiny.processor, tiny.hf_model))
+    text, imgs = cases(images)[2]
+    (output,) = llm.generate({"prompt": text, "multi_modal_data": {"image": imgs}}, greedy(), use_tqdm=False)
+    assert_matches_hf(output, references[2])
+    llm.shutdown()
