@@ -1,7 +1,7 @@
 """Vision-language models through the transformers backend (transformers' own image-text-to-text class, its
-language model on llmplug's paged attention): LLaVA forced through it (model_impl="transformers") and Idefics2
-(a perceiver resampler; no native row), give transformers' greedy tokens with log-probabilities within 1e-4 (float32) on drawn
-pictures of two sizes, one and two per prompt, plain and under chunked prefill whose budget is smaller than an
+language model on llmplug's paged attention): LLaVA forced through it (model_impl="transformers") and Idefics2 (a
+perceiver resampler; no native row) give transformers' greedy tokens with log-probabilities within 1e-4 (float32)
+on drawn pictures of two sizes, one and two per prompt, under chunked prefill whose budget is smaller than an
 image; LLaVA's tokens equal the native row's; a prefix-cache hit for the same image; families whose merge is more
 than image rows at the placeholders are refused by name."""
 
@@ -145,6 +145,7 @@ def test_a_family_without_a_native_row_runs_on_the_backend(tiny_idefics2, images
 
 @pytest.mark.parametrize(("model_type", "why"), [
     ("paligemma", "prefix .* attends bidirectionally"),
+    ("gemma3", "attend to each other both ways"),  # also a causal LM in transformers: taken as the VLM it is
     ("qwen2_vl", "multimodal rotary positions"),
     ("mllama", "cross-attention"),
 ])

@@ -20,7 +20,11 @@ from transformers import PretrainedConfig
 from llmplug.layers.decoder.pooling import classifier_activation
 from llmplug.layers.pooler import Pooler, PoolingMetadata, PoolingType, score_activation
 from llmplug.plugins.models.transformers_backend.base import TransformersModel
-from llmplug.plugins.models.transformers_backend.support import base_model_class, sequence_classification_class
+from llmplug.plugins.models.transformers_backend.support import (
+    base_model_class,
+    is_encoder,
+    sequence_classification_class,
+)
 
 __all__ = ["TransformersEncoderForEmbedding", "TransformersEncoderForSequenceClassification", "prompt_spans"]
 
@@ -33,34 +37,36 @@ HEAD_LAYOUTS = (("classifier",), ("pooler", "classifier"))
 def prompt_spans(positions: torch.Tensor) -> list[tuple[int, int]]:
     """(start, end) of each prompt of a pooling step's flattened tokens: each starts at position 0 and runs
     0, 1, 2, ... (pooling prompts are never chunked nor cached); ValueError otherwise."""
-    starts = (positions == 0).nonzero().flatten().tolist()
+    values = positions.tolist()  # one device read for the step
+    starts = [i for i, position in enumerate(values) if position == 0]
     if not starts or starts[0] != 0:
         raise ValueError("the transformers backend's encoders run whole prompts: a step's tokens must start a prompt")
-    spans = list(zip(starts, [*starts[1:], positions.shape[0]]))
+    spans = list(zip(starts, [*starts[1:], len(values)]))
     for start, end in spans:
-        if int(positions[end - 1]) != end - start - 1:
+        if values[end - 1] != end - start - 1:
             raise ValueError(f"tokens {start}..{end} of the step are not one whole prompt (positions "
-                             f"{positions[start:end].tolist()[:8]}...)")
+                             f"{values[start:end][:8]}...)")
     return spans
 
 
 class _WholePromptEncoder(TransformersModel):
     """A transformers model run prompt by prompt on its own attention; forward gives its bare model's rows."""
 
-    @staticmethod
-    def refusal(hf_class: type, config: PretrainedConfig) -> str | None:
-        return None  # transformers' own attention runs whatever the class is
-
     is_pooling_model: ClassVar[bool] = True
     paged: ClassVar[bool] = False
     supports_tensor_parallel: ClassVar[bool] = False  # transformers' attention runs on one worker
+
+    @staticmethod
+    def refusal(hf_class: type, config: PretrainedConfig) -> str | None:
+        return None  # transformers' own attention runs whatever the class is
 
     def __init__(self, *, config: PretrainedConfig, prefix: str = "") -> None:
         super().__init__(config=config, prefix=prefix)
         base = self.model.base_model
         self.type_vocab_size = int(getattr(config, "type_vocab_size", 0) or 0)
         self.accepts_token_type_ids = self.type_vocab_size > 0 and "token_type_ids" in _arguments(base.forward)
-        self.default_pooling_type = PoolingType.CLS
+        # an encoder's first token stands for the prompt; a decoder's last (one paged attention cannot run)
+        self.default_pooling_type = PoolingType.CLS if is_encoder(config) else PoolingType.LAST
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -73,8 +79,9 @@ class _WholePromptEncoder(TransformersModel):
 
 
 class TransformersEncoderForEmbedding(_WholePromptEncoder):
-    """A transformers bare model (an encoder's) as an embedding model; a sentence-transformers folder's pooling and
-    normalisation apply as for the native encoders (docs/pooling.md), CLS pooling otherwise."""
+    """A transformers bare model (an encoder's, or a decoder's that paged attention cannot run) as an embedding
+    model; a sentence-transformers folder's pooling and normalisation apply as for the native encoders
+    (docs/pooling.md), else CLS pooling for an encoder, LAST for a decoder."""
 
     @staticmethod
     def hf_class(config: PretrainedConfig) -> type:

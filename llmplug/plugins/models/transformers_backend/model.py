@@ -57,8 +57,9 @@ def _candidates(config: PretrainedConfig) -> list[tuple[type[TransformersModel],
     bare = base_model_class(config)
     whole = is_encoder(config) or (bare is not None and unsupported_reason(bare, config) is not None)
     return [
-        (TransformersForCausalLM, causal_lm_class(config)),
+        # first: a class in both mappings (Gemma 3's, Fuyu's) takes images
         (TransformersForMultimodalLM, image_text_to_text_class(config)),
+        (TransformersForCausalLM, causal_lm_class(config)),
         (TransformersEncoderForSequenceClassification, sequence_classification_class(config)),
         (TransformersEncoderForEmbedding if whole else TransformersForEmbedding, bare),
     ]

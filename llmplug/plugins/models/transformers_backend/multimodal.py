@@ -43,9 +43,13 @@ class TransformersForMultimodalLM(TransformersModel):
                                  "image_token_index)")
         self.image_token_id = int(token)
         self.final_logit_softcap = getattr(config.get_text_config(), "final_logit_softcapping", None)
+        if not callable(getattr(self.model, "get_image_features", None)):
+            raise ModelLoadError(f"{type(self.model).__name__} has no get_image_features, which the transformers "
+                                 "backend encodes images with")
         # what the image path takes by name: the outer class's and its inner model's (where image_sizes may be)
-        self._image_arguments = (_named_parameters(self.model.get_image_features)
-                                 | _named_parameters(self.model.base_model.get_image_features))
+        inner = getattr(self.model.base_model, "get_image_features", None)
+        self._image_arguments = _named_parameters(self.model.get_image_features) | (
+            _named_parameters(inner) if inner is not None else frozenset())
 
     @staticmethod
     def hf_class(config: PretrainedConfig) -> type:
@@ -57,10 +61,6 @@ class TransformersForMultimodalLM(TransformersModel):
     @staticmethod
     def refusal(hf_class: type, config: PretrainedConfig) -> str | None:
         return multimodal_unsupported_reason(hf_class, config)
-
-    @staticmethod
-    def batch_invariance_gap(config: PretrainedConfig) -> str | None:
-        return TransformersModel.batch_invariance_gap(config)
 
     @property
     def decoder(self) -> nn.Module:

@@ -85,11 +85,16 @@ def unsupported_reason(hf_class: type, config: PretrainedConfig) -> str | None:
 
 
 # image-text-to-text model types whose language model needs more than image rows in its input embeddings and
-# causal attention: positions or masks the backend's paged attention does not compute
+# causal attention: masks the backend's paged attention does not build (their modeling adds a bidirectional
+# `or_mask_function` over the causal mask), or layers it has no cache for
+_BIDIRECTIONAL = "its image tokens attend to each other both ways, a mask paged attention does not build"
 MULTIMODAL_GAPS = {
     "paligemma": "its prefix (image and prompt) attends bidirectionally, a mask paged attention does not build",
-    "gemma3": "its image tokens attend bidirectionally, a mask paged attention does not build",
-    "gemma3n": "its image tokens attend bidirectionally, a mask paged attention does not build",
+    "gemma3": _BIDIRECTIONAL,
+    "gemma4": _BIDIRECTIONAL,
+    "gemma4_unified": _BIDIRECTIONAL,
+    "step3p7": _BIDIRECTIONAL,
+    "unlimited_ocr": _BIDIRECTIONAL,
     "mllama": "its images enter through cross-attention layers, which have no paged KV cache",
 }
 
