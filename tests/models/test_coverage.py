@@ -20,6 +20,7 @@ MULTIMODAL_PARITY = {
     "Qwen2_5_VLForConditionalGeneration": "tests/multimodal/test_qwen2_vl.py",
     "AyaVisionForConditionalGeneration": "tests/multimodal/test_aya_vision.py",
     "InternVLForConditionalGeneration": "tests/multimodal/test_internvl.py",
+    "Mistral3ForConditionalGeneration": "tests/multimodal/test_mistral3.py",
 }
 
 

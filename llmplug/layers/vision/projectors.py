@@ -8,7 +8,9 @@ embeddings [B, tokens, text_hidden], one module per kind, each loading transform
 - `PixelShuffleConnector` (Idefics3 / SmolVLM's `connector`): each `scale_factor` x `scale_factor` block
   of patches folded into one token of scale_factor**2 times the features, then a bias-free linear;
 - `ShuffledMLPProjector` (InternVL's and Aya Vision's `multi_modal_projector`): the same pixel shuffle, a LayerNorm,
-  then linear_1 -> act -> linear_2 (InternVL) or a SwiGLU over linear_1's two halves (Aya Vision).
+  then linear_1 -> act -> linear_2 (InternVL) or a SwiGLU over linear_1's two halves (Aya Vision);
+- `PatchMergerProjector` (Mistral 3's): RMSNorm, the patch merger (each `merge_size` x `merge_size` block of an
+  image's patch grid one token, a bias-free linear back to the vision width), then LLaVA's MLP.
 """
 
 from __future__ import annotations
@@ -24,7 +26,14 @@ from llmplug.layers.layernorm import LayerNorm, RMSNorm
 from llmplug.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from llmplug.layers.weight_utils import load_mapped_weights
 
-__all__ = ["MLPProjector", "PixelShuffleConnector", "PooledProjector", "ShuffledMLPProjector", "pixel_shuffle"]
+__all__ = [
+    "MLPProjector",
+    "PatchMergerProjector",
+    "PixelShuffleConnector",
+    "PooledProjector",
+    "ShuffledMLPProjector",
+    "pixel_shuffle",
+]
 
 
 def _join(prefix: str, name: str) -> str:
@@ -158,3 +167,38 @@ class ShuffledMLPProjector(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load `layer_norm.*`, `linear_1.*`, `linear_2.*` (names below `multi_modal_projector.`)."""
         return load_mapped_weights(self, weights)
+
+
+class PatchMergerProjector(MLPProjector):
+    """[rows * cols, vision_hidden] (one image's patch grid, row-major) -> [rows * cols / merge_size**2, text_hidden]:
+    RMSNorm, the patch merger, then linear_1 -> act -> linear_2 (LLaVA's MLP, sharded as there)."""
+
+    def __init__(
+        self, vision_hidden: int, text_hidden: int, merge_size: int, eps: float, activation: str = "gelu",
+        bias: bool = False, prefix: str = "",
+    ) -> None:
+        super().__init__(vision_hidden, text_hidden, activation, bias, prefix)
+        self.norm = RMSNorm(vision_hidden, eps)
+        self.patch_merger = _PatchMerger(vision_hidden, merge_size, _join(prefix, "patch_merger"))
+
+    def forward(self, features: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(self.patch_merger(self.norm(features), grid))
+
+
+class _PatchMerger(nn.Module):
+    """Each k x k block of the grid -> one token: its k * k patches' features laid out channel-major (as torch's
+    `unfold` does: feature c of block position (i, j) at c * k * k + i * k + j), then `merging_layer` (replicated)."""
+
+    def __init__(self, hidden: int, merge_size: int, prefix: str) -> None:
+        super().__init__()
+        self.merge_size = merge_size
+        self.merging_layer = ReplicatedLinear(hidden * merge_size**2, hidden, bias=False,
+                                              prefix=_join(prefix, "merging_layer"))
+
+    def forward(self, features: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+        (rows, cols), k, hidden = grid, self.merge_size, features.shape[-1]
+        if rows % k or cols % k:
+            raise ValueError(f"a {rows}x{cols} patch grid does not divide into {k}x{k} blocks to merge")
+        image = features.view(rows, cols, hidden).permute(2, 0, 1)[None]  # [1, hidden, rows, cols]
+        blocks = F.unfold(image, kernel_size=k, stride=k)[0].T  # [rows * cols / k**2, hidden * k * k]
+        return self.merging_layer(blocks)
