@@ -11,7 +11,11 @@ inter-token latency (ITL, the gaps between streamed chunks), median and p99, and
 ratios (throughput: higher is better for llmplug when > 1; latency: lower is better when < 1).
 Three llmplug rows: `llmplug` (the default, dense weights), `llmplug-int8` (`--quantization int8`) and, on
 request, `llmplug-int4` (`--quantization auto` on the GGUF itself: its own 4-bit blocks for decode, as
-llama-server reads them).
+llama-server reads them). Data parallelism, on request: `llmplug-dp2` (`--data-parallel-size 2`: two replicas,
+each pinned to half of the cores with one thread per core) against `llmplug` (one engine, all cores), with the
+ratio table and whether their greedy answers are identical:
+
+    python benchmarks/serve.py --engines llmplug llmplug-dp2 --concurrency 32 64
 Output tokens are counted by re-tokenizing each answer with the model's tokenizer, the same way for both.
 
 transformers cannot serve the GGUF file itself, so the default model is first exported (dequantized)
@@ -47,6 +51,7 @@ class RequestResult:
     ttft: float
     itls: list[float]
     text: str
+    prompt: str = ""
 
 
 @dataclass
@@ -63,6 +68,7 @@ class LevelResult:
     itl_median_ms: float = 0.0
     itl_p99_ms: float = 0.0
     errors: list[str] = field(default_factory=list)
+    answers: dict[str, str] = field(default_factory=dict)  # prompt -> greedy answer
 
 
 def free_port() -> int:
@@ -117,6 +123,7 @@ def llama_server_binary() -> str | None:
 # blocks for decode (docs/quantization.md)
 LLMPLUG_ENGINES: dict[str, list[str]] = {
     "llmplug": [], "llmplug-int8": ["--quantization", "int8"], "llmplug-int4": ["--quantization", "auto"],
+    "llmplug-dp2": ["--data-parallel-size", "2"],
 }
 GGUF_ENGINES = ("llama-server", "llmplug-int4")  # they serve the embedded GGUF itself, not the dense export
 
@@ -177,7 +184,7 @@ async def one_request(client, model: str, prompt: str, max_tokens: int) -> Reque
             parts.append(chunk.choices[0].delta.content)
     if not times:
         raise RuntimeError("the stream carried no text")
-    return RequestResult(times[0] - start, [b - a for a, b in zip(times, times[1:])], "".join(parts))
+    return RequestResult(times[0] - start, [b - a for a, b in zip(times, times[1:])], "".join(parts), prompt)
 
 
 async def run_level(base_url: str, model: str, concurrency: int, per_client: int, max_tokens: int,
@@ -208,7 +215,7 @@ async def run_level(base_url: str, model: str, concurrency: int, per_client: int
         output_tokens=tokens, requests_per_s=len(results) / duration, output_tokens_per_s=tokens / duration,
         ttft_median_ms=statistics.median(ttfts) if ttfts else float("nan"), ttft_p99_ms=percentile(ttfts, 0.99),
         itl_median_ms=statistics.median(itls) if itls else float("nan"), itl_p99_ms=percentile(itls, 0.99),
-        errors=errors,
+        errors=errors, answers={r.prompt: r.text for r in results},
     )
 
 
@@ -255,6 +262,15 @@ def table(results: dict[str, list[LevelResult]]) -> str:
                             f"{ours.output_tokens_per_s / theirs.output_tokens_per_s:.2f}x | "
                             f"{ours.ttft_median_ms / theirs.ttft_median_ms:.2f}x | "
                             f"{ours.itl_median_ms / theirs.itl_median_ms:.2f}x |")
+    if {"llmplug-dp2", "llmplug"} <= set(results):
+        rows += ["", "| clients | llmplug-dp2 / llmplug: req/s | tok/s | TTFT median | ITL median | identical answers |",
+                 "|---|---|---|---|---|---|"]
+        for dp, one in zip(results["llmplug-dp2"], results["llmplug"]):
+            same = sum(dp.answers.get(prompt) == text for prompt, text in one.answers.items())
+            rows.append(f"| {dp.concurrency} | {dp.requests_per_s / one.requests_per_s:.2f}x | "
+                        f"{dp.output_tokens_per_s / one.output_tokens_per_s:.2f}x | "
+                        f"{dp.ttft_median_ms / one.ttft_median_ms:.2f}x | {dp.itl_median_ms / one.itl_median_ms:.2f}x | "
+                        f"{same} of {len(one.answers)} |")
     return "\n".join(rows)
 
 

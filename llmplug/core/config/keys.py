@@ -50,6 +50,7 @@ ALIASES: dict[str, str] = {
     "tensor_parallel_size": "parallel.tensor_parallel_size",
     "pipeline_parallel_size": "parallel.pipeline_parallel_size",
     "data_parallel_size": "parallel.data_parallel_size",
+    "data_parallel_routing": "parallel.data_parallel_routing",
     "enable_expert_parallel": "parallel.enable_expert_parallel",
     "distributed_executor_backend": "parallel.executor",
     "load_format": "load.format",

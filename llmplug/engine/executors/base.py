@@ -26,11 +26,12 @@ def run_worker_method(worker: Any, method: WorkerMethod, args: tuple = (), kwarg
 
 
 def check_one_replica(parallel: ParallelConfig, executor: str) -> int:
-    """The number of workers of one engine (TP x PP); data parallelism runs separate engines."""
+    """The number of workers of one engine (TP x PP); data parallelism runs separate engines (replicas)."""
     if parallel.data_parallel_size != 1:
         raise ConfigError(
-            f"parallel.data_parallel_size={parallel.data_parallel_size} with executor {executor!r}: one engine is "
-            "one replica; start one engine per data-parallel rank (or use the external launcher)"
+            f"parallel.data_parallel_size={parallel.data_parallel_size} with executor {executor!r}: an LLMEngine is "
+            "one replica; LLM, AsyncLLM and `llmplug serve` start data_parallel_size replicas themselves "
+            "(docs/data_parallel.md), or use the external launcher"
         )
     return parallel.tensor_parallel_size * parallel.pipeline_parallel_size
 
