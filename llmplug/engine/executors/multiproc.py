@@ -1,10 +1,11 @@
-"""The multiproc executor: one spawned worker process per rank, on this node.
+"""The multiproc executor: one worker process per rank, on this node.
 
 Each call (every step's scheduler output included) is broadcast to all workers through one
 shared-memory MessageQueue; each worker answers through its own queue. The ranks meet over
 torch.distributed at `parallel.distributed_init_method` (default: a free port on 127.0.0.1).
-Workers are spawned, which re-runs the user's script in each: created from a script's top level
-outside `if __name__ == "__main__":`, the executor refuses at once with StartupError (main_guard.py).
+Workers are forked from a forkserver that imported the worker stack once (worker_start.py; or spawned), and
+either way each imports the user's script again: created from a script's top level outside
+`if __name__ == "__main__":`, the executor refuses at once with StartupError (main_guard.py).
 
 Failure handling: while waiting, the executor checks every 0.1 s that its workers are alive; a dead
 worker fails the call with EngineDeadError naming its rank, pid and exit code, and every later call
@@ -18,7 +19,7 @@ whatever is left, so no process outlives the engine.
 from __future__ import annotations
 
 import logging
-import multiprocessing
+import os
 import signal
 import time
 import weakref
@@ -29,6 +30,7 @@ from llmplug.core.errors import EngineDeadError
 from llmplug.engine.executors.base import Executor, WorkerMethod, check_one_replica, free_local_port
 from llmplug.engine.executors.main_guard import check_main_guard
 from llmplug.engine.executors.multiproc_worker import Reply, RpcCall, Shutdown, WorkerSpec, worker_main
+from llmplug.engine.executors.worker_start import worker_context
 
 __all__ = ["MultiprocExecutor", "WorkerTraceback"]
 
@@ -43,7 +45,7 @@ class WorkerTraceback(Exception):
 
 
 class MultiprocExecutor(Executor):
-    """Workers in spawned processes; calls broadcast over shared memory."""
+    """Workers in their own processes; calls broadcast over shared memory."""
 
     def _init_workers(self) -> None:
         parallel = self.config.parallel
@@ -53,10 +55,12 @@ class MultiprocExecutor(Executor):
         self.calls = MessageQueue.create(num_readers=self.world_size)
         self.replies = [MessageQueue.create(num_readers=1, reader=0) for _ in range(self.world_size)]
         self.dead: str | None = None
-        context = multiprocessing.get_context("spawn")
+        context = worker_context(self.world_size)
+        environ = dict(os.environ)
         self.procs = []
         for rank in range(self.world_size):
-            spec = WorkerSpec(rank, rank, self.world_size, init_method, self.calls.handle, self.replies[rank].handle)
+            spec = WorkerSpec(rank, rank, self.world_size, init_method, self.calls.handle, self.replies[rank].handle,
+                              environ)
             proc = context.Process(
                 target=worker_main, args=(self.config, spec, self.registry), name=f"llmplug-worker-{rank}",
                 daemon=True,

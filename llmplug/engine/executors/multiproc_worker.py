@@ -3,7 +3,8 @@
 The engine broadcasts `RpcCall`s (and finally `Shutdown`) through one MessageQueue; each worker
 answers every call with a `Reply` through its own queue. This module imports no torch at import
 time: a spawned process must configure its CPU threads before torch loads (see
-platforms/cpu_threads.py), so `worker_main` does that first and imports the engine afterwards.
+platforms/cpu_threads.py), so `worker_main` does that first and imports the engine afterwards (a
+worker forked from the forkserver, worker_start.py, has torch loaded under the workers' policy already).
 """
 
 from __future__ import annotations
@@ -57,11 +58,15 @@ class WorkerSpec:
     init_method: str
     calls: MessageQueueHandle
     replies: MessageQueueHandle
+    environ: dict[str, str]  # the engine's environment when it started the workers
 
 
 def worker_main(config: EngineConfig, spec: WorkerSpec, registry: PluginRegistry) -> None:
-    """Entry point of a spawned worker: set up, then answer calls until `Shutdown` or the engine dies."""
+    """Entry point of a worker process: set up, then answer calls until `Shutdown` or the engine dies."""
+    from llmplug.engine.executors.worker_start import adopt_engine_environment
     from llmplug.platforms.cpu_threads import configure_cpu_threads
+
+    adopt_engine_environment(spec.environ)
 
     # Ctrl-C reaches the whole process group: the engine handles it and shuts the workers down
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 
 import psutil
@@ -29,11 +30,13 @@ def expected(tiny):
 
 
 def new_children(before: set[int]) -> list[psutil.Process]:
-    """Processes started by this one since `before`, except multiprocessing's resource tracker."""
+    """Processes started by this one since `before`, except multiprocessing's resource tracker and the workers'
+    forkserver (both live as long as this process, not an engine)."""
     return [
         child
         for child in psutil.Process().children(recursive=True)
-        if child.pid not in before and "resource_tracker" not in " ".join(child.cmdline())
+        if child.pid not in before and not any(name in " ".join(child.cmdline())
+                                               for name in ("resource_tracker", "forkserver"))
     ]
 
 
@@ -121,3 +124,41 @@ def test_one_worker_runs_in_process_and_uniproc_refuses_several(tmp_path):
                                  "distributed_executor_backend": "multiproc"}).config
     with pytest.raises(ConfigError, match="data_parallel_size=2 with executor 'multiproc'"):
         LLMEngine(config)
+
+
+
+def started_from(worker, name: str) -> tuple[bool, str | None]:
+    """Whether this worker was forked from the preloaded forkserver, and the environment variable `name`."""
+    return "llmplug.engine.executors.worker_preload" in sys.modules, os.environ.get(name)
+
+
+@pytest.mark.slow
+def test_workers_fork_from_the_forkserver_with_the_engine_environment_as_it_is_now(tmp_path, monkeypatch):
+    # a forkserver's children start with the environment it had: a variable set since must reach them anyway
+    tiny = make_parallel_tiny("llama", tmp_path)
+    make_llm(tiny, tensor_parallel_size=2).shutdown()  # the forkserver exists from here on
+    monkeypatch.setenv("LLMPLUG_TEST_SET_LATER", "later")
+    llm = make_llm(tiny, tensor_parallel_size=2)
+    try:
+        executor = llm.llm_engine.engine_core.executor
+        assert executor.collective_rpc(started_from, ("LLMPLUG_TEST_SET_LATER",)) == [(True, "later")] * 2
+        assert_matches(generate(llm), reference(tiny))
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.slow
+def test_vllm_worker_multiproc_method_spawn_starts_fresh_interpreters(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    llm = make_llm(make_parallel_tiny("llama", tmp_path), tensor_parallel_size=2)
+    try:
+        executor = llm.llm_engine.engine_core.executor
+        assert executor.collective_rpc(started_from, ("VLLM_WORKER_MULTIPROC_METHOD",)) == [(False, "spawn")] * 2
+    finally:
+        llm.shutdown()
+
+
+def test_fork_is_refused_by_name(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")
+    with pytest.raises(ConfigError, match="VLLM_WORKER_MULTIPROC_METHOD='fork'.*forkserver or spawn"):
+        make_llm(make_parallel_tiny("llama", tmp_path), tensor_parallel_size=2)
