@@ -12,7 +12,7 @@ stream, so decoding never needs the images again. A model without images passes 
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -47,9 +47,9 @@ class MRotaryEmbedding(RotaryEmbedding):
 
 
 def get_mrope(head_size: int, rotary_dim: int, max_position: int, base: float, mrope_section: Sequence[int],
-              is_neox_style: bool = True) -> MRotaryEmbedding:
-    """An MRotaryEmbedding with plain (unscaled) frequencies, as Qwen2-VL and Qwen2.5-VL use."""
-    cache = build_cos_sin_cache(rotary_dim, max_position, float(base), None)
+              rope_scaling: Mapping[str, Any] | None = None, is_neox_style: bool = True) -> MRotaryEmbedding:
+    """An MRotaryEmbedding over `get_rope`'s table for `rope_scaling` (None: plain frequencies, as Qwen2-VL's)."""
+    cache = build_cos_sin_cache(rotary_dim, max_position, float(base), rope_scaling)
     return MRotaryEmbedding(head_size, rotary_dim, cache, mrope_section, is_neox_style)
 
 

@@ -14,15 +14,18 @@ from llmplug.layers.rotary import get_rope
 HEAD_DIM, HEADS, SECTION, THETA = 32, 2, [4, 6, 6], 10000.0
 
 
-def test_rotation_equals_transformers_qwen2_vl_rotary():
+@pytest.mark.parametrize("scaling", [{"rope_type": "default"}, {"rope_type": "linear", "factor": 2.0}],
+                         ids=["plain", "linear"])
+def test_rotation_equals_transformers_qwen2_vl_rotary(scaling):
     config = Qwen2VLTextConfig(hidden_size=HEAD_DIM * HEADS, num_attention_heads=HEADS, max_position_embeddings=128,
-                               rope_parameters={"rope_type": "default", "mrope_section": SECTION, "rope_theta": THETA})
+                               rope_parameters={**scaling, "mrope_section": SECTION, "rope_theta": THETA})
     torch.manual_seed(0)
     positions = torch.randint(0, 128, (3, 7))  # each stream its own positions
     q, k = torch.randn(1, HEADS, 7, HEAD_DIM), torch.randn(1, HEADS, 7, HEAD_DIM)
     cos, sin = Qwen2VLRotaryEmbedding(config)(q, positions[:, None])
     expected_q, expected_k = apply_rotary_pos_emb(q, k, cos, sin)
-    rope = get_mrope(HEAD_DIM, HEAD_DIM, 128, THETA, SECTION).cos_sin(positions, torch.float32)
+    table_scaling = None if scaling["rope_type"] == "default" else scaling
+    rope = get_mrope(HEAD_DIM, HEAD_DIM, 128, THETA, SECTION, table_scaling).cos_sin(positions, torch.float32)
     qk = torch.cat([q[0].transpose(0, 1), k[0].transpose(0, 1)], dim=1)  # [T, 2 * heads, D]
     rope.apply_(qk)
     torch.testing.assert_close(qk[:, :HEADS], expected_q[0].transpose(0, 1))

@@ -124,9 +124,10 @@ class DecoderModel(nn.Module):
     def _rotary(self, rope: RopeConfig) -> RotaryEmbedding:
         dim = self.arch.rotary_dim(rope)
         if rope.mrope_section is not None:  # positions come as [3, T] (or [T] without images)
-            if rope.scaling is not None:
-                raise ValueError(f"M-RoPE with rope scaling {dict(rope.scaling)} is not supported")
-            return get_mrope(self.arch.head_dim, dim, rope.max_position, rope.theta, rope.mrope_section)
+            return get_mrope(
+                self.arch.head_dim, dim, rope.max_position, rope.theta, rope.mrope_section, rope.scaling,
+                rope.is_neox_style,
+            )
         return get_rope(
             self.arch.head_dim, dim, rope.max_position, rope.theta, rope.scaling, rope.is_neox_style, rope.inverted
         )
