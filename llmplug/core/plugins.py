@@ -56,6 +56,7 @@ GROUPS: dict[str, str] = {
     "llmplug.reasoning_parsers": "reasoning in model output: serve --reasoning-parser name -> ReasoningParser class",
     "llmplug.lora_resolvers": "where LoRA adapters come from: serve --lora-resolver name -> LoRAResolver class",
     "llmplug.quantization": "quantized checkpoints: config.json quant_method (or quantization) -> QuantizationConfig class",
+    "llmplug.kv_connectors": "KV block transfer: kv_transfer_config.kv_connector name -> KVConnector class",
     HOOKS_GROUP: "general plugins: name -> module of pluggy hookimpls, all registered together",
 }
 NAMED_GROUPS: tuple[str, ...] = tuple(group for group in GROUPS if group != HOOKS_GROUP)

@@ -25,6 +25,8 @@ from llmplug.lora.request import LoRARequest
 if TYPE_CHECKING:
     import torch
 
+    from llmplug.plugins.kv_connectors.base import KVConnector
+
 logger = logging.getLogger(__name__)
 
 # a pooling step's default token budget (vLLM's): no KV cache to share the memory with, and fewer, larger
@@ -77,6 +79,7 @@ class EngineCore:
             max_loras=config.lora.max_loras if config.lora.enable_lora else None,
             max_num_encoder_input_tokens=sched.max_num_encoder_input_tokens,
             encoder_cache_size=sched.encoder_cache_size,
+            kv_connector=self._kv_connector(registry),
         )
         self.loras: dict[int, LoRARequest] = {}  # adapters loaded on the workers, by lora_int_id
         self.iteration_tokens = StepHistogram()  # tokens each step that ran put through the model
@@ -103,6 +106,20 @@ class EngineCore:
         elif spec.method in ("eagle", "eagle3"):  # the model runner's head drafts
             proposer = RunnerDrafts()
         return Speculator(spec, proposer)
+
+    def _kv_connector(self, registry: PluginRegistry) -> KVConnector | None:
+        """The scheduler role of the configured KV connector, told what the workers hold already."""
+        if self.config.kv_transfer_config.kv_connector is None:
+            return None
+        if self.pooling:
+            raise ConfigError("kv_transfer_config.kv_connector: a pooling model keeps no KV cache to transfer")
+        from llmplug.engine.kv_transfer import build_connector
+        from llmplug.plugins.kv_connectors.base import KVCacheLayout, KVConnectorRole
+
+        layout = KVCacheLayout(self.config.cache.block_size, self.model_info["block_bytes"])
+        connector = build_connector(self.config, registry, KVConnectorRole.SCHEDULER, layout)
+        connector.set_handshake_metadata(self.executor.collective_rpc("kv_connector_handshake"))
+        return connector
 
     def _resolve_max_model_len(self) -> int:
         model_len = self.model_info["context_length"]
@@ -257,6 +274,8 @@ class EngineCore:
         """Abort the step's unfinished requests and take back the block names the step gave."""
         if self.kv_cache_manager is not None:
             self.kv_cache_manager.abandon_step()
+        if self.scheduler.kv_connector is not None:
+            self.scheduler.kv_connector.step_failed()
         self.scheduler.fail_requests([r.req_id for r in scheduler_output.requests], why)
 
     def _die(self, scheduler_output: SchedulerOutput, error: Exception) -> None:
@@ -399,4 +418,6 @@ class EngineCore:
         """Stop the executor (and a draft model's engine)."""
         if self.scheduler.speculator is not None:
             self.scheduler.speculator.shutdown()
+        if self.scheduler.kv_connector is not None:  # the workers finish their pending block writes
+            self.executor.collective_rpc("shutdown_kv_connector")
         self.executor.shutdown()

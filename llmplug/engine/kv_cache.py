@@ -291,13 +291,16 @@ class KVCacheManager:
             self._stats.queries += request.num_tokens
             self._stats.hits += num_hit_tokens
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[int] = ()) -> bool:
+    def allocate_slots(self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[int] = (),
+                       num_external_tokens: int = 0) -> bool:
         """Reserve blocks for the request's next `num_new_tokens`; False when too few are free.
 
         `new_computed_blocks` are prefix-cache hits from `get_computed_blocks`, not yet counted in
-        `request.num_computed_tokens`."""
+        `request.num_computed_tokens`; `num_external_tokens` follow them, whose K/V a KV connector loads into new
+        blocks (a multiple of block_size)."""
         block_table = self.block_tables.get(request.request_id, [])
-        num_computed_tokens = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_computed_tokens = (request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+                               + num_external_tokens)
         num_total_tokens = num_computed_tokens + num_new_tokens
         num_needed = -(-num_total_tokens // self.block_size) - len(block_table) - len(new_computed_blocks)
         # Hits that sit on the free list stop being free once taken.
@@ -348,6 +351,10 @@ class KVCacheManager:
         for block_ids in self._named_this_step.values():
             self._unname(block_ids)
         self._named_this_step.clear()
+
+    def forget_blocks(self, block_ids: Iterable[int]) -> None:
+        """Take back the names of blocks whose K/V turned out invalid (a failed KV connector load)."""
+        self._unname(block_ids)
 
     def _unname(self, block_ids: Iterable[int]) -> None:
         for block_id in block_ids:

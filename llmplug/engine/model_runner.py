@@ -37,10 +37,12 @@ from llmplug.layers.recurrent import (
 )
 from llmplug.loaders import build_loader, resolve_load_format
 from llmplug.lora.request import LoRARequest
+from llmplug.plugins.kv_connectors.base import KVCacheLayout, KVConnectorOutput, KVConnectorRole
 
 if TYPE_CHECKING:
     from llmplug.lora.layers import LoRAMapping
     from llmplug.lora.manager import LoRAManager
+    from llmplug.plugins.kv_connectors.base import KVConnector
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +106,7 @@ class ModelRunner:
         self.prompt_embeds: dict[str, torch.Tensor] = {}  # running requests' prompts given as embeddings (model dtype)
         self.mm_features: dict[str, list] = {}  # running requests' images (MultiModalFeature), in prompt order
         self.encoder_cache = EncoderCache()  # their encoder outputs, by content hash
+        self.kv_connector: KVConnector | None = None  # the worker role of kv_transfer_config's connector
         # M-RoPE models (layers/mrope.py): each running request's prompt positions [3, P] and decode delta
         self.mrope_positions: dict[str, tuple[np.ndarray, int]] = {}
 
@@ -201,6 +204,23 @@ class ModelRunner:
             self.eagle.allocate_cache(num_blocks, self.attn_backend, self.dtype, self.device)
         self.num_state_slots = self.kv_cache_spec().num_state_slots
         bind_state_cache(self.model, allocate_state_cache(self.model, self.num_state_slots, self.dtype, self.device))
+        if self.config.kv_transfer_config.kv_connector is not None:
+            self._register_kv_connector()
+
+    def _register_kv_connector(self) -> None:
+        """Build the KV connector's worker role once and hand it the (new) paged tensors."""
+        from llmplug.engine import kv_transfer
+
+        layers = self._attention_layers()
+        if self.kv_connector is None:
+            import torch.distributed as dist
+
+            rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+            shapes = [self.attn_backend.layer_kv_cache_shape(layer, 1, self.block_size) for layer in layers]
+            fingerprint = kv_transfer.cache_fingerprint(self.config, self.attn_backend.__name__, shapes, rank, world)
+            layout = KVCacheLayout(self.block_size, self.kv_cache_spec().block_bytes, fingerprint, rank)
+            self.kv_connector = kv_transfer.build_connector(self.config, self.registry, KVConnectorRole.WORKER, layout)
+        self.kv_connector.register_kv_caches(kv_transfer.layer_caches(self.attn_backend, layers, self.block_size))
 
     @contextlib.contextmanager
     def profile_step(self, num_tokens: int, num_seqs: int, max_model_len: int) -> Iterator[Callable[[], None]]:
@@ -325,7 +345,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one forward pass and sample one token for every request whose chunk reaches its end."""
+        """Run one forward pass and sample one token for every request whose chunk reaches its end; with KV
+        connector work, load its blocks before and save after (none when a load failed: the step is recomputed)."""
+        meta = scheduler_output.kv_connector_metadata
+        if meta is None:
+            return self._execute_model(scheduler_output)
+        invalid = self.kv_connector.load_kv(meta)
+        output = self._execute_model(scheduler_output)
+        skip = {r.req_id for r in scheduler_output.requests} if invalid else set(output.failed)
+        output.kv_connector_output = KVConnectorOutput(invalid, self.kv_connector.save_kv(meta, skip))
+        return output
+
+    def _execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(scheduler_output)
         if not scheduler_output.requests:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])

@@ -20,6 +20,12 @@ slots): a waiting request of another adapter waits until one of them has no runn
 A request with images (`mm_features`) is chunked like any other, anywhere inside an image's placeholders;
 a chunk only stops before an image whose encoder output is not cached when the step's encoder budget or
 the encoder cache cannot take it (engine/encoder_cache.py).
+
+With a KV connector (`kv_connector`, engine/kv_transfer.py), a waiting request's blocks past its local prefix-cache
+hit that the connector holds are loaded into new blocks before the forward pass of the step that admits it, and the
+full blocks each step computes are offered to the connector to save. A request that read a block whose load failed
+forgets that step and is recomputed from its tokens (its local prefix-cache hits still count; the connector is not
+asked again for it), never answered from it.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Literal
 from llmplug.core.errors import ConfigError, InvalidRequestError
 from llmplug.engine.encoder_cache import EncoderCacheManager
 from llmplug.engine.kv_cache import KVCacheManager, PrefixCacheStats
+from llmplug.engine.kv_transfer import invalidated_blocks
 from llmplug.engine.request import Request, RequestStatus
 from llmplug.engine.scheduler_output import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 from llmplug.engine.spec_decode.draft import NO_DRAFT, Draft
@@ -43,6 +50,7 @@ from llmplug.engine.spec_decode.draft import NO_DRAFT, Draft
 if TYPE_CHECKING:
     from llmplug.engine.multimodal import MultiModalFeature
     from llmplug.engine.spec_decode.speculator import Speculator
+    from llmplug.plugins.kv_connectors.base import KVConnector, KVConnectorOutput
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +152,7 @@ class Scheduler:
         max_loras: int | None = None,
         max_num_encoder_input_tokens: int | None = None,
         encoder_cache_size: int | None = None,
+        kv_connector: KVConnector | None = None,
     ) -> None:
         if policy not in ("fcfs", "priority"):
             raise ConfigError(f"scheduler.policy={policy!r} is not one of 'fcfs', 'priority'")
@@ -173,6 +182,9 @@ class Scheduler:
         self.num_corrupted_requests = 0  # aborted because their logits were not finite (vllm:corrupted_requests)
         self._sort_keys: dict[str, SortKey] = {}
         self._arrivals = itertools.count()
+        self.kv_connector = kv_connector  # its scheduler role: blocks past the local prefix cache, saves
+        self._recomputed_req_ids: set[str] = set()  # sent to the workers as preempted: their state is rebuilt
+        self._load_failed: set[str] = set()  # unfinished requests that read a failed load: they compute their blocks
 
     # -- requests in and out -------------------------------------------------------------------
 
@@ -259,6 +271,7 @@ class Scheduler:
         del self.requests[request.request_id]
         del self._sort_keys[request.request_id]
         self.guided.pop(request.request_id, None)
+        self._load_failed.discard(request.request_id)
         self.finished_req_ids.add(request.request_id)
 
     def _sort_key(self, request: Request) -> SortKey:
@@ -281,10 +294,12 @@ class Scheduler:
             requests=scheduled,
             num_scheduled_tokens=sum(len(s.token_ids) for s in scheduled),
             finished_req_ids=self.finished_req_ids,
-            preempted_req_ids=preempted,
+            preempted_req_ids=preempted | self._recomputed_req_ids,
             free_encoder_identifiers=self.encoder_cache.take_freed(),
         )
-        self.finished_req_ids = set()
+        self.finished_req_ids, self._recomputed_req_ids = set(), set()
+        if self.kv_connector is not None:
+            output.kv_connector_metadata = self.kv_connector.build_connector_meta()
         return output
 
     def _admit_compiled(self) -> None:
@@ -371,16 +386,44 @@ class Scheduler:
             if not self._adapter_fits(request):
                 break
             computed_blocks, num_computed_tokens = self.kv_cache_manager.get_computed_blocks(request)
-            num_new_tokens = self._num_new_tokens(request.num_tokens - num_computed_tokens, budget)
-            num_new_tokens, to_encode = self._encoder_inputs(request, num_computed_tokens, num_new_tokens)
+            num_external = self._num_external_tokens(request, num_computed_tokens) if self.kv_connector else 0
+            start = num_computed_tokens + num_external
+            num_new_tokens = self._num_new_tokens(request.num_tokens - start, budget)
+            num_new_tokens, to_encode = self._encoder_inputs(request, start, num_new_tokens)
             if num_new_tokens == 0 or not self.kv_cache_manager.allocate_slots(
-                request, num_new_tokens, computed_blocks
+                request, num_new_tokens, computed_blocks, num_external
             ):
                 break
-            self._use_encoder_inputs(request, num_computed_tokens, num_new_tokens, to_encode, admitted=True)
+            if num_external:
+                self._load_external(request, len(computed_blocks), num_external)
+            self._use_encoder_inputs(request, start, num_new_tokens, to_encode, admitted=True)
             self.waiting.pop()
-            scheduled.append(self._admit(request, num_computed_tokens, num_new_tokens))
+            scheduled.append(self._admit(request, start, num_new_tokens))
             budget -= num_new_tokens
+
+    def _num_external_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        """Tokens past the local hit whose K/V the connector holds (none for a request that needs every prompt
+        position's logits)."""
+        if request.sampling_params.prompt_logprobs is not None or request.request_id in self._load_failed:
+            return 0
+        hashes = request.block_hashes[: (request.num_tokens - 1) // self.kv_cache_manager.block_size]
+        return self.kv_connector.get_num_new_matched_tokens(request.request_id, hashes, num_computed_tokens)
+
+    def _load_external(self, request: Request, num_local_blocks: int, num_external_tokens: int) -> None:
+        """Tell the connector which of the request's new blocks receive the K/V it holds."""
+        end = num_local_blocks + num_external_tokens // self.kv_cache_manager.block_size
+        block_ids = self.kv_cache_manager.block_tables[request.request_id][num_local_blocks:end]
+        self.kv_connector.update_state_after_alloc(
+            request.request_id, list(zip(request.block_hashes[num_local_blocks:end], block_ids)))
+
+    def _offer_computed_blocks(self, request: Request, start: int, num_new_tokens: int) -> None:
+        """Offer the connector the full blocks the request's chunk [start, start + num_new_tokens) completes."""
+        block_size = self.kv_cache_manager.block_size
+        first, end = start // block_size, min((start + num_new_tokens) // block_size, len(request.block_hashes))
+        if end > first:
+            block_ids = self.kv_cache_manager.block_tables[request.request_id][first:end]
+            self.kv_connector.request_computed_blocks(
+                request.request_id, list(zip(request.block_hashes[first:end], block_ids)))
 
     def _encoder_inputs(
         self, request: Request, start: int, num_new_tokens: int
@@ -468,6 +511,8 @@ class Scheduler:
         reaches_end = start + num_new_tokens == request.num_tokens
         num_kept_blocks, new_block_ids = (0, []) if request.is_pooling else (
             self.kv_cache_manager.take_block_table_update(request, whole=new is not None))
+        if self.kv_connector is not None:
+            self._offer_computed_blocks(request, start, num_new_tokens)
         return ScheduledRequest(
             req_id=request.request_id,
             token_ids=request.all_token_ids[start : start + num_new_tokens] + draft.token_ids,
@@ -490,10 +535,13 @@ class Scheduler:
         if self.speculator is not None:
             self.speculator.receive(runner_output.draft_token_ids)
         updated = list(self._failed)  # finished without a token: they still need an output
+        recomputed = set()
+        if runner_output.kv_connector_output is not None:
+            recomputed = self._apply_connector_output(scheduler_output, runner_output.kv_connector_output)
         for scheduled in scheduler_output.requests:
             request = self.requests.get(scheduled.req_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
-                continue  # finished (aborted) after it was scheduled
+            if request is None or request.status is not RequestStatus.RUNNING or scheduled.req_id in recomputed:
+                continue  # finished (aborted) after it was scheduled, or its step is void
             token_ids = sampled.get(scheduled.req_id)
             num_rejected = self._num_rejected(scheduled, token_ids)
             request.num_computed_tokens += len(scheduled.token_ids) - num_rejected
@@ -517,6 +565,36 @@ class Scheduler:
         if any(request.is_finished for request in updated):
             self.running = [request for request in self.running if not request.is_finished]
         return updated
+
+    def _apply_connector_output(self, scheduler_output: SchedulerOutput, output: KVConnectorOutput) -> set[str]:
+        """Hand the connector its report; requeue for recompute the requests that read a block whose load failed
+        (their step is void), and take back the names of every block holding invalid K/V. Returns those requests."""
+        self.kv_connector.update_connector_output(output)
+        if not output.invalid_block_ids:
+            return set()
+        kv = self.kv_cache_manager
+        tables = {s.req_id: kv.block_tables.get(s.req_id, []) for s in scheduler_output.requests}
+        req_ids, bad_blocks = invalidated_blocks(scheduler_output.requests, tables, kv.block_size,
+                                                 output.invalid_block_ids)
+        kv.forget_blocks(bad_blocks)
+        for req_id in req_ids:
+            request = self.requests.get(req_id)
+            if request is not None and request.status is RequestStatus.RUNNING:
+                self._recompute(request)
+        return req_ids
+
+    def _recompute(self, request: Request) -> None:
+        """Requeue a running request to compute again from its tokens, as if it had not run yet."""
+        logger.warning("request %s read KV blocks whose load failed: recomputing them", request.request_id)
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        if request.mm_features:
+            self.encoder_cache.release(request)
+        request.status = RequestStatus.WAITING  # as if never scheduled: its cached tokens are counted anew
+        request.num_computed_tokens = 0
+        self.waiting.push_front(request)
+        self._recomputed_req_ids.add(request.request_id)
+        self._load_failed.add(request.request_id)
 
     def _num_rejected(self, scheduled: ScheduledRequest, token_ids: list[int] | None) -> int:
         """Draft tokens of `scheduled` the target rejected (counted in the speculator's stats)."""

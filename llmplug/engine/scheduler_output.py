@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     import torch
 
     from llmplug.engine.multimodal import MultiModalFeature
+    from llmplug.plugins.kv_connectors.base import KVConnectorOutput
 
 
 @dataclass(slots=True, frozen=True)
@@ -63,6 +64,8 @@ class SchedulerOutput:
     grammar_bitmask: torch.Tensor | None = None
     # encoder outputs the scheduler's encoder cache evicted: the runner drops them (engine/encoder_cache.py)
     free_encoder_identifiers: list[str] = field(default_factory=list)
+    # what the KV connector's workers do this step (loads, saves: engine/kv_transfer.py); None: nothing
+    kv_connector_metadata: object | None = None
 
 
 @dataclass(slots=True)
@@ -79,3 +82,5 @@ class ModelRunnerOutput:
     pooler_output: dict[str, torch.Tensor] = field(default_factory=dict)  # request id -> its result (CPU, float32)
     # speculative decoding by the runner (EAGLE): request id -> the drafts it proposes for the request's next step
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # the KV connector's failed loads and unstored saves of the step (None: no connector work)
+    kv_connector_output: KVConnectorOutput | None = None

@@ -175,6 +175,14 @@ class Worker:
         """Run one step."""
         return self.model_runner.execute_model(scheduler_output)
 
+    def kv_connector_handshake(self) -> object:
+        """What this worker's KV connector tells the scheduler's at start (e.g. the blocks it holds already)."""
+        return self.model_runner.kv_connector.get_handshake_metadata()
+
+    def shutdown_kv_connector(self) -> None:
+        """Let the KV connector finish its background work (pending block writes)."""
+        self.model_runner.kv_connector.shutdown()
+
     def shutdown(self) -> None:
         """Leave the process groups."""
         if self.distributed_env is not None:

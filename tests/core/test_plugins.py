@@ -60,13 +60,14 @@ def installed(plugin_site: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 # --- groups and discovery --------------------------------------------------------------------------------
 
 
-def test_groups_are_the_twelve_of_the_design():
+def test_groups_are_the_thirteen_of_the_design():
     assert set(GROUPS) == {
         "llmplug.platforms", "llmplug.loaders", "llmplug.models", "llmplug.guided_decoding",
         "llmplug.executors", "llmplug.attention", "llmplug.communicators", "llmplug.tool_parsers",
-        "llmplug.reasoning_parsers", "llmplug.lora_resolvers", "llmplug.quantization", "llmplug.hooks",
+        "llmplug.reasoning_parsers", "llmplug.lora_resolvers", "llmplug.quantization", "llmplug.kv_connectors",
+        "llmplug.hooks",
     }
-    assert "llmplug.hooks" not in NAMED_GROUPS and len(NAMED_GROUPS) == 11
+    assert "llmplug.hooks" not in NAMED_GROUPS and len(NAMED_GROUPS) == 12
     assert all(description and "\n" not in description for description in GROUPS.values())
 
 

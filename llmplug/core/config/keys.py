@@ -64,6 +64,7 @@ ALIASES: dict[str, str] = {
     "max_loras": "lora.max_loras",
     "max_lora_rank": "lora.max_lora_rank",
     "max_cpu_loras": "lora.max_cpu_loras",
+    "kv_offloading_size": "kv_transfer_config.kv_offloading_size",
 }
 
 # Field names that say too little as a bare flag (`--format`: of what?); their flag is the vLLM

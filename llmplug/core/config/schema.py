@@ -447,6 +447,32 @@ class LoRAConfig(_Section):
         return max(self.max_cpu_loras or 0, self.max_loras)
 
 
+class KVTransferConfig(_Section):
+    """KV connectors (vLLM's `kv_transfer_config`): full KV blocks saved to and loaded from another tier
+    (docs/kv_offload.md)."""
+
+    kv_connector: str | None = Field(
+        None,
+        description="`llmplug.kv_connectors` name: cpu_offload (host memory), disk_offload (a directory), or a "
+        "plugin's; None: no connector.",
+    )
+    kv_role: Literal["kv_both", "kv_producer", "kv_consumer"] = Field(
+        "kv_both", description="kv_producer: only save blocks; kv_consumer: only load them; kv_both: both."
+    )
+    kv_connector_extra_config: dict[str, Any] = Field(
+        default_factory=dict, description="Options of a third-party connector, passed to it as they are."
+    )
+    kv_offloading_size: float = Field(
+        4.0, gt=0, description="cpu_offload: host memory for offloaded blocks, in GiB per worker (LRU)."
+    )
+    kv_offloading_path: str | None = Field(
+        None, description="disk_offload: the directory of block files (created; blocks outlive the engine)."
+    )
+    kv_offloading_disk_size: float = Field(
+        16.0, gt=0, description="disk_offload: disk space for block files, in GiB per worker (LRU)."
+    )
+
+
 class PluginConfig(_Section):
     """Which third-party plugins load and who wins a name conflict."""
 
@@ -471,4 +497,5 @@ class EngineConfig(_Section):
     speculative_config: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     pooler: PoolerConfig = Field(default_factory=PoolerConfig)
     lora: LoRAConfig = Field(default_factory=LoRAConfig)
+    kv_transfer_config: KVTransferConfig = Field(default_factory=KVTransferConfig)
     plugins: PluginConfig = Field(default_factory=PluginConfig)

@@ -71,8 +71,15 @@ class Executor(abc.ABC):
         return (parallel.pipeline_parallel_size - 1) * parallel.tensor_parallel_size
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step on all workers; the output rank's result is the step's."""
-        return self.collective_rpc("execute_model", (scheduler_output,))[self.output_rank]
+        """Run one step on all workers; the output rank's result is the step's (with every worker's KV connector
+        report: a load may fail on any rank)."""
+        outputs = self.collective_rpc("execute_model", (scheduler_output,))
+        output = outputs[self.output_rank]
+        if scheduler_output.kv_connector_metadata is not None:
+            from llmplug.engine.kv_transfer import merge_outputs
+
+            merge_outputs(outputs, output)
+        return output
 
     def determine_num_blocks(self) -> int:
         """The KV blocks every worker can hold."""
