@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import DebertaV2Config, DistilBertConfig, ElectraConfig, RobertaConfig
+from transformers import DebertaV2Config, DistilBertConfig, ElectraConfig, OpenAIGPTConfig, RobertaConfig
 
 from llmplug import LLM
 from llmplug.core.config import EngineConfig
@@ -21,6 +21,7 @@ from llmplug.plugins.models.transformers_backend import (
     TransformersEncoderForEmbedding,
     TransformersEncoderForSequenceClassification,
 )
+from llmplug.plugins.models.transformers_backend.encoder import prompt_spans
 from llmplug.testing import PoolingParityCase, PoolingParityRunner
 from llmplug.testing.parity import BASE_ENGINE_KWARGS
 from llmplug.testing.tiny import tiny_config
@@ -131,6 +132,36 @@ def test_a_native_encoder_forced_through_the_backend_embeds_as_transformers(tmp_
     assert model_class(path) is not TransformersEncoderForEmbedding  # auto: RoBERTa is native
     report = runner.check(case)
     assert report.task == "embed" and report.max_diff <= 1e-5
+
+
+def test_a_bare_decoder_without_the_attention_interface_embeds_its_last_token_as_transformers(
+    tmp_path_factory,
+) -> None:
+    case = PoolingParityCase(  # GPT-1's attention is not the interface's: run whole on its own
+        "TransformersEncoderForEmbedding-openai_gpt",
+        lambda: tiny_config(OpenAIGPTConfig, architectures=["OpenAIGPTModel"]),
+        engine_kwargs={"dtype": "float32"}, atol=1e-5)
+    runner = PoolingParityRunner(tmp_path_factory.mktemp("backend_gpt"))
+    path, hf_model = runner.checkpoint(case)
+    assert model_class(path) is TransformersEncoderForEmbedding
+    llm = LLM(str(path), **BASE_ENGINE_KWARGS)
+    try:
+        (out,) = llm.embed([{"prompt_token_ids": [5, 9, 17, 33]}], use_tqdm=False)
+    finally:
+        llm.shutdown()
+    with torch.inference_mode():
+        last = hf_model(torch.tensor([[5, 9, 17, 33]])).last_hidden_state[0, -1]
+    assert torch.allclose(torch.tensor(out.outputs.embedding), torch.nn.functional.normalize(last, dim=-1), atol=1e-5)
+    report = runner.check(case)
+    assert report.task == "embed" and report.max_diff <= 1e-5
+
+
+def test_a_step_splits_into_whole_prompts_at_position_zero_and_a_chunk_is_refused() -> None:
+    assert prompt_spans(torch.tensor([0, 1, 2, 0, 0, 1])) == [(0, 3), (3, 4), (4, 6)]
+    with pytest.raises(ValueError, match="must start a prompt"):
+        prompt_spans(torch.tensor([3, 4, 0, 1]))
+    with pytest.raises(ValueError, match="not one whole prompt"):
+        prompt_spans(torch.tensor([0, 1, 5]))
 
 
 def test_a_classifier_whose_head_does_not_pool_the_prompt_is_refused_by_name(tmp_path) -> None:
