@@ -20,6 +20,7 @@ import concurrent.futures
 import itertools
 import logging
 import multiprocessing
+import os
 import queue
 import signal
 import threading
@@ -27,10 +28,11 @@ import time
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from multiprocessing.context import BaseContext
 from typing import TYPE_CHECKING, Any, Callable
 
 from llmplug.core.config import EngineConfig
-from llmplug.core.errors import EngineDeadError, InvalidRequestError
+from llmplug.core.errors import ConfigError, EngineDeadError, InvalidRequestError
 from llmplug.core.outputs import PoolingRequestOutput, RequestMetrics, RequestOutput
 from llmplug.core.params import PoolingParams, SamplingParams
 from llmplug.core.plugins import PluginRegistry
@@ -40,6 +42,7 @@ from llmplug.engine.dp_placement import replica_cpus
 from llmplug.engine.dp_replica import (AbortRequests, AddRequest, Call, CallResult, Outputs, Ready, Shutdown,
                                        StartFailed, recv, replica_main, send)
 from llmplug.engine.executors.main_guard import check_main_guard
+from llmplug.engine.executors.worker_start import PRELOAD, START_METHOD_ENV, START_METHODS
 from llmplug.engine.guided_decoding import GuidedDecodingManager
 from llmplug.engine.input_processor import PromptType, is_embeds_prompt, is_multimodal_prompt
 from llmplug.engine.llm_engine import LLMEngine, build_input_processor, prepare_config
@@ -55,8 +58,8 @@ __all__ = ["DataParallelEngine", "ReplicaState", "build_engine", "merge_stats", 
 
 logger = logging.getLogger(__name__)
 
-# what the replicas' server process imports once (forkserver): torch, the engine, the model layers, transformers'
-# config classes (the seconds of a replica's start-up that are not its model's loading)
+# what the forkserver imports beside the workers' stack, when a replica starts it: the engine, the model layers,
+# transformers' config and tokenizer classes (the seconds of a replica's start-up that are not its model's loading)
 PRELOAD_MODULES = ["llmplug.engine.dp_replica", "llmplug.engine.llm_engine", "llmplug.layers.decoder",
                    "transformers.models.auto.configuration_auto", "transformers.models.auto.tokenization_auto"]
 POLL_S = 0.002  # how long `step` waits for outputs before it returns none (its caller then takes new requests)
@@ -223,11 +226,12 @@ class _Replica:
 
     def _spawn(self) -> Any:
         """Start a process (the next generation); return the pipe its messages come through."""
-        context = _process_context()
+        context = replica_context(self.config)
         command_reader, command_writer = context.Pipe(duplex=False)
         event_reader, event_writer = context.Pipe(duplex=False)
         process = context.Process(
-            target=replica_main, args=(self.config, self.registry, self.cpus, command_reader, event_writer),
+            target=replica_main,
+            args=(self.config, self.registry, self.cpus, dict(os.environ), command_reader, event_writer),
             name=f"llmplug-dp-replica-{self.index}", daemon=True,
         )
         process.start()
@@ -581,16 +585,22 @@ def _merge(key: str, values: list[Any]) -> Any:
     return first
 
 
-def _process_context() -> Any:
-    """Replica processes fork from a server process that imported the engine once (forkserver), where the
-    platform has one: a new or restarted replica then starts in the time its model takes to load, not the
-    seconds torch's import takes. The server process is started on first use and has run nothing but imports,
-    so no thread or OpenMP pool is forked. Elsewhere: spawn."""
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("spawn")
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(PRELOAD_MODULES)
-    return context
+def replica_context(config: EngineConfig) -> BaseContext:
+    """How replica processes start: forked from the workers' forkserver (worker_start.py), which imported torch,
+    transformers and the engine once, so a new or restarted replica starts in about the time its model takes to
+    load. That torch loaded with OMP_WAIT_POLICY=PASSIVE; a replica of one worker running several threads on
+    cores of its own wants ACTIVE, which only a fresh interpreter can take: it is spawned
+    (VLLM_WORKER_MULTIPROC_METHOD=spawn spawns every replica)."""
+    method = os.environ.get(START_METHOD_ENV, "forkserver")
+    if method not in START_METHODS:
+        raise ConfigError(f"{START_METHOD_ENV}={method!r}: data-parallel replicas start by "
+                          f"{' or '.join(START_METHODS)} (a fork of this process would copy its threads)")
+    parallel = config.parallel
+    if parallel.tensor_parallel_size * parallel.pipeline_parallel_size == 1 and (config.device.num_threads or 1) > 1:
+        method = "spawn"
+    if method == "forkserver":
+        multiprocessing.set_forkserver_preload([PRELOAD, *PRELOAD_MODULES])  # when the forkserver starts (once)
+    return multiprocessing.get_context(method)
 
 
 def _stop_all(replicas: list[_Replica]) -> None:

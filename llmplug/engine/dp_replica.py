@@ -5,8 +5,8 @@ its own) in a spawned process pinned to its share of the cores. It runs AsyncLLM
 side: between steps it takes every queued command, with nothing to run it blocks on its command pipe, and
 after each step it sends the step's outputs and its stats. Messages are pickled by hand (`send_bytes`), so a
 tensor in an output travels as bytes, not as a shared-memory handle. The replica leaves when told to, or when
-its command pipe closes (the front end is gone). This module imports no torch at import time: the process pins
-itself and configures its CPU threads first (platforms/cpu_threads.py).
+its command pipe closes (the front end is gone). This module imports no torch at import time: a spawned replica
+pins itself and configures its CPU threads first (platforms/cpu_threads.py).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import pickle
 import signal
+import sys
 import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -122,17 +123,21 @@ def picklable(error: BaseException) -> BaseException:
         return RuntimeError(f"{type(error).__name__}: {error}")
 
 
-def replica_main(config: EngineConfig, registry: PluginRegistry, cpus: list[int], commands: Connection,
-                 events: Connection) -> None:
-    """Entry point of a spawned replica: pin, build the engine, then serve commands until Shutdown."""
+def replica_main(config: EngineConfig, registry: PluginRegistry, cpus: list[int], environ: dict[str, str],
+                 commands: Connection, events: Connection) -> None:
+    """Entry point of a replica process: take the front end's environment as it is now (a forkserver's child
+    starts with the one the forkserver had), pin, build the engine, then serve commands until Shutdown."""
+    from llmplug.engine.executors.worker_start import adopt_engine_environment
     from llmplug.platforms.cpu_threads import configure_cpu_threads
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the front end stops us
+    adopt_engine_environment(environ)
     if cpus and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, cpus)
-    parallel = config.parallel
-    configure_cpu_threads(config.device.num_threads,
-                          num_processes_sharing=parallel.tensor_parallel_size * parallel.pipeline_parallel_size)
+    if "torch" not in sys.modules:  # spawned; forked from the forkserver, torch runs with the threads it loaded with
+        parallel = config.parallel
+        configure_cpu_threads(config.device.num_threads,
+                              num_processes_sharing=parallel.tensor_parallel_size * parallel.pipeline_parallel_size)
     from llmplug.engine.llm_engine import LLMEngine
 
     try:
