@@ -13,6 +13,9 @@ An error in adding one request (InvalidRequestError) reaches that request only. 
 ends only the requests it concerns (their last output has finish_reason "abort" and `error` set; see
 EngineCore.step). An exception that escapes a step is fatal (a dead worker, a device error): every
 in-flight request fails with EngineDeadError, later calls raise it at once, and `check_health()` reports it.
+
+With `data_parallel_size > 1` the engine thread drives a DataParallelEngine (data_parallel.py): the replicas are
+processes of their own, and a replica that dies ends only its own requests (their outputs carry the error).
 """
 
 from __future__ import annotations
