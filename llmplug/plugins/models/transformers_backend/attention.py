@@ -8,6 +8,7 @@ per-request structure reaches the llmplug layers through the forward context, as
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any, Sequence
 
@@ -128,8 +129,12 @@ def _layer(index: int, module: nn.Module, config: PretrainedConfig, heads: int, 
 
 
 def _sliding_window(module: nn.Module) -> int | None:
-    """The window the module passes to attention: its own attribute (per layer type), else its config's (Mistral
-    and Mixtral pass `config.sliding_window` on every layer without keeping an attribute)."""
+    """The window the module passes to attention: its own attribute (per layer type), else its config's where its
+    forward passes that (Mistral and Mixtral keep no attribute; Moshi has a config window it does not pass)."""
     if hasattr(module, "sliding_window"):
         return module.sliding_window or None
-    return getattr(getattr(module, "config", None), "sliding_window", None) or None
+    try:
+        passes_config_window = "sliding_window=getattr(self.config" in inspect.getsource(type(module).forward)
+    except (OSError, TypeError):  # no source to read: the per-call check still catches a window it passes
+        passes_config_window = False
+    return (getattr(module.config, "sliding_window", None) or None) if passes_config_window else None
