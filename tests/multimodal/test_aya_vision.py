@@ -1,11 +1,11 @@
 """Aya Vision against transformers on a tiny random checkpoint (SigLIP ViT, gated shuffled projector, Cohere 2 decoder)
 and drawn pictures: greedy tokens equal and log-probabilities within 1e-4 (float32), one and two images per prompt,
-plain and under chunked prefill whose budget is smaller than one image; a multi-tile image's rows equal transformers'
-image features."""
+each image split into tiles plus a global view (runs of placeholders with tile tags between them: one item with an
+`is_embed` mask), plain and under chunked prefill whose budget is smaller than one tile; prefix caching by picture."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -13,6 +13,7 @@ import torch
 
 from llmplug import LLM, SamplingParams
 from tests.models.tiny_models import train_llama_tokenizer
+from tests.multimodal.conftest import shapes
 
 MAX_TOKENS = 6
 TOKENS_PER_TILE = 4  # (32 / 8) ** 2 patches, pixel-shuffled by 2
@@ -27,13 +28,14 @@ class TinyAya:
     path: Path
     processor: object
     hf_model: torch.nn.Module
+    references: dict = field(default_factory=dict)  # (prompt, pictures' bytes) -> hf_reference's
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> TinyAya:
     """A SigLIP ViT on 32x32 tiles (patch 8), downsample factor 2, a 2-layer Cohere 2 (one windowed layer with rotary,
-    one global without), and an AyaVisionProcessor whose image processor makes one 32x32 tile per image
-    (`max_patches=1`: the engine splits a prompt's tensors per image by rows, one row per image)."""
+    one global without), and an AyaVisionProcessor whose image processor splits an image into up to 2 tiles of 32x32
+    plus the global view."""
     from transformers import AyaVisionConfig, AyaVisionForConditionalGeneration, Cohere2Config, SiglipVisionConfig
     from transformers.models.aya_vision.processing_aya_vision import AyaVisionProcessor
     from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
@@ -56,7 +58,7 @@ def tiny(tmp_path_factory) -> TinyAya:
         for linear in (model.model.multi_modal_projector.linear_1, model.model.multi_modal_projector.linear_2):
             linear.weight.normal_(0, 0.5)
     model.save_pretrained(path)
-    image_processor = GotOcr2ImageProcessorPil(size={"height": 32, "width": 32}, max_patches=1)
+    image_processor = GotOcr2ImageProcessorPil(size={"height": 32, "width": 32}, max_patches=2)
     processor = AyaVisionProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=8, img_size=32,
                                    downsample_factor=2)
     processor.save_pretrained(path)
@@ -68,7 +70,16 @@ def greedy() -> SamplingParams:
 
 
 def hf_reference(tiny: TinyAya, text: str, images: list) -> tuple[list[int], torch.Tensor]:
-    """transformers' greedy tokens from the same processor output, and its log-softmax rows over prompt + tokens."""
+    """transformers' greedy tokens from the same processor output, and its log-softmax rows over prompt + tokens
+    (computed once per prompt and pictures)."""
+    key = (text, tuple(image.tobytes() for image in images))
+    if key not in tiny.references:
+        tiny.references[key] = _hf_reference(tiny, text, images)
+    return tiny.references[key]
+
+
+def _hf_reference(tiny: TinyAya, text: str, images: list) -> tuple[list[int], torch.Tensor]:
+    """transformers' generate and forward on the processor's output."""
     inputs = tiny.processor(text=text, images=images, return_tensors="pt")
     with torch.inference_mode():
         full = tiny.hf_model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)[0]
@@ -96,25 +107,46 @@ def runner(llm):
     return llm.llm_engine.engine_core.executor.worker.model_runner
 
 
+def assert_each_image_is_one_item_of_its_tiles(tiny: TinyAya, llm, images) -> None:
+    """An item holds its own tiles (the global view last) and spans its placeholder runs, the tile tags masked out."""
+    _, imgs = cases(images)[2]
+    ids, features = llm.llm_engine.processor.mm_processor.process(TWO, None, imgs)
+    tiles = [f.data["pixel_values"].shape[0] for f in features]
+    assert max(tiles) > 2 and [f.num_embeds for f in features] == [n * TOKENS_PER_TILE for n in tiles]
+    for feature in features:
+        assert feature.is_embed.tolist() == [t == tiny.hf_model.config.image_token_id
+                                             for t in ids[feature.offset:feature.end]]
+
+
+def assert_prefix_cache_follows_the_image(tiny: TinyAya, llm, images) -> None:
+    """The same prompt and picture again reuses every block holding the image; another picture only the text's."""
+    g, wide = images["gradient"], shapes(96, 30)
+    same = llm.generate({"prompt": ONE, "multi_modal_data": {"image": g}}, greedy(), use_tqdm=False)[0]
+    other = llm.generate({"prompt": ONE, "multi_modal_data": {"image": wide}}, greedy(), use_tqdm=False)[0]
+    ids, image_token = same.prompt_token_ids, tiny.hf_model.config.image_token_id
+    first_image, last_image = ids.index(image_token), len(ids) - ids[::-1].index(image_token)
+    assert same.num_cached_tokens >= last_image - 3  # block size 4
+    assert other.num_cached_tokens <= first_image  # its blocks name the other picture
+    assert_matches_hf(tiny, same, ONE, [g])
+    assert_matches_hf(tiny, other, ONE, [wide])
+
+
 @pytest.mark.parametrize("engine_kwargs", [{}, {"max_num_batched_tokens": 3}], ids=["plain", "chunked_prefill"])
 def test_greedy_tokens_and_logprobs_match_transformers(tiny, images, engine_kwargs):
-    """Chunks of 3 tokens: each image's 4 placeholders span two steps."""
+    """Chunks of 3 tokens: each tile's 4 placeholders span two steps."""
     llm = LLM(str(tiny.path), dtype="float32", block_size=4, num_gpu_blocks_override=128,
               limit_mm_per_prompt={"image": 2}, **engine_kwargs)
     try:
         assert type(runner(llm).model).__name__ == "AyaVisionForConditionalGeneration"  # ours, not the fallback
-        outputs = llm.generate([{"prompt": text, "multi_modal_data": {"image": imgs}} for text, imgs in cases(images)],
+        prompts = cases(images) if not engine_kwargs else cases(images)[2:]  # chunked: the two-image prompt
+        outputs = llm.generate([{"prompt": text, "multi_modal_data": {"image": imgs}} for text, imgs in prompts],
                                greedy(), use_tqdm=False)
-        if not engine_kwargs:  # a multi-tile image (the processor's default tiling): the rows of each tile, in order
-            tiles = tiny.processor.image_processor(images["gradient"], crop_to_patches=True, max_patches=4,
-                                                   return_tensors="pt")["pixel_values"]
-            assert tiles.shape[0] > 2
-            with torch.inference_mode():
-                (ours,) = runner(llm).model.embed_multimodal(pixel_values=tiles)
-                theirs = tiny.hf_model.model.get_image_features(pixel_values=tiles).pooler_output
-            torch.testing.assert_close(ours, theirs.flatten(0, 1), atol=1e-5, rtol=1e-5)
+        if not engine_kwargs:
+            assert_each_image_is_one_item_of_its_tiles(tiny, llm, images)
+            assert_prefix_cache_follows_the_image(tiny, llm, images)
     finally:
         llm.shutdown()
-    for (text, imgs), output in zip(cases(images), outputs):
+    for (text, imgs), output in zip(prompts, outputs, strict=True):
         assert_matches_hf(tiny, output, text, imgs)
-    assert outputs[0].outputs[0].token_ids != outputs[1].outputs[0].token_ids  # the picture matters
+    if not engine_kwargs:
+        assert outputs[0].outputs[0].token_ids != outputs[1].outputs[0].token_ids  # the picture matters

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -16,6 +16,7 @@ import torch
 
 from llmplug import LLM, SamplingParams
 from tests.models.tiny_models import train_llama_tokenizer
+from tests.multimodal.conftest import shapes
 
 MAX_TOKENS = 6
 IMAGE_TOKENS = ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]
@@ -28,6 +29,7 @@ class TinyMistral3:
     path: Path
     processor: object
     hf_model: torch.nn.Module
+    references: dict = field(default_factory=dict)  # (prompt, pictures' bytes) -> hf_reference's
 
 
 def pixtral_processor_class() -> type:
@@ -90,7 +92,16 @@ def greedy() -> SamplingParams:
 
 
 def hf_reference(tiny: TinyMistral3, text: str, images: list) -> tuple[list[int], torch.Tensor]:
-    """transformers' greedy tokens from the same processor output, and its log-softmax rows over prompt + tokens."""
+    """transformers' greedy tokens from the same processor output, and its log-softmax rows over prompt + tokens
+    (computed once per prompt and pictures)."""
+    key = (text, tuple(image.tobytes() for image in images))
+    if key not in tiny.references:
+        tiny.references[key] = _hf_reference(tiny, text, images)
+    return tiny.references[key]
+
+
+def _hf_reference(tiny: TinyMistral3, text: str, images: list) -> tuple[list[int], torch.Tensor]:
+    """transformers' generate and forward on the processor's output."""
     inputs = tiny.processor(text=text, images=images, return_tensors="pt")
     with torch.inference_mode():
         full = tiny.hf_model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)[0]
@@ -119,6 +130,19 @@ def runner(llm):
     return llm.llm_engine.engine_core.executor.worker.model_runner
 
 
+def assert_prefix_cache_follows_the_image(tiny: TinyMistral3, llm, images) -> None:
+    """The same prompt and picture again reuses every block holding the image; another picture only the text's."""
+    g, wide = images["gradient"], shapes(96, 30)
+    same = llm.generate({"prompt": ONE, "multi_modal_data": {"image": g}}, greedy(), use_tqdm=False)[0]
+    other = llm.generate({"prompt": ONE, "multi_modal_data": {"image": wide}}, greedy(), use_tqdm=False)[0]
+    ids, image_token = same.prompt_token_ids, tiny.hf_model.config.image_token_id
+    first_image, last_image = ids.index(image_token), len(ids) - ids[::-1].index(image_token)
+    assert same.num_cached_tokens >= last_image - 3  # block size 4
+    assert other.num_cached_tokens <= first_image  # its blocks name the other picture
+    assert_matches_hf(tiny, same, ONE, [g])
+    assert_matches_hf(tiny, other, ONE, [wide])
+
+
 @pytest.mark.parametrize("engine_kwargs", [{}, {"max_num_batched_tokens": 3}], ids=["plain", "chunked_prefill"])
 def test_greedy_tokens_and_logprobs_match_transformers(tiny, images, engine_kwargs):
     """Landscape 60x40 -> 4 x 3 merged patches, portrait 48x64 -> 3 x 4; chunks of 3 tokens end inside image rows."""
@@ -126,7 +150,8 @@ def test_greedy_tokens_and_logprobs_match_transformers(tiny, images, engine_kwar
               limit_mm_per_prompt={"image": 2}, **engine_kwargs)
     try:
         assert type(runner(llm).model).__name__ == "Mistral3ForConditionalGeneration"  # ours, not the fallback
-        outputs = llm.generate([{"prompt": text, "multi_modal_data": {"image": imgs}} for text, imgs in cases(images)],
+        prompts = cases(images) if not engine_kwargs else cases(images)[2:]  # chunked: the two-image prompt
+        outputs = llm.generate([{"prompt": text, "multi_modal_data": {"image": imgs}} for text, imgs in prompts],
                                greedy(), use_tqdm=False)
         if not engine_kwargs:
             ids, features = llm.llm_engine.processor.mm_processor.process(TWO, None, cases(images)[2][1])
@@ -142,8 +167,11 @@ def test_greedy_tokens_and_logprobs_match_transformers(tiny, images, engine_kwar
                                                                 image_sizes=inputs["image_sizes"]).pooler_output
             for mine, reference in zip(ours, theirs, strict=True):
                 torch.testing.assert_close(mine, reference, atol=1e-4, rtol=1e-4)
+        if not engine_kwargs:
+            assert_prefix_cache_follows_the_image(tiny, llm, images)
     finally:
         llm.shutdown()
-    for (text, imgs), output in zip(cases(images), outputs):
+    for (text, imgs), output in zip(prompts, outputs, strict=True):
         assert_matches_hf(tiny, output, text, imgs)
-    assert outputs[0].outputs[0].token_ids != outputs[1].outputs[0].token_ids  # the picture matters
+    if not engine_kwargs:
+        assert outputs[0].outputs[0].token_ids != outputs[1].outputs[0].token_ids  # the picture matters
