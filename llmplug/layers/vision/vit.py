@@ -180,9 +180,16 @@ def _internvit_config(hf: PretrainedConfig, layout: ViTLayout) -> ViTConfig:
         num_channels=hf.num_channels,
         activation=hf.hidden_act,
         eps=hf.layer_norm_eps,
-        norm={"layer_norm": "layer", "rms_norm": "rms"}[hf.norm_type],
+        norm=_norm_kind(hf.norm_type),
         qkv_bias=bool(hf.attention_bias),
     )
+
+
+def _norm_kind(norm_type: str) -> Literal["layer", "rms"]:
+    """InternVLVisionConfig's `norm_type` as a ViTConfig norm kind."""
+    if norm_type not in ("layer_norm", "rms_norm"):
+        raise ValueError(f"InternViT norm_type {norm_type!r} is not 'layer_norm' or 'rms_norm'")
+    return "layer" if norm_type == "layer_norm" else "rms"
 
 
 def _square(size: int | list[int] | tuple[int, ...], name: str) -> int:
