@@ -1,9 +1,10 @@
 """Vision-language models through the transformers backend (transformers' own image-text-to-text class, its
-language model on llmplug's paged attention): LLaVA forced through it (model_impl="transformers") and Idefics2 (a
-perceiver resampler; no native row) give transformers' greedy tokens with log-probabilities within 1e-4 (float32)
-on drawn pictures of two sizes, one and two per prompt, under chunked prefill whose budget is smaller than an
-image; LLaVA's tokens equal the native row's; a prefix-cache hit for the same image; families whose merge is more
-than image rows at the placeholders are refused by name."""
+language model on llmplug's paged attention): LLaVA forced through it (model_impl="transformers"), LLaVA-NeXT's
+anyres tiles (`image_sizes` through `get_image_features`) and Idefics2 (a perceiver resampler; no native row) give
+transformers' greedy tokens with log-probabilities within 1e-4 (float32) on drawn pictures of two sizes, one and
+two per prompt, under chunked prefill whose budget is smaller than an image; LLaVA's tokens equal the native row's;
+a prefix-cache hit for the same image; families whose merge is more than image rows at the placeholders are
+refused by name."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from llmplug.plugins.models.llava import LlavaForConditionalGeneration as Native
 from llmplug.plugins.models.transformers_backend import TransformersForMultimodalLM, backend_class
 from llmplug.testing.tiny import randomize_
 from tests.multimodal.conftest import IMAGE_TOKEN, images, tiny_llava  # noqa: F401  (fixtures)
+from tests.multimodal.test_llava_next import tiny_llava_next  # noqa: F401  (a fixture)
 
 MAX_TOKENS = 6
 ONE = "USER: <image>\nWhat is in the picture? ASSISTANT:"
@@ -70,7 +72,7 @@ def greedy() -> SamplingParams:
 
 def make_llm(path: Path, **kwargs) -> LLM:
     kwargs = {"dtype": "float32", "block_size": 4, "num_gpu_blocks_override": 128,
-              "limit_mm_per_prompt": {"image": 2}, **kwargs}
+              "limit_mm_per_prompt": {"image": 2}, "device": {"num_threads": 1}, **kwargs}
     return LLM(str(path), **kwargs)
 
 
@@ -123,6 +125,17 @@ def test_llava_through_the_backend_matches_transformers_and_the_native_row(tiny_
     finally:
         llm.shutdown()
     assert [o.outputs[0].token_ids for o in backend] == [o.outputs[0].token_ids for o in native]
+
+
+def test_llava_next_anyres_images_through_the_backend_match_transformers(tiny_llava_next, images):  # noqa: F811
+    cases = prompts(images)  # landscape and portrait: the 2x2 grid unpadded in rows or in columns, other counts
+    llm = make_llm(tiny_llava_next.path, model_impl="transformers", max_num_batched_tokens=16, max_model_len=512)
+    try:
+        outputs = generate(llm, cases)
+    finally:
+        llm.shutdown()
+    for (text, pictures), output in zip(cases, outputs):
+        assert_matches_hf(tiny_llava_next, output, text, pictures)
 
 
 def test_a_family_without_a_native_row_runs_on_the_backend(tiny_idefics2, images):  # noqa: F811
