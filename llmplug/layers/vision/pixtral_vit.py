@@ -72,8 +72,9 @@ def _join(prefix: str, name: str) -> str:
 
 
 def axial_angles(rows: int, cols: int, config: PixtralViTConfig) -> torch.Tensor:
-    """[rows * cols, head_dim] rotary angles of a grid, row-major: the first quarter of the frequencies (the even ones
-    of a 1D rotary's) times the row, the next quarter (the odd ones) times the column, repeated for rotate-half pairs."""
+    """[rows * cols, head_dim] rotary angles of a grid, row-major: the first quarter of the frequencies (the even
+    ones of a 1D rotary's) times the row, the next quarter (the odd ones) times the column, repeated for rotate-half
+    pairs."""
     d = config.head_dim
     inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)  # [D / 2]
     row, col = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")
