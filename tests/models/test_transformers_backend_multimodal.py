@@ -2,9 +2,9 @@
 language model on llmplug's paged attention): LLaVA forced through it (model_impl="transformers"), LLaVA-NeXT's
 anyres tiles (`image_sizes` through `get_image_features`) and Idefics2 (a perceiver resampler; no native row) give
 transformers' greedy tokens with log-probabilities within 1e-4 (float32) on drawn pictures of two sizes, one and
-two per prompt, under chunked prefill whose budget is smaller than an image; LLaVA's tokens equal the native row's;
-a prefix-cache hit for the same image; families whose merge is more than image rows at the placeholders are
-refused by name."""
+two per prompt, under chunked prefill whose budget is smaller than an image (Idefics2: also preempted); LLaVA's
+tokens equal the native row's; a prefix-cache hit for the same image and a miss for another; families whose merge
+is more than image rows at the placeholders are refused by name."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from llmplug.loaders.default import DefaultLoader
 from llmplug.plugins.models.llava import LlavaForConditionalGeneration as NativeLlava
 from llmplug.plugins.models.transformers_backend import TransformersForMultimodalLM, backend_class
 from llmplug.testing.tiny import randomize_
-from tests.multimodal.conftest import IMAGE_TOKEN, images, tiny_llava  # noqa: F401  (fixtures)
+from tests.multimodal.conftest import IMAGE_TOKEN, gradient, images, tiny_llava  # noqa: F401  (fixtures)
 from tests.multimodal.test_llava_next import tiny_llava_next  # noqa: F401  (a fixture)
 
 MAX_TOKENS = 6
@@ -138,22 +138,33 @@ def test_llava_next_anyres_images_through_the_backend_match_transformers(tiny_ll
         assert_matches_hf(tiny_llava_next, output, text, pictures)
 
 
-def test_a_family_without_a_native_row_runs_on_the_backend(tiny_idefics2, images):  # noqa: F811
+@pytest.mark.parametrize("engine_kwargs", [
+    {"max_num_batched_tokens": 6},  # chunks smaller than an image's 8 placeholders
+    {"max_num_batched_tokens": 6, "num_gpu_blocks_override": 20, "max_num_seqs": 3},  # and preempted, recomputed
+], ids=["chunked_prefill", "chunked_and_preempted"])
+def test_a_family_without_a_native_row_runs_on_the_backend(tiny_idefics2, images, engine_kwargs):  # noqa: F811
     assert model_class(tiny_idefics2.path) is TransformersForMultimodalLM
     cases = prompts(images)
-    llm = make_llm(tiny_idefics2.path, max_num_batched_tokens=6)  # chunks smaller than an image's 8 placeholders
+    llm = make_llm(tiny_idefics2.path, **engine_kwargs)
     try:
         outputs = generate(llm, cases)
-        again = generate(llm, cases[:1])[0]  # the same image: its blocks come from the prefix cache
+        preemptions = llm.llm_engine.engine_core.scheduler.num_preemptions
+        unseen = (ONE, [gradient(44, 52)])
+        same, other = generate(llm, [cases[0], unseen])  # after the first round: the same image, then a new one
     finally:
         llm.shutdown()
     for (text, pictures), output in zip(cases, outputs):
         assert_matches_hf(tiny_idefics2, output, text, pictures)
+    assert (preemptions > 0) == ("num_gpu_blocks_override" in engine_kwargs)
     assert outputs[0].outputs[0].token_ids != outputs[1].outputs[0].token_ids  # the picture matters
     image_token = tiny_idefics2.hf_model.config.image_token_id
     assert outputs[2].prompt_token_ids.count(image_token) == 16  # two images, 8 placeholders each
-    assert again.num_cached_tokens > outputs[0].prompt_token_ids.index(image_token) + 8
-    assert again.outputs[0].token_ids == outputs[0].outputs[0].token_ids
+    image_start = outputs[0].prompt_token_ids.index(image_token)
+    if "num_gpu_blocks_override" not in engine_kwargs:  # (a small cache may have evicted the first round's blocks)
+        assert same.num_cached_tokens > image_start + 8  # the blocks holding the image are reused
+    assert other.num_cached_tokens <= image_start  # only the text before the image: its blocks name the image
+    assert same.outputs[0].token_ids == outputs[0].outputs[0].token_ids
+    assert_matches_hf(tiny_idefics2, other, *unseen)
 
 
 @pytest.mark.parametrize(("model_type", "why"), [
