@@ -9,11 +9,14 @@
   engine against transformers' pooled hidden states and logits;
 - `save_quantized_checkpoint`, `check_quantization_method`: a quantization method (`llmplug.quantization`)
   through the engine: each quantized layer against its own dequantized weight, row invariance, and the logits
-  against transformers on the dequantized weights.
+  against transformers on the dequantized weights;
+- `check_kv_connector`, `KVConnectorReport`: a KV connector (`llmplug.kv_connectors`) through the engine: save/load
+  round trip, partial hits, failed loads recomputed, with the tokens of an engine without it.
 
 See docs/plugins.md ("Testing a model architecture", "Quantization methods").
 """
 
+from llmplug.testing.kv_connectors import KVConnectorReport, check_kv_connector
 from llmplug.testing.paged import PagedHarness
 from llmplug.testing.pooling import PoolingParityCase, PoolingParityRunner, PoolingReport
 from llmplug.testing.parity import VARIANTS, Completion, ParityCase, ParityReport, ParityRunner, Reference, Variant
@@ -29,6 +32,7 @@ __all__ = [
     "TINY_SIZES",
     "VARIANTS",
     "Completion",
+    "KVConnectorReport",
     "LayerCheck",
     "PagedHarness",
     "PoolingParityCase",
@@ -41,6 +45,7 @@ __all__ = [
     "Reference",
     "TinyCheckpoint",
     "Variant",
+    "check_kv_connector",
     "check_quantization_method",
     "randomize_",
     "save_quantized_checkpoint",

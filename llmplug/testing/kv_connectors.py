@@ -72,7 +72,9 @@ def check_kv_connector(
             report.restart_cached_tokens = _phase(llm, "long", prompts, expected, report)
         finally:
             llm.shutdown()
-        _expect(report.restart_cached_tokens > 0, "after a restart the long prompt found no block through the connector")
+        _expect(report.restart_cached_tokens == PROMPT_BLOCKS * BLOCK_SIZE,
+                f"after a restart the long prompt found {report.restart_cached_tokens} tokens through the connector, "
+                f"not {PROMPT_BLOCKS * BLOCK_SIZE}")
     return report
 
 

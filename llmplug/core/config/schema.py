@@ -448,8 +448,7 @@ class LoRAConfig(_Section):
 
 
 class KVTransferConfig(_Section):
-    """KV connectors (vLLM's `kv_transfer_config`): full KV blocks saved to and loaded from another tier
-    (docs/kv_offload.md)."""
+    """KV connectors (vLLM's `kv_transfer_config`): KV blocks saved to, and loaded from, other tiers."""
 
     kv_connector: str | None = Field(
         None,

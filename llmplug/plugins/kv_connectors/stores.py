@@ -168,7 +168,7 @@ class DiskBlockStore:
             if shutil.disk_usage(self.directory).free < len(payload) + _HEADER_BYTES:
                 raise OSError(f"no space left for {len(payload)} bytes")
             with open(tmp, "wb") as f:
-                f.write(MAGIC + len(payload).to_bytes(8, "little") + hashlib.blake2b(payload, digest_size=32).digest())
+                f.write(MAGIC + len(payload).to_bytes(8, "little") + _digest(payload))
                 f.write(payload)
             os.replace(tmp, path)
         except OSError as error:
@@ -186,10 +186,14 @@ def _check(data: bytes) -> bytes | None:
     if len(data) < _HEADER_BYTES or not data.startswith(MAGIC):
         return None
     length = int.from_bytes(data[len(MAGIC) : len(MAGIC) + 8], "little")
-    payload = data[_HEADER_BYTES:]
-    if len(payload) != length or hashlib.blake2b(payload, digest_size=32).digest() != data[len(MAGIC) + 8 : _HEADER_BYTES]:
+    payload, digest = data[_HEADER_BYTES:], data[len(MAGIC) + 8 : _HEADER_BYTES]
+    if len(payload) != length or _digest(payload) != digest:
         return None
     return payload
+
+
+def _digest(payload: bytes) -> bytes:
+    return hashlib.blake2b(payload, digest_size=32).digest()
 
 
 def _touch(path: Path) -> None:
