@@ -108,6 +108,12 @@ class TransformersModel(nn.Module, metaclass=abc.ABCMeta):
         out = base(**tokens, position_ids=positions[None], use_cache=False, **{attention.LAYERS_KWARG: self.attention})
         return out[0][0]
 
+    def _logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> float32 logits [N, vocab]: the model's lm_head, then its text config's final soft-cap."""
+        logits = self.model.lm_head(hidden_states).float()
+        cap = getattr(self.config.get_text_config(), "final_logit_softcapping", None)
+        return logits if cap is None else logits.div_(cap).tanh_().mul_(cap)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load checkpoint tensors through transformers' own names and conversions; returns the loaded parameter
         names. A tensor matching no parameter is an error, unless transformers itself ignores it."""

@@ -91,7 +91,6 @@ class TransformersForCausalLM(TransformersModel):
     def __init__(self, *, config: PretrainedConfig, prefix: str = "") -> None:
         super().__init__(config=config, prefix=prefix)
         check_plain_head(self.model)
-        self.final_logit_softcap = getattr(config, "final_logit_softcapping", None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [T] -> hidden states [T, hidden]."""
@@ -99,9 +98,7 @@ class TransformersForCausalLM(TransformersModel):
 
     def compute_logits(self, hidden_states: torch.Tensor, sampling_metadata: Any = None) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab]: the model's lm_head, then its final soft-cap if it has one."""
-        logits = self.model.lm_head(hidden_states).float()
-        cap = self.final_logit_softcap
-        return logits if cap is None else logits.div_(cap).tanh_().mul_(cap)
+        return self._logits(hidden_states)
 
 
 class TransformersForEmbedding(TransformersModel):

@@ -42,7 +42,6 @@ class TransformersForMultimodalLM(TransformersModel):
             raise ModelLoadError(f"{type(self.model).__name__}'s config names no image token (image_token_id or "
                                  "image_token_index)")
         self.image_token_id = int(token)
-        self.final_logit_softcap = getattr(config.get_text_config(), "final_logit_softcapping", None)
         if not callable(getattr(self.model, "get_image_features", None)):
             raise ModelLoadError(f"{type(self.model).__name__} has no get_image_features, which the transformers "
                                  "backend encodes images with")
@@ -86,7 +85,7 @@ class TransformersForMultimodalLM(TransformersModel):
 
     def embed_multimodal(self, **data: torch.Tensor) -> list[torch.Tensor]:
         """One image's processor tensors -> [its rows [tokens, hidden]], through the model's `get_image_features`
-        (the tensors it does not name, such as the processor's masks for text, are not its)."""
+        (given the tensors it names: pixel_values, image_sizes, pixel_attention_mask, ...)."""
         if "pixel_values" not in data:
             raise ValueError(f"{type(self.model).__name__}.get_image_features needs pixel_values; the processor gave "
                              f"{sorted(data)}")
@@ -103,9 +102,7 @@ class TransformersForMultimodalLM(TransformersModel):
 
     def compute_logits(self, hidden_states: torch.Tensor, sampling_metadata: Any = None) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab]: lm_head, then the final soft-cap if the text config has one."""
-        logits = self.model.lm_head(hidden_states).float()
-        cap = self.final_logit_softcap
-        return logits if cap is None else logits.div_(cap).tanh_().mul_(cap)
+        return self._logits(hidden_states)
 
 
 def _named_parameters(function: Any) -> frozenset[str]:
