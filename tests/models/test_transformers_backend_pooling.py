@@ -1,8 +1,9 @@
-"""Pooling models through the transformers backend for encoders llmplug has no native row for (transformers'
-own class, each prompt run whole on its own attention): a sentence-transformers ELECTRA folder embeds as
-sentence-transformers does (mean pooling, normalized; within 1e-5); DeBERTa-v2 (disentangled attention, which the
-attention interface does not carry) and ELECTRA classifiers give transformers' logits, the latter on text pairs
-with token types; a classifier whose head does not pool the prompt itself is refused by name."""
+"""Pooling models through the transformers backend (transformers' own class, each prompt run whole on its own
+attention), for encoders llmplug has no native row for: a sentence-transformers ELECTRA folder embeds as
+sentence-transformers does (mean pooling, normalized; within 1e-5); MPNet's bare model, RoBERTa forced through the
+backend and GPT-1's bare decoder (last-token pooling) embed as transformers; DeBERTa-v2 (disentangled attention,
+which the attention interface does not carry) and ELECTRA classifiers give transformers' logits, the latter on text
+pairs with token types; a classifier whose head does not pool the prompt itself is refused by name."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import DebertaV2Config, DistilBertConfig, ElectraConfig, OpenAIGPTConfig, RobertaConfig
+from transformers import DebertaV2Config, DistilBertConfig, ElectraConfig, MPNetConfig, OpenAIGPTConfig, RobertaConfig
 
 from llmplug import LLM
 from llmplug.core.config import EngineConfig
@@ -119,6 +120,18 @@ def test_classifiers_of_encoders_without_a_native_row_give_transformers_logits(t
     assert model_class(path) is TransformersEncoderForSequenceClassification
     report = runner.check(case)
     assert report.task == "classify" and report.max_diff <= 1e-5
+
+
+def test_an_encoder_without_a_native_row_embeds_as_transformers(tmp_path_factory) -> None:
+    case = PoolingParityCase(  # MPNet (all-mpnet-base-v2's): a relative position bias, not the attention interface
+        "TransformersEncoderForEmbedding-mpnet",
+        lambda: tiny_config(MPNetConfig, pad_token_id=1, architectures=["MPNetModel"]),
+        engine_kwargs={"dtype": "float32"}, atol=1e-5)
+    runner = PoolingParityRunner(tmp_path_factory.mktemp("backend_mpnet"))
+    path, _ = runner.checkpoint(case)
+    assert model_class(path) is TransformersEncoderForEmbedding
+    report = runner.check(case)
+    assert report.task == "embed" and report.max_diff <= 1e-5
 
 
 def test_a_native_encoder_forced_through_the_backend_embeds_as_transformers(tmp_path_factory) -> None:
