@@ -131,6 +131,7 @@ class _Replica:
         self.restarts = 0
         self.last_error: str | None = None
         self.stats: dict[str, Any] = {}
+        self.stats_version = 0  # counts stats updates: a reader merges them again only when one moved
         self.ready: Ready | None = None
         self._commands: Any = None
         self._send_lock = threading.Lock()
@@ -251,6 +252,7 @@ class _Replica:
                 if isinstance(message, Outputs):
                     with self._lock:
                         self.stats = message.stats
+                        self.stats_version += 1
                     self._events.put((self.index, self.generation, message))
                 elif isinstance(message, CallResult):
                     self._resolve(message)
@@ -268,6 +270,7 @@ class _Replica:
     def _on_ready(self, ready: Ready) -> None:
         with self._lock:
             self.status, self.stats = "running", ready.stats
+            self.stats_version += 1
             first = self.ready is None
             self.ready = ready
         if first:
@@ -294,6 +297,7 @@ class _Replica:
         logger.error("%s; its in-flight requests failed; restarting it", reason)
         with self._lock:
             self.status, self.last_error, self.stats = "restarting", reason, {}
+            self.stats_version += 1
             calls, self._calls = self._calls, {}
         self._events.put((self.index, self.generation, _Died(reason)))
         for future in calls.values():
@@ -426,7 +430,7 @@ class DataParallelEngine:
                 break
             timeout = None
             outputs.extend(self._handle(index, generation, message))
-        if all(replica.state().status == "failed" for replica in self.replicas):
+        if all(replica.status == "failed" for replica in self.replicas):
             raise EngineDeadError("every data-parallel replica failed and could not be restarted: "
                                   + "; ".join(str(r.last_error) for r in self.replicas))
         return outputs
@@ -498,10 +502,15 @@ class ReplicaCalls:
         self.model_info = ready.model_info
         self.max_model_len = ready.max_model_len
         self.kv_cache_manager = KVCacheSummary(ready.num_blocks * len(engine.replicas))
+        self._merged: tuple[tuple[int, ...], dict[str, Any]] = ((), {})  # (stats versions, merged stats)
 
     def stats(self) -> dict[str, Any]:
-        """The replicas' stats merged (counts added, usage averaged, the prefix-cache rate recomputed)."""
-        return merge_stats([state.stats for state in self._engine.replica_states() if state.stats])
+        """The replicas' stats merged (counts added, usage averaged, the prefix-cache rate recomputed); merged
+        again only when a replica reported since (AsyncLLM reads them after every poll)."""
+        versions = tuple(replica.stats_version for replica in self._engine.replicas)
+        if versions != self._merged[0]:
+            self._merged = (versions, merge_stats([s.stats for s in self._engine.replica_states() if s.stats]))
+        return dict(self._merged[1])
 
     def _on_all(self, function: Callable[..., Any], *args: Any) -> list[Any]:
         """`function(engine, *args)` on every serving replica; the first error is raised."""
