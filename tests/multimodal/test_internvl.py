@@ -1,7 +1,8 @@
 """InternVL against transformers on a tiny random checkpoint (InternViT with layer scale, shuffled MLP projector, Qwen2
 decoder) and drawn pictures: greedy tokens equal and log-probabilities within 1e-4 (float32), one and two images per
-prompt, each image split into tiles plus a thumbnail (one run of placeholders), plain and under chunked prefill whose
-budget is smaller than one tile; prefix caching by picture."""
+prompt, each image split into tiles plus a thumbnail (one run of placeholders), plain and chunked (10-token steps, fewer
+than a 3-tile image's 12 placeholders) with too few KV blocks for the prompts (preempted, recomputed); prefix caching
+by picture; tensor parallelism (2 ranks)."""
 
 from __future__ import annotations
 
@@ -148,16 +149,20 @@ def assert_prefix_cache_follows_the_image(tiny: TinyInternVL, llm, images) -> No
     assert_matches_hf(tiny, other, ONE, [wide])
 
 
-@pytest.mark.parametrize("engine_kwargs", [{}, {"max_num_batched_tokens": 3}], ids=["plain", "chunked_prefill"])
+@pytest.mark.parametrize("engine_kwargs", [
+    {},
+    {"max_num_batched_tokens": 10, "num_gpu_blocks_override": 24},  # too few blocks for three: preempted, recomputed
+], ids=["plain", "chunked_and_preempted"])
 def test_greedy_tokens_and_logprobs_match_transformers(tiny, images, engine_kwargs):
-    """Chunks of 3 tokens: each tile's 4 placeholders span two steps."""
-    llm = LLM(str(tiny.path), dtype="float32", block_size=4, num_gpu_blocks_override=128,
-              limit_mm_per_prompt={"image": 2}, **engine_kwargs)
+    """Chunked: steps of 10 tokens end inside images and between their tiles; 24 blocks hold one prompt, not three."""
+    llm = LLM(str(tiny.path), **{"dtype": "float32", "block_size": 4, "num_gpu_blocks_override": 128,
+                                 "device": {"num_threads": 1}, "limit_mm_per_prompt": {"image": 2}, **engine_kwargs})
     try:
         assert type(runner(llm).model).__name__ == "InternVLForConditionalGeneration"  # ours, not the fallback
-        prompts = cases(images) if not engine_kwargs else cases(images)[2:]  # chunked: the two-image prompt
-        outputs = llm.generate([{"prompt": text, "multi_modal_data": {"image": imgs}} for text, imgs in prompts],
+        outputs = llm.generate([{"prompt": text, "multi_modal_data": {"image": imgs}} for text, imgs in cases(images)],
                                greedy(), use_tqdm=False)
+        if engine_kwargs:
+            assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
         if not engine_kwargs:
             _, features = llm.llm_engine.processor.mm_processor.process(TWO, None, cases(images)[2][1])
             tiles = [f.data["pixel_values"].shape[0] for f in features]  # each item its own tiles
@@ -165,7 +170,19 @@ def test_greedy_tokens_and_logprobs_match_transformers(tiny, images, engine_kwar
             assert_prefix_cache_follows_the_image(tiny, llm, images)
     finally:
         llm.shutdown()
-    for (text, imgs), output in zip(prompts, outputs, strict=True):
+    for (text, imgs), output in zip(cases(images), outputs, strict=True):
         assert_matches_hf(tiny, output, text, imgs)
-    if not engine_kwargs:
-        assert outputs[0].outputs[0].token_ids != outputs[1].outputs[0].token_ids  # the picture matters
+    assert outputs[0].outputs[0].token_ids != outputs[1].outputs[0].token_ids  # the picture matters
+
+
+def test_tensor_parallel_encodes_on_every_rank(tiny, images):
+    """TP=2: each rank runs its half of the vision heads and MLP on the same pictures; chunks of 5 tokens."""
+    llm = LLM(str(tiny.path), dtype="float32", block_size=4, num_gpu_blocks_override=128, device={"num_threads": 1},
+              limit_mm_per_prompt={"image": 2}, tensor_parallel_size=2, max_num_batched_tokens=5)
+    try:
+        outputs = llm.generate([{"prompt": text, "multi_modal_data": {"image": imgs}} for text, imgs in cases(images)],
+                               greedy(), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for (text, imgs), output in zip(cases(images), outputs, strict=True):
+        assert_matches_hf(tiny, output, text, imgs)
