@@ -2,7 +2,10 @@
 
 `modules.json` lists the modules that run after the transformer: `Pooling` (its `config.json` says
 which pooling: CLS, mean or last token), `Normalize` (L2). `sentence_bert_config.json` holds the
-longest input (`max_seq_length`, which caps the context length) and `do_lower_case`. A module or
+longest input (`max_seq_length`, which caps the context length) and `do_lower_case`. Both layouts
+are read: the hub's classic one (`sentence_transformers.models.Pooling`, one `pooling_mode_*` flag per
+mode) and sentence-transformers 6's (`sentence_transformers.<area>.modules.<file>.Pooling`, a
+`pooling_mode` name; the longest input in the tokenizer's `model_max_length`). A module or
 pooling mode llmplug does not implement (Dense, max pooling, several modes at once, ...) is an
 error naming it, never silently skipped.
 """
@@ -18,16 +21,15 @@ from llmplug.core.errors import ModelLoadError
 
 __all__ = ["SentenceTransformersConfig", "is_sentence_transformers_folder", "read_sentence_transformers"]
 
-_ST = "sentence_transformers.models."
-_KNOWN_MODULES = {_ST + "Transformer", _ST + "Pooling", _ST + "Normalize"}
-# 1_Pooling/config.json key -> llmplug pooling type (PoolingType value)
+_KNOWN_MODULES = ("Transformer", "Pooling", "Normalize")  # class names, whatever module path a version saves
+# 1_Pooling/config.json mode (classic flag or sentence-transformers 6 name) -> llmplug pooling type (PoolingType)
 _POOLING_MODES = {
     "pooling_mode_cls_token": "CLS",
     "pooling_mode_mean_tokens": "MEAN",
     "pooling_mode_lasttoken": "LAST",
-    "pooling_mode_max_tokens": None,
-    "pooling_mode_mean_sqrt_len_tokens": None,
-    "pooling_mode_weightedmean_tokens": None,
+    "cls": "CLS",
+    "mean": "MEAN",
+    "lasttoken": "LAST",
 }
 
 
@@ -51,31 +53,41 @@ def read_sentence_transformers(path: str) -> SentenceTransformersConfig | None:
     if not is_sentence_transformers_folder(path):
         return None
     modules = _read_json(path, "modules.json")
-    unknown = [m.get("type") for m in modules if m.get("type") not in _KNOWN_MODULES]
+    unknown = [m.get("type") for m in modules if _module_kind(m) not in _KNOWN_MODULES]
     if unknown:
         raise ModelLoadError(
             f"{path}: sentence-transformers modules {unknown} are not supported (only Transformer, Pooling, "
             "Normalize); remove them from modules.json if the model can do without them"
         )
-    pooling = next((m for m in modules if m["type"] == _ST + "Pooling"), None)
+    pooling = next((m for m in modules if _module_kind(m) == "Pooling"), None)
     bert_config = _read_json(path, "sentence_bert_config.json", missing_ok=True) or {}
     return SentenceTransformersConfig(
         pooling_type=_pooling_type(path, pooling["path"]) if pooling is not None else None,
-        normalize=any(m["type"] == _ST + "Normalize" for m in modules),
+        normalize=any(_module_kind(m) == "Normalize" for m in modules),
         max_seq_length=bert_config.get("max_seq_length"),
         do_lower_case=bool(bert_config.get("do_lower_case", False)),
     )
 
 
+def _module_kind(module: dict[str, Any]) -> str | None:
+    """A modules.json entry's class name when it is one of sentence-transformers' own, else None."""
+    kind = str(module.get("type", ""))
+    return kind.rsplit(".", 1)[-1] if kind.startswith("sentence_transformers.") else None
+
+
 def _pooling_type(path: str, folder: str) -> str:
     config = _read_json(path, os.path.join(folder, "config.json"))
-    modes = [key for key, value in config.items() if key.startswith("pooling_mode_") and value]
+    named = config.get("pooling_mode")  # sentence-transformers 6: a name or a list of names
+    if named is not None:
+        modes = [named] if isinstance(named, str) else list(named)
+    else:
+        modes = [key for key, value in config.items() if key.startswith("pooling_mode_") and value]
     if config.get("include_prompt") is False:
         modes.append("include_prompt=false")
     if len(modes) != 1 or _POOLING_MODES.get(modes[0]) is None:
         raise ModelLoadError(
             f"{path}: sentence-transformers pooling {modes or 'none'} is not supported; llmplug pools with exactly "
-            "one of pooling_mode_cls_token, pooling_mode_mean_tokens, pooling_mode_lasttoken"
+            "one of cls, mean, lasttoken (pooling_mode_cls_token, pooling_mode_mean_tokens, pooling_mode_lasttoken)"
         )
     return _POOLING_MODES[modes[0]]
 
