@@ -74,6 +74,9 @@ class VllmModel(Protocol):
         still holds the step's ids, placeholders at embedded positions). `embedding_size` (default: the HF
         config's hidden_size) is the width users' embeddings are checked against. The runner calls
         `embed_input_ids` in the worker, inside the step's forward context, only in steps with embedded rows.
+
+        Optional class attribute `bidirectional_spans` ("image" or "prompt"; default None): runs of prompt tokens
+        that attend to one another both ways at prefill (docs/multimodal.md, Bidirectional spans).
         """
         ...
 

@@ -61,7 +61,8 @@ class EngineCore:
             None
             if self.pooling
             else KVCacheManager(
-                num_blocks, cache.block_size, cache.enable_prefix_caching, self.model_info["num_state_slots"]
+                num_blocks, cache.block_size, cache.enable_prefix_caching, self.model_info["num_state_slots"],
+                self.model_info.get("bidirectional_spans"),
             )
         )
         sched = config.scheduler
@@ -80,6 +81,7 @@ class EngineCore:
             max_num_encoder_input_tokens=sched.max_num_encoder_input_tokens,
             encoder_cache_size=sched.encoder_cache_size,
             kv_connector=self._kv_connector(registry),
+            bidirectional_spans=self.model_info.get("bidirectional_spans"),
         )
         self.loras: dict[int, LoRARequest] = {}  # adapters loaded on the workers, by lora_int_id
         self.iteration_tokens = StepHistogram()  # tokens each step that ran put through the model

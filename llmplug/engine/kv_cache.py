@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from typing import Iterable, Sequence
 
 from llmplug.core.errors import ConfigError
-from llmplug.engine.multimodal import block_keys as mm_block_keys
+from llmplug.engine.multimodal import bidirectional_spans, block_keys as mm_block_keys, span_safe
 from llmplug.engine.prompt_embeds import embeds_digest
 from llmplug.engine.request import Request
 
@@ -222,7 +222,8 @@ class KVCacheManager:
     prefix-cache lookups."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_state_slots: int = 0
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_state_slots: int = 0,
+        bidirectional_spans: str | None = None,
     ) -> None:
         if block_size <= 0:
             raise ConfigError(f"block_size={block_size} must be positive")
@@ -231,6 +232,7 @@ class KVCacheManager:
             enable_prefix_caching = False
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.span_kind = bidirectional_spans  # the model's (multimodal.bidirectional_spans): no hit ends inside one
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.state_pool = StateSlotPool(num_state_slots)
         self.state_slots: dict[str, int] = {}  # request id -> its state slot (models with recurrent mixers)
@@ -281,6 +283,9 @@ class KVCacheManager:
             if block_id is None:
                 break
             block_ids.append(block_id)
+        if self.span_kind is not None:
+            spans = bidirectional_spans(self.span_kind, request.mm_features, request.num_prompt_tokens)
+            del block_ids[span_safe(spans, len(block_ids) * self.block_size, self.block_size) // self.block_size:]
         num_computed_tokens = len(block_ids) * self.block_size
         self._count_query(request, num_computed_tokens)
         return block_ids, num_computed_tokens

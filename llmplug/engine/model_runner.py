@@ -18,7 +18,7 @@ from llmplug.core.errors import ConfigError
 from llmplug.core.plugins import PluginRegistry
 from llmplug.engine.block_table import BlockTable
 from llmplug.engine.encoder_cache import EncoderCache
-from llmplug.engine.multimodal import check_engine as check_multimodal_engine
+from llmplug.engine.multimodal import bidirectional_spans, check_engine as check_multimodal_engine
 from llmplug.engine.pipeline_stage import PipelineStage
 from llmplug.engine.prompt_embeds import check_engine as check_prompt_embeds_engine, step_inputs_embeds
 from llmplug.engine.sampler import Sampler
@@ -27,7 +27,8 @@ from llmplug.engine.sampling_state import SamplingState
 from llmplug.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from llmplug.layers.attention import bind_kv_cache
 from llmplug.layers.compiled_forward import CompiledForward
-from llmplug.layers.forward_context import CommonAttentionMetadata, forward_context
+from llmplug.layers.attention.spans import check_spans_supported
+from llmplug.layers.forward_context import BidirectionalSpan, CommonAttentionMetadata, forward_context
 from llmplug.layers.recurrent import (
     RecurrentMetadata,
     allocate_state_cache,
@@ -109,6 +110,7 @@ class ModelRunner:
         self.kv_connector: KVConnector | None = None  # the worker role of kv_transfer_config's connector
         # M-RoPE models (layers/mrope.py): each running request's prompt positions [3, P] and decode delta
         self.mrope_positions: dict[str, tuple[np.ndarray, int]] = {}
+        self.span_kind: str | None = None  # the model's bidirectional_spans, set by load_model
 
     # ---- set-up -------------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -126,6 +128,10 @@ class ModelRunner:
         check_multimodal_engine(self.config, self.model)
         self.stage = PipelineStage(self.model)
         self.uses_mrope = hasattr(self.model, "get_mrope_input_positions")  # its positions are [3, T]
+        # prompt spans attending both ways (multimodal.bidirectional_spans): Gemma 3's images, PaliGemma's prompt
+        self.span_kind = getattr(self.model, "bidirectional_spans", None)
+        if self.span_kind is not None:
+            check_spans_supported(type(self.model).__name__, self.attn_backend, self._attention_layers())
         # what a step calls: the model, or its forward captured by torch.compile (device.compile)
         self.forward: Callable[..., object] = CompiledForward(self.model) if self.config.device.compile else self.model
         self.hf_config = loader.load_hf_config(self.config.model)
@@ -332,6 +338,7 @@ class ModelRunner:
             seq_lens_list=tuple(seq_lens.tolist()),
             # an engine without a KV cache (pooling) runs each prompt whole, outside the mode's guarantee
             batch_invariant=self.config.model.batch_invariant_on and has_cache,
+            bidirectional_spans=self._step_spans(reqs, query_start_loc) if self.span_kind is not None else (),
         )
         sample_req_ids = [r.req_id for r in reqs if r.samples]
         recurrent = None
@@ -342,6 +349,22 @@ class ModelRunner:
             on_device["input_ids"], on_device["positions"], common, on_device["sample_indices"], sample_req_ids,
             recurrent,
         )
+
+    def _step_spans(self, reqs: list[ScheduledRequest], query_start_loc: np.ndarray) -> tuple[BidirectionalSpan, ...]:
+        """The bidirectional spans the step's chunks hold, each whole (the scheduler never splits one)."""
+        spans = []
+        for i, r in enumerate(reqs):
+            prompt = self.prompt_token_ids.get(r.req_id)
+            start, end = r.num_computed_tokens, r.num_computed_tokens + len(r.token_ids)
+            if prompt is None or start >= len(prompt):
+                continue
+            for first, last in bidirectional_spans(self.span_kind, self.mm_features.get(r.req_id), len(prompt)):
+                if first < end and last > start:
+                    if first < start or last > end:
+                        raise RuntimeError(f"request {r.req_id}: the step's chunk [{start}, {end}) splits the "
+                                           f"bidirectional span [{first}, {last})")
+                    spans.append(BidirectionalSpan(i, int(query_start_loc[i]) + first - start, first, last - first))
+        return tuple(spans)
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -29,7 +29,10 @@ if TYPE_CHECKING:
 
     from llmplug.core.config import EngineConfig
 
-__all__ = ["MultiModalFeature", "MultiModalProcessor", "block_keys", "check_engine", "to_image"]
+__all__ = [
+    "MultiModalFeature", "MultiModalProcessor", "bidirectional_spans", "block_keys", "check_engine", "span_safe",
+    "to_image",
+]
 
 MODALITIES = ("image",)
 DEFAULT_LIMIT = 1  # items of a modality per prompt when limit_mm_per_prompt does not name it (vLLM's default)
@@ -110,6 +113,29 @@ def block_keys(features: list[MultiModalFeature] | None, start: int, end: int) -
     if not features:
         return ()
     return tuple((f.identifier, start - f.offset) for f in features if f.offset < end and f.end > start)
+
+
+def bidirectional_spans(kind: str | None, features: list[MultiModalFeature] | None,
+                        num_prompt_tokens: int) -> list[tuple[int, int]]:
+    """(first token, one past the last) of each run of prompt tokens that attend to one another both ways in a model
+    declaring `bidirectional_spans`: "image", each image's span (Gemma 3); "prompt", the whole prompt (PaliGemma's
+    prefix); None, none. The scheduler never splits one across steps, nor a prefix-cache hit ends inside one."""
+    if kind is None:
+        return []
+    if kind == "image":
+        return [(f.offset, f.end) for f in features or ()]
+    if kind == "prompt":
+        return [(0, num_prompt_tokens)]
+    raise ValueError(f"bidirectional_spans={kind!r} is not one of 'image', 'prompt'")
+
+
+def span_safe(spans: list[tuple[int, int]], num_tokens: int, block_size: int) -> int:
+    """The longest prefix of whole blocks, at most `num_tokens` tokens, that ends inside no span (a cache hit that
+    would end inside one is cut back to the block holding the span's start: the span is computed whole)."""
+    for start, end in spans:
+        if start < num_tokens < end:
+            return start // block_size * block_size
+    return num_tokens
 
 
 def to_image(value: Any, where: str) -> Image.Image:

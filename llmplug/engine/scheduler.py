@@ -19,7 +19,10 @@ slots): a waiting request of another adapter waits until one of them has no runn
 
 A request with images (`mm_features`) is chunked like any other, anywhere inside an image's placeholders;
 a chunk only stops before an image whose encoder output is not cached when the step's encoder budget or
-the encoder cache cannot take it (engine/encoder_cache.py).
+the encoder cache cannot take it (engine/encoder_cache.py). For a model with bidirectional spans (Gemma 3's images,
+PaliGemma's prompt: `bidirectional_spans`) a chunk never ends inside a span: it stops before one that does not fit
+the step's budget left (the span waits for the next step), and a request with a span longer than the whole budget is
+refused when it is added.
 
 With a KV connector (`kv_connector`, engine/kv_transfer.py), a waiting request's blocks past its local prefix-cache
 hit that the connector holds are loaded into new blocks before the forward pass of the step that admits it, and the
@@ -43,6 +46,7 @@ from llmplug.core.errors import ConfigError, InvalidRequestError
 from llmplug.engine.encoder_cache import EncoderCacheManager
 from llmplug.engine.kv_cache import KVCacheManager, PrefixCacheStats
 from llmplug.engine.kv_transfer import invalidated_blocks
+from llmplug.engine.multimodal import bidirectional_spans, span_safe
 from llmplug.engine.request import Request, RequestStatus
 from llmplug.engine.scheduler_output import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 from llmplug.engine.spec_decode.draft import NO_DRAFT, Draft
@@ -153,6 +157,7 @@ class Scheduler:
         max_num_encoder_input_tokens: int | None = None,
         encoder_cache_size: int | None = None,
         kv_connector: KVConnector | None = None,
+        bidirectional_spans: str | None = None,
     ) -> None:
         if policy not in ("fcfs", "priority"):
             raise ConfigError(f"scheduler.policy={policy!r} is not one of 'fcfs', 'priority'")
@@ -185,6 +190,7 @@ class Scheduler:
         self.kv_connector = kv_connector  # its scheduler role: blocks past the local prefix cache, saves
         self._recomputed_req_ids: set[str] = set()  # sent to the workers as preempted: their state is rebuilt
         self._load_failed: set[str] = set()  # unfinished requests that read a failed load: they compute their blocks
+        self.span_kind = bidirectional_spans  # the model's (multimodal.bidirectional_spans): never split across steps
 
     # -- requests in and out -------------------------------------------------------------------
 
@@ -229,6 +235,13 @@ class Scheduler:
                 f"{where} plus one generated token needs {num_blocks} KV blocks of {kv.block_size} tokens, "
                 f"but the cache holds {kv.num_blocks}; shorten the prompt or give the KV cache more memory"
             )
+        for start, end in bidirectional_spans(self.span_kind, request.mm_features, num_prompt):
+            if end - start > self.max_num_batched_tokens:
+                raise InvalidRequestError(
+                    f"{where} has a span of {end - start} tokens (at {start}) that attend to one another and run in "
+                    f"one step, more than max_num_batched_tokens={self.max_num_batched_tokens}; raise "
+                    "max_num_batched_tokens, or send a smaller image or a shorter prompt"
+                )
         if not self.enable_chunked_prefill and num_prompt > self.max_num_batched_tokens:
             raise InvalidRequestError(
                 f"{where} exceeds max_num_batched_tokens={self.max_num_batched_tokens} with chunked prefill "
@@ -321,6 +334,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new_tokens = self._num_new_tokens(request.num_tokens - request.num_computed_tokens, budget)
+            num_new_tokens = self._whole_spans(request, request.num_computed_tokens, num_new_tokens)
             num_new_tokens, to_encode = self._encoder_inputs(request, request.num_computed_tokens, num_new_tokens)
             draft = NO_DRAFT
             if num_new_tokens == 1:
@@ -388,7 +402,7 @@ class Scheduler:
             computed_blocks, num_computed_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_external = self._num_external_tokens(request, num_computed_tokens) if self.kv_connector else 0
             start = num_computed_tokens + num_external
-            num_new_tokens = self._num_new_tokens(request.num_tokens - start, budget)
+            num_new_tokens = self._whole_spans(request, start, self._num_new_tokens(request.num_tokens - start, budget))
             num_new_tokens, to_encode = self._encoder_inputs(request, start, num_new_tokens)
             if num_new_tokens == 0 or not self.kv_cache_manager.allocate_slots(
                 request, num_new_tokens, computed_blocks, num_external
@@ -407,7 +421,12 @@ class Scheduler:
         if request.sampling_params.prompt_logprobs is not None or request.request_id in self._load_failed:
             return 0
         hashes = request.block_hashes[: (request.num_tokens - 1) // self.kv_cache_manager.block_size]
-        return self.kv_connector.get_num_new_matched_tokens(request.request_id, hashes, num_computed_tokens)
+        num_external = self.kv_connector.get_num_new_matched_tokens(request.request_id, hashes, num_computed_tokens)
+        if self.span_kind is None or not num_external:
+            return num_external
+        spans = bidirectional_spans(self.span_kind, request.mm_features, request.num_prompt_tokens)
+        block_size = self.kv_cache_manager.block_size
+        return span_safe(spans, num_computed_tokens + num_external, block_size) - num_computed_tokens
 
     def _load_external(self, request: Request, num_local_blocks: int, num_external_tokens: int) -> None:
         """Tell the connector which of the request's new blocks receive the K/V it holds."""
@@ -424,6 +443,17 @@ class Scheduler:
             block_ids = self.kv_cache_manager.block_tables[request.request_id][first:end]
             self.kv_connector.request_computed_blocks(
                 request.request_id, list(zip(request.block_hashes[first:end], block_ids)))
+
+    def _whole_spans(self, request: Request, start: int, num_new_tokens: int) -> int:
+        """The chunk [start, start + num_new_tokens) cut before a bidirectional span it would end inside (0: the
+        request waits for a step with room for the span)."""
+        if self.span_kind is None:
+            return num_new_tokens
+        end = start + num_new_tokens
+        for span_start, span_end in bidirectional_spans(self.span_kind, request.mm_features, request.num_prompt_tokens):
+            if span_start < end < span_end:
+                return max(span_start - start, 0)
+        return num_new_tokens
 
     def _encoder_inputs(
         self, request: Request, start: int, num_new_tokens: int

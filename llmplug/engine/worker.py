@@ -209,6 +209,8 @@ class Worker:
             # a multimodal model's placeholder token (the input processor expands each image into a run of them)
             "image_token_id": getattr(runner.model, "image_token_id", None)
             if getattr(runner.model, "supports_multimodal", False) else None,
+            # prompt spans that attend both ways, never split across steps (multimodal.bidirectional_spans)
+            "bidirectional_spans": getattr(runner.model, "bidirectional_spans", None),
         }
 
     # ---- LoRA adapters (called through Executor.collective_rpc) ----

@@ -11,6 +11,17 @@ import torch
 
 
 @dataclass(slots=True, frozen=True)
+class BidirectionalSpan:
+    """A run of one request's prompt tokens, all in this step, that attend to one another both ways (an image of
+    Gemma 3, PaliGemma's prompt); the rest of attention stays causal (layers/attention/spans.py)."""
+
+    request: int  # its request's index in the step
+    row: int  # its first token's row in the step's T tokens
+    start: int  # its first token's index in the request's sequence
+    length: int
+
+
+@dataclass(slots=True, frozen=True)
 class CommonAttentionMetadata:
     """The flattened batch of one step, as the model runner builds it (backend independent).
 
@@ -33,6 +44,8 @@ class CommonAttentionMetadata:
     seq_lens_list: tuple[int, ...] = ()
     # ModelConfig.batch_invariant: every query row reduces over its keys in one fixed order (docs/determinism.md)
     batch_invariant: bool = False
+    # spans of prompt tokens attending bidirectionally, for a model that declares `bidirectional_spans`; else empty
+    bidirectional_spans: tuple[BidirectionalSpan, ...] = ()
 
 
 @dataclass(slots=True)

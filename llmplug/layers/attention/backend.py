@@ -46,6 +46,8 @@ class AttentionBackend(abc.ABC):
     supported_features: ClassVar[frozenset[str]] = frozenset()
     # whether `build_metadata` honours `CommonAttentionMetadata.batch_invariant` (docs/determinism.md)
     supports_batch_invariant: ClassVar[bool] = False
+    # whether `forward` honours `CommonAttentionMetadata.bidirectional_spans` (layers/attention/spans.py)
+    supports_bidirectional_spans: ClassVar[bool] = False
 
     @classmethod
     @abc.abstractmethod

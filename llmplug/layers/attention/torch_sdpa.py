@@ -32,6 +32,9 @@ prefill: SDPA's float mask). Soft-capping and sinks change the softmax itself, s
 explicitly (decode: bmm, cap, mask, softmax; prefill: the same in chunks of queries). A layer using
 none of them runs exactly the paths above.
 
+Bidirectional spans (a model's `bidirectional_spans`: Gemma 3's images) recompute their queries' rows after the
+causal pass (spans.py); a step without spans runs exactly the paths above.
+
 Bidirectional layers (encoders, `causal=False`) need each request's whole prompt in the step: one
 SDPA call over the prefill part padded as above, with a key-padding mask (and |i - j| < W for a
 window) instead of the causal one; a single request without a window is plain SDPA, no mask.
@@ -51,6 +54,7 @@ from llmplug.layers.attention.decode_mirror import DecodeMirror, DecodeRows, mir
 from llmplug.layers.attention.features import softcap_, softmax_with_sinks
 from llmplug.layers.attention.fixed_order import key_tile, round_up, scores_fp32, softmax_weighted_sum
 from llmplug.layers.attention.key_layout import DecodeKeys, PrefillKeys, additive, decode_keys, prefill_keys
+from llmplug.layers.attention.spans import attend_spans
 from llmplug.layers.forward_context import CommonAttentionMetadata
 from llmplug.layers.kernels.native import ops, use_native
 
@@ -588,6 +592,7 @@ class TorchSDPABackend(AttentionBackend):
     name = "torch_sdpa"
     supported_features = ATTENTION_FEATURES
     supports_batch_invariant = True
+    supports_bidirectional_spans = True
 
     @classmethod
     def kv_cache_shape(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -623,6 +628,16 @@ class TorchSDPABackend(AttentionBackend):
         the values are inside the keys: v is None, and its rows are k's first Dv dims)."""
         if layer.values_in_keys:
             v = k[:, : layer.v_head_dim]  # one KV head: [T, Dv], a view of k
+        out = cls._attend(layer, q, k, v, metadata)
+        if metadata.common.bidirectional_spans and layer.causal:  # only for a model that declares them
+            attend_spans(layer, q, out, _require(layer.kv_cache), metadata.common)
+        return out
+
+    @classmethod
+    def _attend(
+        cls, layer: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: TorchSDPAMetadata
+    ) -> torch.Tensor:
+        """Store k, v and attend causally (or bidirectionally, an encoder layer) -> [T, H * Dv]."""
         cache = layer.kv_cache
         if cache is not None and native_capable(layer) and use_native(q):
             return native_attention(layer, q, k, v, cache, metadata)

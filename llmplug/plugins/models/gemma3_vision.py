@@ -4,17 +4,14 @@ and the Gemma 3 text decoder. Each image is one run of `image_token_id` placehol
 `<start_of_image>` and `<end_of_image>` tokens; the image rows are not scaled by sqrt(hidden) as the text
 embeddings are (as in transformers).
 
-Not yet exact with images: transformers lets each image's tokens attend to one another bidirectionally
-(`token_type_ids` -> a block mask over the causal one, prefill only); llmplug's paged attention is causal over
-every prompt token, so the image tokens' later rows (and what follows them) differ from transformers'. Text-only
-prompts are exact. The bidirectional block needs the image spans in the attention metadata, both backends'
-prefill masks and a scheduler that never splits an image across prefill chunks (docs/multimodal.md, Families).
-Pan-and-scan crops (several pixel rows per image) are refused when processing; the processor's default is off.
+The tokens of each image attend to one another both ways at prefill, as transformers' `token_type_ids` block mask
+makes them (`bidirectional_spans = "image"`: layers/attention/spans.py; the scheduler never splits an image across
+prefill chunks). Pan-and-scan crops (several pixel rows per image) are refused when processing; the processor's
+default is off.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
@@ -27,19 +24,13 @@ from llmplug.plugins.models.llava import LlavaForConditionalGeneration, maybe_pr
 
 __all__ = ["Gemma3ForConditionalGeneration"]
 
-logger = logging.getLogger(__name__)
-
 
 class Gemma3ForConditionalGeneration(LlavaForConditionalGeneration):
     """Gemma 3: SigLIP ViT -> pooled projector -> image rows in the Gemma 3 decoder's input embeddings (LLaVA's
     checkpoint layouts, weight routing, embedding and logits, inherited)."""
 
     language_models = {"gemma3_text": Gemma3ForCausalLM}
-
-    def __init__(self, *, config: PretrainedConfig, prefix: str = "") -> None:
-        super().__init__(config=config, prefix=prefix)
-        logger.warning("Gemma 3 image tokens attend causally here; transformers lets each image's tokens see one "
-                       "another, so answers about images may differ from transformers' (text-only prompts are exact)")
+    bidirectional_spans = "image"  # each image's tokens see one another (multimodal.bidirectional_spans)
 
     def build_vision(self, config: PretrainedConfig, prefix: str) -> tuple[nn.Module, nn.Module]:
         """A SigLIP ViT's last hidden state (post-norm) and the pooled projector."""
