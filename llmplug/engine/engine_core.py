@@ -113,8 +113,11 @@ class EngineCore:
         """The scheduler role of the configured KV connector, told what the workers hold already."""
         if self.config.kv_transfer_config.kv_connector is None:
             return None
-        if self.pooling:
-            raise ConfigError("kv_transfer_config.kv_connector: a pooling model keeps no KV cache to transfer")
+        if self.pooling or not self.kv_cache_manager.enable_prefix_caching:
+            raise ConfigError(
+                f"kv_transfer_config.kv_connector={self.config.kv_transfer_config.kv_connector!r}: this model keeps "
+                "no prefix-cached KV blocks to transfer (a pooling model, or one with recurrent state)"
+            )
         from llmplug.engine.kv_transfer import build_connector
         from llmplug.plugins.kv_connectors.base import KVCacheLayout, KVConnectorRole
 
@@ -334,6 +337,12 @@ class EngineCore:
         self._require_idle("update the weights")
         if "weights" in self.asleep:
             raise EngineStateError("the weights are asleep; call wake_up(tags=['weights']) before update_weights")
+        connector = self.scheduler.kv_connector
+        if connector is not None and not connector.reset_cache():
+            raise EngineStateError(
+                f"kv_transfer_config.kv_connector={self.config.kv_transfer_config.kv_connector!r} cannot forget its "
+                "blocks, which new weights would make stale; start the engine without it to update weights"
+            )
         try:
             for batch in weight_batches(weights):
                 self.executor.collective_rpc("update_weights", (batch,))

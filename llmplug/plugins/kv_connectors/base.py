@@ -9,7 +9,8 @@ A connector class is constructed twice, once per role, with the same `kv_transfe
   For every scheduled request it reports the full blocks the step computes (`request_computed_blocks`, the
   candidates to save). At the end of `schedule()`, `build_connector_meta()` packs what the workers must do into
   one picklable object, sent with the step. After the step, `update_connector_output` receives what went wrong
-  (`KVConnectorOutput`, merged over the workers); `step_failed` when the step raised as a whole.
+  (`KVConnectorOutput`, merged over the workers); `step_failed` when the step raised as a whole; `reset_cache`
+  before new weights are loaded.
 - **worker** role, in each worker process, beside the KV tensors. `register_kv_caches` hands it the paged
   tensors once they exist (again after a wake-up); `get_handshake_metadata` is gathered from every worker at
   start and given to the scheduler role's `set_handshake_metadata` (a disk tier lists its files there).
@@ -131,6 +132,11 @@ class KVConnector:
 
     def step_failed(self) -> None:
         """The step raised before its results came back: none of its saves happened."""
+
+    def reset_cache(self) -> bool:
+        """The model's weights are about to change (no request runs): never match a block stored before. False (the
+        default) when the connector cannot, and the engine refuses the weight update."""
+        return False
 
     # ---- worker role (each worker process) ----
     def register_kv_caches(self, caches: Sequence[KVLayerCache]) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from llmplug.core.errors import ConfigError
 from llmplug.plugins.kv_connectors.base import (
@@ -67,6 +67,9 @@ class BlockIndex:
 
     def __len__(self) -> int:
         return len(self._hashes)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._hashes)
 
     def num_matched(self, block_hashes: Sequence[int]) -> int:
         """How many leading `block_hashes` are stored."""
@@ -193,6 +196,12 @@ class OffloadConnector(KVConnector):
             self.index.remove(block_hash)
         self._in_flight, self._step_loads = [], {}
 
+    def reset_cache(self) -> bool:
+        """Evict every stored block: they were computed with the weights about to change."""
+        self._evictions += list(self.index)
+        self.index = BlockIndex(self.index.capacity)
+        return True
+
     # ---- worker role ----
     def register_kv_caches(self, caches: Sequence[KVLayerCache]) -> None:
         """Keep the paged tensors to copy blocks from and to."""
@@ -266,6 +275,13 @@ class DiskOffloadConnector(OffloadConnector):
     def capacity_bytes(self) -> int:
         """kv_offloading_disk_size in bytes."""
         return int(self.config.kv_offloading_disk_size * GIB)
+
+    def reset_cache(self) -> bool:
+        """Evict every stored block, and save and load no more: blocks of the new weights would be filed under the
+        checkpoint's fingerprint, and a restart on the checkpoint would load them."""
+        logger.warning("disk_offload is off from now on: the weights changed, and its blocks outlive the engine")
+        self.loads_enabled = self.saves_enabled = False
+        return super().reset_cache()
 
     def open_store(self) -> Any:
         """The fingerprint's directory under kv_offloading_path."""
