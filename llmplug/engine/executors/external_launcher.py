@@ -15,6 +15,7 @@ import os
 from typing import Any
 
 from llmplug.communicators.parallel_state import DistributedEnv, get_pp_group, get_world_group
+from llmplug.core.errors import ConfigError
 from llmplug.engine.executors.base import Executor, WorkerMethod, run_worker_method
 from llmplug.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from llmplug.engine.worker import Worker
@@ -26,6 +27,13 @@ class ExternalLauncherExecutor(Executor):
     """One worker in this process, one rank of a world that an outside launcher started."""
 
     def _init_workers(self) -> None:
+        if self.config.kv_transfer_config.kv_connector is not None:
+            # each rank's scheduler would index only its own worker's blocks and see only its own failed loads:
+            # their decisions could differ, and the ranks leave step
+            raise ConfigError(
+                "kv_transfer_config.kv_connector cannot be used with the external_launcher executor: every rank "
+                "schedules alone and would see only its own worker's blocks; use multiproc or ray"
+            )
         self.worker = Worker(self.config, DistributedEnv.from_environ(os.environ), self.registry)
         self.worker.init_device()
         self.worker.load_model()
