@@ -5,7 +5,8 @@ A block that is full is named by a hash of its tokens chained to the hash of the
 so equal hashes mean equal prefixes. What the tokens alone do not say enters as the block's extra keys
 (`block_extra_keys`): the LoRA adapter's id and load; for a prompt given as embeddings, the digest of its rows in
 the block; for a multimodal prompt, the content hash of each image whose placeholders fall in the block — never
-only placeholder tokens. Freed
+only placeholder tokens. A model with bidirectional spans (multimodal.bidirectional_spans) never gets a hit that ends
+inside one, and a prompt block of one whose whole prompt is a span is named with the prompt's length. Freed
 blocks keep their hash and stay reusable until the pool needs them again; the least recently freed is
 evicted first.
 
@@ -370,9 +371,17 @@ class KVCacheManager:
         hashes, tokens, size = request.block_hashes, request.all_token_ids, self.block_size
         parent = hashes[-1] if hashes else None
         for i in range(len(hashes), num_full_blocks):
-            parent = hash_block(parent, tuple(tokens[i * size : (i + 1) * size]), block_extra_keys(request, i, size))
+            extra = block_extra_keys(request, i, size) + self._prompt_span_key(request, i)
+            parent = hash_block(parent, tuple(tokens[i * size : (i + 1) * size]), extra)
             hashes.append(parent)
         return hashes
+
+    def _prompt_span_key(self, request: Request, block: int) -> tuple:
+        """A model whose whole prompt attends both ways (bidirectional_spans "prompt"): a prompt block's K/V depend
+        on every prompt token, so its name holds the prompt's length (the tokens up to the hit's end hold the rest)."""
+        if self.span_kind != "prompt" or block * self.block_size >= request.num_prompt_tokens:
+            return ()
+        return (("prompt", request.num_prompt_tokens),)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks and state slot; cached blocks stay reusable until evicted."""

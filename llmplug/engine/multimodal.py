@@ -37,8 +37,9 @@ __all__ = [
 MODALITIES = ("image",)
 DEFAULT_LIMIT = 1  # items of a modality per prompt when limit_mm_per_prompt does not name it (vLLM's default)
 LIMIT_FLAG = "model.limit_mm_per_prompt (--limit-mm-per-prompt)"
-# processor outputs that are not the image's (mm_token_type_ids: which tokens are placeholders, Qwen2-VL's)
-TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"})
+# processor outputs that are not the image's (mm_token_type_ids: which tokens are placeholders, Qwen2-VL's; labels:
+# PaliGemma's, from its token_type_ids)
+TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids", "labels"})
 
 
 @dataclass(slots=True, frozen=True, eq=False)

@@ -10,7 +10,8 @@ embeddings [B, tokens, text_hidden], one module per kind, each loading transform
 - `ShuffledMLPProjector` (InternVL's and Aya Vision's `multi_modal_projector`): the same pixel shuffle, a LayerNorm,
   then linear_1 -> act -> linear_2 (InternVL) or a SwiGLU over linear_1's two halves (Aya Vision);
 - `PatchMergerProjector` (Mistral 3's): RMSNorm, the patch merger (each `merge_size` x `merge_size` block of an
-  image's patch grid one token, a bias-free linear back to the vision width), then LLaVA's MLP.
+  image's patch grid one token, a bias-free linear back to the vision width), then LLaVA's MLP;
+- `LinearProjector` (PaliGemma's): one linear layer with bias, one token per patch.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from llmplug.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowPar
 from llmplug.layers.weight_utils import load_mapped_weights
 
 __all__ = [
+    "LinearProjector",
     "MLPProjector",
     "PatchMergerProjector",
     "PixelShuffleConnector",
@@ -57,6 +59,22 @@ class MLPProjector(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load `linear_1.*` / `linear_2.*` (names below `multi_modal_projector.`)."""
+        return load_mapped_weights(self, weights)
+
+
+class LinearProjector(nn.Module):
+    """linear(x): [..., vision_hidden] -> [..., text_hidden], replicated (its output is merged into every rank's
+    embeddings)."""
+
+    def __init__(self, vision_hidden: int, text_hidden: int, prefix: str = "") -> None:
+        super().__init__()
+        self.linear = ReplicatedLinear(vision_hidden, text_hidden, bias=True, prefix=_join(prefix, "linear"))
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.linear(features)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load `linear.weight` and `linear.bias` (names below `multi_modal_projector.`)."""
         return load_mapped_weights(self, weights)
 
 
