@@ -197,3 +197,18 @@ def test_a_request_that_hit_a_block_computed_from_a_failed_load_is_invalidated_t
     tables = {"a": [10, 11, 12], "b": [10, 11, 12, 13], "c": [20]}
     requests, bad = invalidated_blocks(steps, tables, BLOCK, {11})
     assert requests == {"a", "b"} and bad == {11, 12, 13}
+
+
+def test_a_decode_engine_loads_the_prompt_blocks_a_prefill_engine_wrote_to_a_shared_directory(tiny_llama, tmp_path):
+    shared = {"kv_connector": "disk_offload", "kv_offloading_path": str(tmp_path)}
+    batch = prompts(6, (23, 14))
+    prefill = make_llm(tiny_llama, {**shared, "kv_role": "kv_producer"})
+    decode = make_llm(tiny_llama, {**shared, "kv_role": "kv_consumer"})  # started before any block was written
+    expected = generate(prefill, batch)  # the producer computes (it loads nothing) and writes as it goes
+    files = sorted(tmp_path.glob("*/*.kv"))
+    got = generate(decode, batch)
+    assert [tokens for tokens, _ in got] == [tokens for tokens, _ in expected]
+    assert [cached for _, cached in got] == [20, 12]  # every full prompt block but the last token's, loaded
+    decode.shutdown()
+    prefill.shutdown()
+    assert sorted(tmp_path.glob("*/*.kv")) == files  # the consumer wrote and deleted nothing

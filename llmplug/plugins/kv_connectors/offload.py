@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from llmplug.core.errors import ConfigError
+from llmplug.plugins.kv_connectors.stores import block_file_name
 from llmplug.plugins.kv_connectors.base import (
     KVCacheLayout,
     KVConnector,
@@ -165,6 +167,8 @@ class OffloadConnector(KVConnector):
         """This step's loads, evictions and saves; the saved hashes are indexed from now on."""
         for block_hash in self._saves:
             self._evictions += self.index.add(block_hash)
+        if self.config.kv_role == "kv_consumer":  # it reads what others wrote: it never deletes
+            self._evictions = []
         meta = None
         if self._loads or self._saves or self._evictions:
             meta = OffloadMeta(self._loads, list(self._saves.values()), self._evictions)
@@ -262,7 +266,9 @@ class CPUOffloadConnector(OffloadConnector):
 
 class DiskOffloadConnector(OffloadConnector):
     """`disk_offload`: blocks as files under kv_transfer_config.kv_offloading_path, one directory per fingerprint,
-    LRU within kv_offloading_disk_size GiB per worker; they outlive the engine."""
+    LRU within kv_offloading_disk_size GiB per worker; they outlive the engine, and engines sharing the directory
+    share them. With kv_role kv_producer (a prefill engine) a block is written before its step returns; a kv_consumer
+    (a decode engine) finds the blocks written after it started, and never writes or deletes one."""
 
     def __init__(self, config: Any, role: KVConnectorRole, layout: KVCacheLayout) -> None:
         if not config.kv_offloading_path:
@@ -271,10 +277,35 @@ class DiskOffloadConnector(OffloadConnector):
                 "(--kv-offloading-path): the directory the blocks are written to"
             )
         super().__init__(config, role, layout)
+        self.directories: list[Path] = []  # scheduler role: each worker's, from the handshake
 
     def capacity_bytes(self) -> int:
         """kv_offloading_disk_size in bytes."""
         return int(self.config.kv_offloading_disk_size * GIB)
+
+    def set_handshake_metadata(self, metadata: Sequence[Any]) -> None:
+        """Each worker's directory, and the blocks in it."""
+        self.directories = [Path(m["directory"]) for m in metadata]
+        super().set_handshake_metadata([m["blocks"] for m in metadata])
+
+    def get_num_new_matched_tokens(self, req_id: str, block_hashes: Sequence[int], num_computed_tokens: int) -> int:
+        """Tokens of the indexed blocks that follow the local hit, and of the blocks after them that another engine
+        (a prefill engine, a replica) has written to every worker's directory since: those are indexed now."""
+        num_tokens = super().get_num_new_matched_tokens(req_id, block_hashes, num_computed_tokens)
+        if not self.loads_enabled:
+            return num_tokens
+        first = (num_computed_tokens + num_tokens) // self.layout.block_size
+        for block_hash in block_hashes[first:]:
+            name = block_file_name(block_hash)
+            if not all((directory / name).exists() for directory in self.directories):
+                break
+            self._evictions += self.index.add(block_hash)
+            num_tokens += self.layout.block_size
+        return num_tokens
+
+    def get_handshake_metadata(self) -> dict[str, Any]:
+        """The worker's directory and (hash, mtime) of the block files in it."""
+        return {"directory": str(self.store.directory), "blocks": self.store.listing()}
 
     def reset_cache(self) -> bool:
         """Evict every stored block, and save and load no more: blocks of the new weights would be filed under the
@@ -290,4 +321,5 @@ class DiskOffloadConnector(OffloadConnector):
         from llmplug.plugins.kv_connectors.stores import DiskBlockStore
 
         digest = hashlib.sha256(self.layout.fingerprint.encode()).hexdigest()[:24]
-        return DiskBlockStore.open(self.config.kv_offloading_path, digest, self.layout.fingerprint)
+        synchronous = self.config.kv_role == "kv_producer"  # its blocks are on disk when its request returns
+        return DiskBlockStore.open(self.config.kv_offloading_path, digest, self.layout.fingerprint, synchronous)

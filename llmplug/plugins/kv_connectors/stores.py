@@ -21,11 +21,16 @@ from llmplug.core.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CPUBlockStore", "DiskBlockStore"]
+__all__ = ["CPUBlockStore", "DiskBlockStore", "block_file_name"]
 
 MAGIC = b"LLMPKV1\n"
 _HEADER_BYTES = len(MAGIC) + 8 + 32  # magic, payload length, blake2b-256 of the payload
 _SUFFIX = ".kv"
+
+
+def block_file_name(block_hash: int) -> str:
+    """The name of a block's file in its fingerprint's directory."""
+    return f"{block_hash:032x}{_SUFFIX}"
 
 
 class CPUBlockStore:
@@ -65,11 +70,13 @@ class DiskBlockStore:
     A file is written to a temporary name and renamed, so a reader never sees half a block; its header holds the
     payload's length and blake2b digest, checked on every read. A write that finds less free space than the file
     needs is skipped (logged, reported by `take_failed`), so a full disk costs a recompute, never a wrong answer.
-    A read refreshes the file's mtime, which orders the tier's LRU across restarts.
+    A read refreshes the file's mtime, which orders the tier's LRU across restarts. A `synchronous` store writes in
+    `put` itself (a prefill engine's blocks are on disk when its request returns).
     """
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, synchronous: bool = False) -> None:
         self.directory = directory
+        self.synchronous = synchronous
         self._pending: dict[int, torch.Tensor] = {}  # written or deleted by the thread soon; readable meanwhile
         self._failed: set[int] = set()
         self._lock = threading.Lock()
@@ -78,7 +85,7 @@ class DiskBlockStore:
         self._thread.start()
 
     @staticmethod
-    def open(root: str, fingerprint: str, description: str) -> DiskBlockStore:
+    def open(root: str, fingerprint: str, description: str, synchronous: bool = False) -> DiskBlockStore:
         """The store of `fingerprint` under `root` (created); a ConfigError when it cannot be written."""
         directory = Path(root).expanduser() / fingerprint
         try:
@@ -92,13 +99,16 @@ class DiskBlockStore:
                 f"kv_transfer_config.kv_offloading_path={root!r}: cannot write block files in {directory}: {error}; "
                 "give a writable directory"
             ) from None
-        return DiskBlockStore(directory)
+        return DiskBlockStore(directory, synchronous)
 
     def _path(self, block_hash: int) -> Path:
-        return self.directory / f"{block_hash:032x}{_SUFFIX}"
+        return self.directory / block_file_name(block_hash)
 
     def put(self, block_hash: int, row: torch.Tensor) -> None:
-        """Write a row in the background (readable at once)."""
+        """Write a row in the background (readable at once), or now when synchronous."""
+        if self.synchronous:
+            self._write(block_hash, row)
+            return
         with self._lock:
             self._pending[block_hash] = row
         self._queue.put(("put", block_hash, row))
