@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
@@ -158,7 +159,7 @@ def test_llmplug_config_shows_the_kv_transfer_flags(capsys):
 
 def test_a_full_disk_skips_the_write_and_reports_the_block_unsaved(tmp_path, monkeypatch):
     store = DiskBlockStore.open(str(tmp_path), "fp", "test")
-    monkeypatch.setattr(shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(100, 100, 0))
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: SimpleNamespace(total=100, used=100, free=0))
     store.put(7, torch.arange(16, dtype=torch.uint8))
     store.close()
     assert store.take_failed() == {7}
