@@ -176,7 +176,9 @@ class Replica:
         process = context.Process(
             target=replica_main,
             args=(self.config, self.registry, self.cpus, dict(os.environ), command_reader, event_writer),
-            name=f"llmplug-dp-replica-{self.index}", daemon=True,
+            # a daemon process may not start processes: a replica with multiproc workers of its own is none; it is
+            # stopped by stop_all (at exit too), or leaves when its command pipe closes
+            name=f"llmplug-dp-replica-{self.index}", daemon=self.config.parallel.executor != "multiproc",
         )
         process.start()
         command_reader.close()  # the child's ends: its exit must close the pipes

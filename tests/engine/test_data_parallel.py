@@ -113,20 +113,39 @@ def replica_stat(llm: LLM, key: str) -> list[int]:
     return [state.stats.get(key, 0) for state in llm.llm_engine.replica_states()]
 
 
-def test_greedy_answers_equal_one_engine_in_the_order_of_the_prompts(dp_llm, tiny_llama):
-    prompts = token_prompts(10, seed=1)
-    params = SamplingParams(max_tokens=12, temperature=0)
-    queries_before = replica_stat(dp_llm, "prefix_cache_queries")
-    outputs = dp_llm.generate(prompts, params, use_tqdm=False)
-    queries_after = replica_stat(dp_llm, "prefix_cache_queries")
+PROMPTS = token_prompts(10, seed=1)
+GREEDY = SamplingParams(max_tokens=12, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def one_engine_tokens(tiny_llama) -> list[list[int]]:
+    """What one engine (DP=1) answers to PROMPTS."""
     one = LLM(str(tiny_llama.path), **KWARGS)
     try:
-        expected = one.generate(prompts, params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in one.generate(PROMPTS, GREEDY, use_tqdm=False)]
     finally:
         one.shutdown()
-    assert [o.prompt_token_ids for o in outputs] == [p["prompt_token_ids"] for p in prompts]
-    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in expected]
+
+
+def test_greedy_answers_equal_one_engine_in_the_order_of_the_prompts(dp_llm, one_engine_tokens):
+    queries_before = replica_stat(dp_llm, "prefix_cache_queries")
+    outputs = dp_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    queries_after = replica_stat(dp_llm, "prefix_cache_queries")
+    assert [o.prompt_token_ids for o in outputs] == [p["prompt_token_ids"] for p in PROMPTS]
+    assert [list(o.outputs[0].token_ids) for o in outputs] == one_engine_tokens
     assert all(after > before for before, after in zip(queries_before, queries_after))  # both replicas served
+
+
+@pytest.mark.slow
+def test_each_replica_may_be_tensor_parallel(tiny_llama, one_engine_tokens):
+    llm = LLM(str(tiny_llama.path), data_parallel_size=2, tensor_parallel_size=2, **KWARGS)
+    try:
+        assert llm.config.parallel.executor == "multiproc"
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outputs] == one_engine_tokens
+        assert all(state.pid is not None for state in llm.llm_engine.replica_states())
+    finally:
+        llm.shutdown()
 
 
 def test_a_bad_prompt_is_refused_before_it_reaches_a_replica(dp_llm):
