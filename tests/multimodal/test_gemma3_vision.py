@@ -241,10 +241,15 @@ def test_a_backend_or_layer_without_spans_is_refused_by_name():
     from llmplug.layers.attention.torch_sdpa import TorchSDPABackend
     from llmplug.layers.attention.triton_backend import TritonAttentionBackend
 
+    class NoSpans(TorchSDPABackend):
+        name = "no_spans"
+        supports_bidirectional_spans = False
+
     window = Attention(4, 16, 0.25, 2, "window", sliding_window=8)
-    check_spans_supported("Gemma3", TorchSDPABackend, [window])
-    with pytest.raises(ConfigError, match="Gemma3 lets prompt spans.*'triton'"):
-        check_spans_supported("Gemma3", TritonAttentionBackend, [window])
+    for backend in (TorchSDPABackend, TritonAttentionBackend):
+        check_spans_supported("Gemma3", backend, [window])
+    with pytest.raises(ConfigError, match="Gemma3 lets prompt spans.*'no_spans'"):
+        check_spans_supported("Gemma3", NoSpans, [window])
     capped = Attention(4, 16, 0.25, 2, "capped", logit_softcap=50.0)
     with pytest.raises(ConfigError, match=r"\['logit_softcap'\].*'capped'"):
         check_spans_supported("Gemma3", TorchSDPABackend, [window, capped])

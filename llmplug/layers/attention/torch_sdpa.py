@@ -630,7 +630,9 @@ class TorchSDPABackend(AttentionBackend):
             v = k[:, : layer.v_head_dim]  # one KV head: [T, Dv], a view of k
         out = cls._attend(layer, q, k, v, metadata)
         if metadata.common.bidirectional_spans and layer.causal:  # only for a model that declares them
-            attend_spans(layer, q, out, _require(layer.kv_cache), metadata.common)
+            common = metadata.common
+            attend_spans(layer, q, out, _require(layer.kv_cache), common.bidirectional_spans, common.block_tables,
+                         common.block_size)
         return out
 
     @classmethod

@@ -10,7 +10,8 @@ Cache layout: [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim], so tha
 of all KV heads are one contiguous row of a cache slot.
 
 The layer's attention features (sliding window, chunk, logit soft-cap, ALiBi slopes, sinks) are read from
-the layer and passed to the kernel; all of them are supported.
+the layer and passed to the kernel; all of them are supported. A step with bidirectional spans (a model's
+`bidirectional_spans`) recomputes their queries' rows after the kernel (spans.py); a step without costs nothing more.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from llmplug.layers.attention.backend import AttentionBackend
-from llmplug.layers.forward_context import CommonAttentionMetadata
+from llmplug.layers.attention.spans import attend_spans
+from llmplug.layers.forward_context import BidirectionalSpan, CommonAttentionMetadata
 from llmplug.layers.kernels.paged_attention import paged_attention
 from llmplug.layers.kernels.reshape_and_cache import reshape_and_cache
 
@@ -40,6 +42,8 @@ class TritonAttentionMetadata:
     seq_lens: torch.Tensor  # [B] keys of each request after this step
     block_tables: torch.Tensor  # [B, max_blocks]
     max_query_len: int  # host int: chooses the kernel's program shape
+    block_size: int
+    bidirectional_spans: tuple[BidirectionalSpan, ...] = ()  # prompt spans attending both ways (spans.py)
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -47,6 +51,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     name = "triton"
     supported_features = frozenset({"sliding_window", "chunked", "logit_softcap", "alibi", "sinks"})
+    supports_bidirectional_spans = True
 
     @classmethod
     def kv_cache_shape(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -57,7 +62,8 @@ class TritonAttentionBackend(AttentionBackend):
     def build_metadata(cls, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
         """The runner's tensors as they are: the kernels find each program's request themselves."""
         return TritonAttentionMetadata(
-            common.slot_mapping, common.query_start_loc, common.seq_lens, common.block_tables, common.max_query_len
+            common.slot_mapping, common.query_start_loc, common.seq_lens, common.block_tables, common.max_query_len,
+            common.block_size, common.bidirectional_spans,
         )
 
     @classmethod
@@ -86,6 +92,9 @@ class TritonAttentionBackend(AttentionBackend):
             scale=layer.scale,
             **_features(layer, q.device),
         )
+        if metadata.bidirectional_spans:  # only for a model that declares them
+            attend_spans(layer, q, out, cache, metadata.bidirectional_spans, metadata.block_tables,
+                         metadata.block_size, token_major=True)
         return out
 
 
