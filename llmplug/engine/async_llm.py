@@ -40,6 +40,7 @@ from llmplug.engine.aborted_output import aborted_output
 from llmplug.engine.beam_search import next_token_logprobs, start_search, step_params
 from llmplug.engine.input_processor import PromptType, is_multimodal_prompt
 from llmplug.engine.data_parallel import DataParallelEngine, ReplicaState, uses_replicas
+from llmplug.engine.executors.main_guard import check_main_guard
 from llmplug.engine.llm_engine import LLMEngine
 from llmplug.engine.request_stream import RequestStream
 from llmplug.lora.request import LoRARequest
@@ -107,7 +108,11 @@ class AsyncLLM:
             kwargs["model"] = model
         if not isinstance(config, EngineConfig):
             config = load_config(kwargs=kwargs, file=config, order=("file", "kwargs", "cli")).config
-        engine_class = DataParallelEngine if uses_replicas(config) else LLMEngine  # replicas: data_parallel_size > 1
+        engine_class = LLMEngine
+        if uses_replicas(config):  # data_parallel_size > 1: replica processes
+            engine_class = DataParallelEngine
+            # checked here: the engine thread that builds it has no line of the user's script on its stack
+            check_main_guard(f"{config.parallel.data_parallel_size} data-parallel replica processes")
         self._start(lambda: engine_class(config), config.model.model)
 
     @classmethod
