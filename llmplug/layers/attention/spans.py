@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from llmplug.core.errors import ConfigError
-from llmplug.layers.forward_context import BidirectionalSpan, CommonAttentionMetadata
+from llmplug.layers.forward_context import BidirectionalSpan
 
 if TYPE_CHECKING:
     from llmplug.layers.attention.backend import AttentionBackend
