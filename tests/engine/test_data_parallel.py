@@ -168,6 +168,18 @@ def test_each_conversation_returns_to_the_replica_that_holds_its_prefix(dp_llm):
     assert dp_llm.llm_engine.balancer.affinity_hits >= 4
 
 
+def test_engine_calls_reach_every_replica(dp_llm, tiny_llama, one_engine_tokens):
+    assert dp_llm.is_sleeping() is False
+    weights = {name: torch.zeros_like(t) for name, t in tiny_llama.hf_model.state_dict().items()}
+    dp_llm.update_weights(weights.items())  # zero weights: every replica answers alike, and not as before
+    zeroed = [list(o.outputs[0].token_ids) for o in dp_llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert zeroed != one_engine_tokens and len({tuple(t) for t in zeroed}) == 1
+    dp_llm.update_weights(tiny_llama.hf_model.state_dict().items())
+    dp_llm.reset_prefix_cache()
+    assert [list(o.outputs[0].token_ids) for o in dp_llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == \
+        one_engine_tokens
+
+
 def kill_when_running(llm: LLM, index: int) -> threading.Thread:
     """Kill replica `index` once it runs a request (a thread: LLM.generate blocks meanwhile)."""
     def kill():
