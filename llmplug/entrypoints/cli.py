@@ -106,8 +106,8 @@ def _plugins_table(rows: list[dict[str, Any]]) -> str:
 
 
 def _engine_commands() -> dict[str, Subcommand]:
-    from llmplug.entrypoints import (bench, collect_env, generate, models_list, run_batch, save_sharded, serve,
-                                     tensorize)
+    from llmplug.entrypoints import (bench, collect_env, generate, models_list, proxy, run_batch, save_sharded,
+                                     serve, tensorize)
 
     return {
         "models": Subcommand("List the model architectures: family and whether TP, PP, GGUF and int4 work.",
@@ -121,6 +121,8 @@ def _engine_commands() -> dict[str, Subcommand]:
                            generate._chat_arguments, generate._run_chat),
         "serve": Subcommand("Serve the model over an OpenAI-compatible HTTP API (chat, completions, responses).",
                             serve._serve_arguments, serve._run_serve),
+        "proxy": Subcommand("Front a prefill engine and a decode engine that share a disk_offload KV directory "
+                            "(disaggregated prefill/decode).", proxy.add_arguments, proxy.run),
         "run-batch": Subcommand("Answer an OpenAI Batch API file (JSONL in, JSONL out) with the server's handlers; "
                                 "resumable.", run_batch.add_arguments, run_batch.run),
         "bench": Subcommand("Benchmark: serve (a running server), throughput and latency (an offline engine), "
