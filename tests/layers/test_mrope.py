@@ -1,12 +1,13 @@
-"""M-RoPE (layers/mrope.py) rotates q and k as transformers' Qwen2-VL rotary does, for positions that differ on the
+"""M-RoPE (layers/mrope.py) rotates q and k as transformers' Qwen2-VL rotary (and, interleaved, Qwen3-VL's) does, for positions that differ on the
 three streams; positions [T] are plain RoPE; a prompt's positions follow its images' grids."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Qwen2VLTextConfig
+from transformers import Qwen2VLTextConfig, Qwen3VLTextConfig
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLRotaryEmbedding, apply_rotary_pos_emb
+from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
 
 from llmplug.layers.mrope import get_mrope, mrope_input_positions
 from llmplug.layers.rotary import get_rope
@@ -51,3 +52,20 @@ def test_prompt_positions_follow_the_image_grids():
     assert delta == 11 - 16
     with pytest.raises(ValueError, match="does not fit a 1x2x2 grid"):
         mrope_input_positions(16, [(2, 5, (1, 2, 2))])
+
+
+def test_interleaved_rotation_equals_transformers_qwen3_vl_rotary():
+    config = Qwen3VLTextConfig(hidden_size=HEAD_DIM * HEADS, num_attention_heads=HEADS, head_dim=HEAD_DIM,
+                               max_position_embeddings=128,
+                               rope_parameters={"rope_type": "default", "mrope_section": SECTION,
+                                                "mrope_interleaved": True, "rope_theta": THETA})
+    torch.manual_seed(0)
+    positions = torch.randint(0, 128, (3, 7))
+    q, k = torch.randn(1, HEADS, 7, HEAD_DIM), torch.randn(1, HEADS, 7, HEAD_DIM)
+    cos, sin = Qwen3VLTextRotaryEmbedding(config)(q, positions[:, None])
+    expected_q, expected_k = apply_rotary_pos_emb(q, k, cos, sin)
+    rope = get_mrope(HEAD_DIM, HEAD_DIM, 128, THETA, SECTION, interleaved=True).cos_sin(positions, torch.float32)
+    qk = torch.cat([q[0].transpose(0, 1), k[0].transpose(0, 1)], dim=1)
+    rope.apply_(qk)
+    torch.testing.assert_close(qk[:, :HEADS], expected_q[0].transpose(0, 1))
+    torch.testing.assert_close(qk[:, HEADS:], expected_k[0].transpose(0, 1))

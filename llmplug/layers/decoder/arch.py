@@ -51,6 +51,7 @@ class RopeConfig:
     inverted: bool = False  # rotate by minus the angle (NanoChat's flipped rotate_half)
     # multimodal RoPE (layers/mrope.py): frequencies per position stream (t, h, w); positions then come as [3, T]
     mrope_section: tuple[int, ...] | None = None
+    mrope_interleaved: bool = False  # Qwen3-VL's layout of the streams over the frequencies (layers/mrope.py)
 
 
 @dataclass(frozen=True, slots=True)

@@ -126,7 +126,7 @@ class DecoderModel(nn.Module):
         if rope.mrope_section is not None:  # positions come as [3, T] (or [T] without images)
             return get_mrope(
                 self.arch.head_dim, dim, rope.max_position, rope.theta, rope.mrope_section, rope.scaling,
-                rope.is_neox_style,
+                rope.is_neox_style, rope.mrope_interleaved,
             )
         return get_rope(
             self.arch.head_dim, dim, rope.max_position, rope.theta, rope.scaling, rope.is_neox_style, rope.inverted
