@@ -1,11 +1,12 @@
 """The load balancer of data-parallel replicas: queue depth and prefix-cache affinity.
 
-A request goes to the replica that last served the longest prefix of its prompt (whole KV blocks, hashed as a
-chain like the prefix cache's block hashes), where those blocks are likely still cached, unless that replica
-holds `max_imbalance` more requests than the least busy one; otherwise to the least busy replica (ties taken in
-turn). A multi-turn conversation thus stays on one replica, whose cache holds its earlier turns, while a
-shared system prompt alone does not pile every conversation onto one replica. `round_robin` and
-`least_loaded` routing are there to compare against (benchmarks/serve.py --dp-routing).
+The balancer remembers which replicas served each prefix of whole KV blocks (hashed as a chain, like the prefix
+cache's block hashes). A request goes to the replica that holds the longest prefix of its prompt, unless that
+replica holds more than `max_imbalance` requests more than the least busy one; among replicas that hold equally
+much (a system prompt every replica has served, or nothing) it goes to the least busy one (ties taken in turn).
+A multi-turn conversation thus stays on the replica whose cache holds its earlier turns, while a prompt prefix
+that every replica holds pulls no request anywhere. `round_robin` and `least_loaded` routing are there to compare
+against (benchmarks/dp_affinity.py).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def prefix_keys(tokens: Sequence[int] | str, block_size: int) -> list[int]:
 
 
 class LoadBalancer:
-    """Chooses a replica for each request (event-loop or engine thread only: not thread-safe)."""
+    """Chooses a replica for each request (engine thread only: not thread-safe)."""
 
     def __init__(self, num_replicas: int, routing: Routing = "prefix_affinity", max_imbalance: int = 8,
                  max_entries: int = 1 << 16):
@@ -42,10 +43,10 @@ class LoadBalancer:
         self.routing = routing
         self.max_imbalance = max_imbalance
         self.max_entries = max_entries
-        self._owner: OrderedDict[int, int] = OrderedDict()  # prefix key -> replica that served it last (LRU)
+        self._holders: OrderedDict[int, set[int]] = OrderedDict()  # prefix key -> replicas that served it (LRU)
         self._turn = itertools.count()
-        self.affinity_lookups = 0  # requests whose prefix a replica had served
-        self.affinity_hits = 0  # of those, the ones sent back to it
+        self.affinity_lookups = 0  # requests of which some replica held more of the prompt than another
+        self.affinity_hits = 0  # of those, the ones sent to a replica holding the most
 
     def choose(self, keys: list[int], depths: Sequence[int], serving: Sequence[bool]) -> int:
         """The replica for a request with prefix `keys`, given each replica's queue depth and whether it serves."""
@@ -55,31 +56,38 @@ class LoadBalancer:
         if self.routing == "round_robin":
             return candidates[next(self._turn) % len(candidates)]
         least = min(depths[i] for i in candidates)
-        owner = self._owner_of(keys) if self.routing == "prefix_affinity" else None
-        if owner is not None:
+        allowed = [i for i in candidates if depths[i] - least <= self.max_imbalance]
+        held = self._held_blocks(keys) if self.routing == "prefix_affinity" else [0] * self.num_replicas
+        most = max(held[i] for i in allowed)
+        pool = [i for i in allowed if held[i] == most]
+        pool_least = min(depths[i] for i in pool)
+        idle = [i for i in pool if depths[i] == pool_least]
+        chosen = idle[next(self._turn) % len(idle)]
+        if max(held[i] for i in candidates) > min(held[i] for i in candidates):
             self.affinity_lookups += 1
-            if serving[owner] and depths[owner] - least <= self.max_imbalance:
-                self.affinity_hits += 1
-                return owner
-        idle = [i for i in candidates if depths[i] == least]
-        return idle[next(self._turn) % len(idle)]
+            self.affinity_hits += held[chosen] == max(held[i] for i in candidates)
+        return chosen
 
     def record(self, keys: list[int], replica: int) -> None:
-        """`replica` now holds these prefix blocks (the last to serve a prefix owns it)."""
+        """`replica` now holds these prefix blocks."""
         for key in keys:
-            self._owner[key] = replica
-            self._owner.move_to_end(key)
-        while len(self._owner) > self.max_entries:
-            self._owner.popitem(last=False)
+            self._holders.setdefault(key, set()).add(replica)
+            self._holders.move_to_end(key)
+        while len(self._holders) > self.max_entries:
+            self._holders.popitem(last=False)
 
     def forget(self, replica: int) -> None:
-        """`replica` lost its cache (it restarted): it owns no prefix any more."""
-        self._owner = OrderedDict((k, r) for k, r in self._owner.items() if r != replica)
+        """`replica` lost its cache (it restarted): it holds no prefix any more."""
+        for holders in self._holders.values():
+            holders.discard(replica)
 
-    def _owner_of(self, keys: list[int]) -> int | None:
-        """The replica that served the longest of these prefixes, or None."""
-        for key in reversed(keys):
-            owner = self._owner.get(key)
-            if owner is not None:
-                return owner
-        return None
+    def _held_blocks(self, keys: list[int]) -> list[int]:
+        """How many of the prompt's leading blocks each replica holds (key i covers blocks 0..i)."""
+        held = [0] * self.num_replicas
+        for blocks, key in enumerate(keys, start=1):
+            holders = self._holders.get(key)
+            if not holders:
+                break
+            for replica in holders:
+                held[replica] = blocks
+        return held

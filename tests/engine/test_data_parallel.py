@@ -59,11 +59,21 @@ def test_balancer_follows_the_longest_prefix_unless_its_replica_is_much_busier()
     assert balancer.choose(longer, [0, 2], [True, True]) == 1  # busier, within the allowed imbalance
     assert balancer.choose(longer, [0, 3], [True, True]) == 0  # much busier: the least busy one
     assert balancer.choose(longer, [5, 0], [True, False]) == 0  # its replica is not serving
-    assert (balancer.affinity_lookups, balancer.affinity_hits) == (4, 2)
+    assert (balancer.affinity_lookups, balancer.affinity_hits) == (3, 2)
     balancer.forget(1)
-    assert balancer.choose(longer, [1, 0], [True, True]) == 1  # no owner any more: least busy
+    assert balancer.choose(longer, [1, 0], [True, True]) == 1  # no holder any more: least busy
     with pytest.raises(ValueError, match="no replica"):
         balancer.choose(longer, [0, 0], [False, False])
+
+
+def test_a_prefix_every_replica_holds_pulls_no_request():
+    balancer = LoadBalancer(2)
+    system = list(range(8))  # two blocks of a shared system prompt, served by both replicas
+    balancer.record(prefix_keys(system, BLOCK), 0)
+    balancer.record(prefix_keys(system, BLOCK), 1)
+    balancer.record(prefix_keys(system + [50] * 8, BLOCK), 0)  # a conversation on replica 0
+    assert balancer.choose(prefix_keys(system + [60] * 8, BLOCK), [3, 1], [True, True]) == 1  # a new one: by load
+    assert balancer.choose(prefix_keys(system + [50] * 12, BLOCK), [3, 1], [True, True]) == 0  # its next turn
 
 
 def test_round_robin_and_least_loaded_ignore_prefixes():
