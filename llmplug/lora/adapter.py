@@ -4,11 +4,12 @@ A PEFT folder holds `adapter_config.json` (rank `r`, `lora_alpha`, `use_rslora`,
 and `adapter_model.safetensors` with, per adapted module, `lora_A.weight` [r, in] and `lora_B.weight`
 [out, r], named after the checkpoint's modules (`base_model.model.model.layers.0.self_attn.q_proj`).
 Those names go through the model's own checkpoint name map, so `q_proj` lands on part "q" of our fused
-`qkv_proj` and `gate_proj` on part 0 of `gate_up_proj`, as the base weights do. The token embedding's pair is
-`lora_embedding_A` [r, vocab] / `lora_embedding_B` [dim, r], the LM head's an ordinary lora_A / lora_B
-[vocab, r]. PEFT also saves the base embedding and head tables it wrapped (`<module>.base_layer.weight`,
-`save_embedding_layers`); such a copy is accepted only when it equals the model's own table (a
-different one is a resized or retrained vocabulary). The scaling (`lora_alpha / r`, or
+`qkv_proj` and `gate_proj` on part 0 of `gate_up_proj`, as the base weights do (a vision-language model's
+first through its `checkpoint_prefixes` onto its language model, the only part adapted: see manager.py).
+The token embedding's pair is `lora_embedding_A` [r, vocab] / `lora_embedding_B` [dim, r], the LM head's
+an ordinary lora_A / lora_B [vocab, r]. PEFT also saves the base embedding and head tables it wrapped
+(`<module>.base_layer.weight`, `save_embedding_layers`); such a copy is accepted only when it equals the
+model's own table (a different one is a resized or retrained vocabulary). The scaling (`lora_alpha / r`, or
 `lora_alpha / sqrt(r)` with rsLoRA) is folded into B once, here.
 
 Everything that would not fit the model — another rank than the slots hold, a module the model has no
@@ -31,7 +32,7 @@ from llmplug.core.errors import InvalidRequestError
 from llmplug.layers.weight_utils import ShardId
 from llmplug.lora.request import LoRARequest
 
-__all__ = ["LoRAAdapter", "LoRALoadError", "LoRATarget", "load_adapter"]
+__all__ = ["LoRAAdapter", "LoRALoadError", "LoRATarget", "NotAdaptable", "load_adapter"]
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -56,7 +57,7 @@ _WHY_UNSUPPORTED = {
 _PAIRS = {"A.weight": "A", "B.weight": "B", "embedding_A": "A", "embedding_B": "B"}  # leaf after ".lora_"
 BASE_COPY = ".base_layer.weight"
 
-# (checkpoint module name) -> (our module name, part of it)
+# (checkpoint module name) -> (our module name, part of it); NotAdaptable for a module outside what may be adapted
 NameMap = Callable[[str], tuple[str, ShardId | None]]
 # (our module name, a full table an adapter carries) -> whether it is the model's own
 SameAsBase = Callable[[str, torch.Tensor], bool]
@@ -64,6 +65,17 @@ SameAsBase = Callable[[str, torch.Tensor], bool]
 
 class LoRALoadError(InvalidRequestError):
     """An adapter cannot be served by this engine; the message names the adapter and what does not fit."""
+
+
+class NotAdaptable(LookupError):
+    """A name map's answer for a checkpoint module in a part of the model adapters may not adapt; says which."""
+
+
+def _map(request: LoRARequest, name_map: NameMap, module: str) -> tuple[str, ShardId | None]:
+    try:
+        return name_map(module)
+    except NotAdaptable as exc:
+        raise _error(request, f"adapts {module!r}, {exc}") from None
 
 
 def _error(request: LoRARequest, why: str) -> LoRALoadError:
@@ -102,7 +114,7 @@ def load_adapter(
     _check_base_copies(request, tensors, targets, name_map, same_as_base)
     weights: dict[str, dict[ShardId | None, tuple[torch.Tensor, torch.Tensor]]] = {}
     for module, (a, b, embedding) in _pairs(request, tensors).items():
-        ours, part = name_map(module)
+        ours, part = _map(request, name_map, module)
         target = targets.get(ours)
         if target is None or part not in target.out_features:
             raise _error(request, f"adapts {module!r}, which is not a layer this model can adapt")
@@ -163,7 +175,7 @@ def _check_base_copies(
     """Take out the base tables PEFT saved with an adapted embedding or head; each must be the model's own."""
     for key in [k for k in tensors if k.endswith(BASE_COPY)]:
         module = key.removeprefix(PEFT_PREFIX).removesuffix(BASE_COPY)
-        ours, _ = name_map(module)
+        ours, _ = _map(request, name_map, module)
         table = tensors.pop(key)
         if ours not in targets or not same_as_base(ours, table):
             raise _error(request, f"carries its own {module!r} table {tuple(table.shape)} ({key}), not the base "

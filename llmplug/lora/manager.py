@@ -1,7 +1,9 @@
 """The worker's adapters: a host-side LRU cache of loaded adapters and `max_loras` device slots, also LRU.
 
 `LoRAManager(model, config, ...)` attaches a `LoRASlots` to every linear layer of the model, its token
-embedding and its LM head (the layers' `lora` hook). `add_adapter` loads and checks a PEFT folder into
+embedding and its LM head (the layers' `lora` hook); of a vision-language model, to those of its language model
+only (the vision tower and projector stay the base model's, so an image's rows, which the encoder cache shares
+between requests, never depend on an adapter). `add_adapter` loads and checks a PEFT folder into
 the host cache (the engine calls it before queueing a request, so a bad adapter never reaches a step). Each step,
 `mapping(lora_ids)` puts the step's adapters into slots — evicting the least recently used adapter
 that the step does not need; the scheduler admits at most `max_loras` distinct adapters, so one
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from typing import Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 import torch
@@ -25,9 +27,12 @@ from llmplug.core.errors import ConfigError
 from llmplug.layers.linear import LinearBase
 from llmplug.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from llmplug.layers.weight_utils import ShardId, map_name
-from llmplug.lora.adapter import LoRAAdapter, load_adapter
+from llmplug.lora.adapter import LoRAAdapter, NameMap, NotAdaptable, load_adapter
 from llmplug.lora.layers import Adaptable, LoRAMapping, lora_slots, lora_target
 from llmplug.lora.request import LoRARequest
+
+if TYPE_CHECKING:
+    from llmplug.layers.decoder import DecoderForCausalLM
 
 __all__ = ["LoRAManager"]
 
@@ -42,9 +47,10 @@ class LoRAManager:
             raise ConfigError("lora.enable_lora with pipeline_parallel_size > 1 is not supported: an adapter's layers "
                               "would be split over the stages; use tensor parallelism")
         self.config, self.dtype, self.device = config, dtype, device
-        self.name_map = _name_map(model)
-        self.layers: dict[str, Adaptable] = {
-            name: module for name, module in model.named_modules() if _adaptable(module)
+        decoder, to_decoder = _language_model(model)
+        self.name_map = _name_map(decoder, to_decoder)
+        self.layers: dict[str, Adaptable] = {  # by the decoder's own module names
+            name: module for name, module in decoder.named_modules() if _adaptable(module)
         }
         self.targets = {name: lora_target(layer) for name, layer in self.layers.items()}
         for layer in self.layers.values():
@@ -141,19 +147,41 @@ def _adaptable(module: nn.Module) -> bool:
     return isinstance(module, (LinearBase, ParallelLMHead)) or type(module) is VocabParallelEmbedding
 
 
-def _name_map(model: nn.Module):
-    """Checkpoint module name -> (our module, part), through the model's own checkpoint names and fused map."""
-    from llmplug.layers.decoder import DecoderForCausalLM, stacked_params
+def _language_model(model: nn.Module) -> tuple[DecoderForCausalLM, Callable[[str], str]]:
+    """The generic decoder adapters adapt, and the map of an adapter's module name onto the decoder's checkpoint
+    names: the identity for a text model; a vision-language model's `checkpoint_part` (the routing of its checkpoint
+    layouts), which refuses its vision tower's and projector's modules."""
+    from llmplug.layers.decoder import DecoderForCausalLM
 
-    if not isinstance(model, DecoderForCausalLM):
+    if isinstance(model, DecoderForCausalLM):
+        return model, lambda module: module
+    route = getattr(model, "checkpoint_part", None)  # a vision-language model's (llava.py)
+    decoder = getattr(model, "language_model", None)
+    if route is None or not isinstance(decoder, DecoderForCausalLM):
         raise ConfigError(f"lora.enable_lora: {type(model).__name__} is not built on the generic decoder, "
                           "the only model LoRA adapters can be applied to")
+
+    def to_decoder(module: str) -> str:
+        part, inner = route(module + ".weight") or ("", "")  # the prefixes route tensor names (`lm_head.` ...)
+        if part != "language_model":
+            where = f"a module of its {part}" if part else "a module of none of its parts"
+            raise NotAdaptable(f"{where}: on {type(model).__name__} LoRA adapts the language model only (give peft "
+                               "target_modules that match only it, e.g. r'.*language_model.*\\.(q_proj|v_proj)')")
+        return inner.removesuffix(".weight")
+
+    return decoder, to_decoder
+
+
+def _name_map(model: DecoderForCausalLM, to_decoder: Callable[[str], str]) -> NameMap:
+    """Checkpoint module name -> (our module, part), through the model's own checkpoint names and fused map."""
+    from llmplug.layers.decoder import stacked_params
+
     cls = type(model)
     names = cls.checkpoint_names if cls.checkpoint_names_of is None else cls.checkpoint_names_of(model.config)
     stacked = stacked_params(model.arch)
 
     def name_map(module: str) -> tuple[str, ShardId | None]:
-        return map_name(names.rename(module + ".weight").removesuffix(".weight"), stacked)
+        return map_name(names.rename(to_decoder(module) + ".weight").removesuffix(".weight"), stacked)
 
     return name_map
 

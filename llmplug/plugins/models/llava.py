@@ -129,18 +129,27 @@ class LlavaForConditionalGeneration(nn.Module):
         """[N, hidden] -> float32 logits [N, vocab]."""
         return self.language_model.compute_logits(hidden_states, sampling_metadata)
 
+    @classmethod
+    def checkpoint_part(cls, name: str) -> tuple[str, str] | None:
+        """(our submodule, the name its own load_weights expects) of checkpoint name `name`, by the longest prefix
+        of `checkpoint_prefixes` it starts with; None when none does. LoRA maps adapter module names with it too."""
+        match = max((p for p in cls.checkpoint_prefixes if name.startswith(p)), key=len, default=None)
+        if match is None:
+            return None
+        part, inner = cls.checkpoint_prefixes[match]
+        return part, inner + name[len(match):]
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Route each checkpoint tensor to its part (either layout); returns the loaded parameter names."""
-        prefixes = self.checkpoint_prefixes
-        parts: dict[str, list[tuple[str, torch.Tensor]]] = {name: [] for name, _ in prefixes.values()}
+        parts: dict[str, list[tuple[str, torch.Tensor]]] = {name: [] for name, _ in self.checkpoint_prefixes.values()}
         unknown = []
         for name, tensor in weights:
-            match = max((p for p in prefixes if name.startswith(p)), key=len, default=None)
-            if match is None:
+            routed = self.checkpoint_part(name)
+            if routed is None:
                 unknown.append(name)
                 continue
-            part, inner = prefixes[match]
-            parts[part].append((inner + name[len(match):], tensor))
+            part, inner = routed
+            parts[part].append((inner, tensor))
         if unknown:
             raise ModelLoadError(f"{type(self).__name__} checkpoint tensors outside its language model, vision tower "
                                  f"and projector: {unknown[:8]}")

@@ -28,6 +28,7 @@ from llmplug.multimodal.media import MediaPolicy, decode_image, load_image_url
 from tests.entrypoints.openai.conftest import RunningServer, serve
 from tests.entrypoints.openai.test_errors import assert_openai_error, post
 from tests.multimodal.conftest import images, tiny_llava  # noqa: F401 - fixtures: the tiny LLaVA and its pictures
+from tests.multimodal.test_vlm_lora import reference, save_adapter
 
 CHAT = "/v1/chat/completions"
 SLOW_SECONDS = 2.0
@@ -498,6 +499,28 @@ def test_responses_input_image_answers_as_offline(llava_server, llava_offline, i
                                             {"type": "input_image", "image_url": png_url(images["shapes"])}]}])
     assert response.output_text == llava_offline["shapes"].outputs[0].text
     assert response.usage.input_tokens == len(llava_offline["shapes"].prompt_token_ids)
+
+
+def test_lora_module_on_a_vlm_answers_an_image_as_peft(tiny_llava, images, tmp_path):
+    """`--lora-modules` on the tiny LLaVA: a chat with an image_url part naming the adapter as its model answers as
+    peft's PeftModel over transformers' LLaVA does on the same chat prompt and image, not as the base model."""
+    peft_model = save_adapter(tiny_llava.path, "a", tmp_path / "a", seed=1)
+    text = tiny_llava.processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "text", "text": "What is in the picture?"}, {"type": "image"}]}],
+        add_generation_prompt=True)
+    decode = tiny_llava.processor.tokenizer.decode
+    expected = decode(reference(peft_model, tiny_llava.processor, images["gradient"], text)[0])
+    assert expected != decode(reference(tiny_llava.hf_model, tiny_llava.processor, images["gradient"], text)[0])
+    engine = AsyncLLM(str(tiny_llava.path), **LLAVA_KWARGS, enable_lora=True, max_lora_rank=8,
+                      device={"num_threads": 1})
+    try:
+        with serve(engine, ServerSettings(lora_modules={"a": str(tmp_path / "a")})) as running:
+            reply = running.client().chat.completions.create(
+                model="a", messages=conversation("gradient", images=images), temperature=0, max_tokens=8,
+                extra_body={"ignore_eos": True})
+    finally:
+        engine.shutdown()
+    assert reply.choices[0].message.content == expected
 
 
 def test_llava_limit_and_bad_image_then_next_request(llava_server, images):
