@@ -8,6 +8,10 @@ when a new item needs room under `encoder_cache_size` placeholder tokens. The mo
 scheduler evicted (`SchedulerOutput.free_encoder_identifiers`). The scheduler also spends a per-step encoder budget
 (`max_num_encoder_input_tokens`) on the items it lets a step compute; a chunk stops before an item the budget or the
 cache cannot take this step.
+
+A deepstack model (Qwen3-VL: `deepstack_layers` > 0) returns wider rows, [tokens, (1 + layers) * hidden]: the
+placeholders' input rows, then one row per deepstack layer, which the decoder adds to its stream after that layer
+(`split_deepstack`: sliced with the chunk like the input rows, so a chunk boundary inside an image changes nothing).
 """
 
 from __future__ import annotations
@@ -17,11 +21,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from llmplug.layers.decoder.fast_path import LayerRows
+
 if TYPE_CHECKING:
     from llmplug.engine.multimodal import MultiModalFeature
     from llmplug.engine.request import Request
 
-__all__ = ["EncoderCache", "EncoderCacheManager"]
+__all__ = ["EncoderCache", "EncoderCacheManager", "split_deepstack"]
 
 
 class EncoderCacheManager:
@@ -128,3 +134,16 @@ class EncoderCache:
             for lo, hi, first_row in feature.embed_runs(start, end):
                 chunks.append((lo - start, self.outputs[feature.identifier][first_row : first_row + hi - lo]))
         return chunks
+
+
+def split_deepstack(chunks: list[tuple[int, torch.Tensor]], layers: int,
+                    device: torch.device) -> tuple[list[tuple[int, torch.Tensor]], LayerRows]:
+    """A step's (first row, encoder rows [n, (1 + layers) * hidden]) chunks of a deepstack model -> the chunks of
+    the placeholders' input rows [n, hidden], and the deepstack rows the decoder adds after its first `layers`."""
+    inputs, rows, values = [], [], []
+    for row, wide in chunks:
+        parts = wide.view(wide.shape[0], layers + 1, -1)
+        inputs.append((row, parts[:, 0]))
+        rows.append(torch.arange(row, row + wide.shape[0]))
+        values.append(parts[:, 1:])
+    return inputs, LayerRows(torch.cat(rows).to(device), torch.cat(values).transpose(0, 1))

@@ -17,7 +17,7 @@ from llmplug.core.config import EngineConfig
 from llmplug.core.errors import ConfigError
 from llmplug.core.plugins import PluginRegistry
 from llmplug.engine.block_table import BlockTable
-from llmplug.engine.encoder_cache import EncoderCache
+from llmplug.engine.encoder_cache import EncoderCache, split_deepstack
 from llmplug.engine.multimodal import bidirectional_spans, check_engine as check_multimodal_engine
 from llmplug.engine.pipeline_stage import PipelineStage
 from llmplug.engine.prompt_embeds import check_engine as check_prompt_embeds_engine, step_inputs_embeds
@@ -128,6 +128,7 @@ class ModelRunner:
         check_multimodal_engine(self.config, self.model)
         self.stage = PipelineStage(self.model)
         self.uses_mrope = hasattr(self.model, "get_mrope_input_positions")  # its positions are [3, T]
+        self.deepstack_layers = getattr(self.model, "deepstack_layers", 0)  # its image rows are wider (encoder_cache)
         # prompt spans attending both ways (multimodal.bidirectional_spans): Gemma 3's images, PaliGemma's prompt
         self.span_kind = getattr(self.model, "bidirectional_spans", None)
         if self.span_kind is not None:
@@ -390,6 +391,8 @@ class ModelRunner:
         lora_mapping = self._lora_mapping(scheduler_output, batch)
         # the encoder runs outside the step's attention context; a request whose image fails to encode ends alone
         mm_chunks, mm_failed = self._mm_chunks(scheduler_output)
+        if mm_chunks and self.deepstack_layers:
+            mm_chunks, model_kwargs["added_rows"] = split_deepstack(mm_chunks, self.deepstack_layers, self.device)
         try:
             with forward_context(attn_metadata, batch.recurrent, lora_mapping):
                 embeds_chunks = self._prompt_embeds_chunks(requests) + mm_chunks

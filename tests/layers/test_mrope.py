@@ -1,5 +1,6 @@
-"""M-RoPE (layers/mrope.py) rotates q and k as transformers' Qwen2-VL rotary (and, interleaved, Qwen3-VL's) does, for positions that differ on the
-three streams; positions [T] are plain RoPE; a prompt's positions follow its images' grids."""
+"""M-RoPE (layers/mrope.py) rotates q and k as transformers' Qwen2-VL rotary (interleaved: Qwen3-VL's) does, for
+positions that differ on the three streams; positions [T] are plain RoPE; a prompt's positions follow its images'
+grids."""
 
 from __future__ import annotations
 

@@ -18,6 +18,7 @@ MULTIMODAL_PARITY = {
     "SmolVLMForConditionalGeneration": "tests/multimodal/test_idefics3.py",
     "Qwen2VLForConditionalGeneration": "tests/multimodal/test_qwen2_vl.py",
     "Qwen2_5_VLForConditionalGeneration": "tests/multimodal/test_qwen2_vl.py",
+    "Qwen3VLForConditionalGeneration": "tests/multimodal/test_qwen3_vl.py",
     "AyaVisionForConditionalGeneration": "tests/multimodal/test_aya_vision.py",
     "InternVLForConditionalGeneration": "tests/multimodal/test_internvl.py",
     "Mistral3ForConditionalGeneration": "tests/multimodal/test_mistral3.py",

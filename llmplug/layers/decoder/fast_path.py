@@ -16,6 +16,8 @@ slots, an unbound cache). A layer that fails them runs its modules.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
+
 import torch
 from torch import nn
 from torch.nn.modules import module as nn_module
@@ -33,7 +35,15 @@ from llmplug.layers.layernorm import RMSNorm
 from llmplug.layers.linear import LinearBase
 from llmplug.layers.rotary import RotaryCosSin
 
-__all__ = ["DecoderFastPath"]
+__all__ = ["DecoderFastPath", "LayerRows"]
+
+
+class LayerRows(NamedTuple):
+    """Rows added to the residual stream after the first layers (Qwen3-VL's deepstack): values[i] [R, hidden] at
+    the step's token rows `rows` [R] after layer i, for i < len(values)."""
+
+    rows: torch.Tensor
+    values: torch.Tensor  # [layers, R, hidden]
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,15 +79,19 @@ class DecoderFastPath:
         residual: torch.Tensor | None,
         ropes: list[RotaryCosSin],
         query_scale: torch.Tensor | None,
+        added: LayerRows | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The layers' (output, residual stream) for the first layer's input, as `DecoderLayer.forward` chains."""
+        """The layers' (output, residual stream) for the first layer's input, as `DecoderLayer.forward` chains, with
+        `added`'s rows added to the stream after their layers (counted from this stage's first)."""
         metadata = self._step_metadata(hidden, ropes, query_scale)
-        for layer, plain, rope_index in zip(self.layers, self.plain, self.rope_of_layer):
+        for i, (layer, plain, rope_index) in enumerate(zip(self.layers, self.plain, self.rope_of_layer)):
             rope = None if rope_index is None else ropes[rope_index]
             if metadata is not None and plain is not None and _layer_allows(plain, hidden, residual):
                 hidden, residual = _run(plain, hidden, residual, rope, metadata)
             else:
                 hidden, residual = layer(hidden, residual, rope, query_scale)
+            if added is not None and i < len(added.values):  # the stream is hidden + residual: add to hidden
+                hidden = hidden.index_add(0, added.rows, added.values[i].to(hidden.dtype))
         return hidden, residual
 
     def _step_metadata(

@@ -23,7 +23,7 @@ from llmplug.communicators.parallel_state import get_pp_group
 from llmplug.layers.activation import Activation
 from llmplug.layers.checkpoint_names import CheckpointNames, HeadLayout
 from llmplug.layers.decoder.arch import RECURRENT_MIXERS, DecoderArchConfig, RopeConfig
-from llmplug.layers.decoder.fast_path import DecoderFastPath
+from llmplug.layers.decoder.fast_path import DecoderFastPath, LayerRows
 from llmplug.layers.decoder.layer import DecoderLayer
 from llmplug.layers.layernorm import make_norm
 from llmplug.layers.mrope import get_mrope
@@ -35,7 +35,7 @@ from llmplug.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbeddin
 from llmplug.layers.moe.experts import EXPERT_PARAMS
 from llmplug.layers.weight_utils import StackedParamsMap, load_mapped_weights
 
-__all__ = ["DecoderForCausalLM", "DecoderModel", "stacked_params"]
+__all__ = ["DecoderForCausalLM", "DecoderModel", "LayerRows", "stacked_params"]
 
 # rotary tables that old checkpoints saved as buffers; ours are recomputed from the config
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
@@ -170,16 +170,20 @@ class DecoderModel(nn.Module):
         intermediate_tensors: IntermediateTensors | None = None,
         token_type_ids: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
+        added_rows: LayerRows | None = None,
     ) -> torch.Tensor | IntermediateTensors:
         """input_ids, positions [T] (inputs_embeds [T, embedding_dim] in place of the ids' embeddings, when given)
-        -> hidden states [T, hidden] (IntermediateTensors before the last stage)."""
+        -> hidden states [T, hidden] (IntermediateTensors before the last stage); `added_rows` (Qwen3-VL's deepstack
+        image rows) are added to the stream after the model's first layers."""
         if intermediate_tensors is None:
             hidden, residual = self.embed(input_ids, positions, token_type_ids, inputs_embeds), None
         else:  # no residual: the previous stage ended on a post-LN layer's normalized stream
             hidden, residual = intermediate_tensors["hidden_states"], intermediate_tensors.tensors.get("residual")
         ropes = [emb.cos_sin(positions, hidden.dtype) for emb in self.rotary_embs]  # once per step for all layers
         query_scale = self._query_scale(positions, hidden.dtype)
-        hidden, residual = self.run_layers(hidden, residual, ropes, query_scale)
+        if added_rows is not None and self.start_layer:  # counted from this stage's first layer
+            added_rows = LayerRows(added_rows.rows, added_rows.values[self.start_layer :])
+        hidden, residual = self.run_layers(hidden, residual, ropes, query_scale, added_rows)
         if not self.is_last_stage:
             tensors = {"hidden_states": hidden} | ({} if residual is None else {"residual": residual})
             return IntermediateTensors(tensors)
@@ -276,11 +280,13 @@ class DecoderForCausalLM(nn.Module):
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors: IntermediateTensors | None = None,
-        inputs_embeds: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None, added_rows: LayerRows | None = None,
     ) -> torch.Tensor | IntermediateTensors:
         """input_ids, positions [T] -> hidden states [T, hidden] (IntermediateTensors before the last stage);
-        `inputs_embeds` [T, embedding_size] replaces `embed_input_ids(input_ids)` when given."""
-        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds=inputs_embeds)
+        `inputs_embeds` [T, embedding_size] replaces `embed_input_ids(input_ids)` when given; `added_rows` are
+        added to the stream after the first layers (`DecoderModel.forward`)."""
+        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds=inputs_embeds,
+                          added_rows=added_rows)
 
     def compute_logits(self, hidden_states: torch.Tensor, sampling_metadata: Any = None) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab]: the head in the model's dtype, then scale and soft-cap."""

@@ -67,7 +67,8 @@ class Qwen2VLForConditionalGeneration(LlavaForConditionalGeneration):
                          **_: Any) -> list[torch.Tensor]:
         """pixel_values [patches, C * T * P * P] and image_grid_thw [1, 3] of one image -> one [patches / merge**2,
         hidden] tensor: its placeholder rows."""
-        return [self.multi_modal_projector(self.vision_tower(pixel_values, image_grid_thw))]
+        states, _ = self.vision_tower(pixel_values, image_grid_thw)
+        return [self.multi_modal_projector(states)]
 
     def get_mrope_input_positions(self, prompt_token_ids: Sequence[int],
                                   mm_features: Sequence[Any]) -> tuple[np.ndarray, int]:
