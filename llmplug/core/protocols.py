@@ -39,7 +39,11 @@ if TYPE_CHECKING:  # no heavy imports at run time
 # 1.9: the model's optional multimodal surface: `supports_multimodal`, `embed_multimodal(**item_tensors)` (one
 #      [num_placeholder_tokens, embedding_size] tensor per item), `image_token_id`; the config's
 #      model.limit_mm_per_prompt, scheduler.max_num_encoder_input_tokens and scheduler.encoder_cache_size
-PLUGIN_API_VERSION = "1.9"
+# 1.10: more of the optional multimodal surface: `bidirectional_spans`, multimodal rotary
+#      (`get_mrope_input_positions(prompt_token_ids, mm_features) -> (positions [3, P], delta)`, positions [3, T]
+#      in forward), deepstack (`deepstack_layers`: wider embed_multimodal rows, forward(..., added_rows=)); the
+#      llmplug.kv_connectors group (KVConnector) and llmplug.testing.check_kv_connector
+PLUGIN_API_VERSION = "1.10"
 
 
 @runtime_checkable
