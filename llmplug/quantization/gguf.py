@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 Q = gguf.GGMLQuantizationType
 # the GGUF types `llmplug_cpu::gguf_matmul` decodes (ops.cpp's gguf_type)
-KERNEL_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K})
+KERNEL_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K})
 PARAM = "qweight"
 _TYPE_ATTR = "_llmplug_gguf_type"
 

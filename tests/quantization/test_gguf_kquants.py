@@ -30,7 +30,9 @@ pytestmark = pytest.mark.skipif(not native_available(), reason="llmplug's CPU ke
 
 Q = gguf.GGMLQuantizationType
 TYPES = sorted(KERNEL_TYPES, key=int)
-_WITH_MIN = {Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K}  # a second fp16 (the min) right after d
+# the byte offsets of a block's fp16 fields: d, and the min's scale where the type has one
+_HALVES = {Q.Q4_1: (0, 2), Q.Q5_1: (0, 2), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q2_K: (80, 82), Q.Q3_K: (108,),
+           Q.Q6_K: (208,)}
 
 
 def random_blocks(qtype: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -43,12 +45,8 @@ def random_blocks(qtype: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
         values = rng.uniform(0.001, 0.01, size=blocks.shape[:2]).astype(np.float16)
         return values.view(np.uint8).reshape(*blocks.shape[:2], 2)
 
-    if qtype == Q.Q6_K:
-        blocks[..., 208:210] = halves()  # Q6_K's d is its last field
-    else:
-        blocks[..., 0:2] = halves()
-        if qtype in _WITH_MIN:
-            blocks[..., 2:4] = halves()
+    for offset in _HALVES.get(qtype, (0,)):
+        blocks[..., offset : offset + 2] = halves()
     return blocks.reshape(rows, -1)
 
 
@@ -72,7 +70,14 @@ def test_kernel_equals_x_times_gguf_py_dequantized_weight(qtype: Q, dtype: torch
         assert (y.float() - expected).abs().max() <= tolerance * scale
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q8_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_the_kernels_weights_are_gguf_pys_bit_for_bit(qtype: Q) -> None:
+    blocks = random_blocks(qtype, 8, 512, seed=3)
+    decoded = ops().gguf_matmul(torch.eye(512), torch.from_numpy(blocks), int(qtype))  # x = I: y = W^T, exactly
+    assert torch.equal(decoded.T, reference_weight(blocks, qtype, 512))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q8_0], ids=lambda q: q.name)
 def test_each_output_row_is_bitwise_the_same_whatever_the_number_of_rows(qtype: Q) -> None:
     blocks = torch.from_numpy(random_blocks(qtype, 26, 768, seed=1))  # 26: a last tile of 2 rows
     x = torch.randn(33, 768)
@@ -83,7 +88,7 @@ def test_each_output_row_is_bitwise_the_same_whatever_the_number_of_rows(qtype: 
 
 def test_a_type_the_kernel_lacks_and_a_wrong_row_size_are_refused() -> None:
     with pytest.raises(RuntimeError, match="not implemented"):
-        ops().gguf_matmul(torch.randn(1, 256), torch.zeros(4, 84, dtype=torch.uint8), int(Q.Q2_K))
+        ops().gguf_matmul(torch.randn(1, 256), torch.zeros(4, 136, dtype=torch.uint8), int(Q.IQ4_XS))
     with pytest.raises(RuntimeError, match="bytes a row"):
         ops().gguf_matmul(torch.randn(1, 512), torch.zeros(4, 144, dtype=torch.uint8), int(Q.Q4_K))
 
@@ -93,6 +98,8 @@ def test_a_type_the_kernel_lacks_and_a_wrong_row_size_are_refused() -> None:
 HIDDEN, FFN = 256, 512
 LAYER_TYPES = {"q_proj": Q.Q4_K, "k_proj": Q.Q4_K, "v_proj": Q.Q6_K, "o_proj": Q.Q4_K,
                "gate_proj": Q.Q4_K, "up_proj": Q.Q4_K, "down_proj": Q.Q6_K}  # Q4_K_M's choice, v and down in Q6_K
+LOW_BIT_TYPES = {"q_proj": Q.Q2_K, "k_proj": Q.Q2_K, "v_proj": Q.Q3_K, "o_proj": Q.Q3_K,
+                 "gate_proj": Q.Q2_K, "up_proj": Q.Q2_K, "down_proj": Q.Q3_K}  # Q2_K's and Q3_K's blocks
 _GGUF = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
          "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
 
@@ -103,15 +110,16 @@ def unpermute_qk(weight: np.ndarray, heads: int) -> np.ndarray:
     return weight.reshape(heads, rows // heads // 2, 2, -1).swapaxes(1, 2).reshape(weight.shape)
 
 
-def write_kquant_llama(folder: Path, hidden: int = HIDDEN) -> tuple[Path, torch.nn.Module]:
-    """(a tiny Llama GGUF whose linear weights are random Q4_K / Q6_K blocks, transformers' model of the same
-    weights as gguf-py dequantizes them)."""
+def write_kquant_llama(folder: Path, hidden: int = HIDDEN,
+                       types: dict[str, Q] = LAYER_TYPES) -> tuple[Path, torch.nn.Module]:
+    """(a tiny Llama GGUF whose linear weights are random blocks of `types` (Q4_K / Q6_K by default), transformers'
+    model of the same weights as gguf-py dequantizes them)."""
     config = tiny_llama_config(hidden_size=hidden, intermediate_size=FFN, num_attention_heads=4,
                                num_key_value_heads=2, vocab_size=256)
     model = make_tiny_model(config)
     extra, state = {}, model.state_dict()
     for layer in range(config.num_hidden_layers):
-        for seed, (proj, qtype) in enumerate(LAYER_TYPES.items()):
+        for seed, (proj, qtype) in enumerate(types.items()):
             hf_name = next(n for n in state if n.startswith(f"model.layers.{layer}.") and f".{proj}." in n)
             rows, cols = state[hf_name].shape
             blocks = random_blocks(qtype, rows, cols, seed=100 * layer + seed)
@@ -124,7 +132,7 @@ def write_kquant_llama(folder: Path, hidden: int = HIDDEN) -> tuple[Path, torch.
     extra["output.weight"] = (head, Q.Q8_0)
     with torch.no_grad():
         state["lm_head.weight"].copy_(torch.from_numpy(gguf.quants.dequantize(head, Q.Q8_0)))
-    path = folder / "tiny-q4_k_m.gguf"
+    path = folder / f"tiny-{'-'.join(sorted({t.name.lower() for t in types.values()}))}.gguf"
     write_model_gguf(path, model, Q.F32, tokenizer=False, extra_tensors=extra)
     return path, model
 
@@ -184,6 +192,14 @@ def greedy_equals_transformers(path: Path, reference: torch.nn.Module, **engine:
 
 def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(kquant_llama) -> None:
     greedy_equals_transformers(*kquant_llama)
+
+
+def test_q2_k_and_q3_k_layers_compute_packed_and_generate_transformers_greedy_tokens(tmp_path) -> None:
+    path, reference = write_kquant_llama(tmp_path, types=LOW_BIT_TYPES)
+    attention = load(path).model.layers[0].self_attn
+    assert repr(attention.qkv_proj.quant_method) == "GGUFLinearMethod(Q2_K,Q3_K)"
+    assert repr(attention.o_proj.quant_method) == "GGUFLinearMethod(Q3_K)"
+    greedy_equals_transformers(path, reference)
 
 
 def test_a_rank_whose_input_features_are_not_whole_super_blocks_is_refused_naming_the_layer() -> None:

@@ -812,6 +812,51 @@ void block_q8_0(const uint8_t* b, float* y) {
   for (int j = 0; j < 32; ++j) y[j] = float(q[j]) * d;
 }
 
+// Q2_K and Q3_K: 16 sub-blocks of 16 weights. Each half (128 weights) has 32 bytes of 2-bit quants; byte l of a half
+// holds weight l of its four runs of 32 (run j in bits 2j, 2j+1).
+
+// Q2_K super-block [16 bytes: scale | min << 4 per sub-block, 64 bytes of quants, d, dmin]: w = d sc q - dmin m.
+void block_q2_k(const uint8_t* b, float* y) {
+  const uint8_t *sc = b, *q = b + 16;
+  const float d = half_at(b + 80), dmin = half_at(b + 82);
+  for (int half = 0; half < 2; ++half, q += 32) {
+    for (int j = 0; j < 4; ++j, sc += 2, y += 32) {
+      const float d1 = d * float(sc[0] & 0x0F), m1 = dmin * float(sc[0] >> 4);
+      const float d2 = d * float(sc[1] & 0x0F), m2 = dmin * float(sc[1] >> 4);
+#pragma omp simd
+      for (int l = 0; l < 16; ++l) {
+        y[l] = d1 * float((q[l] >> (2 * j)) & 3) - m1;
+        y[l + 16] = d2 * float((q[l + 16] >> (2 * j)) & 3) - m2;
+      }
+    }
+  }
+}
+
+// The signed 6-bit scale of sub-block j of a Q3_K super-block: its low 4 bits in bytes 0-7 (j < 8: low nibbles,
+// else high), its high 2 bits in bytes 8-11 (byte 8 + j % 4, bits 2 (j / 4)); stored + 32.
+inline int scale_k3(int j, const uint8_t* s) {
+  const int low = j < 8 ? s[j] & 0x0F : s[j - 8] >> 4;
+  return (low | (((s[8 + j % 4] >> (2 * (j / 4))) & 3) << 4)) - 32;
+}
+
+// Q3_K super-block [32 bytes of high bits, 64 bytes of 2-bit quants, 12 bytes of scales, d]: w = d sc (q - 4 h'),
+// q the 2 low bits, h' 1 when the weight's high bit (bit 4 half + j of byte l of the 32) is clear.
+void block_q3_k(const uint8_t* b, float* y) {
+  const uint8_t *hm = b, *q = b + 32, *scales = b + 96;
+  const float d = half_at(b + 108);
+  for (int half = 0; half < 2; ++half, q += 32) {
+    for (int j = 0; j < 4; ++j, y += 32) {
+      const int bit = 4 * half + j, is = 8 * half + 2 * j;
+      const float d1 = d * float(scale_k3(is, scales)), d2 = d * float(scale_k3(is + 1, scales));
+#pragma omp simd
+      for (int l = 0; l < 16; ++l) {
+        y[l] = d1 * float(int((q[l] >> (2 * j)) & 3) - (((hm[l] >> bit) & 1) ? 0 : 4));
+        y[l + 16] = d2 * float(int((q[l + 16] >> (2 * j)) & 3) - (((hm[l + 16] >> bit) & 1) ? 0 : 4));
+      }
+    }
+  }
+}
+
 // The 6-bit scale and min of sub-block j of a Q4_K / Q5_K super-block (ggml's get_scale_min_k4).
 inline void scale_min_k4(int j, const uint8_t* q, float d, float dmin, float& scale, float& min) {
   int sc, m;
@@ -888,6 +933,8 @@ GGUFType gguf_type(int64_t id) {
     case 6: return {32, 22, block_q5_0};
     case 7: return {32, 24, block_q5_1};
     case 8: return {32, 34, block_q8_0};
+    case 10: return {256, 84, block_q2_k};
+    case 11: return {256, 110, block_q3_k};
     case 12: return {256, 144, block_q4_k};
     case 13: return {256, 176, block_q5_k};
     case 14: return {256, 210, block_q6_k};
