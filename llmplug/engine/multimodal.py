@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from llmplug.core.errors import ConfigError, InvalidRequestError
+from llmplug.core.errors import ConfigError, InvalidRequestError, ModelLoadError
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -196,8 +196,15 @@ class MultiModalProcessor:
         from transformers import AutoProcessor
 
         # the PIL image processors: the torchvision ones need torchvision, which llmplug does not require
-        self.hf_processor = AutoProcessor.from_pretrained(model_path, backend="pil",
-                                                          trust_remote_code=trust_remote_code)
+        try:
+            self.hf_processor = AutoProcessor.from_pretrained(model_path, backend="pil",
+                                                              trust_remote_code=trust_remote_code)
+        except ImportError as error:  # a processor transformers builds only with torchvision's classes
+            raise ModelLoadError(
+                f"{model_path}: the model's processor cannot be loaded here ({error}); transformers builds some "
+                "processors (Qwen2-VL's, InternVL's and Pixtral's among them) only with torchvision installed, for "
+                "their video or image processor classes: install the torchvision release built for your torch"
+            ) from error
         self.image_token_id = image_token_id
         self.limits = limits
         self._lock = threading.Lock()  # a processor and its tokenizer are not documented as thread-safe

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+import json
+
 import pytest
 
 from llmplug.core.config import load_config
@@ -23,3 +26,24 @@ def test_bad_limits_name_the_field(value, message):
 def test_encoder_budget_fields_have_vllms_names():
     config = load_config(kwargs={"max_num_encoder_input_tokens": 1024, "encoder_cache_size": 4096}).config
     assert (config.scheduler.max_num_encoder_input_tokens, config.scheduler.encoder_cache_size) == (1024, 4096)
+
+
+def test_a_processor_that_needs_torchvision_is_a_load_error_that_says_so(tmp_path):
+    """Qwen2-VL's processor comes with a video processor transformers builds only with torchvision (absent here)."""
+
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from llmplug.core.errors import ModelLoadError
+    from llmplug.engine.multimodal import MultiModalProcessor
+    from tests.models.tiny_models import train_llama_tokenizer
+
+    if importlib.util.find_spec("torchvision") is not None:
+        pytest.skip("torchvision is installed: the processor loads")
+    tokenizer = train_llama_tokenizer(tmp_path)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|image_pad|>", "<|video_pad|>"]})
+    tokenizer.save_pretrained(tmp_path)
+    Qwen2VLImageProcessorPil().save_pretrained(tmp_path)
+    (tmp_path / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2VLProcessor"}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_vl"}))
+    with pytest.raises(ModelLoadError, match="processor cannot be loaded here.*install the torchvision release"):
+        MultiModalProcessor(str(tmp_path), image_token_id=0, limits={"image": 1})
