@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
 import queue
 import traceback
 from typing import Any, Callable
@@ -19,7 +20,9 @@ def _child(fn: Callable[[], Any], env: dict[str, str], results: Any) -> None:
     os.environ.update(env)
     rank = int(env["RANK"])
     try:
-        results.put((rank, True, fn()))
+        # pickled here, by value: the queue's own pickler would share a tensor's storage through a file descriptor
+        # that this process serves until it exits, which it may do before the parent asks for it
+        results.put((rank, True, pickle.dumps(fn())))
     except BaseException:  # the parent reports it
         results.put((rank, False, traceback.format_exc()))
 
@@ -71,4 +74,4 @@ def _collect(results: Any, world_size: int, timeout: float):
             raise TimeoutError(f"not every rank answered within {timeout} s") from None
         if not ok:
             raise AssertionError(f"rank {rank} failed:\n{value}")
-        yield rank, value
+        yield rank, pickle.loads(value)

@@ -248,6 +248,8 @@ def gemma3_270m(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.slow
 def test_real_gemma3_q4_k_m_packed_generates_transformers_greedy_tokens(gemma3_270m: Path, capsys) -> None:
+    """The real llama.cpp file end to end (its config, tokenizer and weights read by llmplug's GGUF loader; the
+    linear layers packed, as by default) against transformers' own load of the same file."""
     from transformers import AutoModelForCausalLM
 
     from llmplug import LLM, SamplingParams
@@ -274,6 +276,9 @@ def test_real_gemma3_q4_k_m_packed_generates_transformers_greedy_tokens(gemma3_2
                                                   dtype=torch.float32).eval()
     for prompt, output in zip(prompts, outputs):
         ids = tokenizer(prompt, return_tensors="pt").input_ids
+        assert output.prompt_token_ids == ids[0].tolist()  # the file's own tokenizer, as transformers reads it
         with torch.no_grad():
             reference = theirs.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
         assert list(output.outputs[0].token_ids) == reference[0, ids.shape[1]:].tolist(), output.outputs[0].text
+    # a sensible continuation (the 270M base model says "... is the capital of the country of France. ...")
+    assert "France" in outputs[0].outputs[0].text
