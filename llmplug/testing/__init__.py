@@ -4,6 +4,9 @@
 - `ParityCase`, `ParityRunner`, `VARIANTS`: greedy generation through the whole engine (plain,
   chunked prefill, preemption, tensor parallel) against transformers' `generate`, tokens and
   log-probabilities;
+- `MultimodalParityCase`, `MultimodalParityRunner`, `MULTIMODAL_VARIANTS`: a vision-language model through the
+  engine with pictures against transformers' `generate` on its processor's output (plain, chunked inside an
+  image, preempted, tensor parallel), and prefix caching by picture;
 - `PagedHarness`: a minimal paged runner for model-level logits checks;
 - `PoolingParityCase`, `PoolingParityRunner`: pooling models (embeddings, classifiers) through the
   engine against transformers' pooled hidden states and logits;
@@ -13,10 +16,19 @@
 - `check_kv_connector`, `KVConnectorReport`: a KV connector (`llmplug.kv_connectors`) through the engine: save/load
   round trip, partial hits, failed loads recomputed, with the tokens of an engine without it.
 
-See docs/plugins.md ("Testing a model architecture", "Quantization methods").
+See docs/plugins.md ("Testing a model architecture", "Quantization methods") and docs/multimodal.md.
 """
 
 from llmplug.testing.kv_connectors import KVConnectorReport, check_kv_connector
+from llmplug.testing.multimodal import (
+    MULTIMODAL_VARIANTS,
+    MultimodalParityCase,
+    MultimodalParityReport,
+    MultimodalParityRunner,
+    MultimodalPrompt,
+    MultimodalReference,
+    processor_inputs,
+)
 from llmplug.testing.paged import PagedHarness
 from llmplug.testing.pooling import PoolingParityCase, PoolingParityRunner, PoolingReport
 from llmplug.testing.parity import VARIANTS, Completion, ParityCase, ParityReport, ParityRunner, Reference, Variant
@@ -29,11 +41,17 @@ from llmplug.testing.quantization import (
 from llmplug.testing.tiny import TINY_SIZES, TinyCheckpoint, randomize_, save_tiny_checkpoint, tiny_config
 
 __all__ = [
+    "MULTIMODAL_VARIANTS",
     "TINY_SIZES",
     "VARIANTS",
     "Completion",
     "KVConnectorReport",
     "LayerCheck",
+    "MultimodalParityCase",
+    "MultimodalParityReport",
+    "MultimodalParityRunner",
+    "MultimodalPrompt",
+    "MultimodalReference",
     "PagedHarness",
     "PoolingParityCase",
     "PoolingParityRunner",
@@ -47,6 +65,7 @@ __all__ = [
     "Variant",
     "check_kv_connector",
     "check_quantization_method",
+    "processor_inputs",
     "randomize_",
     "save_quantized_checkpoint",
     "save_tiny_checkpoint",

@@ -11,6 +11,7 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
+from llmplug.testing import MultimodalParityRunner
 from tests.models.tiny_models import save_tiny_llama, train_llama_tokenizer
 
 IMAGE_TOKEN = "<image>"
@@ -109,3 +110,9 @@ def shapes(width: int, height: int) -> Image.Image:
 def images() -> dict[str, Image.Image]:
     """Two sizes and aspect ratios (landscape 60x40, portrait 48x64)."""
     return {"gradient": gradient(60, 40), "shapes": shapes(48, 64)}
+
+
+@pytest.fixture(scope="session")
+def mm_parity() -> MultimodalParityRunner:
+    """The multimodal parity kit; transformers' answer to each case's prompt is computed once a session."""
+    return MultimodalParityRunner()
