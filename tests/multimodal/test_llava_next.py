@@ -14,6 +14,7 @@ import torch
 
 from llmplug import LLM, SamplingParams
 from llmplug.layers.vision import AnyResGrid
+from llmplug.testing import MultimodalParityCase, MultimodalPrompt
 from tests.multimodal.conftest import CHAT_TEMPLATE, IMAGE_TOKEN, copy_with_renamed_weights, gradient, shapes
 
 MAX_TOKENS = 8
@@ -78,40 +79,23 @@ def greedy(logprobs: int = 2) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=logprobs)
 
 
-def make_llm(tiny, **kwargs) -> LLM:
-    kwargs = {"dtype": "float32", "block_size": 4, "num_gpu_blocks_override": 160,
-              "limit_mm_per_prompt": {"image": 2}, **kwargs}
-    return LLM(str(tiny.path), **kwargs)
+@pytest.fixture(scope="module")
+def case(tiny_llava_next, pictures) -> MultimodalParityCase:
+    """One image of each grid, and two images of different tile counts (the processor pads the fewer tiles); chunks
+    of 16 tokens (an image's 34-72 placeholders span several steps), and 60 KV blocks for four prompts."""
+    p = pictures
+    prompts = (MultimodalPrompt(ONE, (p["landscape"],)), MultimodalPrompt(ONE, (p["wide"],)),
+               MultimodalPrompt(TWO, (p["portrait"], p["wide"])), MultimodalPrompt(TWO, (p["tall"], p["landscape"])))
+    return MultimodalParityCase("LlavaNextForConditionalGeneration", tiny_llava_next.path, tiny_llava_next.processor,
+                                tiny_llava_next.hf_model, prompts, chunk_budget=16, preemption_blocks=60,
+                                max_tokens=MAX_TOKENS, engine_kwargs={"max_num_seqs": 4})
 
 
-def hf_reference(tiny, text: str, images: list) -> tuple[list[int], torch.Tensor, int]:
-    """transformers' greedy tokens from the same processor output, its log-softmax rows over prompt + tokens, and
-    the prompt's image placeholders."""
-    inputs = tiny.processor(text=text, images=images, return_tensors="pt")
-    with torch.inference_mode():
-        full = tiny.hf_model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)[0]
-        logits = tiny.hf_model(input_ids=full[None, :-1], pixel_values=inputs["pixel_values"],
-                               image_sizes=inputs["image_sizes"]).logits[0]
-    num_placeholders = int((inputs["input_ids"] == tiny.hf_model.config.image_token_index).sum())
-    return full[inputs["input_ids"].shape[1]:].tolist(), torch.log_softmax(logits.float(), -1), num_placeholders
-
-
-def assert_matches_hf(tiny, output, text: str, images: list) -> None:
-    tokens, log_probs, num_placeholders = hf_reference(tiny, text, images)
-    completion = output.outputs[0]
-    assert output.prompt_token_ids.count(tiny.hf_model.config.image_token_index) == num_placeholders
-    assert list(completion.token_ids) == tokens
-    prompt_len = len(output.prompt_token_ids)
-    assert log_probs.shape[0] == prompt_len + MAX_TOKENS - 1
-    for t, position in enumerate(completion.logprobs):
-        for token, logprob in position.items():
-            assert logprob.logprob == pytest.approx(float(log_probs[prompt_len - 1 + t, token]), abs=1e-4)
-
-
-def cases(p: dict) -> list:
-    """One image of each grid, and two images of different tile counts (the processor pads the fewer tiles)."""
-    return [(ONE, [p["landscape"]]), (ONE, [p["wide"]]), (TWO, [p["portrait"], p["wide"]]),
-            (TWO, [p["tall"], p["landscape"]])]
+@pytest.fixture(scope="module")
+def llm(mm_parity, case):
+    """One engine of the plain variant for the checks that need no other settings."""
+    with mm_parity.engine(case) as engine:
+        yield engine
 
 
 def test_tiles_grid_and_row_count_equal_transformers(tiny_llava_next):
@@ -156,30 +140,24 @@ def test_packed_image_rows_equal_transformers(tiny_llava_next, pictures, feature
         torch.testing.assert_close(rows, expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("engine_kwargs", [
-    {},
-    {"max_num_batched_tokens": 16},  # an image's 34-72 placeholders span several steps
-    {"max_num_batched_tokens": 16, "num_gpu_blocks_override": 60, "max_num_seqs": 4},  # and preempted, recomputed
-], ids=["plain", "chunked_prefill", "chunked_and_preempted"])
-def test_greedy_tokens_and_logprobs_match_transformers(tiny_llava_next, pictures, engine_kwargs):
-    llm = make_llm(tiny_llava_next, **engine_kwargs)
-    prompts = [{"prompt": text, "multi_modal_data": {"image": imgs}} for text, imgs in cases(pictures)]
-    outputs = llm.generate(prompts, greedy(), use_tqdm=False)
-    for (text, imgs), output in zip(cases(pictures), outputs):
-        assert_matches_hf(tiny_llava_next, output, text, imgs)
-    if "num_gpu_blocks_override" in engine_kwargs:
-        assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
-    assert outputs[0].outputs[0].token_ids != outputs[1].outputs[0].token_ids  # the picture matters
-    llm.shutdown()
+def test_greedy_tokens_and_logprobs_match_transformers_and_the_prefix_cache_follows_the_image(mm_parity, case, llm):
+    mm_parity.check(case, "plain", llm)
+    mm_parity.check_prefix_cache(case, llm)
 
 
-def test_images_of_a_prompt_keep_their_own_tiles(tiny_llava_next, pictures):
+@pytest.mark.parametrize("variant", ["preemption", "tp2"])
+def test_chunked_inside_an_image_preempted_and_tensor_parallel_match_transformers(mm_parity, case, variant):
+    """preemption: chunks of 16 and too few blocks, requests preempted and recomputed; tp2: each rank runs its half
+    of the tower's heads and of the projector on every tile of the same image, in chunks of 16."""
+    mm_parity.check(case, variant)
+
+
+def test_images_of_a_prompt_keep_their_own_tiles(llm, pictures):
     """llmplug's own LLaVA-NeXT runs the folder. Two images of 5 and 3 tiles: each feature holds its own
     image_sizes, the placeholder runs are the packed row counts of each (72 and 34), and the processor's batch
     padding of the smaller one (to 5 tiles) is left to the model, which trims it by image_sizes."""
     from llmplug.plugins.models.llava import LlavaNextForConditionalGeneration
 
-    llm = make_llm(tiny_llava_next)
     assert type(llm.llm_engine.engine_core.executor.worker.model_runner.model) is LlavaNextForConditionalGeneration
     processed = llm.llm_engine.processor.process_multimodal(
         {"prompt": TWO, "multi_modal_data": {"image": [pictures["portrait"], pictures["wide"]]}})
@@ -187,58 +165,26 @@ def test_images_of_a_prompt_keep_their_own_tiles(tiny_llava_next, pictures):
     assert [portrait.length, wide.length] == [72, 34]
     assert portrait.data["image_sizes"].tolist() == [[64, 48]] and wide.data["image_sizes"].tolist() == [[30, 90]]
     assert portrait.data["pixel_values"].shape[:2] == wide.data["pixel_values"].shape[:2] == (1, 5)
-    llm.shutdown()
 
 
-def test_token_ids_prompt_with_one_placeholder_per_image_expands_each_by_its_own_count(tiny_llava_next, pictures):
+def test_token_ids_prompt_with_one_placeholder_per_image_expands_each_by_its_own_count(mm_parity, case, llm, pictures):
     """Two images of other sizes expand to 72 and 34 placeholders: a token-id prompt with one per image answers
     as the text prompt does."""
-    llm = make_llm(tiny_llava_next)
-    imgs = [pictures["portrait"], pictures["wide"]]
-    ids = tiny_llava_next.processor.tokenizer.encode(TWO)
-    (output,) = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": imgs}}, greedy(),
+    imgs = (pictures["portrait"], pictures["wide"])
+    ids = case.processor.tokenizer.encode(TWO)
+    (output,) = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": list(imgs)}}, greedy(),
                              use_tqdm=False)
-    assert_matches_hf(tiny_llava_next, output, TWO, imgs)
-    llm.shutdown()
+    mm_parity.assert_matches(case, output, MultimodalPrompt(TWO, imgs))
 
 
-def test_prefix_cache_hits_for_the_same_image_and_misses_for_another(tiny_llava_next, pictures):
-    llm = make_llm(tiny_llava_next)
-    landscape, tall = pictures["landscape"], pictures["tall"]
-    first = llm.generate({"prompt": ONE, "multi_modal_data": {"image": landscape}}, greedy(), use_tqdm=False)[0]
-    same = llm.generate({"prompt": ONE, "multi_modal_data": {"image": landscape}}, greedy(), use_tqdm=False)[0]
-    other = llm.generate({"prompt": ONE, "multi_modal_data": {"image": tall}}, greedy(), use_tqdm=False)[0]
-    image_token = tiny_llava_next.hf_model.config.image_token_index
-    image_start = first.prompt_token_ids.index(image_token)
-    assert first.num_cached_tokens == 0
-    assert same.num_cached_tokens > image_start + first.prompt_token_ids.count(image_token)  # through the image
-    assert other.num_cached_tokens <= image_start  # only the text before the image
-    assert same.outputs[0].token_ids == first.outputs[0].token_ids
-    assert_matches_hf(tiny_llava_next, same, ONE, [landscape])
-    assert_matches_hf(tiny_llava_next, other, ONE, [tall])
-    llm.shutdown()
-
-
-def test_transformers_5_weight_names_load_the_same_model(tiny_llava_next, pictures, tmp_path):
+def test_transformers_5_weight_names_load_the_same_model(mm_parity, case, pictures, tmp_path):
     """`model.image_newline`, `model.vision_tower.*`, ... (transformers 5's layout) as well as the saved one."""
     renames = {"language_model.model.": "model.language_model.", "language_model.lm_head.": "lm_head.",
                "vision_tower.": "model.vision_tower.", "multi_modal_projector.": "model.multi_modal_projector.",
                "image_newline": "model.image_newline"}
-    assert "model.image_newline" in copy_with_renamed_weights(tiny_llava_next.path, tmp_path, renames)
-    llm = LLM(str(tmp_path), dtype="float32", block_size=4, num_gpu_blocks_override=64)
+    assert "model.image_newline" in copy_with_renamed_weights(case.model, tmp_path, renames)
+    llm = LLM(str(tmp_path), dtype="float32", block_size=4, num_gpu_blocks_override=64, device={"num_threads": 1})
     output = llm.generate({"prompt": ONE, "multi_modal_data": {"image": pictures["portrait"]}}, greedy(),
                           use_tqdm=False)[0]
-    assert_matches_hf(tiny_llava_next, output, ONE, [pictures["portrait"]])
+    mm_parity.assert_matches(case, output, MultimodalPrompt(ONE, (pictures["portrait"],)))
     llm.shutdown()
-
-
-def test_tensor_parallel_encodes_on_every_rank(tiny_llava_next, pictures):
-    """TP=2: each rank runs its half of the tower's heads and of the projector on every tile of the same image."""
-    llm = make_llm(tiny_llava_next, tensor_parallel_size=2, max_num_batched_tokens=16)
-    try:
-        outputs = llm.generate([{"prompt": text, "multi_modal_data": {"image": imgs}}
-                                for text, imgs in cases(pictures)], greedy(), use_tqdm=False)
-    finally:
-        llm.shutdown()
-    for (text, imgs), output in zip(cases(pictures), outputs):
-        assert_matches_hf(tiny_llava_next, output, text, imgs)
