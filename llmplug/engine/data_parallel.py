@@ -1,22 +1,24 @@
-"""DataParallelEngine: `data_parallel_size` engine replicas in processes of their own, behind LLMEngine's interface.
+"""DataParallelEngine: `data_parallel_size` engine replicas (processes or Ray actors) behind LLMEngine's interface.
 
 `LLM` and `AsyncLLM` (and so `llmplug serve`) build one when `parallel.data_parallel_size > 1` and drive it as
 they drive an LLMEngine: `add_request` routes a request to a replica, `step` returns the outputs the replicas
-sent since the last call. Each replica is a whole LLMEngine in a process of its own pinned to its share of the
-cores (dp_placement.py), with its own executor (tensor x pipeline parallel workers as configured); see
-dp_replica.py for the process and its messages.
+sent since the last call. Each replica is a whole LLMEngine with its own executor (tensor x pipeline parallel
+workers as configured), run by the backend `parallel.data_parallel_backend` names: a process of its own pinned to
+its share of the cores (mp: dp_process.py, dp_placement.py), or a Ray actor placed by Ray (ray:
+dp_ray_replica.py); see dp_replica.py for its loop and messages.
 
 This front end tokenizes and checks every prompt with the replicas' own limits before routing it (a bad request
 is refused here, at once, as LLMEngine refuses it), and routes by queue depth and prefix affinity
 (dp_balancer.py). One thread per replica reads its messages and supervises it (dp_supervisor.py): when the
-process dies, that replica's requests end (finish_reason "abort", `error` naming the replica and how it died),
-the others go on, and the replica is started again (from the checkpoint: weights pushed by update_weights and
-LoRA adapters loaded at run time are not restored). `replica_states()` reports each replica for /health and
-the metrics.
+replica dies, or hangs (has requests and sends nothing for parallel.engine_iteration_timeout_s), its requests
+end (finish_reason "abort", `error` naming the replica and how it ended), the others go on, and the replica is
+started again (from the checkpoint: weights pushed by update_weights and LoRA adapters loaded at run time are not
+restored). `replica_states()` reports each replica for /health and the metrics.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import time
@@ -32,9 +34,9 @@ from llmplug.core.params import PoolingParams, SamplingParams
 from llmplug.core.plugins import PluginRegistry
 from llmplug.engine.aborted_output import aborted_output
 from llmplug.engine.dp_balancer import LoadBalancer, prefix_keys
-from llmplug.engine.dp_placement import replica_cpus
+from llmplug.engine.dp_process import ProcessLauncher
 from llmplug.engine.dp_replica import AbortRequests, AddRequest, Outputs, Ready
-from llmplug.engine.dp_supervisor import Replica, ReplicaDied, ReplicaState, stop_all
+from llmplug.engine.dp_supervisor import Replica, ReplicaDied, ReplicaLauncher, ReplicaState, stop_all
 from llmplug.engine.executors.main_guard import check_main_guard
 from llmplug.engine.guided_decoding import GuidedDecodingManager
 from llmplug.engine.input_processor import PromptType, is_embeds_prompt, is_multimodal_prompt
@@ -58,6 +60,16 @@ def uses_replicas(config: EngineConfig) -> bool:
     """True when `config` asks for data-parallel replicas run by llmplug (not by an external launcher)."""
     parallel = config.parallel
     return parallel.data_parallel_size > 1 and parallel.executor != "external_launcher"
+
+
+def build_launcher(config: EngineConfig, registry: PluginRegistry) -> ReplicaLauncher:
+    """The data-parallel backend `parallel.data_parallel_backend` names: processes here (mp) or Ray actors."""
+    if config.parallel.data_parallel_backend == "ray":
+        from llmplug.engine.dp_ray_replica import RayLauncher  # imports ray
+
+        return RayLauncher(config, registry)
+    check_main_guard(f"{config.parallel.data_parallel_size} data-parallel replica processes")
+    return ProcessLauncher(config, registry)
 
 
 def build_engine(config: EngineConfig) -> LLMEngine | DataParallelEngine:
@@ -91,16 +103,15 @@ class DataParallelEngine:
         self.registry = registry or PluginRegistry.from_config(config.plugins)
         self.config = prepare_config(config, self.registry)
         num_replicas = self.config.parallel.data_parallel_size
-        check_main_guard(f"{num_replicas} data-parallel replica processes")
         loader = build_loader(self.registry, self.config.load.format, self.config.load)
         loader.download_model(self.config.model)  # once, here, before any replica starts
         self.tokenizer = None if self.config.model.skip_tokenizer_init else loader.load_tokenizer(self.config.model)
         replica_config = self.config.model_copy(deep=True)
         replica_config.parallel.data_parallel_size = 1
         self._events: queue.SimpleQueue = queue.SimpleQueue()
-        self.replicas = [Replica(i, cpus, replica_config, self.registry, self._events)
-                         for i, cpus in enumerate(replica_cpus(num_replicas))]
-        self._finalizer = weakref.finalize(self, stop_all, self.replicas)
+        self.launcher = build_launcher(self.config, self.registry)
+        self.replicas = [Replica(i, self.launcher, replica_config, self._events) for i in range(num_replicas)]
+        self._finalizer = weakref.finalize(self, _stop, self.replicas, self.launcher)
         try:
             ready = [replica.wait_started() for replica in self.replicas][0]
         except BaseException:
@@ -138,7 +149,7 @@ class DataParallelEngine:
         self.replicas[index].send(AddRequest(request_id, prompt, params, priority, arrival_time, lora_request),
                                   generation)
         self._requests[request_id] = _Tracked(index, generation, params, token_ids, arrival_time)
-        self._in_flight[index] += 1
+        self._count(index, 1)
         self.balancer.record(keys, index)
 
     def _prepare(self, prompt: PromptType, params: SamplingParams | PoolingParams | None
@@ -225,8 +236,15 @@ class DataParallelEngine:
     def _untrack(self, request_id: str) -> _Tracked | None:
         tracked = self._requests.pop(request_id, None)
         if tracked is not None:
-            self._in_flight[tracked.replica] -= 1
+            self._count(tracked.replica, -1)
         return tracked
+
+    def _count(self, index: int, change: int) -> None:
+        """Replica `index` has `change` more unfinished requests; its supervisor hears when it gets or loses all."""
+        before = self._in_flight[index]
+        self._in_flight[index] += change
+        if (before > 0) != (self._in_flight[index] > 0):
+            self.replicas[index].has_requests(self._in_flight[index] > 0)
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is still running in some replica."""
@@ -303,6 +321,12 @@ class ReplicaCalls:
     def asleep(self) -> bool:
         """True while anything sleeps in some replica."""
         return any(self._on_all(_asleep))
+
+
+def _stop(replicas: list[Replica], launcher: ReplicaLauncher) -> None:
+    """Stop every replica, then release the backend (a Ray cluster it started)."""
+    stop_all(replicas)
+    launcher.close()
 
 
 def _core_method(engine: LLMEngine, name: str, *args: Any) -> Any:

@@ -1,12 +1,14 @@
-"""The process of one data-parallel replica, and the messages it exchanges with `DataParallelEngine`.
+"""A data-parallel replica's serving loop, and the messages it exchanges with `DataParallelEngine`.
 
 A replica is a whole LLMEngine (its executor as configured: one worker, or tensor/pipeline-parallel workers of
-its own) in a spawned process pinned to its share of the cores. It runs AsyncLLM's loop without the asyncio
-side: between steps it takes every queued command, with nothing to run it blocks on its command pipe, and
-after each step it sends the step's outputs and its stats. Messages are pickled by hand (`send_bytes`), so a
-tensor in an output travels as bytes, not as a shared-memory handle. The replica leaves when told to, or when
-its command pipe closes (the front end is gone). This module imports no torch at import time: a spawned replica
-pins itself and configures its CPU threads first (platforms/cpu_threads.py).
+its own) in a process pinned to its share of the cores (`replica_main`, the mp backend), or in a thread of a Ray
+actor (`serve_replica`, the ray backend: dp_ray_replica.py). It runs AsyncLLM's loop without the asyncio side:
+between steps it takes every queued command, with nothing to run it blocks on its commands, and after each step
+it sends the step's outputs and its stats (while it has requests, at least every HEARTBEAT_S: its supervisor
+takes a longer silence for a hang). Messages are pickled by hand (`send_bytes`), so a tensor in an output travels
+as bytes, not as a shared-memory handle. The replica leaves when told to, or when its commands end (the front
+end is gone). This module imports no torch at import time: a spawned replica pins itself and configures its CPU
+threads first (platforms/cpu_threads.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 import pickle
 import signal
 import sys
+import time
 import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -24,7 +27,9 @@ from llmplug.core.config import EngineConfig
 from llmplug.core.plugins import PluginRegistry
 
 __all__ = ["AddRequest", "AbortRequests", "Call", "CallResult", "Outputs", "Ready", "Shutdown", "StartFailed",
-           "recv", "replica_main", "send"]
+           "recv", "replica_main", "send", "serve_replica"]
+
+HEARTBEAT_S = 1.0  # the longest a busy replica stays silent (shorter with a short engine_iteration_timeout_s)
 
 
 # --- front end -> replica -------------------------------------------------------------------------
@@ -126,7 +131,7 @@ def picklable(error: BaseException) -> BaseException:
 def replica_main(config: EngineConfig, registry: PluginRegistry, cpus: list[int], environ: dict[str, str],
                  commands: Connection, events: Connection) -> None:
     """Entry point of a replica process: take the front end's environment as it is now (a forkserver's child
-    starts with the one the forkserver had), pin, build the engine, then serve commands until Shutdown."""
+    starts with the one the forkserver had), pin, then serve (`serve_replica`)."""
     from llmplug.engine.executors.worker_start import adopt_engine_environment
     from llmplug.platforms.cpu_threads import configure_cpu_threads
 
@@ -138,6 +143,12 @@ def replica_main(config: EngineConfig, registry: PluginRegistry, cpus: list[int]
         parallel = config.parallel
         configure_cpu_threads(config.device.num_threads,
                               num_processes_sharing=parallel.tensor_parallel_size * parallel.pipeline_parallel_size)
+    serve_replica(config, registry, commands, events)
+
+
+def serve_replica(config: EngineConfig, registry: PluginRegistry, commands: Any, events: Any) -> None:
+    """Build the engine, send Ready (or StartFailed), then serve commands until Shutdown or the front end leaves.
+    `commands` and `events` are pipe ends, or anything with their poll / recv_bytes / send_bytes."""
     from llmplug.engine.llm_engine import LLMEngine
 
     try:
@@ -150,23 +161,33 @@ def replica_main(config: EngineConfig, registry: PluginRegistry, cpus: list[int]
         kv = core.kv_cache_manager
         send(events, Ready(os.getpid(), core.model_info, core.max_model_len, engine.eos_token_ids,
                            kv.num_blocks if kv is not None else 0, core.stats()))
-        _serve(engine, commands, events)
+        _serve(engine, commands, events, heartbeat_s(config))
     except (EOFError, BrokenPipeError):
         pass  # the front end is gone: nobody is left to answer
     finally:
         engine.shutdown()
 
 
-def _serve(engine: Any, commands: Connection, events: Connection) -> None:
-    """Take commands, step, send outputs; an exception that escapes a step ends the process (the front end
-    sees it exit, fails this replica's requests and starts a new one)."""
+def heartbeat_s(config: EngineConfig) -> float:
+    """How often a busy replica that has nothing else to send says that it is alive (its stats): often enough
+    that a quiet stretch of parallel.engine_iteration_timeout_s means a step that never ended."""
+    return min(HEARTBEAT_S, config.parallel.engine_iteration_timeout_s / 4)
+
+
+def _serve(engine: Any, commands: Connection, events: Connection, heartbeat: float) -> None:
+    """Take commands, step, send outputs (and, while busy, the stats at least every `heartbeat` seconds); an
+    exception that escapes a step ends the replica (the front end sees it end, fails its requests and starts a
+    new one)."""
+    last_sent = time.monotonic()
     while True:
         pending = _Pending()
         if not _apply_commands(engine, commands, events, pending, block=not engine.has_unfinished_requests()):
             return
         outputs = engine.step() if engine.has_unfinished_requests() else []
-        if outputs or pending.rejected or pending.changed:
+        now = time.monotonic()
+        if outputs or pending.rejected or pending.changed or now - last_sent >= heartbeat:
             send(events, Outputs(outputs, pending.rejected, engine.engine_core.stats()))
+            last_sent = now
 
 
 def _apply_commands(engine: Any, commands: Connection, events: Connection, pending: _Pending, block: bool) -> bool:

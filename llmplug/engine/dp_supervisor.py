@@ -1,10 +1,12 @@
-"""The replica processes of a DataParallelEngine: starting them, reading their messages, restarting the dead.
+"""The supervisors of a DataParallelEngine's replicas: reading their messages, watching them, restarting the dead.
 
-One `Replica` per data-parallel rank owns its process, the two pipes to it and a supervisor thread. The thread
-reads the process's messages (outputs and stats for the engine thread, call results for their callers) until the
-pipe closes, then reports the death (`ReplicaDied`, which ends that process's requests), and starts the replica
-again on the same cores. A replica that fails to start again is retried after each of RESTART_DELAYS_S, then
-given up ("failed").
+One `Replica` per data-parallel rank owns the handle of its running replica (a process of the `mp` backend,
+dp_process.py, or a Ray actor of the `ray` backend, dp_ray_replica.py: both a `ReplicaHandle`) and a supervisor
+thread. The thread reads the replica's messages (outputs and stats for the engine thread, call results for their
+callers) until it ends, then reports the end (`ReplicaDied`, which ends that replica's requests), and starts it
+again. A replica that has work (requests, calls) and sends nothing for `parallel.engine_iteration_timeout_s`
+(a busy replica sends its stats at least every second) is hung: it is killed, and so ends the same way. A replica
+that fails to start again is retried after each of RESTART_DELAYS_S, then given up ("failed").
 """
 
 from __future__ import annotations
@@ -12,32 +14,57 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import logging
-import multiprocessing
-import os
 import queue
-import signal
 import threading
 import time
 from dataclasses import dataclass
-from multiprocessing.context import BaseContext
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from llmplug.core.config import EngineConfig
-from llmplug.core.errors import ConfigError, EngineDeadError
-from llmplug.core.plugins import PluginRegistry
-from llmplug.engine.dp_replica import Call, CallResult, Outputs, Ready, Shutdown, StartFailed, recv, replica_main, send
-from llmplug.engine.executors.worker_start import PRELOAD, START_METHOD_ENV, START_METHODS
+from llmplug.core.errors import EngineDeadError
+from llmplug.engine.dp_replica import Call, CallResult, Outputs, Ready, StartFailed
 
-__all__ = ["Replica", "ReplicaDied", "ReplicaState", "replica_context", "stop_all"]
+__all__ = ["Replica", "ReplicaDied", "ReplicaHandle", "ReplicaLauncher", "ReplicaState", "stop_all"]
 
 logger = logging.getLogger(__name__)
 
-# what the forkserver imports beside the workers' stack, when a replica starts it: the engine, the model layers,
-# transformers' config and tokenizer classes (the seconds of a replica's start-up that are not its model's loading)
-PRELOAD_MODULES = ["llmplug.engine.dp_replica", "llmplug.engine.llm_engine", "llmplug.layers.decoder",
-                   "transformers.models.auto.configuration_auto", "transformers.models.auto.tokenization_auto"]
 RESTART_DELAYS_S = (1.0, 5.0, 15.0)  # before each further attempt to restart a replica that fails to start
-STOP_GRACE_S = 5.0  # a replica asked to leave has this long before it is terminated
+STOP_GRACE_S = 5.0  # a replica asked to leave has this long before it is killed
+WATCH_S = 0.5  # how often a supervisor that hears nothing checks whether its replica is hung
+
+
+class ReplicaHandle(Protocol):
+    """One running replica as its supervisor uses it (`send` from any thread, the rest from the supervisor's)."""
+
+    pid: int | None
+
+    def send(self, message: Any) -> None:
+        """Send a command (OSError once the replica is gone)."""
+
+    def recv(self, timeout: float) -> Any | None:
+        """The replica's next message, or None when none came within `timeout` s; EOFError once it ended."""
+
+    def kill(self) -> None:
+        """End the replica now, whatever it is doing."""
+
+    def exit_reason(self, grace_s: float) -> str:
+        """How the ended replica ended, naming it (`data-parallel replica 1 (pid 42) exited (...)`)."""
+
+    def stop(self, grace_s: float) -> None:
+        """Ask the replica to leave (Shutdown), and end it when it has not within `grace_s`."""
+
+
+class ReplicaLauncher(Protocol):
+    """A data-parallel backend: starts replicas (`parallel.data_parallel_backend`)."""
+
+    cpus: list[list[int]]  # the cores of each replica ([] each where the backend places them)
+
+    def launch(self, index: int, config: EngineConfig) -> ReplicaHandle:
+        """Start replica `index` (at the first start and at each restart); its first message is Ready or
+        StartFailed."""
+
+    def close(self) -> None:
+        """Release what the backend holds, once every replica stopped."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,25 +88,28 @@ class ReplicaDied:
 
 
 class Replica:
-    """One replica: its process, its pipes, and the thread that reads its messages and restarts it."""
+    """One replica: its running handle, and the thread that reads its messages, watches it and restarts it."""
 
-    def __init__(self, index: int, cpus: list[int], config: EngineConfig, registry: PluginRegistry,
-                 events: queue.SimpleQueue):
-        self.index, self.cpus, self.config, self.registry = index, cpus, config, registry
+    def __init__(self, index: int, launcher: ReplicaLauncher, config: EngineConfig, events: queue.SimpleQueue):
+        self.index, self.launcher, self.config = index, launcher, config
+        self.cpus = launcher.cpus[index]
+        self.timeout_s = config.parallel.engine_iteration_timeout_s
         self._events = events  # (index, generation, message) for the engine thread
         self._lock = threading.Lock()  # guards the fields below, read by other threads
         self.status = "starting"
         self.generation = 0
-        self.process: Any = None
+        self.handle: ReplicaHandle | None = None
         self.restarts = 0
         self.last_error: str | None = None
         self.stats: dict[str, Any] = {}
         self.stats_version = 0  # counts stats updates: a reader merges them again only when one moved
         self.ready: Ready | None = None
-        self._commands: Any = None
         self._send_lock = threading.Lock()
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._call_ids = itertools.count()
+        self._has_requests = False
+        self._silent_since = time.monotonic()  # the last message, or work given to a replica that had none
+        self._hung: str | None = None  # why the supervisor killed the current handle
         self._closing = False
         self._started = threading.Event()
         self._start_error: BaseException | None = None
@@ -101,14 +131,22 @@ class Replica:
             return self.status == "running", self.generation
 
     def send(self, message: Any, generation: int) -> None:
-        """Send to the process of `generation`; dropped when that process is gone (its death fails its requests)."""
+        """Send to the replica of `generation`; dropped when it is gone (its death fails its requests)."""
         with self._send_lock:
-            if self._commands is None or self.generation != generation:
+            if self.handle is None or self.generation != generation:
                 return
             try:
-                send(self._commands, message)
-            except OSError:  # it died meanwhile: the supervisor reports it
-                logger.debug("replica %d: dropped %s for a dead process", self.index, type(message).__name__)
+                self.handle.send(message)
+            except (OSError, EOFError):  # it died meanwhile: the supervisor reports it
+                logger.debug("replica %d: dropped %s for a dead replica", self.index, type(message).__name__)
+
+    def has_requests(self, busy: bool) -> None:
+        """The front end now has (`busy`) or no longer has unfinished requests in this replica: a busy replica
+        that stays silent for timeout_s is hung."""
+        with self._lock:
+            if busy and not self._has_requests:
+                self._silent_since = time.monotonic()
+            self._has_requests = busy
 
     def call(self, function: Callable[..., Any], args: tuple) -> concurrent.futures.Future:
         """Run `function(engine, *args)` in the replica between its steps; the future gets its result."""
@@ -117,40 +155,43 @@ class Replica:
             if self.status != "running":
                 raise EngineDeadError(f"data-parallel replica {self.index} is {self.status}")
             call_id, generation = next(self._call_ids), self.generation
+            if not self._calls and not self._has_requests:
+                self._silent_since = time.monotonic()
             self._calls[call_id] = future
         self.send(Call(call_id, function, args), generation)
         return future
 
     def state(self) -> ReplicaState:
         with self._lock:
-            pid = self.process.pid if self.process is not None else None
+            pid = self.handle.pid if self.handle is not None else None
             return ReplicaState(self.index, self.status, pid, tuple(self.cpus), self.restarts, self.last_error,
                                 dict(self.stats))
 
     def stop(self) -> None:
-        """Ask the process to leave, then terminate and kill it; the supervisor ends with it."""
+        """Ask the replica to leave, then end it; the supervisor ends with it."""
         with self._lock:
             self._closing = True
-            process, generation = self.process, self.generation
-        if process is None:
-            return
-        self.send(Shutdown(), generation)
-        process.join(STOP_GRACE_S)
-        for ending in (process.terminate, process.kill):
-            if process.is_alive():
-                ending()
-                process.join(2)
+            handle = self.handle
+        if handle is not None:
+            handle.stop(STOP_GRACE_S)
         self._thread.join(STOP_GRACE_S)
 
     # --- the supervisor thread ---------------------------------------------------------------
 
     def _supervise(self) -> None:
-        """Start the process, read its messages until it ends, report the end, start it again."""
+        """Start the replica, read its messages until it ends, report the end, start it again."""
         failed_starts = 0
         while True:
-            events = self._spawn()
-            started = self._read(events)
-            reason = self._exit_reason()
+            try:
+                handle = self._launch()
+            except Exception as error:  # noqa: BLE001 - the backend could not start it: as a failed start
+                handle, reason = None, f"data-parallel replica {self.index} could not be launched: {error}"
+                self._start_failed(StartFailed(error, reason))
+                started = False
+            else:
+                started = self._read(handle)
+                exited = handle.exit_reason(STOP_GRACE_S)  # also reaps what is left of it
+                reason = self._hung or exited
             with self._lock:
                 closing = self._closing
             if closing:
@@ -168,32 +209,28 @@ class Replica:
             with self._lock:
                 self.restarts += 1
 
-    def _spawn(self) -> Any:
-        """Start a process (the next generation); return the pipe its messages come through."""
-        context = replica_context(self.config)
-        command_reader, command_writer = context.Pipe(duplex=False)
-        event_reader, event_writer = context.Pipe(duplex=False)
-        process = context.Process(
-            target=replica_main,
-            args=(self.config, self.registry, self.cpus, dict(os.environ), command_reader, event_writer),
-            # a daemon process may not start processes: a replica with multiproc workers of its own is none; it is
-            # stopped by stop_all (at exit too), or leaves when its command pipe closes
-            name=f"llmplug-dp-replica-{self.index}", daemon=self.config.parallel.executor != "multiproc",
-        )
-        process.start()
-        command_reader.close()  # the child's ends: its exit must close the pipes
-        event_writer.close()
+    def _launch(self) -> ReplicaHandle:
+        """Start the next generation of the replica."""
+        handle = self.launcher.launch(self.index, self.config)
         with self._send_lock, self._lock:
-            self.process, self._commands = process, command_writer
+            self.handle, self._hung = handle, None
             self.generation += 1
-        return event_reader
+            closing = self._closing
+        if closing:  # stop() came while it started: it found no handle to stop
+            handle.stop(STOP_GRACE_S)
+        return handle
 
-    def _read(self, events: Any) -> bool:
-        """Handle the process's messages until its pipe closes; True when it had started."""
+    def _read(self, handle: ReplicaHandle) -> bool:
+        """Handle the replica's messages until it ends (or is killed as hung); True when it had started."""
         started = False
         try:
             while True:
-                message = recv(events)
+                message = handle.recv(WATCH_S)
+                if message is None:
+                    self._check_hung(handle)
+                    continue
+                with self._lock:
+                    self._silent_since = time.monotonic()
                 if isinstance(message, Outputs):
                     with self._lock:
                         self.stats = message.stats
@@ -206,16 +243,28 @@ class Replica:
                     self._on_ready(message)
                 elif isinstance(message, StartFailed):
                     self._start_failed(message)
-        except (EOFError, OSError):
+        except EOFError:
             pass
-        finally:
-            events.close()
         return started
+
+    def _check_hung(self, handle: ReplicaHandle) -> None:
+        """Kill a serving replica that has work and stayed silent for timeout_s (it then ends as dead ones do)."""
+        with self._lock:
+            busy = self.status == "running" and (self._has_requests or bool(self._calls))
+            silent = time.monotonic() - self._silent_since
+            if not busy or silent < self.timeout_s or self._hung is not None:
+                return
+            self._hung = (f"data-parallel replica {self.index} (pid {handle.pid}) made no progress for {silent:.0f} s "
+                          f"(parallel.engine_iteration_timeout_s = {self.timeout_s:g}): declared hung and killed")
+        logger.error("%s", self._hung)
+        handle.kill()
 
     def _on_ready(self, ready: Ready) -> None:
         with self._lock:
             self.status, self.stats = "running", ready.stats
             self.stats_version += 1
+            if self.handle is not None:
+                self.handle.pid = ready.pid
             first = self.ready is None
             self.ready = ready
         if first:
@@ -229,13 +278,6 @@ class Replica:
             if self.ready is None:
                 self._start_error = failed.error
         logger.error("data-parallel replica %d failed to start:\n%s", self.index, failed.traceback)
-
-    def _exit_reason(self) -> str:
-        process = self.process
-        process.join(STOP_GRACE_S)
-        code = process.exitcode
-        how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
-        return f"data-parallel replica {self.index} (pid {process.pid}) exited ({how})"
 
     def _report_death(self, reason: str) -> None:
         """Its requests and calls fail; it is restarted (the caller loops)."""
@@ -270,24 +312,6 @@ class Replica:
     def _set_status(self, status: str) -> None:
         with self._lock:
             self.status = status
-
-
-def replica_context(config: EngineConfig) -> BaseContext:
-    """How replica processes start: forked from the workers' forkserver (worker_start.py), which imported torch,
-    transformers and the engine once, so a new or restarted replica starts in about the time its model takes to
-    load. That torch loaded with OMP_WAIT_POLICY=PASSIVE; a replica of one worker running several threads on
-    cores of its own wants ACTIVE, which only a fresh interpreter can take: it is spawned
-    (VLLM_WORKER_MULTIPROC_METHOD=spawn spawns every replica)."""
-    method = os.environ.get(START_METHOD_ENV, "forkserver")
-    if method not in START_METHODS:
-        raise ConfigError(f"{START_METHOD_ENV}={method!r}: data-parallel replicas start by "
-                          f"{' or '.join(START_METHODS)} (a fork of this process would copy its threads)")
-    parallel = config.parallel
-    if parallel.tensor_parallel_size * parallel.pipeline_parallel_size == 1 and (config.device.num_threads or 1) > 1:
-        method = "spawn"
-    if method == "forkserver":
-        multiprocessing.set_forkserver_preload([PRELOAD, *PRELOAD_MODULES])  # when the forkserver starts (once)
-    return multiprocessing.get_context(method)
 
 
 def stop_all(replicas: list[Replica]) -> None:

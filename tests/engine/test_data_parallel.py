@@ -2,7 +2,8 @@
 
 One DP=2 LLM serves the whole module (starting replica processes is what costs): its greedy answers equal
 DP=1's, in the order of the prompts; a conversation's turns go back to the replica that holds its prefix; a
-replica killed mid-generation fails its own requests only and is started again.
+replica killed mid-generation, or one that hangs (SIGSTOP) past the iteration timeout, fails its own requests only
+and is started again.
 """
 
 from __future__ import annotations
@@ -107,9 +108,13 @@ def tiny_llama(tmp_path_factory):
     return make_tiny("llama", tmp_path_factory.mktemp("dp_llama"))
 
 
+HANG_TIMEOUT_S = 4.0  # parallel.engine_iteration_timeout_s of the module's DP=2 LLM
+
+
 @pytest.fixture(scope="module")
 def dp_llm(tiny_llama):
-    llm = LLM(str(tiny_llama.path), data_parallel_size=2, **KWARGS)
+    llm = LLM(str(tiny_llama.path), data_parallel_size=2, **KWARGS,
+              **{"parallel.engine_iteration_timeout_s": HANG_TIMEOUT_S})
     yield llm
     llm.shutdown()
 
@@ -190,20 +195,28 @@ def test_engine_calls_reach_every_replica(dp_llm, tiny_llama, one_engine_tokens)
         one_engine_tokens
 
 
-def kill_when_running(llm: LLM, index: int) -> threading.Thread:
-    """Kill replica `index` once it runs a request (a thread: LLM.generate blocks meanwhile)."""
+def kill_when_running(llm: LLM, index: int, signum: int = signal.SIGKILL) -> threading.Thread:
+    """Send `signum` to replica `index` once it runs a request (a thread: LLM.generate blocks meanwhile)."""
     def kill():
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             state = llm.llm_engine.replica_states()[index]
             if state.stats.get("num_running", 0) > 0:
-                os.kill(state.pid, signal.SIGKILL)
+                os.kill(state.pid, signum)
                 return
             time.sleep(0.005)
 
     thread = threading.Thread(target=kill, daemon=True)
     thread.start()
     return thread
+
+
+def wait_running(llm: LLM, index: int):
+    """Replica `index`'s state once it serves again (or after 60 s)."""
+    deadline = time.monotonic() + 60
+    while (state := llm.llm_engine.replica_states()[index]).status != "running" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return state
 
 
 def test_a_killed_replica_fails_only_its_requests_and_is_restarted(dp_llm):
@@ -217,11 +230,27 @@ def test_a_killed_replica_fails_only_its_requests_and_is_restarted(dp_llm):
     assert all(o.finished and o.outputs[0].finish_reason == "abort" for o in failed)
     assert all("replica 1" in o.outputs[0].error and "SIGKILL" in o.outputs[0].error for o in failed)
     assert all(o.outputs[0].finish_reason == "length" and len(o.outputs[0].token_ids) == 150 for o in finished)
-    deadline = time.monotonic() + 60
-    while (state := dp_llm.llm_engine.replica_states()[1]).status != "running" and time.monotonic() < deadline:
-        time.sleep(0.05)
+    state = wait_running(dp_llm, 1)
     assert state.status == "running" and state.restarts == 1 and "SIGKILL" in state.last_error
     queries_before = replica_stat(dp_llm, "prefix_cache_queries")[1]
     outputs = dp_llm.generate(token_prompts(4, seed=4), SamplingParams(max_tokens=3), use_tqdm=False)
     assert all(o.outputs[0].finish_reason == "length" for o in outputs)
     assert replica_stat(dp_llm, "prefix_cache_queries")[1] > queries_before  # the new process serves
+
+
+def test_a_hung_replica_is_declared_dead_its_requests_fail_and_it_is_restarted(dp_llm):
+    stopper = kill_when_running(dp_llm, 0, signal.SIGSTOP)  # alive, but it makes no progress any more
+    started = time.monotonic()
+    outputs = dp_llm.generate(token_prompts(6, seed=5), SamplingParams(max_tokens=150, temperature=0, ignore_eos=True),
+                              use_tqdm=False)
+    stopper.join()
+    failed = [o.outputs[0] for o in outputs if o.outputs[0].error is not None]
+    finished = [o.outputs[0] for o in outputs if o.outputs[0].error is None]
+    assert failed and finished and time.monotonic() - started >= HANG_TIMEOUT_S
+    assert all(c.finish_reason == "abort" and "replica 0" in c.error and "no progress" in c.error
+               and "engine_iteration_timeout_s" in c.error for c in failed)
+    assert all(c.finish_reason == "length" and len(c.token_ids) == 150 for c in finished)
+    state = wait_running(dp_llm, 0)
+    assert state.status == "running" and state.restarts == 1 and "hung" in state.last_error
+    outputs = dp_llm.generate(token_prompts(4, seed=6), SamplingParams(max_tokens=3), use_tqdm=False)
+    assert all(o.outputs[0].finish_reason == "length" for o in outputs)

@@ -51,6 +51,7 @@ ALIASES: dict[str, str] = {
     "pipeline_parallel_size": "parallel.pipeline_parallel_size",
     "data_parallel_size": "parallel.data_parallel_size",
     "data_parallel_routing": "parallel.data_parallel_routing",
+    "data_parallel_backend": "parallel.data_parallel_backend",
     "enable_expert_parallel": "parallel.enable_expert_parallel",
     "distributed_executor_backend": "parallel.executor",
     "load_format": "load.format",

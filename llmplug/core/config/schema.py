@@ -229,6 +229,22 @@ class ParallelConfig(_Section):
             "prefix, unless it is much busier), least_loaded (fewest waiting + running requests) or round_robin."
         ),
     )
+    data_parallel_backend: Literal["mp", "ray"] = Field(
+        "mp",
+        description=(
+            "What runs data-parallel replicas: mp (processes of this machine, each pinned to its share of the "
+            "cores) or ray (Ray actors placed by Ray, num_cpus = each replica's threads, on the cluster of "
+            "ray_address / RAY_ADDRESS, else a new local one)."
+        ),
+    )
+    engine_iteration_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description=(
+            "A data-parallel replica that has requests and sends nothing (no step ends) for this long is declared "
+            "hung: killed, its requests failed, restarted (vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S)."
+        ),
+    )
     enable_expert_parallel: bool = Field(
         False,
         description=(
