@@ -35,6 +35,7 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     inter_token_latencies: list[float] = field(default_factory=list)  # seconds, one per step after the first token
+    engine_index: int = 0  # the data-parallel replica that ran it (vLLM's `engine` metrics label)
 
 
 @dataclass

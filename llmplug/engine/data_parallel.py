@@ -213,6 +213,8 @@ class DataParallelEngine:
             tracked = self._requests.get(output.request_id)
             if tracked is None or tracked.replica != index:  # aborted meanwhile
                 continue
+            if output.metrics is not None:
+                output.metrics.engine_index = index  # its per-request metrics are this replica's
             tracked.last = output
             if output.finished:
                 self._untrack(output.request_id)
@@ -225,12 +227,12 @@ class DataParallelEngine:
     def _lost(self, request_id: str, error: str) -> RequestOutput | PoolingRequestOutput:
         """The final output of a request its replica could not finish: aborted, with `error`."""
         tracked = self._untrack(request_id)
+        metrics = RequestMetrics(tracked.arrival_time, engine_index=tracked.replica)
         if isinstance(tracked.params, PoolingParams):
-            return PoolingRequestOutput(request_id, None, tracked.prompt_token_ids, True,
-                                        RequestMetrics(tracked.arrival_time), error)
+            return PoolingRequestOutput(request_id, None, tracked.prompt_token_ids, True, metrics, error)
         output = aborted_output(request_id, tracked.last, tracked.params or SamplingParams(), error)
         if tracked.last is None:
-            output.prompt_token_ids = tracked.prompt_token_ids
+            output.prompt_token_ids, output.metrics = tracked.prompt_token_ids, metrics
         return output
 
     def _untrack(self, request_id: str) -> _Tracked | None:

@@ -153,6 +153,7 @@ class RequestTracker:
         self.arrival_time = time.time()
         self.first_token_time: float | None = None
         self.engine_metrics: RequestMetrics | None = None  # the engine's timestamps, from its latest output
+        self.engine = "0"  # the `engine` label of its vllm:* series: the data-parallel replica that runs it
         self.num_cached_tokens = 0
         self.num_generated: dict[int, int] = {}  # completion index -> tokens so far
         self.prompt_counted = False  # vllm:prompt_tokens counts a prompt once its prefill gave a token
@@ -168,11 +169,12 @@ class RequestTracker:
             self.num_generated[completion.index] = seen + len(completion.token_ids)
         self.num_cached_tokens = output.num_cached_tokens
         new_tokens = sum(self.num_generated.values()) - before
+        if output.metrics is not None:
+            self.engine = str(output.metrics.engine_index)
         if new_tokens > 0:  # counted as they come, so rate() shows throughput while requests run
-            if not self.prompt_counted:
-                self.prompt_counted = True
-                self.metrics.vllm.prompt_tokens.inc(self.num_prompt_tokens)
-            self.metrics.vllm.generation_tokens.inc(new_tokens)
+            prompt_tokens = 0 if self.prompt_counted else self.num_prompt_tokens
+            self.prompt_counted = True
+            self.metrics.vllm.count_tokens(self.engine, prompt_tokens, new_tokens)
         if output.metrics is not None:
             self.engine_metrics = output.metrics
             self.arrival_time = output.metrics.arrival_time

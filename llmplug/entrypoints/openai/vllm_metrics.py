@@ -2,7 +2,8 @@
 `PrometheusStatLogger`, so that dashboards, autoscalers and routers written for vLLM read llmplug as they are.
 
 Every series carries `model_name` (the first served name) and `engine` ("0": one engine core per server; with
-data-parallel replicas, the engine gauges and counters come once per replica, `engine` its index).
+data-parallel replicas, the engine gauges and counters come once per replica, `engine` its index, and a request's
+series are those of the replica that ran it).
 Engine state (running / waiting requests, KV-cache usage, prefix-cache, encoder-cache, preemption and
 corrupted-request counters, speculative decoding and LoRA) is read from `AsyncLLM.stats()` at scrape time, and
 so is the tokens-per-step histogram the engine core keeps at every step; per-request metrics are recorded by the
@@ -53,27 +54,26 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
 
 
 class VllmMetrics:
-    """vLLM's per-request metrics (bound to this server's labels) and, registered beside them, its engine gauges."""
+    """vLLM's per-request metrics (labelled with the engine that ran the request: its data-parallel replica) and,
+    registered beside them, its engine gauges."""
 
     def __init__(self, registry: CollectorRegistry, engine_stats: Callable[[], dict[str, Any]], model_name: str,
                  max_model_len: int, cache_info: dict[str, str],
                  engines: Callable[[], list[tuple[str, dict[str, Any]]]] | None = None):
         self.model_name = model_name
-        r, values = registry, (model_name, ENGINE)
+        r = registry
         tokens = build_1_2_5_buckets(max_model_len)
 
         def counter(name: str, doc: str) -> Any:
-            return Counter(name, doc, LABELS, registry=r).labels(*values)
+            return Counter(name, doc, LABELS, registry=r)
 
         def histogram(name: str, doc: str, buckets: Any) -> Any:
-            return Histogram(name, doc, LABELS, buckets=buckets, registry=r).labels(*values)
+            return Histogram(name, doc, LABELS, buckets=buckets, registry=r)
 
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
         self.request_success = Counter("vllm:request_success", "Count of successfully processed requests.",
                                        [*LABELS, "finished_reason"], registry=r)
-        for reason in FINISHED_REASONS:
-            self.request_success.labels(*values, reason)
         self.request_prompt_tokens = histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
                                                tokens)
         self.request_generation_tokens = histogram("vllm:request_generation_tokens",
@@ -109,29 +109,52 @@ class VllmMetrics:
             info = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", [*cache_info, "engine"],
                          registry=r)
             info.labels(*cache_info.values(), ENGINE).set(1)
-        r.register(_VllmEngineCollector(engines or (lambda: [(ENGINE, engine_stats())]), model_name))
+        engines = engines or (lambda: [(ENGINE, engine_stats())])
+        for engine, _ in engines():  # every engine's per-request series from the start, at 0
+            self._create_series(engine)
+        r.register(_VllmEngineCollector(engines, model_name))
+
+    def _create_series(self, engine: str) -> None:
+        """The per-request series of engine `engine`, at 0 (prometheus_client adds a series at its first use)."""
+        labels = (self.model_name, engine)
+        for metric in (self.prompt_tokens, self.generation_tokens, self.request_prompt_tokens,
+                       self.request_generation_tokens, self.request_max_num_generation_tokens, self.request_params_n,
+                       self.request_params_max_tokens, self.request_prefill_kv_computed_tokens, self.ttft,
+                       self.inter_token_latency, self.time_per_output_token, self.request_time_per_output_token,
+                       *self.phases.values()):
+            metric.labels(*labels)
+        for reason in FINISHED_REASONS:
+            self.request_success.labels(*labels, reason)
+
+    def count_tokens(self, engine: str, prompt_tokens: int, generation_tokens: int) -> None:
+        """Add to vllm:prompt_tokens and vllm:generation_tokens of `engine` (as tokens come, not when requests end)."""
+        labels = (self.model_name, engine)
+        if prompt_tokens:
+            self.prompt_tokens.labels(*labels).inc(prompt_tokens)
+        self.generation_tokens.labels(*labels).inc(generation_tokens)
 
     def record_finished(self, tracker: RequestTracker, outcome: str, end_time: float) -> None:
-        """Record a request that ended (`outcome`: a finish reason, or "error", which is no success)."""
-        labels = (self.model_name, ENGINE)
+        """Record a request that ended (`outcome`: a finish reason, or "error", which is no success) under the
+        engine that ran it."""
+        labels = (self.model_name, tracker.engine)
         if outcome in FINISHED_REASONS:
             self.request_success.labels(*labels, outcome).inc()
         generated = list(tracker.num_generated.values())
-        self.request_prompt_tokens.observe(tracker.num_prompt_tokens)
-        self.request_generation_tokens.observe(sum(generated))
-        self.request_max_num_generation_tokens.observe(max(generated, default=0))
+        self.request_prompt_tokens.labels(*labels).observe(tracker.num_prompt_tokens)
+        self.request_generation_tokens.labels(*labels).observe(sum(generated))
+        self.request_max_num_generation_tokens.labels(*labels).observe(max(generated, default=0))
         if tracker.params is not None:
-            self.request_params_n.observe(tracker.params.n)
+            self.request_params_n.labels(*labels).observe(tracker.params.n)
             if tracker.params.max_tokens is not None:
-                self.request_params_max_tokens.observe(tracker.params.max_tokens)
+                self.request_params_max_tokens.labels(*labels).observe(tracker.params.max_tokens)
         if tracker.prompt_counted:  # its prefill ran: the prompt tokens the prefix cache did not hold were computed
-            self.request_prefill_kv_computed_tokens.observe(max(tracker.num_prompt_tokens - tracker.num_cached_tokens,
-                                                                0))
-        self.phases["e2e"].observe(max(end_time - tracker.arrival_time, 0.0))
+            self.request_prefill_kv_computed_tokens.labels(*labels).observe(
+                max(tracker.num_prompt_tokens - tracker.num_cached_tokens, 0))
+        self.phases["e2e"].labels(*labels).observe(max(end_time - tracker.arrival_time, 0.0))
         if tracker.engine_metrics is not None:
-            self._record_phases(tracker, max(generated, default=0))
+            self._record_phases(labels, tracker, max(generated, default=0))
 
-    def _record_phases(self, tracker: RequestTracker, longest: int) -> None:
+    def _record_phases(self, labels: tuple[str, str], tracker: RequestTracker, longest: int) -> None:
         """The engine-measured phases of the request: only those its timestamps cover (an aborted request may
         never have been scheduled, or never have given a token)."""
         m = tracker.engine_metrics
@@ -143,16 +166,17 @@ class VllmMetrics:
         }
         for phase, (start, end) in spans.items():
             if start is not None and end is not None:
-                self.phases[phase].observe(max(end - start, 0.0))
+                self.phases[phase].labels(*labels).observe(max(end - start, 0.0))
         if m.first_token_time is not None:
-            self.ttft.observe(max(m.first_token_time - m.arrival_time, 0.0))
+            self.ttft.labels(*labels).observe(max(m.first_token_time - m.arrival_time, 0.0))
         if m.finished_time is None:  # not the engine's final output: its inter-token latencies may be incomplete
             return
         for latency in m.inter_token_latencies:
-            self.inter_token_latency.observe(latency)
-            self.time_per_output_token.observe(latency)
+            self.inter_token_latency.labels(*labels).observe(latency)
+            self.time_per_output_token.labels(*labels).observe(latency)
         if longest > 1 and m.first_token_time is not None and m.last_token_time is not None:
-            self.request_time_per_output_token.observe((m.last_token_time - m.first_token_time) / (longest - 1))
+            self.request_time_per_output_token.labels(*labels).observe(
+                (m.last_token_time - m.first_token_time) / (longest - 1))
 
 
 class _VllmEngineCollector(Collector):

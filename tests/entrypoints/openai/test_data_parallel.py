@@ -1,7 +1,7 @@
 """`llmplug serve --data-parallel-size 2`: one server in front of two replica processes.
 
 Greedy completions through the real `openai` client, streamed and not, equal the offline DP=1 engine's; /health
-lists the replicas and /metrics labels the engine series by replica; a replica killed while the server runs is
+lists the replicas and /metrics labels the engine series, and each request's series, by replica; a replica killed while the server runs is
 reported, restarted, and serves again.
 """
 
@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import requests
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from llmplug import AsyncLLM, SamplingParams
 from tests.entrypoints.openai.conftest import ENGINE_KWARGS, serve
@@ -53,6 +54,18 @@ def test_greedy_completions_equal_one_engine_streamed_or_not(dp_server, offline_
     assert texts == expected and streamed == expected[0]
     served = [state.stats.get("prefix_cache_queries", 0) for state in dp_server.engine.replica_states()]
     assert all(queries > 0 for queries in served)
+    # each request's series are those of the replica that ran it: both have some, and all 7 are counted once
+    e2e, ttft = per_engine(dp_server, "vllm:e2e_request_latency_seconds_count"), \
+        per_engine(dp_server, "vllm:time_to_first_token_seconds_count")
+    assert set(e2e) == {"0", "1"} and all(count > 0 for count in e2e.values()) and sum(e2e.values()) == 7
+    assert ttft == e2e
+
+
+def per_engine(server, sample_name: str) -> dict[str, float]:
+    """The value of `sample_name` in /metrics, by `engine` label."""
+    text = requests.get(f"{server.base_url}/metrics", timeout=10).text
+    return {sample.labels["engine"]: sample.value for family in text_string_to_metric_families(text)
+            for sample in family.samples if sample.name == sample_name}
 
 
 def test_health_and_metrics_show_each_replica_and_a_killed_one_is_restarted(dp_server):
