@@ -25,6 +25,7 @@ from llmplug.layers.decoder.arch import MLPConfig
 from llmplug.layers.decoder.mlp import DecoderMLP
 from llmplug.layers.layernorm import RMSNorm
 from llmplug.layers.linear import QKVParallelLinear, RowParallelLinear
+from llmplug.layers.vision.axial_rotary import axial_angles
 from llmplug.layers.weight_utils import StackedParamsMap, default_weight_loader, load_mapped_weights
 
 __all__ = ["PixtralViTConfig", "PixtralVisionTransformer", "pixtral_vit_config"]
@@ -71,14 +72,11 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def axial_angles(rows: int, cols: int, config: PixtralViTConfig) -> torch.Tensor:
+def _rotate_half_angles(rows: int, cols: int, config: PixtralViTConfig) -> torch.Tensor:
     """[rows * cols, head_dim] rotary angles of a grid, row-major: the first quarter of the frequencies (the even
     ones of a 1D rotary's) times the row, the next quarter (the odd ones) times the column, repeated for rotate-half
     pairs."""
-    d = config.head_dim
-    inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)  # [D / 2]
-    row, col = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")
-    angles = torch.cat([row.flatten()[:, None] * inv_freq[0::2], col.flatten()[:, None] * inv_freq[1::2]], dim=-1)
+    angles = axial_angles(rows, cols, config.head_dim, config.rope_theta)
     return torch.cat([angles, angles], dim=-1)
 
 
@@ -170,7 +168,7 @@ class PixtralVisionTransformer(nn.Module):
         grids = [self.grid(*image.shape[-2:]) for image in images]
         patches = [self.patch_conv(image[None].to(weight.dtype))[0].flatten(1).T for image in images]
         x = self.ln_pre(torch.cat(patches))  # [N, hidden]
-        angles = torch.cat([axial_angles(rows, cols, self.config) for rows, cols in grids]).to(x.device)
+        angles = torch.cat([_rotate_half_angles(rows, cols, self.config) for rows, cols in grids]).to(x.device)
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)  # [N, D]
         mask = _block_diagonal([p.shape[0] for p in patches], x.device) if len(images) > 1 else None
         for layer in self.transformer.layers:

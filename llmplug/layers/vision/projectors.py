@@ -7,11 +7,12 @@ embeddings [B, tokens, text_hidden], one module per kind, each loading transform
   transposed to a linear layer's);
 - `PixelShuffleConnector` (Idefics3 / SmolVLM's `connector`): each `scale_factor` x `scale_factor` block
   of patches folded into one token of scale_factor**2 times the features, then a bias-free linear;
-- `ShuffledMLPProjector` (InternVL's and Aya Vision's `multi_modal_projector`): the same pixel shuffle, a LayerNorm,
-  then linear_1 -> act -> linear_2 (InternVL) or a SwiGLU over linear_1's two halves (Aya Vision);
+- `ShuffledMLPProjector` (InternVL's and Aya Vision's `multi_modal_projector`, Llama 4's `vision_adapter`): the same
+  pixel shuffle, a LayerNorm, then linear_1 -> act -> linear_2 (InternVL) or a SwiGLU over linear_1's two halves (Aya
+  Vision); Llama 4's without the norm or biases, its output activated too;
 - `PatchMergerProjector` (Mistral 3's): RMSNorm, the patch merger (each `merge_size` x `merge_size` block of an
   image's patch grid one token, a bias-free linear back to the vision width), then LLaVA's MLP;
-- `LinearProjector` (PaliGemma's): one linear layer with bias, one token per patch.
+- `LinearProjector` (PaliGemma's; Llama 4's, without bias): one linear layer, one token per patch.
 """
 
 from __future__ import annotations
@@ -66,15 +67,15 @@ class LinearProjector(nn.Module):
     """linear(x): [..., vision_hidden] -> [..., text_hidden], replicated (its output is merged into every rank's
     embeddings)."""
 
-    def __init__(self, vision_hidden: int, text_hidden: int, prefix: str = "") -> None:
+    def __init__(self, vision_hidden: int, text_hidden: int, prefix: str = "", bias: bool = True) -> None:
         super().__init__()
-        self.linear = ReplicatedLinear(vision_hidden, text_hidden, bias=True, prefix=_join(prefix, "linear"))
+        self.linear = ReplicatedLinear(vision_hidden, text_hidden, bias=bias, prefix=_join(prefix, "linear"))
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         return self.linear(features)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load `linear.weight` and `linear.bias` (names below `multi_modal_projector.`)."""
+        """Load `linear.weight` and `linear.bias` if it has one (names below `multi_modal_projector.`)."""
         return load_mapped_weights(self, weights)
 
 
@@ -157,30 +158,35 @@ class ShuffledMLPProjector(nn.Module):
     """[B, patches, vision_hidden] -> [B, patches / scale**2, text_hidden]: pixel shuffle, LayerNorm, then
     linear_2(act(linear_1(x))), or with `gated` linear_2(silu(b) * a) where a, b are linear_1's output halves (Aya
     Vision's SwiGLU, its gate second). Replicated on every rank: its output is merged into every rank's embeddings,
-    and a gated linear_1 cannot be split by columns without pairing each rank's halves."""
+    and a gated linear_1 cannot be split by columns without pairing each rank's halves.
+
+    `eps` None: no LayerNorm; `bias`: the linear layers'; `output_activation`: act applied to linear_2's output too
+    (Llama 4's vision adapter)."""
 
     def __init__(
-        self, vision_hidden: int, text_hidden: int, scale_factor: int, eps: float, activation: str = "gelu",
-        gated: bool = False, intermediate_size: int | None = None, prefix: str = "",
+        self, vision_hidden: int, text_hidden: int, scale_factor: int, eps: float | None, activation: str = "gelu",
+        gated: bool = False, intermediate_size: int | None = None, prefix: str = "", bias: bool = True,
+        output_activation: bool = False,
     ) -> None:
         super().__init__()
         folded, intermediate = vision_hidden * scale_factor**2, intermediate_size or text_hidden
         if gated and intermediate % 2:
             raise ValueError(f"a gated projector splits its {intermediate} intermediate features in halves: use an "
                              "even alignment_intermediate_size")
-        self.scale_factor, self.gated = scale_factor, gated
-        self.layer_norm = LayerNorm(folded, eps)
-        self.linear_1 = ReplicatedLinear(folded, intermediate, bias=True, prefix=_join(prefix, "linear_1"))
+        self.scale_factor, self.gated, self.output_activation = scale_factor, gated, output_activation
+        self.layer_norm = LayerNorm(folded, eps) if eps is not None else nn.Identity()
+        self.linear_1 = ReplicatedLinear(folded, intermediate, bias=bias, prefix=_join(prefix, "linear_1"))
         self.act = Activation("silu" if gated else activation)
         hidden_in = intermediate // 2 if gated else intermediate
-        self.linear_2 = ReplicatedLinear(hidden_in, text_hidden, bias=True, prefix=_join(prefix, "linear_2"))
+        self.linear_2 = ReplicatedLinear(hidden_in, text_hidden, bias=bias, prefix=_join(prefix, "linear_2"))
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         x = self.linear_1(self.layer_norm(pixel_shuffle(features, self.scale_factor)))  # [B, tokens, intermediate]
         if self.gated:
             x, gate = x.chunk(2, dim=-1)
             return self.linear_2(self.act(gate) * x)
-        return self.linear_2(self.act(x))
+        x = self.linear_2(self.act(x))
+        return self.act(x) if self.output_activation else x
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load `layer_norm.*`, `linear_1.*`, `linear_2.*` (names below `multi_modal_projector.`)."""

@@ -1,4 +1,4 @@
-"""One vision transformer (ViT) for the CLIP, SigLIP, Idefics3 and InternViT families, its variants as data
+"""One vision transformer (ViT) for the CLIP, SigLIP, Idefics3, InternViT and Llama 4 families, its variants as data
 (`ViTConfig`).
 
 An image becomes a grid of patch embeddings (a strided conv), optionally led by a learned class token,
@@ -11,10 +11,16 @@ attention over one image's patches, a two-layer MLP). The families differ only i
 | SigLIP            | no          | yes             | no       | every token    | gelu_pytorch_tanh | resized   |
 | Idefics3, SmolVLM | no          | yes             | no       | every token    | gelu_pytorch_tanh | bucketed  |
 | InternViT         | yes         | yes             | no       | every token    | gelu              | resized   |
+| Llama 4           | yes, last   | no              | yes      | every token    | gelu              | + 2D rope |
 
 InternViT (InternVL's tower) also scales each residual branch by a learned vector (`lambda_1`, `lambda_2`: layer
 scale), may use RMSNorm for its norms and may leave out the q/k/v bias; its post-norm exists only without mean
 pooling; its checkpoint names are its own (`encoder.layer.<i>.attention.projection_layer`, ...).
+
+Llama 4's tower (`Llama4VisionModel`) puts its class token after the patches, stores its patch embedding as a linear
+layer over unfolded patches (the conv's weight, flattened) and rotates q and k in every layer by a 2D rotary over the
+patch grid (`axial_rotary.py`: columns first, coordinates from 1, interleaved pairs; the class token unrotated). Its
+tiles always have the trained size.
 
 Positions for a grid other than the trained one: "resized" interpolates the learned table bicubically; "bucketed"
 (Idefics3's NaViT-style embeddings) gives patch (i, j) of a rows x cols grid the trained grid's entry at the bucket
@@ -44,6 +50,8 @@ from llmplug.layers.decoder.arch import MLPConfig
 from llmplug.layers.decoder.mlp import DecoderMLP
 from llmplug.layers.layernorm import LayerNorm, NormConfig, make_norm
 from llmplug.layers.linear import QKVParallelLinear, RowParallelLinear
+from llmplug.layers.rotary import RotaryCosSin
+from llmplug.layers.vision.axial_rotary import axial_angles, interleaved_rotation
 from llmplug.layers.weight_utils import StackedParamsMap, default_weight_loader, frozen_parameter, load_mapped_weights
 
 __all__ = ["VIT_LAYOUTS", "ViTConfig", "ViTLayout", "VisionTransformer", "vit_config"]
@@ -81,6 +89,25 @@ INTERNVIT_NAMES = CheckpointNames(
     },
     ignored=("mask_token",),  # masked-image pretraining's token, unused at inference
 )
+# Llama4VisionModel's names -> ours (its patch linear is reshaped into the conv's weight: `_patch_as_conv`)
+LLAMA4_VIT_NAMES = CheckpointNames(
+    prefixes={
+        "patch_embedding.linear": "embeddings.patch_embedding",
+        "class_embedding": "embeddings.class_embedding",
+        "positional_embedding_vlm": "embeddings.position_embedding.weight",
+        "layernorm_pre": "pre_layrnorm",
+        "layernorm_post": "post_layernorm",
+        "model.layers": "encoder.layers",
+    },
+    renames={
+        "self_attn.o_proj": "self_attn.out_proj",
+        "input_layernorm": "layer_norm1",
+        "post_attention_layernorm": "layer_norm2",
+        "mlp.fc1": "mlp.up_proj",
+        "mlp.fc2": "mlp.down_proj",
+    },
+)
+LLAMA4_NORM_EPS = 1e-5  # transformers builds Llama4VisionModel's nn.LayerNorm layers with their default eps
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +120,7 @@ class ViTLayout:
     post_norm: PostNorm  # `post_layernorm` on the pooled class token only, or on every token of the output
     bucketed_positions: bool = False  # position ids by fractional-coordinate buckets (the module doc), not resizing
     layer_scale: bool = False  # each residual branch times a learned vector (InternViT's lambda_1, lambda_2)
+    class_token_last: bool = False  # the class token after the patches (its position embedding the table's last)
     names: CheckpointNames = CHECKPOINT_NAMES  # transformers' tensor names -> ours
 
 
@@ -106,6 +134,8 @@ VIT_LAYOUTS: dict[str, ViTLayout] = {
                                 bucketed_positions=True),
     "internvl_vision": ViTLayout(class_token=True, patch_bias=True, pre_norm=False, post_norm="tokens",
                                  layer_scale=True, names=INTERNVIT_NAMES),
+    "llama4_vision_model": ViTLayout(class_token=True, patch_bias=False, pre_norm=True, post_norm="tokens",
+                                     class_token_last=True, names=LLAMA4_VIT_NAMES),
 }
 
 
@@ -125,6 +155,7 @@ class ViTConfig:
     eps: float
     norm: Literal["layer", "rms"] = "layer"  # the encoder layers' and the post-norm's kind
     qkv_bias: bool = True
+    rope_theta: float | None = None  # a 2D rotary over the patch grid in every layer (Llama 4's); None: none
 
     @property
     def head_dim(self) -> int:
@@ -150,6 +181,8 @@ def vit_config(hf: PretrainedConfig) -> ViTConfig:
         )
     if hf.model_type == "internvl_vision":
         return _internvit_config(hf, layout)
+    if hf.model_type == "llama4_vision_model":
+        return _llama4_vit_config(hf, layout)
     return ViTConfig(
         layout=layout,
         hidden_size=hf.hidden_size,
@@ -182,6 +215,26 @@ def _internvit_config(hf: PretrainedConfig, layout: ViTLayout) -> ViTConfig:
         eps=hf.layer_norm_eps,
         norm=_norm_kind(hf.norm_type),
         qkv_bias=bool(hf.attention_bias),
+    )
+
+
+def _llama4_vit_config(hf: PretrainedConfig, layout: ViTLayout) -> ViTConfig:
+    """Llama4VisionConfig: GELU and LayerNorm eps fixed in transformers' code, a 2D rotary of `rope_theta`."""
+    rope = hf.rope_parameters
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"Llama 4's vision rotary is unscaled; its config asks for rope_type {rope['rope_type']!r}")
+    return ViTConfig(
+        layout=layout,
+        hidden_size=hf.hidden_size,
+        intermediate_size=hf.intermediate_size,
+        num_layers=hf.num_hidden_layers,
+        num_heads=hf.num_attention_heads,
+        image_size=hf.image_size,
+        patch_size=hf.patch_size,
+        num_channels=hf.num_channels,
+        activation="gelu",  # transformers' Llama4VisionMLP is nn.GELU() whatever hidden_act says
+        eps=LLAMA4_NORM_EPS,
+        rope_theta=float(rope["rope_theta"]),
     )
 
 
@@ -236,8 +289,9 @@ class VisionEmbeddings(nn.Module):
         rows, cols = patches.shape[-2:]
         embeddings = patches.flatten(2).transpose(1, 2)  # [B, rows * cols, hidden]
         if self.config.layout.class_token:
-            cls = self.class_embedding.expand(embeddings.shape[0], 1, -1)
-            embeddings = torch.cat([cls.to(embeddings.dtype), embeddings], dim=1)
+            cls = self.class_embedding.expand(embeddings.shape[0], 1, -1).to(embeddings.dtype)
+            last = self.config.layout.class_token_last
+            embeddings = torch.cat([embeddings, cls] if last else [cls, embeddings], dim=1)
         return embeddings + self._positions(rows, cols)
 
     def _positions(self, rows: int, cols: int) -> torch.Tensor:
@@ -248,10 +302,12 @@ class VisionEmbeddings(nn.Module):
             return table[_bucketed_position_ids(rows, cols, g).to(table.device)]
         if (rows, cols) == (g, g):
             return table
-        lead = int(self.config.layout.class_token)
-        grid = table[lead:].reshape(1, g, g, -1).permute(0, 3, 1, 2)  # [1, hidden, g, g]
+        layout, n = self.config.layout, g * g
+        cls, patches = (table[n:], table[:n]) if layout.class_token_last else (table[: len(table) - n], table[-n:])
+        grid = patches.reshape(1, g, g, -1).permute(0, 3, 1, 2)  # [1, hidden, g, g]
         grid = F.interpolate(grid, size=(rows, cols), mode="bicubic", align_corners=False)
-        return torch.cat([table[:lead], grid.permute(0, 2, 3, 1).reshape(rows * cols, -1)])
+        grid = grid.permute(0, 2, 3, 1).reshape(rows * cols, -1)
+        return torch.cat([grid, cls] if layout.class_token_last else [cls, grid])
 
 
 def _bucketed_position_ids(rows: int, cols: int, grid: int) -> torch.Tensor:
@@ -280,10 +336,13 @@ class VisionAttention(nn.Module):
         self.out_proj = RowParallelLinear(config.hidden_size, config.hidden_size, prefix=_join(prefix, "out_proj"))
         self.num_heads, self.head_dim = self.qkv_proj.num_heads, d
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, N, hidden] -> [B, N, hidden]."""
+    def forward(self, x: torch.Tensor, rotation: RotaryCosSin | None = None) -> torch.Tensor:
+        """[B, N, hidden] -> [B, N, hidden]; `rotation` (of the N tokens) rotates q and k first."""
         b, n, _ = x.shape
         qkv = self.qkv_proj(x).view(b, n, 3, self.num_heads, self.head_dim)  # [B, N, (q, k, v), H, D]
+        if rotation is not None:
+            rotation.apply_(qkv[:, :, 0])
+            rotation.apply_(qkv[:, :, 1])
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, H, N, D]
         out = F.scaled_dot_product_attention(q, k, v)  # scale 1 / sqrt(D), as the checkpoints were trained
         return self.out_proj(out.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim))
@@ -304,9 +363,9 @@ class VisionEncoderLayer(nn.Module):
             self.lambda_1 = frozen_parameter(torch.empty(config.hidden_size), default_weight_loader)
             self.lambda_2 = frozen_parameter(torch.empty(config.hidden_size), default_weight_loader)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotation: RotaryCosSin | None = None) -> torch.Tensor:
         """[B, N, hidden] -> [B, N, hidden]."""
-        attn = self.self_attn(self.layer_norm1(x))
+        attn = self.self_attn(self.layer_norm1(x), rotation)
         x = x + (self.lambda_1 * attn if self.layer_scale else attn)
         mlp = self.mlp(self.layer_norm2(x))
         return x + (self.lambda_2 * mlp if self.layer_scale else mlp)
@@ -371,11 +430,23 @@ class VisionTransformer(nn.Module):
         if self.config.layout.pre_norm:
             x = self.pre_layrnorm(x)
         states = {0: x}
+        rotation = self._rotation(x.dtype)
         for i, layer in enumerate(self.encoder.layers, start=1):
-            x = states[i] = layer(x)
+            x = states[i] = layer(x, rotation)
         if not self.feature_indices:
             return self.post_layernorm(x) if self.config.layout.post_norm == "tokens" else x
         return torch.cat([states[i] for i in self.feature_indices], dim=-1)
+
+    def _rotation(self, dtype: torch.dtype) -> RotaryCosSin | None:
+        """The 2D rotary of a trained-size grid and its class token (unrotated), or None without one."""
+        c = self.config
+        if c.rope_theta is None:
+            return None
+        g = c.grid_size
+        angles = axial_angles(g, g, c.head_dim, c.rope_theta, columns_first=True, shared_frequencies=True, offset=1)
+        cls = angles.new_zeros(int(c.layout.class_token), angles.shape[1])
+        angles = torch.cat([angles, cls] if c.layout.class_token_last else [cls, angles])  # [tokens, D / 2]
+        return interleaved_rotation(angles.to(self.embeddings.position_embedding.weight.device), dtype)
 
     def pool(self, last_hidden_state: torch.Tensor) -> torch.Tensor:
         """CLIP's pooled output: post_layernorm(last_hidden_state[:, 0]) [B, hidden] (the class token's)."""
@@ -390,7 +461,15 @@ class VisionTransformer(nn.Module):
         c = self.config
         heads = HeadLayout(c.num_heads, c.num_heads, c.head_dim)
         translated = c.layout.names.translate(weights, heads)
-        return load_mapped_weights(self, self._built_only(_unbatched(translated)), STACKED)
+        return load_mapped_weights(self, self._built_only(self._patch_as_conv(_unbatched(translated))), STACKED)
+
+    def _patch_as_conv(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        """(Our-named) tensors, a patch embedding stored as a linear layer over unfolded patches ([hidden,
+        C * p * p], Llama 4's) reshaped into the conv's weight: torch's unfold lays a patch out channel-major, as
+        the conv's weight is."""
+        shape = self.embeddings.patch_embedding.weight.shape
+        for name, tensor in weights:
+            yield (name, tensor.reshape(shape)) if name == "embeddings.patch_embedding.weight" else (name, tensor)
 
     def _built_only(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
         """The (our-named) tensors of the modules this encoder built."""
