@@ -199,11 +199,15 @@ class MultiModalProcessor:
         try:
             self.hf_processor = AutoProcessor.from_pretrained(model_path, backend="pil",
                                                               trust_remote_code=trust_remote_code)
-        except ImportError as error:  # a processor transformers builds only with torchvision's classes
+        except (ImportError, ValueError) as error:  # a processor transformers builds only with torchvision's classes
+            # an image processor that exists for torchvision only (Llama 4's) is refused with a ValueError naming it
+            if isinstance(error, ValueError) and "torchvision" not in str(error):
+                raise
             raise ModelLoadError(
                 f"{model_path}: the model's processor cannot be loaded here ({error}); transformers builds some "
-                "processors (Qwen2-VL's, InternVL's and Pixtral's among them) only with torchvision installed, for "
-                "their video or image processor classes: install the torchvision release built for your torch"
+                "processors (Qwen2-VL's, InternVL's, Pixtral's and Llama 4's among them) only with torchvision "
+                "installed, for their video or image processor classes: install the torchvision release built for "
+                "your torch"
             ) from error
         self.image_token_id = image_token_id
         self.limits = limits

@@ -22,6 +22,7 @@ MULTIMODAL_PARITY = {
     "AyaVisionForConditionalGeneration": "tests/multimodal/test_aya_vision.py",
     "InternVLForConditionalGeneration": "tests/multimodal/test_internvl.py",
     "Mistral3ForConditionalGeneration": "tests/multimodal/test_mistral3.py",
+    "Llama4ForConditionalGeneration": "tests/multimodal/test_llama4_vision.py",
     "PaliGemmaForConditionalGeneration": "tests/multimodal/test_paligemma.py",
 }
 
