@@ -185,7 +185,7 @@ class Replica:
             try:
                 handle = self._launch()
             except Exception as error:  # noqa: BLE001 - the backend could not start it: as a failed start
-                handle, reason = None, f"data-parallel replica {self.index} could not be launched: {error}"
+                reason = f"data-parallel replica {self.index} could not be launched: {error}"
                 self._start_failed(StartFailed(error, reason))
                 started = False
             else:
