@@ -27,6 +27,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from llmplug.core.config import EngineConfig
+from llmplug.core.errors import ConfigError
 from llmplug.core.plugins import PluginRegistry
 from llmplug.engine.dp_replica import Shutdown, serve_replica
 from llmplug.platforms.cpu_threads import available_cpu_count
@@ -213,7 +214,21 @@ class RayLauncher:
         self.num_cpus = self.num_threads * workers
         self.cpus: list[list[int]] = [[] for _ in range(parallel.data_parallel_size)]  # Ray places, nothing pinned
         _join_ray(parallel.ray_address)
+        try:
+            self._check_capacity(parallel.data_parallel_size)
+        except ConfigError:
+            _leave_ray()
+            raise
         self._actor_class = ray.remote(RayReplicaActor)
+
+    def _check_capacity(self, num_replicas: int) -> None:
+        """A cluster with fewer CPUs than the replicas reserve would leave some waiting forever: refuse it."""
+        total = ray.cluster_resources().get("CPU", 0)
+        if total < self.num_cpus * num_replicas:
+            raise ConfigError(
+                f"{num_replicas} data-parallel Ray replicas of {self.num_cpus} CPU(s) each need "
+                f"{self.num_cpus * num_replicas} CPUs; the Ray cluster has {total:g}. Lower device.num_threads or "
+                "data_parallel_size, or join a larger cluster (parallel.ray_address).")
 
     def launch(self, index: int, config: EngineConfig) -> RayReplicaHandle:
         """A new actor for replica `index`, wherever Ray finds num_cpus free."""

@@ -2,7 +2,8 @@
 
 One local Ray cluster (loopback only, as tests/engine/executors/test_ray.py starts it) and one DP=2 LLM serve the
 module (Ray's start-up and the actors' imports are what cost): its greedy answers equal one engine's, and a
-replica whose actor is killed with `ray.kill` fails its own requests only and is started again as a new actor.
+replica whose actor is killed with `ray.kill` fails its own requests only and is started again as a new actor;
+replicas that need more CPUs than the cluster has are refused at once.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 ray = pytest.importorskip("ray")
 
 from llmplug import LLM, SamplingParams  # noqa: E402
+from llmplug.core.errors import ConfigError  # noqa: E402
 from tests.engine.test_data_parallel import KWARGS, token_prompts  # noqa: E402
 from tests.models.tiny_models import make_tiny  # noqa: E402
 
@@ -87,3 +89,11 @@ def test_a_killed_ray_replica_fails_only_its_requests_and_is_restarted(ray_dp_ll
     outputs = ray_dp_llm.generate(token_prompts(4, seed=13), SamplingParams(max_tokens=3), use_tqdm=False)
     assert all(o.outputs[0].finish_reason == "length" for o in outputs)
     assert ray_dp_llm.llm_engine.replica_states()[1].stats["prefix_cache_queries"] > queries_before  # the new actor
+
+
+def test_replicas_that_cannot_fit_the_cluster_are_refused(ray_dp_llm, tiny_llama):
+    with pytest.raises(ConfigError, match=r"2 data-parallel Ray replicas of 2 CPU\(s\) each need 4 CPUs; the Ray "
+                                          r"cluster has 2"):
+        LLM(str(tiny_llama.path), data_parallel_size=2, data_parallel_backend="ray", **KWARGS,
+            **{"device.num_threads": 2})
+    assert all(state.status == "running" for state in ray_dp_llm.llm_engine.replica_states())  # left alone
