@@ -15,6 +15,7 @@ from llmplug.engine.request_limits import RequestLimits, check_list_sizes, check
 if TYPE_CHECKING:
     import torch
 
+    from llmplug.engine.encoder_decoder import EncoderDecoderProcessor
     from llmplug.engine.multimodal import MultiModalProcessor
 
 # A prompt is text, or a dict with "prompt" (text) or "prompt_token_ids", or "prompt_embeds" (EmbedsPrompt).
@@ -27,9 +28,11 @@ def is_embeds_prompt(prompt: PromptType) -> bool:
 
 
 def is_multimodal_prompt(prompt: PromptType) -> bool:
-    """True for a prompt with images: {"prompt" or "prompt_token_ids", "multi_modal_data"}, or one processed already
-    (`InputProcessor.process_multimodal`'s result, which carries "mm_features")."""
-    return isinstance(prompt, dict) and ("multi_modal_data" in prompt or "mm_features" in prompt)
+    """True for a prompt with images or audio: {"prompt" or "prompt_token_ids", "multi_modal_data"}, an encoder-decoder
+    prompt ({"encoder_prompt", "decoder_prompt"}), or one processed already (`InputProcessor.process_multimodal`'s
+    result, which carries "mm_features")."""
+    return isinstance(prompt, dict) and any(key in prompt for key in ("multi_modal_data", "mm_features",
+                                                                      "encoder_prompt"))
 
 
 BAD_WORDS_CACHE_SIZE = 64  # bad-word lists kept tokenized (shared read-only by the requests that give them)
@@ -39,11 +42,13 @@ class InputProcessor:
     """Tokenizes prompts and checks prompts and sampling parameters against the model and the engine's limits."""
 
     def __init__(self, tokenizer: Any | None, limits: RequestLimits, embedding_size: int | None = None,
-                 mm_processor: MultiModalProcessor | None = None):
+                 mm_processor: MultiModalProcessor | None = None,
+                 encoder_decoder_processor: EncoderDecoderProcessor | None = None):
         self.tokenizer = tokenizer
         self.limits = limits
         self.embedding_size = embedding_size  # prompt embeddings' width; None: the engine takes no prompt_embeds
         self.mm_processor = mm_processor  # a multimodal model's HF processor; None: the model takes text only
+        self.encoder_decoder_processor = encoder_decoder_processor  # an encoder-decoder (Whisper) model's
         self._bad_words: OrderedDict[tuple[str, ...], list[list[int]]] = OrderedDict()  # words -> sequences, LRU
         self._lock = threading.Lock()  # AsyncLLM fills the cache from a worker thread, the engine thread reads it
 
@@ -91,6 +96,11 @@ class InputProcessor:
         it off the event loop and the engine thread."""
         if "mm_features" in prompt:  # processed already (AsyncLLM does it on a worker thread)
             return prompt
+        if self.encoder_decoder_processor is not None:  # the audio for the encoder, the text for the decoder
+            return self.encoder_decoder_processor.process(prompt)
+        if "encoder_prompt" in prompt:
+            raise InvalidRequestError("encoder_prompt / decoder_prompt were given, but this model is not an "
+                                      "encoder-decoder model: send one prompt", param="encoder_prompt")
         if self.mm_processor is None:
             raise InvalidRequestError("multi_modal_data was given, but this model takes text only (it is not a "
                                       "multimodal model); send the prompt without images", param="multi_modal_data")

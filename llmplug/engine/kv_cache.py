@@ -50,11 +50,12 @@ def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], extra_keys: 
 def block_extra_keys(request: Request, block: int, block_size: int) -> tuple:
     """What names block `block` of the request beside its tokens: its adapter (K/V computed under an adapter are the
     adapter's; an id can name another adapter after a removal, a load is never reused), its prompt embeddings' rows
-    and its images."""
+    and its images; an encoder-decoder request's every block, its audio (the decoder attends to it everywhere)."""
     start = block * block_size
     lora = () if request.lora_request is None else (request.lora_int_id, request.lora_load)
     images = mm_block_keys(request.mm_features, start, start + block_size)
-    return lora + _embeds_key(request, block, block_size) + images
+    audio = () if request.encoder_feature is None else (("encoder", request.encoder_feature.identifier),)
+    return lora + _embeds_key(request, block, block_size) + images + audio
 
 
 def _embeds_key(request: Request, block: int, block_size: int) -> tuple:

@@ -60,7 +60,12 @@ def build_input_processor(config: EngineConfig, tokenizer: Any | None, info: dic
         model = config.model
         mm_processor = MultiModalProcessor(model.model, info["image_token_id"], model.limit_mm_per_prompt,
                                            model.trust_remote_code)
-    return InputProcessor(tokenizer, limits, embedding_size, mm_processor)
+    encoder_decoder_processor = None
+    if info.get("is_encoder_decoder"):  # the model folder's Whisper processor: audio in, the decoder's prompt
+        from llmplug.engine.encoder_decoder import EncoderDecoderProcessor
+
+        encoder_decoder_processor = EncoderDecoderProcessor(config.model.model, config.model.trust_remote_code)
+    return InputProcessor(tokenizer, limits, embedding_size, mm_processor, encoder_decoder_processor)
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -142,11 +147,16 @@ class LLMEngine:
                 "guided_decoding cannot be combined with speculative decoding (speculative_config): each draft "
                 "position would need the grammar advanced through the drafts before it", param="guided_decoding",
             )
-        embeds, mm_features = None, None
+        embeds, mm_features, encoder_feature = None, None, None
         if is_multimodal_prompt(prompt):  # images processed (here, on the caller's thread, unless done already)
             processed = self.processor.process_multimodal(prompt)
             mm_features = processed["mm_features"] or None
+            encoder_feature = processed.get("encoder_feature")  # an encoder-decoder model's audio
             prompt = {"prompt": processed["prompt"], "prompt_token_ids": processed["prompt_token_ids"]}
+        elif self.processor.encoder_decoder_processor is not None:
+            raise InvalidRequestError("this model transcribes audio: give the prompt multi_modal_data={'audio': "
+                                      "(samples, sampling_rate)}, or encoder_prompt / decoder_prompt",
+                                      param="multi_modal_data")
         if is_embeds_prompt(prompt):  # placeholder token ids; the model runner puts the rows in their place
             embeds, token_ids, params = self.processor.process_embeds(prompt, params)
             text = None
@@ -168,6 +178,7 @@ class LLMEngine:
                 lora_request=lora_request,
                 prompt_embeds=embeds,
                 mm_features=mm_features,
+                encoder_feature=encoder_feature,
             )
             try:
                 self.engine_core.add_request(request)

@@ -26,6 +26,7 @@ from llmplug.engine.spec_decode.verifier import DraftVerifier
 from llmplug.engine.sampling_state import SamplingState
 from llmplug.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from llmplug.layers.attention import bind_kv_cache
+from llmplug.layers.attention.cross_attention import CrossAttentionBatch
 from llmplug.layers.compiled_forward import CompiledForward
 from llmplug.layers.attention.spans import check_spans_supported
 from llmplug.layers.forward_context import BidirectionalSpan, CommonAttentionMetadata, forward_context
@@ -42,6 +43,7 @@ from llmplug.plugins.kv_connectors.base import KVCacheLayout, KVConnectorOutput,
 
 if TYPE_CHECKING:
     from llmplug.lora.layers import LoRAMapping
+    from llmplug.engine.multimodal import MultiModalFeature
     from llmplug.lora.manager import LoRAManager
     from llmplug.plugins.kv_connectors.base import KVConnector
 
@@ -107,6 +109,10 @@ class ModelRunner:
         self.prompt_embeds: dict[str, torch.Tensor] = {}  # running requests' prompts given as embeddings (model dtype)
         self.mm_features: dict[str, list] = {}  # running requests' images (MultiModalFeature), in prompt order
         self.encoder_cache = EncoderCache()  # their encoder outputs, by content hash
+        # encoder-decoder models (Whisper): each running request's audio, and its cross-attention keys and values
+        # [layers, 2, heads, encoder states, head_dim], computed at its first step (None: its encoder failed)
+        self.encoder_features: dict[str, MultiModalFeature] = {}
+        self.cross_kv: dict[str, torch.Tensor | None] = {}
         self.kv_connector: KVConnector | None = None  # the worker role of kv_transfer_config's connector
         # M-RoPE models (layers/mrope.py): each running request's prompt positions [3, P] and decode delta
         self.mrope_positions: dict[str, tuple[np.ndarray, int]] = {}
@@ -128,6 +134,10 @@ class ModelRunner:
         check_multimodal_engine(self.config, self.model)
         self.stage = PipelineStage(self.model)
         self.uses_mrope = hasattr(self.model, "get_mrope_input_positions")  # its positions are [3, T]
+        self.is_encoder_decoder = getattr(self.model, "is_encoder_decoder", False)  # steps take cross-attention
+        if self.is_encoder_decoder and self.config.speculative_config.method is not None:
+            raise ConfigError(f"{type(self.model).__name__} is an encoder-decoder model, whose drafts would need its "
+                              "encoder states: start without speculative_config")
         self.deepstack_layers = getattr(self.model, "deepstack_layers", 0)  # its image rows are wider (encoder_cache)
         # prompt spans attending both ways (multimodal.bidirectional_spans): Gemma 3's images, PaliGemma's prompt
         self.span_kind = getattr(self.model, "bidirectional_spans", None)
@@ -273,6 +283,8 @@ class ModelRunner:
             self.prompt_embeds.pop(req_id, None)  # a resumed request brings them again
             self.mm_features.pop(req_id, None)
             self.mrope_positions.pop(req_id, None)
+            self.encoder_features.pop(req_id, None)  # a resumed request brings its audio again
+            self.cross_kv.pop(req_id, None)
         for req_id in scheduler_output.finished_req_ids:
             self.prompt_logprobs_sent.pop(req_id, None)
         for req in scheduler_output.requests:
@@ -290,6 +302,8 @@ class ModelRunner:
                     self.prompt_embeds[new.req_id] = new.prompt_embeds.to(self.device, self.dtype)
                 if new.mm_features:
                     self.mm_features[new.req_id] = new.mm_features
+                if new.encoder_feature is not None:
+                    self.encoder_features[new.req_id] = new.encoder_feature
                 if self.uses_mrope:  # once per request (and again when a preempted one resumes)
                     self.mrope_positions[new.req_id] = self.model.get_mrope_input_positions(
                         new.prompt_token_ids, new.mm_features or [])
@@ -393,6 +407,9 @@ class ModelRunner:
         mm_chunks, mm_failed = self._mm_chunks(scheduler_output)
         if mm_chunks and self.deepstack_layers:
             mm_chunks, model_kwargs["added_rows"] = split_deepstack(mm_chunks, self.deepstack_layers, self.device)
+        if self.is_encoder_decoder:  # each request's encoder runs once, at its first step, outside the attention
+            model_kwargs["cross_attention"], encoder_failed = self._cross_attention(requests)
+            mm_failed.update(encoder_failed)
         try:
             with forward_context(attn_metadata, batch.recurrent, lora_mapping):
                 embeds_chunks = self._prompt_embeds_chunks(requests) + mm_chunks
@@ -484,6 +501,33 @@ class ModelRunner:
                                for offset, rows in self.encoder_cache.step_rows(needed, start, end)]
             row += len(r.token_ids)
         return chunks, failed
+
+    def _cross_attention(self, requests: list[ScheduledRequest]) -> tuple[CrossAttentionBatch, dict[str, str]]:
+        """The step's cross-attention inputs (each request's rows and keys and values), running the encoder of the
+        requests that have none yet; and those whose encoder failed, with why (they end; the batch goes on)."""
+        failed: dict[str, str] = {}
+        for r in requests:
+            if r.req_id not in self.cross_kv:
+                self.cross_kv[r.req_id] = self._encoder_kv(r.req_id, failed)
+        starts = tuple(itertools.accumulate((len(r.token_ids) for r in requests), initial=0))
+        return CrossAttentionBatch(starts, tuple(self.cross_kv[r.req_id] for r in requests)), failed
+
+    def _encoder_kv(self, req_id: str, failed: dict[str, str]) -> torch.Tensor | None:
+        """A request's cross-attention keys and values: a running request's with the same audio, else its encoder's
+        (run alone, so they never depend on the step); None, with why in `failed`, when the encoder raises."""
+        feature = self.encoder_features[req_id]
+        for other, kv in self.cross_kv.items():
+            if kv is not None and self.encoder_features[other].identifier == feature.identifier:
+                return kv
+        try:
+            frames = feature.data["input_features"].to(self.device, self.dtype)
+            kv = self.model.encoder_kv(frames)
+        except Exception as error:  # this request's audio: the batch goes on without it
+            logger.warning("request %s: encoding its audio failed: %r", req_id, error)
+            failed[req_id] = f"encoding its audio failed: {error!r}"
+            return None
+        self.encoder_cache.num_encoder_calls += 1
+        return kv
 
     def _mrope_step_positions(self, requests: list[ScheduledRequest]) -> torch.Tensor:
         """[3, T] M-RoPE positions of the step's tokens: a prompt token's from its request's prompt positions, a

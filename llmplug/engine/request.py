@@ -71,6 +71,8 @@ class Request:
     prompt_embeds: torch.Tensor | None = None
     # a multimodal prompt's images in prompt order (engine/multimodal.py): kept across preemption for the recompute
     mm_features: list[MultiModalFeature] | None = None
+    # an encoder-decoder request's encoder input (Whisper's audio, engine/encoder_decoder.py): kept across preemption
+    encoder_feature: MultiModalFeature | None = None
 
     @property
     def lora_int_id(self) -> int | None:

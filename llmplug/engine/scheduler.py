@@ -521,6 +521,7 @@ class Scheduler:
             token_type_ids=request.token_type_ids,
             prompt_embeds=request.prompt_embeds,
             mm_features=request.mm_features,
+            encoder_feature=request.encoder_feature,
         )
         return self._scheduled_request(request, num_new_tokens, new)
 

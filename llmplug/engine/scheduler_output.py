@@ -29,6 +29,7 @@ class NewRequestData:
     lora_request: LoRARequest | None = None  # the adapter the worker applies to its tokens
     prompt_embeds: torch.Tensor | None = None  # a prompt given as embeddings: the rows of its prompt positions
     mm_features: list[MultiModalFeature] | None = None  # a multimodal prompt's images (engine/multimodal.py)
+    encoder_feature: MultiModalFeature | None = None  # an encoder-decoder request's audio (engine/encoder_decoder.py)
 
 
 @dataclass(slots=True, frozen=True)

@@ -211,6 +211,8 @@ class Worker:
             if getattr(runner.model, "supports_multimodal", False) else None,
             # prompt spans that attend both ways, never split across steps (multimodal.bidirectional_spans)
             "bidirectional_spans": getattr(runner.model, "bidirectional_spans", None),
+            # an encoder-decoder model (Whisper): its prompts bring audio for the encoder (engine/encoder_decoder.py)
+            "is_encoder_decoder": getattr(runner.model, "is_encoder_decoder", False),
         }
 
     # ---- LoRA adapters (called through Executor.collective_rpc) ----

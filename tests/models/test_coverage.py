@@ -24,6 +24,7 @@ MULTIMODAL_PARITY = {
     "Mistral3ForConditionalGeneration": "tests/multimodal/test_mistral3.py",
     "Llama4ForConditionalGeneration": "tests/multimodal/test_llama4_vision.py",
     "PaliGemmaForConditionalGeneration": "tests/multimodal/test_paligemma.py",
+    "WhisperForConditionalGeneration": "tests/audio/test_whisper.py",  # encoder-decoder, with audio
 }
 
 

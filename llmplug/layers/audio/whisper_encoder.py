@@ -26,7 +26,7 @@ from llmplug.layers.layernorm import LayerNorm
 from llmplug.layers.vision.vit import ViTConfig, ViTLayout, VisionEncoderLayer
 from llmplug.layers.weight_utils import StackedParamsMap, default_weight_loader, load_mapped_weights
 
-__all__ = ["WhisperEncoder", "WhisperEncoderConfig", "whisper_encoder_config"]
+__all__ = ["WhisperEncoder", "WhisperEncoderConfig", "whisper_encoder_config", "with_zero_k_bias"]
 
 STACKED: StackedParamsMap = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v")}
 # transformers' WhisperEncoder names -> ours (the ViT layer's); a full model's `model.encoder.` is the caller's
@@ -124,11 +124,12 @@ class WhisperEncoder(nn.Module):
         Returns the loaded parameter names."""
         c = self.config
         heads = HeadLayout(c.num_heads, c.num_heads, c.d_model // c.num_heads)
-        return load_mapped_weights(self, _with_k_bias(CHECKPOINT_NAMES.translate(weights, heads)), STACKED)
+        return load_mapped_weights(self, with_zero_k_bias(CHECKPOINT_NAMES.translate(weights, heads)), STACKED)
 
 
-def _with_k_bias(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
-    """The tensors, each `self_attn.q_proj.bias` followed by a zero `k_proj.bias` (Whisper's keys have none)."""
+def with_zero_k_bias(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+    """The tensors, each `self_attn.q_proj.bias` followed by a zero `self_attn.k_proj.bias`: Whisper's self-attention
+    keys have no bias, and the fused q/k/v projection's bias needs all three parts."""
     for name, tensor in weights:
         yield name, tensor
         if name.endswith("self_attn.q_proj.bias"):

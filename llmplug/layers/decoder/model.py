@@ -65,6 +65,8 @@ def _optional(build: bool, make: Callable[[], nn.Module]) -> nn.Module:
 class DecoderModel(nn.Module):
     """Embeddings, the decoder layers and the final norm; one rotary table per distinct rope of the layers."""
 
+    layer_class: ClassVar[type[DecoderLayer]] = DecoderLayer  # a subclass's layers (Whisper's add cross-attention)
+
     def __init__(self, arch: DecoderArchConfig, prefix: str = "") -> None:
         super().__init__()
         pp = get_pp_group()
@@ -91,7 +93,7 @@ class DecoderModel(nn.Module):
             self.embed_norm = _optional(first, lambda: make_norm(arch.norm, arch.hidden_size))
         on_stage = range(self.start_layer, self.end_layer)
         self.layers = nn.ModuleList(
-            DecoderLayer(arch, layer, _join(prefix, f"layers.{i}")) if i in on_stage else PPMissingLayer()
+            type(self).layer_class(arch, layer, _join(prefix, f"layers.{i}")) if i in on_stage else PPMissingLayer()
             for i, layer in enumerate(arch.layers)
         )
         self.norm = _optional(self.is_last_stage and arch.final_norm, lambda: make_norm(arch.norm, arch.hidden_size))

@@ -1,0 +1,155 @@
+"""Whisper through the whole engine against transformers, on a tiny random checkpoint with the real WhisperProcessor.
+
+The checkpoint (d_model 64, 2 encoder + 2 decoder layers) and its processor (a byte-level BPE tokenizer with
+Whisper's special tokens, transformers' WhisperFeatureExtractor) are written by transformers; clips are tones and
+noise of different lengths. Greedy tokens must equal transformers' `generate` (float32) on the same processor output:
+one by one, as one batch of 16 clips, under preemption, and through the prefix cache with the same and another clip.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import (
+    GenerationConfig,
+    GenerationMixin,
+    WhisperConfig,
+    WhisperFeatureExtractor,
+    WhisperForConditionalGeneration,
+    WhisperProcessor,
+    WhisperTokenizerFast,
+)
+
+from llmplug import LLM, SamplingParams
+from llmplug.core.errors import InvalidRequestError
+from tests.audio.conftest import noise, tone
+
+RATE = 16000
+SPECIAL = ["<|endoftext|>", "<|startoftranscript|>", "<|en|>", "<|de|>", "<|translate|>", "<|transcribe|>",
+           "<|startoflm|>", "<|startofprev|>", "<|nocaptions|>", "<|notimestamps|>"]
+DECODER_PROMPT = "<|startoftranscript|><|en|><|transcribe|><|notimestamps|>"
+# Whisper's prompt conditioning (previous text): several full blocks, so a second request can hit the prefix cache
+LONG_PROMPT = "<|startofprev|> the quick brown fox jumps over the lazy dog" + DECODER_PROMPT
+MAX_TOKENS = 6
+ENGINE = dict(dtype="float32", block_size=4, device={"num_threads": 1})
+
+
+def _tokenizer() -> WhisperTokenizerFast:
+    """A byte-level BPE of a few hundred tokens, then Whisper's special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    bpe.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 4, trainer)
+    eot = SPECIAL[0]
+    tokenizer = WhisperTokenizerFast(tokenizer_object=bpe, unk_token=eot, bos_token=eot, eos_token=eot, pad_token=eot)
+    tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL[1:]})
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def whisper(tmp_path_factory) -> tuple[Path, WhisperForConditionalGeneration, WhisperProcessor]:
+    """(folder, transformers' model, processor) of a tiny random Whisper."""
+    path = tmp_path_factory.mktemp("tiny-whisper")
+    tokenizer = _tokenizer()
+    processor = WhisperProcessor(feature_extractor=WhisperFeatureExtractor(feature_size=80), tokenizer=tokenizer)
+    eot, sot = tokenizer.convert_tokens_to_ids(SPECIAL[:2])
+    config = WhisperConfig(
+        vocab_size=len(tokenizer), d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, num_mel_bins=80,
+        max_source_positions=1500, max_target_positions=64, eos_token_id=eot, bos_token_id=eot, pad_token_id=eot,
+        decoder_start_token_id=sot, suppress_tokens=None, begin_suppress_tokens=None,
+    )
+    torch.manual_seed(0)
+    model = WhisperForConditionalGeneration(config).eval()
+    with torch.no_grad():  # weights large enough that the audio moves the tokens
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.5)
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return path, model, processor
+
+
+def _clips() -> list[np.ndarray]:
+    """16 clips of 0.5 to 28 s: tones of several pitches and noise of several seeds."""
+    lengths = np.linspace(0.5, 28.0, 16)
+    return [tone(s, RATE, hz=220.0 * (1 + i % 5)) if i % 2 else noise(s, RATE, seed=i) for i, s in enumerate(lengths)]
+
+
+def _reference(model: WhisperForConditionalGeneration, processor: WhisperProcessor, clip: np.ndarray,
+               text: str = DECODER_PROMPT) -> list[int]:
+    """transformers' greedy tokens for one clip (the plain generation loop, without Whisper's logits processors)."""
+    features = processor.feature_extractor(clip, sampling_rate=RATE, return_tensors="pt").input_features
+    prompt = processor.tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+    config = GenerationConfig(do_sample=False, max_new_tokens=MAX_TOKENS, eos_token_id=model.config.eos_token_id,
+                              pad_token_id=model.config.pad_token_id)
+    with torch.no_grad():
+        out = GenerationMixin.generate(model, input_features=features, decoder_input_ids=prompt,
+                                       generation_config=config)
+    return out[0, prompt.shape[1]:].tolist()
+
+
+@pytest.fixture(scope="module")
+def references(whisper) -> list[list[int]]:
+    _, model, processor = whisper
+    return [_reference(model, processor, clip) for clip in _clips()]
+
+
+@pytest.fixture(scope="module")
+def llm(whisper) -> LLM:
+    return LLM(str(whisper[0]), num_gpu_blocks_override=128, **ENGINE)
+
+
+def _prompt(clip: np.ndarray) -> dict:
+    return {"encoder_prompt": {"prompt": "", "multi_modal_data": {"audio": (clip, RATE)}},
+            "decoder_prompt": DECODER_PROMPT}
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+
+
+def test_batch_of_16_clips_equals_transformers_one_by_one(llm, references) -> None:
+    outputs = llm.generate([_prompt(clip) for clip in _clips()], GREEDY)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == references
+    assert len({tuple(r) for r in references}) > 4  # the audio decides the tokens
+
+
+def test_shorthand_prompt_and_prefix_cache_hit_keep_the_tokens(whisper, llm) -> None:
+    _, model, processor = whisper
+    clips = [_clips()[i] for i in (0, 1)]
+    expected = [_reference(model, processor, clip, LONG_PROMPT) for clip in clips]
+    assert expected[0] != expected[1]
+    # the same clip again: its decoder blocks hit the prefix cache; another clip: they must not
+    for clip, tokens, hit in ((clips[0], expected[0], False), (clips[0], expected[0], True),
+                              (clips[1], expected[1], False)):
+        out = llm.generate({"prompt": LONG_PROMPT, "multi_modal_data": {"audio": (clip, RATE)}}, GREEDY)
+        assert list(out[0].outputs[0].token_ids) == tokens
+        assert (out[0].num_cached_tokens > 0) == hit
+
+
+def test_preemption_recomputes_the_same_tokens(whisper, references) -> None:
+    clips = _clips()[:8]
+    # 8 requests of 4 + 6 tokens need 24 blocks of 4; 12 blocks force preemption
+    small = LLM(str(whisper[0]), num_gpu_blocks_override=12, **ENGINE)
+    outputs = small.generate([_prompt(clip) for clip in clips], GREEDY)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == references[:8]
+    assert small.llm_engine.engine_core.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("prompt, named", [
+    ({"prompt": DECODER_PROMPT}, "needs audio|transcribes audio"),
+    ({"prompt": DECODER_PROMPT, "multi_modal_data": {"audio": (tone(1.0, RATE), "16000")}}, "positive integer rate"),
+    ({"prompt": DECODER_PROMPT, "multi_modal_data": {"audio": (tone(31.0, RATE), RATE)}}, "31.0 s long"),
+    ({"prompt": DECODER_PROMPT, "multi_modal_data": {"image": tone(1.0, RATE)}}, "needs audio"),
+], ids=["no-audio", "rate-not-int", "longer-than-window", "image"])
+def test_bad_input_is_refused_by_name_and_the_next_request_works(llm, references, prompt, named) -> None:
+    with pytest.raises(InvalidRequestError, match=named):
+        llm.generate(prompt, GREEDY)
+    out = llm.generate(_prompt(_clips()[0]), GREEDY)
+    assert list(out[0].outputs[0].token_ids) == references[0]
