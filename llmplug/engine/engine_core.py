@@ -398,7 +398,8 @@ class EngineCore:
             # requests aborted because their logits could not be sampled or verified (NaN, +inf, all masked)
             "num_corrupted_requests": self.scheduler.num_corrupted_requests,
         }
-        if self.model_info.get("image_token_id") is not None:  # a multimodal model: its encoder cache
+        if self.model_info.get("image_token_id") is not None or self.model_info.get("audio_token_id") is not None:
+            # a multimodal model: its encoder cache
             stats.update(mm_cache_queries=self.scheduler.encoder_cache.num_queries,
                          mm_cache_hits=self.scheduler.encoder_cache.num_hits)
         if self.scheduler.max_loras is not None:  # LoRA on: the adapters of running and of waiting requests

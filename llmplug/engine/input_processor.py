@@ -103,14 +103,15 @@ class InputProcessor:
                                       "encoder-decoder model: send one prompt", param="encoder_prompt")
         if self.mm_processor is None:
             raise InvalidRequestError("multi_modal_data was given, but this model takes text only (it is not a "
-                                      "multimodal model); send the prompt without images", param="multi_modal_data")
-        images = self.mm_processor.images_of(prompt["multi_modal_data"])
+                                      "multimodal model); send the prompt without images or audio",
+                                      param="multi_modal_data")
+        items = self.mm_processor.items_of(prompt["multi_modal_data"])
         text = prompt.get("prompt")
         ids = _token_ids(prompt["prompt_token_ids"]) if "prompt_token_ids" in prompt else None
         if ids is None and not isinstance(text, str):
             raise InvalidRequestError("a prompt with multi_modal_data needs 'prompt' (text) or 'prompt_token_ids'",
                                       param="prompt")
-        token_ids, features = self.mm_processor.process(text if ids is None else None, ids, images)
+        token_ids, features = self.mm_processor.process(text if ids is None else None, ids, items)
         return {"prompt": text, "prompt_token_ids": token_ids, "mm_features": features}
 
     def process_pooling(self, prompt: PromptType) -> tuple[str | None, list[int]]:

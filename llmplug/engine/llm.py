@@ -137,11 +137,12 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def chat_prompt(self, conversation: Conversation, **kwargs: Any) -> dict[str, Any]:
-        """A conversation rendered by the chat template, as prompt text plus token ids (and its images, when its
-        messages hold image parts: `image_url` with a data URL, `image_pil`, `image`)."""
-        from llmplug.engine.multimodal import has_image_parts
+        """A conversation rendered by the chat template, as prompt text plus token ids (and its images or audio, when
+        its messages hold such parts: `image_url` with a data URL, `image_pil`, `image`; `input_audio`, `audio_url`
+        with a data URL)."""
+        from llmplug.engine.multimodal import has_media_parts
 
-        if has_image_parts(conversation):
+        if has_media_parts(conversation):
             return self._multimodal_chat_prompt(conversation, **kwargs)
         text = self.llm_engine.processor.apply_chat_template(conversation, **kwargs)
         # the template already holds the special tokens: do not let the tokenizer add a BOS again
@@ -149,24 +150,24 @@ class LLM:
         return {"prompt": text, "prompt_token_ids": token_ids}
 
     def _multimodal_chat_prompt(self, conversation: Conversation, **kwargs: Any) -> dict[str, Any]:
-        """Rendered by the processor's chat template when it has one (else the tokenizer's, each image as the
-        model's placeholder text); one placeholder token per image, expanded by the processor."""
-        from llmplug.engine.multimodal import flatten_image_parts, split_chat_images
+        """Rendered by the processor's chat template when it has one (else the tokenizer's, each image or clip as
+        the model's placeholder text); one placeholder token per item, expanded by the processor."""
+        from llmplug.engine.multimodal import flatten_media_parts, split_chat_media
 
         mm_processor = self.llm_engine.processor.mm_processor
         if mm_processor is None:
-            raise InvalidRequestError("the conversation holds image parts, but this model takes text only (it is not "
-                                      "a multimodal model)", param="messages")
-        messages, images = split_chat_images(conversation)
+            raise InvalidRequestError("the conversation holds image or audio parts, but this model takes text only (it "
+                                      "is not a multimodal model)", param="messages")
+        messages, mm_data = split_chat_media(conversation, mm_processor.sampling_rate)
         hf_processor = mm_processor.hf_processor
         if getattr(hf_processor, "chat_template", None):
             kwargs.setdefault("add_generation_prompt", True)
             text = hf_processor.apply_chat_template(messages, tokenize=False, **kwargs)
         else:
             text = self.llm_engine.processor.apply_chat_template(
-                flatten_image_parts(messages, mm_processor.placeholder), **kwargs)
+                flatten_media_parts(messages, mm_processor.placeholder), **kwargs)
         token_ids = self.get_tokenizer().encode(text, add_special_tokens=False)
-        return {"prompt": text, "prompt_token_ids": token_ids, "multi_modal_data": {"image": images}}
+        return {"prompt": text, "prompt_token_ids": token_ids, "multi_modal_data": mm_data}
 
     # ---- pooling models: embeddings, classification, scores (vLLM's names) ------------------------
     def encode(

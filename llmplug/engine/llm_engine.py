@@ -53,13 +53,10 @@ def build_input_processor(config: EngineConfig, tokenizer: Any | None, info: dic
     """The prompt checker and tokenizer of an engine whose model reported `info` (a worker's model_info)."""
     limits = RequestLimits.of(info["vocab_size"], max_model_len, config.decoding)
     embedding_size = info["embedding_size"] if config.model.enable_prompt_embeds else None
-    mm_processor = None
-    if info.get("image_token_id") is not None:  # the model folder's own HF processor
-        from llmplug.engine.multimodal import MultiModalProcessor
+    from llmplug.engine.multimodal import mm_processor_for
 
-        model = config.model
-        mm_processor = MultiModalProcessor(model.model, info["image_token_id"], model.limit_mm_per_prompt,
-                                           model.trust_remote_code)
+    model = config.model  # an image or audio model: the folder's own HF processor
+    mm_processor = mm_processor_for(model.model, info, model.limit_mm_per_prompt, model.trust_remote_code)
     encoder_decoder_processor = None
     if info.get("is_encoder_decoder"):  # the model folder's Whisper processor: audio in, the decoder's prompt
         from llmplug.engine.encoder_decoder import EncoderDecoderProcessor

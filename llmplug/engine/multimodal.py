@@ -1,12 +1,14 @@
-"""Images in prompts (vLLM's `multi_modal_data`): their checks, their processing by the model's own HF processor,
-and what the engine keeps of each one — a `MultiModalFeature`.
+"""Images and audio clips in prompts (vLLM's `multi_modal_data`): their checks, their processing by the model's own
+HF processor, and what the engine keeps of each one — a `MultiModalFeature`.
 
 The processor (transformers' `AutoProcessor` of the model folder) resizes and normalizes the pixels and expands
 each image placeholder of the prompt (LLaVA's `<image>`) into the image's tokens, so the prompt's token count is
 final before the request is queued. Each image becomes a feature: its processor tensors, a content hash and the
 span of placeholder tokens it fills. The engine never looks at the pixels again: the scheduler counts and chunks
 the placeholders like any prompt tokens, the block hashes name them by the content hash, and the model runner puts
-the encoder's output rows in the placeholders' place (engine/encoder_cache.py).
+the encoder's output rows in the placeholders' place (engine/encoder_cache.py). An audio clip goes the same way
+(`AudioProcessor`: the processor's feature extractor makes its log-mel frames and expands Qwen2-Audio's `<|AUDIO|>`);
+a model takes one of the two.
 
 Processing runs where the request is made: on the caller's thread for `LLM`, on a worker thread for `AsyncLLM`
 (never on the event loop or the engine thread).
@@ -30,11 +32,11 @@ if TYPE_CHECKING:
     from llmplug.core.config import EngineConfig
 
 __all__ = [
-    "MultiModalFeature", "MultiModalProcessor", "bidirectional_spans", "block_keys", "check_engine", "span_safe",
-    "to_image",
+    "AudioProcessor", "MultiModalFeature", "MultiModalProcessor", "bidirectional_spans", "block_keys", "check_engine",
+    "mm_processor_for", "span_safe", "to_image",
 ]
 
-MODALITIES = ("image",)
+MODALITIES = ("image", "audio")
 DEFAULT_LIMIT = 1  # items of a modality per prompt when limit_mm_per_prompt does not name it (vLLM's default)
 LIMIT_FLAG = "model.limit_mm_per_prompt (--limit-mm-per-prompt)"
 # processor outputs that are not the image's (mm_token_type_ids: which tokens are placeholders, Qwen2-VL's; labels:
@@ -46,8 +48,8 @@ TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_toke
 class MultiModalFeature:
     """One image of a prompt, as the engine keeps it (vLLM's MultiModalFeatureSpec)."""
 
-    modality: str  # "image"
-    identifier: str  # content hash of `data`: equal processed images, equal identifier (encoder cache, block hashes)
+    modality: str  # "image" or "audio"
+    identifier: str  # content hash of `data`: equal processed items, equal identifier (encoder cache, block hashes)
     data: dict[str, torch.Tensor]  # the processor's tensors for this item alone, e.g. pixel_values [1, 3, H, W]
     offset: int  # its first placeholder token in the prompt
     length: int  # tokens of its span, from its first placeholder to its last
@@ -185,13 +187,28 @@ def content_hash(data: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def mm_processor_for(model_path: str, info: dict[str, Any], limits: dict[str, int],
+                     trust_remote_code: bool = False) -> "MultiModalProcessor | None":
+    """The processor of a model that reported `info` (a worker's model_info): an image model's, an audio model's
+    (its `audio_token_id`), or None for a text-only model."""
+    if info.get("image_token_id") is not None:
+        return MultiModalProcessor(model_path, info["image_token_id"], limits, trust_remote_code)
+    if info.get("audio_token_id") is not None:
+        return AudioProcessor(model_path, info["audio_token_id"], limits, trust_remote_code)
+    return None
+
+
 class MultiModalProcessor:
     """The model's own HF processor, run on a request's text (or token ids) and images.
 
-    `image_token_id`: the placeholder token the processor expands each image into (config `image_token_index` /
+    `token_id`: the placeholder token the processor expands each item into (config `image_token_index` /
     `image_token_id`); `limits`: the most items of each modality per prompt."""
 
-    def __init__(self, model_path: str, image_token_id: int, limits: dict[str, int],
+    modality = "image"  # what the model takes; AudioProcessor: "audio"
+    noun = "images"  # its items, in messages
+    sampling_rate: int | None = None  # the rate clips are decoded at (AudioProcessor's); None: the model takes none
+
+    def __init__(self, model_path: str, token_id: int, limits: dict[str, int],
                  trust_remote_code: bool = False) -> None:
         from transformers import AutoProcessor
 
@@ -209,7 +226,7 @@ class MultiModalProcessor:
                 "installed, for their video or image processor classes: install the torchvision release built for "
                 "your torch"
             ) from error
-        self.image_token_id = image_token_id
+        self.token_id = token_id
         self.limits = limits
         self._lock = threading.Lock()  # a processor and its tokenizer are not documented as thread-safe
 
@@ -218,50 +235,61 @@ class MultiModalProcessor:
         """The text a prompt holds once per image (get_placeholder_str in vLLM): LLaVA's `<image>`."""
         return self.hf_processor.image_token
 
-    def images_of(self, mm_data: Any) -> list[Image.Image]:
-        """The request's images, checked (modality, count, type) before any processing."""
+    def items_of(self, mm_data: Any) -> list[Any]:
+        """The request's items of the model's modality, checked (modality, count, type) before any processing."""
         if not isinstance(mm_data, dict):
-            raise InvalidRequestError(f"multi_modal_data must be a dict such as {{'image': image}}, got "
+            raise InvalidRequestError(f"multi_modal_data must be a dict such as {{'{self.modality}': ...}}, got "
                                       f"{type(mm_data).__name__}", param="multi_modal_data")
-        unknown = sorted(set(mm_data) - set(MODALITIES))
+        unknown = sorted(set(mm_data) - {self.modality})
         if unknown:
-            raise InvalidRequestError(f"multi_modal_data holds {unknown}; this engine takes {list(MODALITIES)}",
+            raise InvalidRequestError(f"multi_modal_data holds {unknown}; this model takes {[self.modality]}",
                                       param="multi_modal_data")
-        items = mm_data.get("image", [])
-        items = list(items) if isinstance(items, (list, tuple)) else [items]
-        limit = self.limits.get("image", DEFAULT_LIMIT)
+        items = self._as_list(mm_data.get(self.modality, []))
+        limit = self.limits.get(self.modality, DEFAULT_LIMIT)
         if len(items) > limit:
             raise InvalidRequestError(
-                f"the prompt has {len(items)} images, but at most {limit} are allowed per prompt; raise "
-                f"{LIMIT_FLAG}, e.g. '{{\"image\": {len(items)}}}'", param="multi_modal_data")
-        return [to_image(item, f"multi_modal_data['image'][{i}]") for i, item in enumerate(items)]
+                f"the prompt has {len(items)} {self.noun}, but at most {limit} are allowed per prompt; "
+                f"raise {LIMIT_FLAG}, e.g. '{{\"{self.modality}\": {len(items)}}}'", param="multi_modal_data")
+        return [self.to_item(item, f"multi_modal_data['{self.modality}'][{i}]") for i, item in enumerate(items)]
+
+    def to_item(self, value: Any, where: str) -> Any:
+        """One item as the HF processor takes it: a PIL image in RGB."""
+        return to_image(value, where)
+
+    @staticmethod
+    def _as_list(value: Any) -> list[Any]:
+        """The items of `multi_modal_data[modality]`: one item, or a list (or tuple) of them."""
+        return list(value) if isinstance(value, (list, tuple)) else [value]
 
     def process(self, text: str | None, token_ids: list[int] | None,
-                images: list[Image.Image]) -> tuple[list[int], list[MultiModalFeature]]:
-        """(prompt token ids with each image's placeholders expanded, one feature per image in prompt order)."""
-        if not images:
+                items: list[Any]) -> tuple[list[int], list[MultiModalFeature]]:
+        """(prompt token ids with each item's placeholders expanded, one feature per item in prompt order)."""
+        if not items:
             ids = token_ids if token_ids is not None else self._tokenize(text)
             return ids, []
         with self._lock:
             if text is not None and token_ids is None:
-                out = self._call(text=[text], images=images)
+                out = self._call_with_items(text, items)
                 ids = out["input_ids"][0].tolist()
             else:  # token ids: each single placeholder becomes the run the processor makes of it
-                out = self._call(text=[self.placeholder * len(images)], images=images)
-                ids = self._expand(token_ids, out["input_ids"][0].tolist(), images)
+                out = self._call_with_items(self.placeholder * len(items), items)
+                ids = self._expand(token_ids, out["input_ids"][0].tolist(), items)
         tensors = {k: v for k, v in out.items() if k not in TEXT_KEYS and torch.is_tensor(v)}
-        runs = _true_runs([t == self.image_token_id for t in ids])
-        # an image as several runs of placeholders, or a prompt's tiles in one row: ask the processor whose is which
-        laid_out = len(runs) == len(images) and all(t.shape[0] == len(images) for t in tensors.values())
-        counts = None if laid_out else self._counts(images)
-        spans = self._spans(runs, ids, len(images), counts and counts["num_image_tokens"])
-        items = _split_items(tensors, len(images), counts and counts["num_image_patches"])
-        features = [MultiModalFeature("image", content_hash(data), data, offset, length, is_embed)
-                    for data, (offset, length, is_embed) in zip(items, spans)]
+        runs = _true_runs([t == self.token_id for t in ids])
+        # an item as several runs of placeholders, or a prompt's tiles in one row: ask the processor whose is which
+        laid_out = len(runs) == len(items) and all(t.shape[0] == len(items) for t in tensors.values())
+        counts = None if laid_out else self._counts(items)
+        spans = self._spans(runs, ids, len(items), counts and counts["tokens"])
+        data = _split_items(tensors, len(items), counts and counts["rows"])
+        features = [MultiModalFeature(self.modality, content_hash(d), d, offset, length, is_embed)
+                    for d, (offset, length, is_embed) in zip(data, spans)]
         return ids, features
 
-    def _counts(self, images: list[Image.Image]) -> dict[str, list[int]] | None:
-        """Each image's placeholder tokens and tiles as the processor reckons them (transformers'
+    def _call_with_items(self, text: str, items: list[Any]) -> Any:
+        return self._call(text=[text], images=items)
+
+    def _counts(self, images: list[Any]) -> dict[str, list[int] | None] | None:
+        """Each image's placeholder tokens ("tokens") and tiles ("rows") as the processor reckons them (transformers'
         `_get_num_multimodal_tokens`), for prompts where an image is several runs of placeholders or several tiles;
         None when the processor does not tell."""
         count = getattr(self.hf_processor, "_get_num_multimodal_tokens", None)
@@ -274,7 +302,7 @@ class MultiModalProcessor:
         tokens, patches = getattr(data, "num_image_tokens", None), getattr(data, "num_image_patches", None)
         if tokens is None or patches is None:
             return None
-        return {"num_image_tokens": list(tokens), "num_image_patches": list(patches)}
+        return {"tokens": list(tokens), "rows": list(patches)}
 
     def _call(self, **kwargs: Any) -> Any:
         try:
@@ -290,34 +318,34 @@ class MultiModalProcessor:
         """`token_ids` whose single placeholders are replaced by the processor's expansion of one image each (each
         image's own count: anyres images of other sizes expand to other counts); ids expanded already (as many
         placeholders as the processor makes) are kept."""
-        num_images, num_expanded = len(images), processed.count(self.image_token_id)
-        if token_ids.count(self.image_token_id) == num_expanded:
+        num_images, num_expanded = len(images), processed.count(self.token_id)
+        if token_ids.count(self.token_id) == num_expanded:
             return list(token_ids)
-        if token_ids.count(self.image_token_id) != num_images:
+        if token_ids.count(self.token_id) != num_images:
             raise InvalidRequestError(
-                f"prompt_token_ids hold {token_ids.count(self.image_token_id)} image placeholders (token "
-                f"{self.image_token_id}), but {num_images} images were given: put one per image",
+                f"prompt_token_ids hold {token_ids.count(self.token_id)} {self.modality} placeholders (token "
+                f"{self.token_id}), but {num_images} {self.modality} items were given: put one per item",
                 param="prompt_token_ids")
         plain = self._tokenize(self.placeholder * num_images)
-        if len(processed) - num_expanded != len(plain) - plain.count(self.image_token_id):
+        if len(processed) - num_expanded != len(plain) - plain.count(self.token_id):
             raise InvalidRequestError(
                 "this model's processor expands an image into placeholder and other tokens (tile tags, image "
                 "delimiters), which a token-id prompt cannot be expanded into: send the prompt as text, or "
                 "prompt_token_ids holding each image's expansion already", param="prompt_token_ids")
         lengths = iter(self._run_lengths(processed, images))
         return [t for token in token_ids
-                for t in ([self.image_token_id] * next(lengths) if token == self.image_token_id else [token])]
+                for t in ([self.token_id] * next(lengths) if token == self.token_id else [token])]
 
     def _run_lengths(self, processed: list[int], images: list[Image.Image]) -> list[int]:
         """Each image's placeholder count in `processed` (the expansion of one placeholder per image, whose runs
         may touch): the runs themselves, else the processor's count, else equal parts."""
-        runs = _true_runs([t == self.image_token_id for t in processed])
+        runs = _true_runs([t == self.token_id for t in processed])
         if len(runs) == len(images):
             return [end - start for start, end in runs]
         total = sum(end - start for start, end in runs)
         counts = self._counts(images)
-        if counts is not None and sum(counts["num_image_tokens"]) == total:
-            return counts["num_image_tokens"]
+        if counts is not None and counts["tokens"] is not None and sum(counts["tokens"]) == total:
+            return counts["tokens"]
         if total % len(images):
             raise InvalidRequestError(
                 f"the processor expanded {len(images)} images into {total} placeholders and does not say whose is "
@@ -339,20 +367,59 @@ class MultiModalProcessor:
             each = total // num_images
             return [(start + k * each, each, None) for start, end in runs for k in range((end - start) // each)]
         raise InvalidRequestError(
-            f"the prompt holds {len(runs)} image placeholder runs for {num_images} images: write the placeholder "
-            f"{self.placeholder!r} once per image", param="multi_modal_data")
+            f"the prompt holds {len(runs)} {self.modality} placeholder runs for {num_images} items: write the "
+            f"placeholder {self.placeholder!r} once per item", param="multi_modal_data")
 
     def _grouped_spans(self, ids: list[int], num_tokens: list[int]) -> list[tuple[int, int, torch.Tensor | None]]:
         """Consecutive placeholders grouped `num_tokens[i]` to image i; each span's mask marks its placeholders."""
         ids_t = torch.tensor(ids)
-        positions = (ids_t == self.image_token_id).nonzero().flatten().tolist()
+        positions = (ids_t == self.token_id).nonzero().flatten().tolist()
         spans, first = [], 0
         for count in num_tokens:
             offset, end = positions[first], positions[first + count - 1] + 1
-            is_embed = ids_t[offset:end] == self.image_token_id
+            is_embed = ids_t[offset:end] == self.token_id
             spans.append((offset, end - offset, None if bool(is_embed.all()) else is_embed))
             first += count
         return spans
+
+
+class AudioProcessor(MultiModalProcessor):
+    """The HF processor of an audio-language model (Qwen2-Audio's, AudioFlamingo3's), run on a request's text and
+    audio clips: its feature extractor turns each clip, resampled to its rate, into log-mel frames (a window of them,
+    or several for a long clip) and the processor expands each audio placeholder into the clip's tokens."""
+
+    modality = "audio"
+    noun = "audio clips"
+
+    @property
+    def placeholder(self) -> str:
+        """The text a prompt holds once per clip: Qwen2-Audio's `<|AUDIO|>`, AudioFlamingo3's `<sound>`."""
+        return self.hf_processor.audio_token
+
+    @property
+    def sampling_rate(self) -> int:
+        """The feature extractor's samples per second (16 kHz for Whisper's)."""
+        return int(self.hf_processor.feature_extractor.sampling_rate)
+
+    def to_item(self, value: Any, where: str) -> np.ndarray:
+        """One clip, mono float32 at the feature extractor's rate (vLLM's `(samples, rate)` or samples alone)."""
+        from llmplug.multimodal.audio import to_audio
+
+        return to_audio(value, self.sampling_rate, where)
+
+    @staticmethod
+    def _as_list(value: Any) -> list[Any]:
+        """One clip (an array, or vLLM's `(samples, rate)` tuple), or a list of them."""
+        return list(value) if isinstance(value, list) else [value]
+
+    def _call_with_items(self, text: str, items: list[Any]) -> Any:
+        return self._call(text=[text], audio=items, sampling_rate=self.sampling_rate)
+
+    def _counts(self, items: list[Any]) -> dict[str, list[int] | None]:
+        """Each clip's windows of `chunk_length` seconds (its rows of the processor's frames: AudioFlamingo3 cuts a
+        long clip into several); its placeholders are one run, so their count is the runs'."""
+        window = self.hf_processor.feature_extractor.chunk_length * self.sampling_rate
+        return {"tokens": None, "rows": [max(1, -(-len(clip) // window)) for clip in items]}
 
 
 def _split_items(tensors: dict[str, torch.Tensor], num_items: int,
@@ -370,7 +437,7 @@ def _split_items(tensors: dict[str, torch.Tensor], num_items: int,
         elif num_tiles and sum(num_tiles) == tensor.shape[0]:
             parts = tensor.split(num_tiles)
         else:
-            raise InvalidRequestError(f"the processor's {name} has {tensor.shape[0]} rows for {num_items} images; "
+            raise InvalidRequestError(f"the processor's {name} has {tensor.shape[0]} rows for {num_items} items; "
                                       "this model's processor is not supported", param="multi_modal_data")
         for item, part in zip(items, parts):
             item[name] = part.contiguous()
@@ -378,18 +445,22 @@ def _split_items(tensors: dict[str, torch.Tensor], num_items: int,
 
 
 IMAGE_PART_TYPES = ("image_url", "image_pil", "image")  # OpenAI's, and vLLM's offline forms
+AUDIO_PART_TYPES = ("input_audio", "audio_url")  # OpenAI's, and vLLM's
 
 
-def has_image_parts(conversation: list[dict[str, Any]]) -> bool:
-    """True when a message's content lists an image part."""
-    return any(isinstance(m.get("content"), list) and any(isinstance(p, dict) and p.get("type") in IMAGE_PART_TYPES
+def has_media_parts(conversation: list[dict[str, Any]]) -> bool:
+    """True when a message's content lists an image or audio part."""
+    kinds = IMAGE_PART_TYPES + AUDIO_PART_TYPES
+    return any(isinstance(m.get("content"), list) and any(isinstance(p, dict) and p.get("type") in kinds
                                                           for p in m["content"]) for m in conversation)
 
 
-def split_chat_images(conversation: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Image.Image]]:
-    """(the conversation with each image part as {"type": "image"}, the images in order). `image_url` parts are read
-    by the server's media loader (llmplug.multimodal.media) under its default policy: data URLs only offline."""
-    messages, images = [], []
+def split_chat_media(conversation: list[dict[str, Any]],
+                     sampling_rate: int | None = None) -> tuple[list[dict[str, Any]], dict[str, list[Any]]]:
+    """(the conversation with each image part as {"type": "image"} and each audio part as {"type": "audio"}, the
+    items of each modality in order: images, and clips decoded at `sampling_rate`). URL parts are read by the server's
+    media loader (llmplug.multimodal.media) under its default policy: data URLs only offline."""
+    messages, items = [], {"image": [], "audio": []}
     for message in conversation:
         content = message.get("content")
         if not isinstance(content, list):
@@ -399,12 +470,29 @@ def split_chat_images(conversation: list[dict[str, Any]]) -> tuple[list[dict[str
         for i, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
             if kind in IMAGE_PART_TYPES:
-                images.append(_part_image(part, kind, f"content[{i}]"))
+                items["image"].append(_part_image(part, kind, f"content[{i}]"))
                 parts.append({"type": "image"})
+            elif kind in AUDIO_PART_TYPES:
+                items["audio"].append(_part_audio(part, kind, f"content[{i}]", sampling_rate))
+                parts.append({"type": "audio"})
             else:
                 parts.append(part)
         messages.append({**message, "content": parts})
-    return messages, images
+    return messages, {modality: found for modality, found in items.items() if found}
+
+
+def _part_audio(part: dict[str, Any], kind: str, where: str, sampling_rate: int | None) -> np.ndarray:
+    """The clip of an `input_audio` ({"data": base64, "format": ...}) or `audio_url` ({"url": ...}) part."""
+    from llmplug.multimodal.media import MediaPolicy, load_audio_url, load_input_audio
+
+    value = part.get(kind)
+    field = "data" if kind == "input_audio" else "url"
+    text = value.get(field) if isinstance(value, dict) else value if kind == "audio_url" else None
+    if not isinstance(text, str):
+        raise InvalidRequestError(f"{where}: an {kind} part needs {{'{kind}': {{'{field}': ...}}}}", param="messages")
+    if kind == "input_audio":
+        return load_input_audio(text, MediaPolicy(), sampling_rate, param=f"{where}.input_audio")
+    return load_audio_url(text, MediaPolicy(), sampling_rate, param=f"{where}.audio_url")
 
 
 def _part_image(part: dict[str, Any], kind: str, where: str) -> Image.Image:
@@ -422,11 +510,12 @@ def _part_image(part: dict[str, Any], kind: str, where: str) -> Image.Image:
     return to_image(part[kind], f"{where}.{kind}")
 
 
-def flatten_image_parts(messages: list[dict[str, Any]], placeholder: str) -> list[dict[str, Any]]:
-    """Messages whose list contents are one string, each image part as `placeholder` (for a text chat template)."""
+def flatten_media_parts(messages: list[dict[str, Any]], placeholder: str) -> list[dict[str, Any]]:
+    """Messages whose list contents are one string, each image or audio part as `placeholder` (for a text chat
+    template)."""
     def text(content: Any) -> Any:
         if not isinstance(content, list):
             return content
-        return "".join(placeholder if p.get("type") == "image" else str(p.get("text", "")) for p in content)
+        return "".join(placeholder if p.get("type") in ("image", "audio") else str(p.get("text", "")) for p in content)
 
     return [{**m, "content": text(m.get("content"))} for m in messages]

@@ -209,6 +209,9 @@ class Worker:
             # a multimodal model's placeholder token (the input processor expands each image into a run of them)
             "image_token_id": getattr(runner.model, "image_token_id", None)
             if getattr(runner.model, "supports_multimodal", False) else None,
+            # an audio-language model's placeholder token (each clip expands into a run of them)
+            "audio_token_id": getattr(runner.model, "audio_token_id", None)
+            if getattr(runner.model, "supports_multimodal", False) else None,
             # prompt spans that attend both ways, never split across steps (multimodal.bidirectional_spans)
             "bidirectional_spans": getattr(runner.model, "bidirectional_spans", None),
             # an encoder-decoder model (Whisper): its prompts bring audio for the encoder (engine/encoder_decoder.py)

@@ -10,6 +10,7 @@ import argparse
 
 from llmplug.entrypoints.arg_types import non_negative_float, positive_float, positive_int
 from llmplug.entrypoints.engine_args import add_engine_args, config_from_args
+from llmplug.multimodal.audio import DEFAULT_MAX_AUDIO_BYTES, DEFAULT_MAX_AUDIO_SECONDS
 from llmplug.multimodal.media import DEFAULT_FETCH_TIMEOUT, DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS
 
 
@@ -107,6 +108,13 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-image-pixels", type=positive_int, default=DEFAULT_MAX_PIXELS, metavar="N",
                    help="Most pixels (width x height) of one image, checked from its header before decoding. "
                         "Default: 50000000.")
+    g = parser.add_argument_group("audio inputs (an audio-language model; see docs/audio.md); the URL flags above "
+                                  "apply to audio_url parts too")
+    g.add_argument("--max-audio-clip-filesize-mb", type=positive_float, default=DEFAULT_MAX_AUDIO_BYTES / 2**20,
+                   metavar="MB", help="Largest encoded audio clip (input_audio data, download, file or data URL), in "
+                                      "MiB (vLLM's VLLM_MAX_AUDIO_CLIP_FILESIZE_MB). Default: 25.")
+    g.add_argument("--max-audio-clip-seconds", type=positive_float, default=DEFAULT_MAX_AUDIO_SECONDS,
+                   metavar="SECONDS", help="Longest audio clip, read from its header before decoding. Default: 600.")
     add_engine_args(parser, model_positional=True)
 
 

@@ -25,6 +25,8 @@ MULTIMODAL_PARITY = {
     "Llama4ForConditionalGeneration": "tests/multimodal/test_llama4_vision.py",
     "PaliGemmaForConditionalGeneration": "tests/multimodal/test_paligemma.py",
     "WhisperForConditionalGeneration": "tests/audio/test_whisper.py",  # encoder-decoder, with audio
+    "Qwen2AudioForConditionalGeneration": "tests/audio/test_audio_language_models.py",  # with audio
+    "AudioFlamingo3ForConditionalGeneration": "tests/audio/test_audio_language_models.py",
 }
 
 

@@ -46,4 +46,4 @@ def test_a_processor_that_needs_torchvision_is_a_load_error_that_says_so(tmp_pat
     (tmp_path / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2VLProcessor"}))
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_vl"}))
     with pytest.raises(ModelLoadError, match="processor cannot be loaded here.*install the torchvision release"):
-        MultiModalProcessor(str(tmp_path), image_token_id=0, limits={"image": 1})
+        MultiModalProcessor(str(tmp_path), token_id=0, limits={"image": 1})

@@ -113,7 +113,7 @@ class ServerSettings:
     enable_log_requests: bool = False  # log each request's id, prompt and sampling params (prompts are off by default)
     max_log_len: int | None = None  # characters of a prompt (and token ids) a request log line shows; None: all
     enable_dev_endpoints: bool = False  # /sleep, /wake_up, /is_sleeping, /reset_prefix_cache (behind the key)
-    media: MediaPolicy = field(default_factory=MediaPolicy)  # where image URLs may point, and their limits
+    media: MediaPolicy = field(default_factory=MediaPolicy)  # where image and audio URLs may point, and their limits
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServerSettings":
@@ -143,7 +143,9 @@ class ServerSettings:
             enable_dev_endpoints=args.enable_dev_endpoints or os.environ.get(DEV_MODE_ENV) == "1",
             media=MediaPolicy.of(args.allowed_local_media_path, args.allowed_media_domains,
                                  fetch_timeout=args.media_fetch_timeout, max_bytes=args.max_media_bytes,
-                                 max_pixels=args.max_image_pixels),
+                                 max_pixels=args.max_image_pixels,
+                                 max_audio_bytes=int(args.max_audio_clip_filesize_mb * 2**20),
+                                 max_audio_seconds=args.max_audio_clip_seconds),
         )
 
 

@@ -152,9 +152,9 @@ class PromptRenderer:
         if self.chat_template is None and self.mm_processor is not None and (has_images or own is None):
             if self._processor_template():
                 return self.mm_processor.hf_processor.apply_chat_template(messages, tokenize=False, **kwargs)
-            from llmplug.engine.multimodal import flatten_image_parts
+            from llmplug.engine.multimodal import flatten_media_parts
 
-            messages = flatten_image_parts(messages, self.mm_processor.placeholder)
+            messages = flatten_media_parts(messages, self.mm_processor.placeholder)
         return self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template, tokenize=False, **kwargs)
 
     async def _off_loop(self, work: Any) -> Any:

@@ -158,13 +158,30 @@ class ImageURL(OpenAIModel):
     detail: Literal["auto", "low", "high"] | None = None  # accepted; the model's processor decides the resolution
 
 
+class InputAudio(OpenAIModel):
+    """`input_audio` of an audio part (OpenAI's): the base64 text of an encoded clip and its format."""
+
+    data: str | None = None  # required: a part without it is a 400 naming it (after the model check)
+    format: str | None = None  # "wav", "mp3", ...: accepted; the decoder reads the format from the data
+
+
+class AudioURL(OpenAIModel):
+    """`audio_url` of an audio part (vLLM's): a data:audio/...;base64 URL, or a file:// or http(s) URL the server
+    allows."""
+
+    url: str | None = None
+
+
 class ContentPart(OpenAIModel):
-    """One part of a message's content: `{"type": "text", "text": ...}` or `{"type": "image_url", "image_url":
-    {"url": ...}}` (for a model that takes images)."""
+    """One part of a message's content: `{"type": "text", "text": ...}`, `{"type": "image_url", "image_url":
+    {"url": ...}}` (for a model that takes images), `{"type": "input_audio", "input_audio": {"data": ..., "format":
+    ...}}` or `{"type": "audio_url", "audio_url": {"url": ...}}` (for a model that takes audio)."""
 
     type: str
     text: str | None = None
     image_url: ImageURL | None = None
+    input_audio: InputAudio | None = None
+    audio_url: AudioURL | None = None
 
 
 class FunctionCall(OpenAIModel):

@@ -21,7 +21,7 @@ from llmplug.lora.request import LoRARequest
 from llmplug.entrypoints.openai.admission import AdmissionControl
 from llmplug.entrypoints.openai.errors import OpenAIError, error_body
 from llmplug.entrypoints.openai.guided import guided_decoding_params
-from llmplug.entrypoints.openai.image_inputs import ImageInputs, is_image_part
+from llmplug.entrypoints.openai.image_inputs import ImageInputs, is_media_part
 from llmplug.entrypoints.openai.loggable import loggable_list
 from llmplug.entrypoints.openai.metrics import ServerMetrics
 from llmplug.entrypoints.openai.prompt_renderer import PromptRenderer
@@ -190,14 +190,15 @@ class OpenAIServing:
     async def generate(self, prompt_text: str | None, prompt_ids: list[int], params: SamplingParams,
                        request_id: str, lora: LoRARequest | None = None,
                        beam: BeamSearchParams | None = None, admit: bool = True, priority: int = 0,
-                       prompt_embeds: Any = None, images: list[Any] | None = None,
+                       prompt_embeds: Any = None, mm_data: dict[str, list[Any]] | None = None,
                        ) -> AsyncGenerator[RequestOutput, None]:
         """The engine's outputs of one request, recorded in the metrics however the request ends.
 
         `priority` orders it among the waiting requests under scheduler.policy "priority" (`check_priority`).
         `prompt_embeds` (a checked tensor) replaces the prompt: `prompt_ids` are then its placeholders.
-        `images` (loaded PIL images, in the prompt's order) go with the prompt as `multi_modal_data`: the model's
-        processor expands their image tokens, so `prompt_ids` are then the unexpanded ones.
+        `mm_data` (loaded PIL images or audio clips of each modality, in the prompt's order) goes with the prompt as
+        `multi_modal_data`: the model's processor expands their placeholders, so `prompt_ids` are then the
+        unexpanded ones.
 
         With `beam`, the request is a beam search: one finished output whose completions are the best beams.
 
@@ -213,8 +214,8 @@ class OpenAIServing:
             delta = params.output_kind == RequestOutputKind.DELTA
             prompt = {"prompt": prompt_text, "prompt_token_ids": prompt_ids} if prompt_embeds is None else {
                 "prompt_embeds": prompt_embeds}
-            if images:  # the ids hold one image token per image; the processor expands each
-                prompt = {**prompt, "multi_modal_data": {"image": images}}
+            if mm_data:  # the ids hold one placeholder per item; the processor expands each
+                prompt = {**prompt, "multi_modal_data": mm_data}
             outcome = "abort"  # unless it finishes or fails: the consumer went away
             if beam is None:
                 outputs = self.engine.generate(prompt, params, request_id, priority=priority, lora_request=lora)
@@ -307,24 +308,25 @@ def message_text(content: Any, param: str) -> str:
         return content
     texts = []
     for part in content:
-        if is_image_part(part):  # the routes that take images read them first (message_content)
-            raise OpenAIError(400, f"image content is not accepted here; got a part of type {part.type!r}",
-                              param=param)
+        if is_media_part(part):  # the routes that take images and audio read them first (message_content)
+            raise OpenAIError(400, f"image and audio content is not accepted here; got a part of type "
+                                   f"{part.type!r}", param=param)
         if part.type not in ("text", "input_text", "output_text") or part.text is None:
-            raise OpenAIError(400, f"only text and image content is supported; got a part of type {part.type!r}",
-                              param=param)
+            raise OpenAIError(400, f"only text, image and audio content is supported; got a part of type "
+                                   f"{part.type!r}", param=param)
         texts.append(part.text)
     return "\n".join(texts)
 
 
 def message_content(content: Any, param: str, images: ImageInputs | None) -> str | list[dict[str, str]]:
-    """A message's content as the chat template takes it: its text, or, when it holds images (recorded in
-    `images`; None: a route that takes none), its text and `{"type": "image"}` parts in order."""
-    if content is None or isinstance(content, str) or images is None or not any(map(is_image_part, content)):
+    """A message's content as the chat template takes it: its text, or, when it holds images or audio (recorded in
+    `images`; None: a route that takes none), its text and `{"type": "image"}` / `{"type": "audio"}` parts in
+    order."""
+    if content is None or isinstance(content, str) or images is None or not any(map(is_media_part, content)):
         return message_text(content, param)
     parts: list[dict[str, str]] = []
     for j, part in enumerate(content):
-        if is_image_part(part):
+        if is_media_part(part):
             parts.append(images.add(part, f"{param}[{j}]", param))
         else:
             parts.append({"type": "text", "text": message_text([part], param)})

@@ -80,7 +80,7 @@ class OpenAIServingResponses(OpenAIServingChat):
         params = self.sampling_params(body, max_tokens, body.top_logprobs, body.stream, **overrides)
         response_id = f"resp_{uuid.uuid4().hex}"
         outputs = self.generate(prompt_text, prompt_ids, params, response_id, lora, priority=body.priority,
-                                images=pictures)
+                                mm_data=pictures)
         builder = _ResponseBuilder(response_id, model, body, len(prompt_ids), reader)
         if body.stream:
             first = await until_disconnected(raw_request, anext(outputs))

@@ -105,13 +105,19 @@ class WhisperEncoder(nn.Module):
         self.layers = nn.ModuleList(VisionEncoderLayer(layer, f"{join}layers.{i}") for i in range(c.num_layers))
         self.layer_norm = LayerNorm(c.d_model, c.eps)
 
-    def forward(self, input_features: torch.Tensor) -> torch.Tensor:
-        """[B, n_mels, frames <= max_frames] -> [B, ceil(frames / 2) // pool_stride, d_model]."""
+    def forward(self, input_features: torch.Tensor, num_positions: int | None = None) -> torch.Tensor:
+        """[B, n_mels, frames <= max_frames] -> [B, ceil(frames / 2) // pool_stride, d_model]. `num_positions`: keep
+        only the first states after the convolutions (a padded window's valid ones, as transformers' attention mask
+        over the padding leaves them), so the layers never see the padding: [B, num_positions // pool_stride,
+        d_model]."""
         frames = input_features.shape[-1]
         if frames > self.config.max_frames:
             raise ValueError(f"{frames} mel frames exceed the encoder's window of {self.config.max_frames}")
+        if num_positions is not None:  # the convolutions of position p read frames up to 2p + 1
+            input_features = input_features[..., : 2 * num_positions + 1]
         x = F.gelu(self.conv1(input_features.to(self.conv1.weight.dtype)))
         x = F.gelu(self.conv2(x)).transpose(1, 2)  # [B, positions, d_model]
+        x = x[:, :num_positions]
         x = x + self.embed_positions.weight[: x.shape[1]]
         for layer in self.layers:
             x = layer(x)
