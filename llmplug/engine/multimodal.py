@@ -418,8 +418,10 @@ class AudioProcessor(MultiModalProcessor):
     def _counts(self, items: list[Any]) -> dict[str, list[int] | None]:
         """Each clip's windows of `chunk_length` seconds (its rows of the processor's frames: AudioFlamingo3 cuts a
         long clip into several); its placeholders are one run, so their count is the runs'."""
-        window = self.hf_processor.feature_extractor.chunk_length * self.sampling_rate
-        return {"tokens": None, "rows": [max(1, -(-len(clip) // window)) for clip in items]}
+        chunk_length = self.hf_processor.feature_extractor.chunk_length
+        most = getattr(self.hf_processor, "max_audio_len", None)  # AudioFlamingo3's: longer clips are cut
+        windows = [max(1, -(-len(clip) // (chunk_length * self.sampling_rate))) for clip in items]
+        return {"tokens": None, "rows": [min(w, int(most // chunk_length)) if most else w for w in windows]}
 
 
 def _split_items(tensors: dict[str, torch.Tensor], num_items: int,

@@ -113,6 +113,7 @@ CLIPS = {
     "tone": tone(1.0, RATE, hz=440),
     "noise": noise(0.5, RATE),
     "long": tone(3.0, RATE, hz=300) + noise(3.0, RATE, seed=1, amplitude=0.1),  # two windows
+    "too long": tone(9.0, RATE, hz=200),  # five windows, AudioFlamingo3's processor keeps max_audio_len's four
 }
 
 
@@ -144,7 +145,7 @@ def assert_matches_hf(tiny: TinyAudioLM, output, text: str, clips: list[np.ndarr
 
 FAMILY_CASES = {
     "qwen2_audio": [["tone"], ["noise"], ["tone", "noise"]],
-    "audio_flamingo3": [["tone"], ["noise"], ["long"]],  # its processor takes one clip per text
+    "audio_flamingo3": [["tone"], ["noise"], ["long"], ["too long"]],  # its processor takes one clip per text
 }
 
 
