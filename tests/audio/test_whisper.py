@@ -133,10 +133,10 @@ def test_shorthand_prompt_and_prefix_cache_hit_keep_the_tokens(whisper, llm) -> 
         assert (out[0].num_cached_tokens > 0) == hit
 
 
-def test_preemption_recomputes_the_same_tokens(whisper, references) -> None:
+def test_chunked_prefill_and_preemption_keep_the_tokens(whisper, references) -> None:
     clips = _clips()[:8]
-    # 8 requests of 4 + 6 tokens need 24 blocks of 4; 12 blocks force preemption
-    small = LLM(str(whisper[0]), num_gpu_blocks_override=12, **ENGINE)
+    # 8 requests of 4 + 6 tokens need 24 blocks of 4; 7 blocks force preemption; steps of 6 tokens split prompts
+    small = LLM(str(whisper[0]), num_gpu_blocks_override=7, max_num_batched_tokens=6, **ENGINE)
     outputs = small.generate([_prompt(clip) for clip in clips], GREEDY)
     assert [list(o.outputs[0].token_ids) for o in outputs] == references[:8]
     assert small.llm_engine.engine_core.scheduler.num_preemptions > 0
