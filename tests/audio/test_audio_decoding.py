@@ -106,3 +106,14 @@ def test_audio_urls_follow_the_media_policy(tmp_path):
         load_audio_url(f"file://{tmp_path}/clip.wav", MediaPolicy(), 16000)
     policy = MediaPolicy.of(str(tmp_path))
     assert load_audio_url(f"file://{tmp_path}/clip.wav", policy, 16000).shape == (8000,)
+
+
+def test_audio_flags_become_the_policy():
+    from llmplug.entrypoints.cli import build_parser
+    from llmplug.entrypoints.openai.api_server import ServerSettings
+
+    parser, _ = build_parser()
+    args = parser.parse_args(["serve", "--max-audio-clip-filesize-mb", "0.5", "--max-audio-clip-seconds", "30"])
+    policy = ServerSettings.from_args(args).media
+    assert (policy.max_audio_bytes, policy.max_audio_seconds) == (512 * 1024, 30.0)
+    assert ServerSettings.from_args(parser.parse_args(["serve"])).media.max_audio_bytes == 25 * 1024 * 1024
