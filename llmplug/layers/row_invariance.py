@@ -21,15 +21,14 @@ import os
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
+from llmplug.core.cache import cache_dir
 from llmplug.core.cpuinfo import cpu_flags, cpu_model_name
 
 __all__ = [
     "PROBED_ROW_COUNTS", "RowPlan", "cached_row_plan", "cancelling_weight", "find_row_plan", "order_sensitive_rows",
-    "probe_cache_dir",
 ]
 
 log = logging.getLogger(__name__)
@@ -139,14 +138,6 @@ def _tile_invariant(matmul: Matmul, x: torch.Tensor, tile: int) -> bool:
 # ---------------------------------------------------------------- probes remembered per machine
 
 
-def probe_cache_dir() -> Path:
-    """Where probe results are kept: $LLMPLUG_CACHE_DIR, else $XDG_CACHE_HOME/llmplug, else ~/.cache/llmplug."""
-    root = os.environ.get("LLMPLUG_CACHE_DIR")
-    if root:
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llmplug"
-
-
 def _kernel_fingerprint() -> str:
     """What decides which kernels run: the CPU (model and flags), torch and oneDNN builds, the ISA cap, threads."""
     parts = [
@@ -159,7 +150,7 @@ def _kernel_fingerprint() -> str:
 def cached_row_plan(name: str, probe: Callable[[], RowPlan | None]) -> RowPlan | None:
     """`probe()`'s plan for the kernel `name`, remembered on disk for this machine's kernel fingerprint: a probe
     of a large shape costs seconds, and every engine start (every worker) would pay it again."""
-    path = probe_cache_dir() / "row_plans" / _kernel_fingerprint() / f"{name}.json"
+    path = cache_dir() / "row_plans" / _kernel_fingerprint() / f"{name}.json"
     try:
         stored = json.loads(path.read_text())
         return None if stored is None else RowPlan(**stored)

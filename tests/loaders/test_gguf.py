@@ -18,6 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from llmplug.core.config import EngineConfig, LoadConfig, ModelConfig
 from llmplug.core.errors import ModelLoadError
+from llmplug.loaders import gguf as gguf_loader
 from llmplug.loaders.default_model import resolve_model_path
 from llmplug.loaders.gguf import (
     GGUFLoader,
@@ -315,6 +316,37 @@ def test_smollm2_tokenizer_round_trips_and_applies_its_chat_template(smollm2: Pa
     assert prompt.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
     assert prompt.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
     assert load_gguf_tokenizer(str(smollm2)) is tokenizer  # built once per process
+
+
+def test_smollm2_tokenizer_is_converted_once_per_machine_the_copy_equal_to_transformers_own(
+        smollm2: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The conversion is kept in llmplug's cache dir; a later process (the per-process cache cleared here) loads
+    the copy, which tokenizes as transformers' own conversion does; a damaged copy is converted again."""
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv("LLMPLUG_CACHE_DIR", str(tmp_path))
+    reference = AutoTokenizer.from_pretrained(smollm2.parent, gguf_file=smollm2.name)
+    texts = ["Hello, world!", "  two  spaces\n\ttab", "émoji 🙂 中文", "<|im_start|>user\nhi<|im_end|>", ""]
+
+    def assert_same_as_reference(tokenizer) -> None:
+        assert tokenizer.get_vocab() == reference.get_vocab()
+        assert tokenizer.all_special_tokens == reference.all_special_tokens
+        for text in texts:
+            assert tokenizer(text).input_ids == reference(text).input_ids, text
+        assert tokenizer.apply_chat_template(USER_HI, tokenize=False) == reference.apply_chat_template(
+            USER_HI, tokenize=False, chat_template=tokenizer.chat_template)
+
+    loaded = []
+    for damage in (False, False, True):
+        if damage:
+            (entry / "tokenizer.json").write_text("{")
+        gguf_loader._tokenizer_cached.cache_clear()  # as in a new process
+        loaded.append(load_gguf_tokenizer(str(smollm2)))
+        [entry] = (tmp_path / "gguf_tokenizers").iterdir()
+        assert (entry / "tokenizer.json").stat().st_size > 1_000_000
+    for tokenizer in loaded:
+        assert_same_as_reference(tokenizer)
+    gguf_loader._tokenizer_cached.cache_clear()
 
 
 # ---------------------------------------------------------------- the real default model
