@@ -9,12 +9,12 @@ runner) and llmplug's engine under the variant, then asserts:
   plus the chosen token) is within `case.atol` of transformers' log-softmax at that position;
 - the variant did what it exists for (the preemption variant preempted at least once);
 - in batch-invariant mode (docs/determinism.md, on by default on the CPU), the variants that change only how
-  the requests are batched (`plain`, `chunked_prefill`, `preemption`) give bitwise the same tokens and
-  log-probabilities (generated and prompt positions) as each other.
+  the requests are batched (`plain`, `chunked_prefill`, `preemption`, `chunked_preemption`) give bitwise the
+  same tokens and log-probabilities (generated and prompt positions) as each other.
 
 Variants (`VARIANTS`): `plain`; `chunked_prefill` (a step budget smaller than the longer prompts);
-`preemption` (too few KV blocks for the batch, so requests are preempted and recomputed); `tp2` and
-`pp2` (tensor or pipeline parallelism over two worker processes).
+`preemption` (too few KV blocks for the batch, so requests are preempted and recomputed); `chunked_preemption`
+(both in one run); `tp2` and `pp2` (tensor or pipeline parallelism over two worker processes).
 """
 
 from __future__ import annotations
@@ -82,6 +82,9 @@ VARIANTS: dict[str, Variant] = {
         Variant("chunked_prefill", {"max_num_batched_tokens": 8}, batching_only=True),
         Variant("preemption", {"num_gpu_blocks_override": 24, "max_num_seqs": 8}, expects_preemption=True,
                 batching_only=True),
+        # both at once: prompts split across steps, and requests preempted (recomputed in chunks) for blocks
+        Variant("chunked_preemption", {"max_num_batched_tokens": 8, "num_gpu_blocks_override": 24, "max_num_seqs": 8},
+                expects_preemption=True, batching_only=True),
         Variant("tp2", {"tensor_parallel_size": 2}),
         Variant("pp2", {"pipeline_parallel_size": 2}),
         Variant("compiled", {"device.compile": True}),  # the forward through torch.compile

@@ -18,10 +18,10 @@ def parity(tmp_path_factory: pytest.TempPathFactory) -> ParityRunner:
     return ParityRunner(tmp_path_factory.mktemp("parity"))
 
 
-# every case under chunked prefill and preemption (each against transformers, and bitwise each other); the plain
-# variant (every prompt prefilled in one step) once per family module, where it adds a batch shape and no new block
+# every case with its prompts chunked and its requests preempted in one run (against transformers); once per family
+# module also plain (every prompt prefilled in one step, no preemption), bitwise the same as the chunked run
 VARIANT_CASES = [(case, variant) for case in CASES
-                 for variant in ("plain", "chunked_prefill", "preemption")
+                 for variant in ("plain", "chunked_preemption")
                  if variant != "plain" or case.name in TP_CASES]
 
 
