@@ -43,7 +43,10 @@ if TYPE_CHECKING:  # no heavy imports at run time
 #      (`get_mrope_input_positions(prompt_token_ids, mm_features) -> (positions [3, P], delta)`, positions [3, T]
 #      in forward), deepstack (`deepstack_layers`: wider embed_multimodal rows, forward(..., added_rows=)); the
 #      llmplug.kv_connectors group (KVConnector) and llmplug.testing.check_kv_connector
-PLUGIN_API_VERSION = "1.10"
+# 1.11: audio clips in the optional multimodal surface: `audio_token_id` (the placeholder token the model folder's
+#      HF processor expands each clip into; `embed_multimodal` then gets one clip's feature-extractor tensors);
+#      the Whisper encoder block (llmplug.layers.audio)
+PLUGIN_API_VERSION = "1.11"
 
 
 @runtime_checkable
