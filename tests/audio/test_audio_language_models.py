@@ -163,7 +163,7 @@ def test_greedy_tokens_and_logprobs_match_transformers(family, request):
     llm.shutdown()
 
 
-def test_chunked_prefill_encodes_each_clip_once_and_caches_its_prefix(qwen2_audio):
+def test_chunked_prefill_encodes_each_clip_once_and_caches_it_and_its_prefix(qwen2_audio):
     llm = make_llm(qwen2_audio, max_num_batched_tokens=8)  # a 1 s clip's 25 placeholders take four chunks
     cache = llm.llm_engine.engine_core.executor.worker.model_runner.encoder_cache
     text, resampled = qwen2_audio.prompt(1), (tone(1.0, 8000, hz=440), 8000)  # an 8 kHz clip, resampled
@@ -175,10 +175,16 @@ def test_chunked_prefill_encodes_each_clip_once_and_caches_its_prefix(qwen2_audi
     assert again.num_cached_tokens > clip_start + 25  # the blocks holding the clip, named by its content
     assert other.num_cached_tokens <= clip_start  # another clip: only the text before it
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert cache.num_encoder_calls == 2  # the first clip's rows were not needed again, the other's computed
+    both = llm.generate({"prompt": qwen2_audio.prompt(2), "multi_modal_data": {"audio": [resampled, CLIPS["tone"]]}},
+                        greedy(), use_tqdm=False)[0]
+    assert cache.num_encoder_calls == 2  # both clips' rows from the encoder cache
     import soxr  # the reference resamples with the library itself
 
-    assert_matches_hf(qwen2_audio, first, text, [soxr.resample(resampled[0], 8000, RATE, quality="HQ")])
+    at_16k = soxr.resample(resampled[0], 8000, RATE, quality="HQ")
+    assert_matches_hf(qwen2_audio, first, text, [at_16k])
     assert_matches_hf(qwen2_audio, other, text, [CLIPS["tone"]])
+    assert_matches_hf(qwen2_audio, both, qwen2_audio.prompt(2), [at_16k, CLIPS["tone"]])
     llm.shutdown()
 
 
