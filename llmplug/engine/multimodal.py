@@ -36,7 +36,6 @@ __all__ = [
     "mm_processor_for", "span_safe", "to_image",
 ]
 
-MODALITIES = ("image", "audio")
 DEFAULT_LIMIT = 1  # items of a modality per prompt when limit_mm_per_prompt does not name it (vLLM's default)
 LIMIT_FLAG = "model.limit_mm_per_prompt (--limit-mm-per-prompt)"
 # processor outputs that are not the image's (mm_token_type_ids: which tokens are placeholders, Qwen2-VL's; labels:
@@ -46,7 +45,7 @@ TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_toke
 
 @dataclass(slots=True, frozen=True, eq=False)
 class MultiModalFeature:
-    """One image of a prompt, as the engine keeps it (vLLM's MultiModalFeatureSpec)."""
+    """One image or audio clip of a prompt, as the engine keeps it (vLLM's MultiModalFeatureSpec)."""
 
     modality: str  # "image" or "audio"
     identifier: str  # content hash of `data`: equal processed items, equal identifier (encoder cache, block hashes)
