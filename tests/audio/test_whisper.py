@@ -8,6 +8,7 @@ one by one, as one batch of 16 clips, under preemption, and through the prefix c
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import numpy as np
@@ -23,9 +24,9 @@ from transformers import (
     WhisperTokenizerFast,
 )
 
-from llmplug import LLM, SamplingParams
+from llmplug import LLM, AsyncLLM, SamplingParams
 from llmplug.core.errors import InvalidRequestError
-from tests.audio.conftest import noise, tone
+from tests.audio.conftest import encode, noise, tone
 
 RATE = 16000
 SPECIAL = ["<|endoftext|>", "<|startoftranscript|>", "<|en|>", "<|de|>", "<|translate|>", "<|transcribe|>",
@@ -63,7 +64,7 @@ def whisper(tmp_path_factory) -> tuple[Path, WhisperForConditionalGeneration, Wh
     config = WhisperConfig(
         vocab_size=len(tokenizer), d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
         decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, num_mel_bins=80,
-        max_source_positions=1500, max_target_positions=64, eos_token_id=eot, bos_token_id=eot, pad_token_id=eot,
+        max_source_positions=1500, max_target_positions=32, eos_token_id=eot, bos_token_id=eot, pad_token_id=eot,
         decoder_start_token_id=sot, suppress_tokens=None, begin_suppress_tokens=None,
     )
     torch.manual_seed(0)
@@ -83,11 +84,11 @@ def _clips() -> list[np.ndarray]:
 
 
 def _reference(model: WhisperForConditionalGeneration, processor: WhisperProcessor, clip: np.ndarray,
-               text: str = DECODER_PROMPT) -> list[int]:
+               text: str = DECODER_PROMPT, max_new_tokens: int = MAX_TOKENS) -> list[int]:
     """transformers' greedy tokens for one clip (the plain generation loop, without Whisper's logits processors)."""
     features = processor.feature_extractor(clip, sampling_rate=RATE, return_tensors="pt").input_features
     prompt = processor.tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
-    config = GenerationConfig(do_sample=False, max_new_tokens=MAX_TOKENS, eos_token_id=model.config.eos_token_id,
+    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=model.config.eos_token_id,
                               pad_token_id=model.config.pad_token_id)
     with torch.no_grad():
         out = GenerationMixin.generate(model, input_features=features, decoder_input_ids=prompt,
@@ -153,3 +154,56 @@ def test_bad_input_is_refused_by_name_and_the_next_request_works(llm, references
         llm.generate(prompt, GREEDY)
     out = llm.generate(_prompt(_clips()[0]), GREEDY)
     assert list(out[0].outputs[0].token_ids) == references[0]
+
+
+def _server_reference(model, processor, samples: np.ndarray, text: str = DECODER_PROMPT) -> list[str]:
+    """transformers' text of each 30 s window of `samples`, generated as far as the server does (EOS or the
+    decoder's context)."""
+    windows = [samples[i : i + 30 * RATE] for i in range(0, len(samples), 30 * RATE)]
+    room = model.config.max_target_positions - len(processor.tokenizer(text, add_special_tokens=False).input_ids)
+    return [processor.tokenizer.decode(_reference(model, processor, w, text, room), skip_special_tokens=True).strip()
+            for w in windows]
+
+
+def test_transcriptions_endpoint_over_the_openai_client_equals_transformers_per_window(whisper) -> None:
+    import openai
+    import soundfile as sf
+
+    from tests.entrypoints.openai.conftest import serve
+
+    path, model, processor = whisper
+    clip = np.concatenate([tone(30.0, RATE, hz=330.0), noise(30.0, RATE, seed=7), tone(15.0, RATE, hz=550.0)])
+    data = encode(clip, RATE, "WAV", "PCM_16")  # 75 s: three windows
+    decoded = sf.read(io.BytesIO(data), dtype="float32")[0]  # the samples the server decodes
+    windows = _server_reference(model, processor, decoded)
+    assert len(set(windows)) > 1
+    short = encode(_clips()[5], RATE, "WAV", "PCM_16")
+    conditioned = _server_reference(model, processor, sf.read(io.BytesIO(short), dtype="float32")[0], LONG_PROMPT)
+    engine = AsyncLLM(str(path), num_gpu_blocks_override=128, **ENGINE)
+    try:
+        with serve(engine) as server:
+            client = server.client()
+            create = lambda fmt, file=data, language="en", **kw: client.audio.transcriptions.create(  # noqa: E731
+                model=server.model, file=("clip.wav", file, "audio/wav"), response_format=fmt, temperature=0.0,
+                language=language, **kw)
+            assert create("json").text == " ".join(windows)
+            assert create("text").strip() == " ".join(windows)
+            srt = create("srt")
+            assert "1\n00:00:00,000 --> 00:00:30,000\n" in srt and "3\n00:01:00,000 --> 00:01:15,000\n" in srt
+            assert [line for line in srt.splitlines()[2::4]] == windows
+            vtt = create("vtt")
+            assert vtt.startswith("WEBVTT") and "00:00:30.000 --> 00:01:00.000\n" + windows[1] in vtt
+            verbose = create("verbose_json")
+            assert [(s.start, s.end, s.text) for s in verbose.segments] == [
+                (0.0, 30.0, windows[0]), (30.0, 60.0, windows[1]), (60.0, 75.0, windows[2])]
+            assert create("json", file=short, prompt="the quick brown fox jumps over the lazy dog").text == \
+                conditioned[0]
+            with pytest.raises(openai.BadRequestError) as refused:
+                create("json", file=b"not audio at all")
+            assert refused.value.body["param"] == "file" and "not audio" in refused.value.body["message"]
+            with pytest.raises(openai.BadRequestError) as refused:
+                create("json", language="xx")
+            assert refused.value.body["param"] == "language"
+            assert create("json").text == " ".join(windows)  # the next request is served
+    finally:
+        engine.shutdown()

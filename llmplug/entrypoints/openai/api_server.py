@@ -54,6 +54,7 @@ from llmplug.entrypoints.openai.routers import (
     models_router,
     pooling_router,
     tokenization_router,
+    transcription_router,
 )
 from llmplug.entrypoints.openai.security import (
     AccessMiddleware,
@@ -69,6 +70,7 @@ from llmplug.entrypoints.openai.serving_lora import ServedAdapters, parse_lora_m
 from llmplug.entrypoints.openai.serving_pooling import OpenAIServingPooling
 from llmplug.entrypoints.openai.serving_responses import OpenAIServingResponses
 from llmplug.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from llmplug.entrypoints.openai.serving_transcription import OpenAIServingTranscription
 from llmplug.entrypoints.openai.tracing import RequestTracer, TraceHeadersMiddleware, tracer_provider
 from llmplug.entrypoints.openai.vllm_metrics import cache_config_info
 from llmplug.multimodal.media import MediaPolicy
@@ -190,6 +192,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> FastA
                                          in_schema=not pooling_model))
     app.include_router(pooling_router(OpenAIServingPooling(*shared), pools, in_schema=pooling_model))
     app.include_router(tokenization_router(OpenAIServingTokenization(*shared, chat, adapters=adapters)))
+    app.include_router(transcription_router(OpenAIServingTranscription(*shared, media=settings.media), generates))
     if settings.enable_dev_endpoints:
         logger.warning("dev-mode routes are on (/sleep, /wake_up, /is_sleeping, /reset_prefix_cache): any client "
                        "with the API key can put the engine to sleep")

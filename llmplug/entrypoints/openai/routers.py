@@ -53,6 +53,7 @@ from llmplug.entrypoints.openai.protocol_tokenize import (
 )
 from llmplug.entrypoints.openai.serving_responses import OpenAIServingResponses
 from llmplug.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from llmplug.entrypoints.openai.serving_transcription import OpenAIServingTranscription
 
 Guard = Callable[[str], None]  # raises a 400 when the route is not for the served model's kind
 
@@ -181,6 +182,23 @@ def pooling_router(pooling: OpenAIServingPooling, pools: Guard, in_schema: bool)
     async def pool(body: PoolingRequest, raw_request: Request) -> Response:
         pools("/pooling")
         return await pooling.pooling(body, raw_request)
+
+    return router
+
+
+def transcription_router(transcription: OpenAIServingTranscription, generates: Guard) -> APIRouter:
+    """/v1/audio/transcriptions and /v1/audio/translations (OpenAI's multipart forms; a Whisper model's)."""
+    router = APIRouter()
+
+    @router.post("/v1/audio/transcriptions")
+    async def transcriptions(raw_request: Request) -> Response:
+        generates("/v1/audio/transcriptions")
+        return await transcription.create(raw_request, "transcribe")
+
+    @router.post("/v1/audio/translations")
+    async def translations(raw_request: Request) -> Response:
+        generates("/v1/audio/translations")
+        return await transcription.create(raw_request, "translate")
 
     return router
 
