@@ -6,10 +6,9 @@ paged `Attention` (attention.py).
 
 from __future__ import annotations
 
-import abc
 import copy
 import re
-from typing import ClassVar, Iterable
+from typing import Callable, ClassVar, Iterable
 
 import torch
 from torch import nn
@@ -26,7 +25,7 @@ from llmplug.plugins.models.transformers_backend.tensor_parallel import apply_tp
 __all__ = ["TransformersModel", "check_plain_head"]
 
 
-class TransformersModel(nn.Module, metaclass=abc.ABCMeta):
+class TransformersModel(nn.Module):
     """A transformers model (`self.model`); with `paged`, its decoder's attention runs on llmplug's layers
     (`self.attention`), else on transformers' own attention (whole prompts, no KV cache)."""
 
@@ -55,10 +54,17 @@ class TransformersModel(nn.Module, metaclass=abc.ABCMeta):
 
         return backend_class(config)
 
-    @staticmethod
-    @abc.abstractmethod
-    def hf_class(config: PretrainedConfig) -> type:
-        """The transformers class this backend model builds for `config`."""
+    # how a subclass finds the transformers class it builds (a finder of support.py), and what that class is called
+    find_hf_class: ClassVar[Callable[[PretrainedConfig], type | None]]
+    hf_class_kind: ClassVar[str]
+
+    @classmethod
+    def hf_class(cls, config: PretrainedConfig) -> type:
+        """The transformers class this backend model builds for `config`; ValueError where transformers has none."""
+        hf_class = cls.find_hf_class(config)
+        if hf_class is None:
+            raise ValueError(f"transformers has no {cls.hf_class_kind} for model type {config.model_type!r}")
+        return hf_class
 
     @staticmethod
     def refusal(hf_class: type, config: PretrainedConfig) -> str | None:

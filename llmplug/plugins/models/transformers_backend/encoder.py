@@ -83,12 +83,8 @@ class TransformersEncoderForEmbedding(_WholePromptEncoder):
     model; a sentence-transformers folder's pooling and normalisation apply as for the native encoders
     (docs/pooling.md), else CLS pooling for an encoder, LAST for a decoder."""
 
-    @staticmethod
-    def hf_class(config: PretrainedConfig) -> type:
-        hf_class = base_model_class(config)
-        if hf_class is None:
-            raise ValueError(f"transformers has no bare model for model type {config.model_type!r}")
-        return hf_class
+    find_hf_class = staticmethod(base_model_class)
+    hf_class_kind = "bare model"
 
     def __init__(self, *, config: PretrainedConfig, prefix: str = "") -> None:
         super().__init__(config=config, prefix=prefix)
@@ -108,12 +104,8 @@ class TransformersEncoderForSequenceClassification(_WholePromptEncoder):
     """A transformers `*ForSequenceClassification` (an encoder's): its bare model, then its own head on each
     prompt's rows (`HEAD_LAYOUTS`), then the classifier activation of its config."""
 
-    @staticmethod
-    def hf_class(config: PretrainedConfig) -> type:
-        hf_class = sequence_classification_class(config)
-        if hf_class is None:
-            raise ValueError(f"transformers has no sequence classifier for model type {config.model_type!r}")
-        return hf_class
+    find_hf_class = staticmethod(sequence_classification_class)
+    hf_class_kind = "sequence classifier"
 
     @staticmethod
     def refusal(hf_class: type, config: PretrainedConfig) -> str | None:

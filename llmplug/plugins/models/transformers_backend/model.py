@@ -68,12 +68,8 @@ def _candidates(config: PretrainedConfig) -> list[tuple[type[TransformersModel],
 class TransformersForCausalLM(TransformersModel):
     """Any transformers causal LM whose class supports the attention interface, on llmplug's paged attention."""
 
-    @staticmethod
-    def hf_class(config: PretrainedConfig) -> type:
-        hf_class = causal_lm_class(config)
-        if hf_class is None:
-            raise ValueError(f"transformers has no causal LM for model type {config.model_type!r}")
-        return hf_class
+    find_hf_class = staticmethod(causal_lm_class)
+    hf_class_kind = "causal LM"
 
     @staticmethod
     def architectures(model_types: Iterable[str] | None = None) -> dict[str, tuple[str | None, bool]]:
@@ -107,12 +103,8 @@ class TransformersForEmbedding(TransformersModel):
 
     is_pooling_model: ClassVar[bool] = True
 
-    @staticmethod
-    def hf_class(config: PretrainedConfig) -> type:
-        hf_class = base_model_class(config)
-        if hf_class is None:
-            raise ValueError(f"transformers has no bare model for model type {config.model_type!r}")
-        return hf_class
+    find_hf_class = staticmethod(base_model_class)
+    hf_class_kind = "bare model"
 
     def __init__(self, *, config: PretrainedConfig, prefix: str = "") -> None:
         super().__init__(config=config, prefix=prefix)

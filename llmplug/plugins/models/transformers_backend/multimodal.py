@@ -50,12 +50,8 @@ class TransformersForMultimodalLM(TransformersModel):
         self._image_arguments = _named_parameters(self.model.get_image_features) | (
             _named_parameters(inner) if inner is not None else frozenset())
 
-    @staticmethod
-    def hf_class(config: PretrainedConfig) -> type:
-        hf_class = image_text_to_text_class(config)
-        if hf_class is None:
-            raise ValueError(f"transformers has no image-text-to-text model for model type {config.model_type!r}")
-        return hf_class
+    find_hf_class = staticmethod(image_text_to_text_class)
+    hf_class_kind = "image-text-to-text model"
 
     @staticmethod
     def refusal(hf_class: type, config: PretrainedConfig) -> str | None:
