@@ -9,7 +9,7 @@ then asserts:
 - the generated tokens are identical, prompt by prompt;
 - every log-probability llmplug reports for a generated token (the chosen and the top ones) is within
   `case.atol` of transformers' log-softmax at that step;
-- the variant did what it exists for (chunks smaller than the longest prompt; `preemption` preempted);
+- the variant did what it exists for (steps smaller than the prompts together; `preemption` preempted);
 - the case can fail: two prompts of the same text and other pictures differ in transformers' tokens or odds.
 
 `check_prefix_cache(case, llm)` then sends a prompt again (every block through its images is a hit) and with
@@ -85,7 +85,9 @@ class MultimodalParityCase:
     processor: Any  # the transformers processor saved in `model`
     hf_model: torch.nn.Module  # transformers' model on the same weights, float32, in eval mode
     prompts: tuple[MultimodalPrompt, ...]
-    chunk_budget: int  # tokens a step under chunked_prefill, preemption and tp2: less than the longest prompt
+    # tokens a step under chunked_prefill, preemption and tp2: less than an image where the model may split one
+    # (a model whose images or prompts are bidirectional spans: less than the prompts together)
+    chunk_budget: int | None = None
     preemption_blocks: int | None = None  # KV blocks (of 4 tokens) under `preemption`: too few for the prompts
     max_tokens: int = 8
     atol: float = 1e-4  # on log-probabilities
@@ -96,9 +98,11 @@ class MultimodalParityCase:
 
     def variant_kwargs(self, variant: str) -> dict[str, Any]:
         """The engine settings of `variant` (one of MULTIMODAL_VARIANTS) for this case, before its own."""
-        chunked = {"max_num_batched_tokens": self.chunk_budget}
+        if variant != "plain" and self.chunk_budget is None:
+            raise ValueError(f"{self.name}: the {variant} variant needs the case's chunk_budget")
         if variant == "preemption" and self.preemption_blocks is None:
             raise ValueError(f"{self.name}: the preemption variant needs the case's preemption_blocks")
+        chunked = {"max_num_batched_tokens": self.chunk_budget}
         by_name = {
             "plain": {},
             "chunked_prefill": chunked,
@@ -198,10 +202,10 @@ class MultimodalParityRunner:
         outputs = self.generate(case, llm, case.prompts)
         worst = max(self.assert_matches(case, out, prompt) for out, prompt in zip(outputs, case.prompts))
         preemptions = llm.llm_engine.engine_core.scheduler.num_preemptions if variant != "tp2" else 0
-        longest = max(len(out.prompt_token_ids) for out in outputs)
-        if variant != "plain" and case.chunk_budget >= longest:
-            raise AssertionError(f"{case.name} [{variant}]: chunk_budget {case.chunk_budget} holds the longest "
-                                 f"prompt ({longest} tokens): nothing was chunked")
+        total = sum(len(out.prompt_token_ids) for out in outputs)
+        if variant != "plain" and case.chunk_budget >= total:
+            raise AssertionError(f"{case.name} [{variant}]: chunk_budget {case.chunk_budget} holds every prompt "
+                                 f"({total} tokens) in one step: nothing was chunked")
         if variant == "preemption" and preemptions == 0:
             raise AssertionError(f"{case.name} [preemption]: nothing was preempted with {case.preemption_blocks} "
                                  "KV blocks; fewer would")

@@ -25,14 +25,16 @@ CHAT_TEMPLATE = (
 
 
 @dataclass
-class TinyLlava:
+class TinyVLM:
+    """A tiny vision-language checkpoint: its folder, transformers' processor and model saved there."""
+
     path: Path
     processor: object
     hf_model: torch.nn.Module
 
 
 @pytest.fixture(scope="session")
-def tiny_llava(tmp_path_factory) -> TinyLlava:
+def tiny_llava(tmp_path_factory) -> TinyVLM:
     from transformers import (
         CLIPImageProcessor,
         CLIPVisionConfig,
@@ -60,7 +62,7 @@ def tiny_llava(tmp_path_factory) -> TinyLlava:
                                vision_feature_select_strategy="default", num_additional_image_tokens=1,
                                chat_template=CHAT_TEMPLATE)
     processor.save_pretrained(path)
-    return TinyLlava(path, processor, model)
+    return TinyVLM(path, processor, model)
 
 
 @pytest.fixture(scope="session")
@@ -116,3 +118,15 @@ def images() -> dict[str, Image.Image]:
 def mm_parity() -> MultimodalParityRunner:
     """The multimodal parity kit; transformers' answer to each case's prompt is computed once a session."""
     return MultimodalParityRunner()
+
+
+@pytest.fixture(scope="module")
+def llm(mm_parity, case):
+    """An engine of the plain variant on the module's `case`, shared by the checks that need no other settings."""
+    with mm_parity.engine(case) as engine:
+        yield engine
+
+
+def model_runner(llm):
+    """The model runner of an in-process engine (its model, encoder cache)."""
+    return llm.llm_engine.engine_core.executor.worker.model_runner

@@ -7,18 +7,17 @@ steps, a span larger than the budget refused, no prefix-cache hit ending inside 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
-
 import pytest
 import torch
 
-from llmplug import LLM, SamplingParams
+from llmplug import SamplingParams
 from llmplug.core.errors import InvalidRequestError
 from llmplug.engine.kv_cache import KVCacheManager
 from llmplug.layers.kernels.native import KERNELS_ENV
+from llmplug.testing import MultimodalParityCase, MultimodalPrompt
 from tests.engine.test_scheduler import make_scheduler, run_until_done, scheduled, step
 from tests.models.tiny_models import train_llama_tokenizer
+from tests.multimodal.conftest import TinyVLM
 from tests.multimodal.test_encoder_cache import feature, image_request
 
 MAX_TOKENS = 6
@@ -28,15 +27,8 @@ ONE = "User: <start_of_image> What is in the picture? Model:"
 TWO = "User: <start_of_image> or <start_of_image> Which one is brighter? Model:"
 
 
-@dataclass
-class TinyGemma3:
-    path: Path
-    processor: object
-    hf_model: torch.nn.Module
-
-
 @pytest.fixture(scope="module")
-def tiny_gemma3(tmp_path_factory) -> TinyGemma3:
+def tiny_gemma3(tmp_path_factory) -> TinyVLM:
     from transformers import (
         AutoTokenizer,
         Gemma3Config,
@@ -71,131 +63,57 @@ def tiny_gemma3(tmp_path_factory) -> TinyGemma3:
     processor = Gemma3Processor(image_processor=image_processor, tokenizer=tokenizer,
                                 image_seq_length=NUM_IMAGE_TOKENS)
     processor.save_pretrained(path)
-    return TinyGemma3(path, processor, model)
+    return TinyVLM(path, processor, model)
 
 
 def greedy() -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
 
 
-_references: dict = {}
-
-
-def hf_reference(tiny: TinyGemma3, text: str, images: list) -> tuple[list[int], torch.Tensor]:
-    """transformers' greedy tokens and log-softmax rows over prompt + tokens, with the processor's `token_type_ids`
-    (each image's tokens see one another at prefill); computed once per prompt and images."""
-    key = (text, *map(id, images))
-    if key not in _references:
-        inputs = dict(tiny.processor(text=text, images=images, return_tensors="pt"))
-        with torch.inference_mode():
-            full = tiny.hf_model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)[0]
-            token_type_ids = torch.nn.functional.pad(inputs["token_type_ids"], (0, MAX_TOKENS - 1))
-            logits = tiny.hf_model(input_ids=full[None, :-1], pixel_values=inputs["pixel_values"],
-                                   token_type_ids=token_type_ids).logits[0]
-        _references[key] = full[inputs["input_ids"].shape[1]:].tolist(), torch.log_softmax(logits.float(), -1)
-    return _references[key]
-
-
-def assert_matches_hf(tiny: TinyGemma3, output, text: str, images: list) -> None:
-    tokens, log_probs = hf_reference(tiny, text, images)
-    completion = output.outputs[0]
-    assert list(completion.token_ids) == tokens
-    prompt_len = len(output.prompt_token_ids)
-    assert log_probs.shape[0] == prompt_len + MAX_TOKENS - 1
-    for t, position in enumerate(completion.logprobs):
-        for token, logprob in position.items():
-            assert logprob.logprob == pytest.approx(float(log_probs[prompt_len - 1 + t, token]), abs=1e-4)
-
-
-def make_llm(tiny: TinyGemma3, **kwargs) -> LLM:
-    kwargs = {"dtype": "float32", "block_size": 4, "num_gpu_blocks_override": 128,
-              "limit_mm_per_prompt": {"image": 2}, **kwargs}
-    return LLM(str(tiny.path), **kwargs)
-
-
-def cases(images):
+@pytest.fixture(scope="module")
+def case(tiny_gemma3, images) -> MultimodalParityCase:
+    """One and two images a prompt; 20 tokens a step: a chunk that would end inside an image ([9, 25), and [34, 50)
+    of TWO) stops before it; 26 KV blocks for three prompts. transformers' `generate` takes the processor's
+    `token_type_ids` (each image's tokens see one another at prefill)."""
     g, s = images["gradient"], images["shapes"]
-    return [(ONE, [g]), (ONE, [s]), (TWO, [g, s])]
+    prompts = (MultimodalPrompt(ONE, (g,)), MultimodalPrompt(ONE, (s,)), MultimodalPrompt(TWO, (g, s)))
+    return MultimodalParityCase("Gemma3ForConditionalGeneration", tiny_gemma3.path, tiny_gemma3.processor,
+                                tiny_gemma3.hf_model, prompts, chunk_budget=20, preemption_blocks=26,
+                                max_tokens=MAX_TOKENS, engine_kwargs={"max_num_seqs": 4})
 
 
-@pytest.mark.parametrize("engine_kwargs", [
-    {},
-    # 20 tokens a step: a chunk that would end inside an image ([9, 25), and [34, 50) of TWO) stops before it
-    {"max_num_batched_tokens": 20},
-    {"max_num_batched_tokens": 20, "num_gpu_blocks_override": 26, "max_num_seqs": 4},  # and preempted, recomputed
-    {"max_num_batched_tokens": 20, KERNELS_ENV: "0"},  # the torch paths (padded SDPA prefill) under the spans
-], ids=["plain", "chunked_prefill", "chunked_and_preempted", "torch_paths"])
-def test_greedy_tokens_and_logprobs_match_transformers(tiny_gemma3, images, engine_kwargs, monkeypatch):
-    if KERNELS_ENV in engine_kwargs:
-        monkeypatch.setenv(KERNELS_ENV, engine_kwargs.pop(KERNELS_ENV))
-    llm = make_llm(tiny_gemma3, **engine_kwargs)
-    outputs = llm.generate([{"prompt": t, "multi_modal_data": {"image": i}} for t, i in cases(images)], greedy(),
-                           use_tqdm=False)
-    for (text, imgs), output in zip(cases(images), outputs):
-        image_token = tiny_gemma3.hf_model.config.image_token_id
-        assert output.prompt_token_ids.count(image_token) == NUM_IMAGE_TOKENS * len(imgs)
-        assert_matches_hf(tiny_gemma3, output, text, imgs)
-    if "num_gpu_blocks_override" in engine_kwargs:
-        assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
-    gradient, shapes = (o.outputs[0] for o in outputs[:2])  # the picture matters: another answer, or other odds
-    first = gradient.token_ids[0]
-    assert gradient.token_ids != shapes.token_ids or abs(
-        gradient.logprobs[0][first].logprob - shapes.logprobs[0][first].logprob) > 1e-2
-    llm.shutdown()
+def test_greedy_tokens_and_logprobs_match_transformers_and_the_prefix_cache_follows_the_image(mm_parity, case, llm):
+    mm_parity.check(case, "plain", llm)
+    mm_parity.check_prefix_cache(case, llm)
 
 
-def test_text_only_prompt_matches_transformers(tiny_gemma3):
-    llm = make_llm(tiny_gemma3)
-    (output,) = llm.generate("User: hello there, robot. Model:", greedy(), use_tqdm=False)
-    ids = torch.tensor([output.prompt_token_ids])
-    with torch.inference_mode():
-        full = tiny_gemma3.hf_model.generate(input_ids=ids, max_new_tokens=MAX_TOKENS, do_sample=False)[0]
-    assert list(output.outputs[0].token_ids) == full[ids.shape[1]:].tolist()
-    llm.shutdown()
+@pytest.mark.parametrize("variant", ["preemption", "tp2", "torch_paths"])
+def test_chunked_preempted_tensor_parallel_and_torch_paths_match_transformers(mm_parity, case, variant, monkeypatch):
+    """preemption: an image waits for a chunk boundary, and too few blocks: requests preempted and recomputed; tp2:
+    each rank runs half of the SigLIP tower's heads (the pooled projector is replicated) and of the decoder, chunked;
+    torch_paths: the padded SDPA prefill under the spans, chunked."""
+    if variant == "torch_paths":
+        monkeypatch.setenv(KERNELS_ENV, "0")
+        variant = "chunked_prefill"
+    mm_parity.check(case, variant)
 
 
-def test_prefix_cache_hits_for_the_same_image_and_misses_for_another(tiny_gemma3, images):
-    llm = make_llm(tiny_gemma3)
-    g, s = images["gradient"], images["shapes"]
-    try:
-        first, same, other = (llm.generate({"prompt": ONE, "multi_modal_data": {"image": i}}, greedy(),
-                                           use_tqdm=False)[0] for i in (g, g, s))
-    finally:
-        llm.shutdown()
-    image_start = first.prompt_token_ids.index(tiny_gemma3.hf_model.config.image_token_id)
-    assert first.num_cached_tokens == 0
-    assert same.num_cached_tokens > image_start + NUM_IMAGE_TOKENS  # the blocks holding the image are reused
-    assert other.num_cached_tokens <= image_start  # only the text before the image
-    assert_matches_hf(tiny_gemma3, same, ONE, [g])
-    assert_matches_hf(tiny_gemma3, other, ONE, [s])
+def test_text_only_prompt_matches_transformers(mm_parity, case, llm):
+    prompt = MultimodalPrompt("User: hello there, robot. Model:")
+    (output,) = mm_parity.generate(case, llm, [prompt])
+    mm_parity.assert_matches(case, output, prompt)
 
 
-def test_tensor_parallel_matches_transformers(tiny_gemma3, images):
-    """TP=2: each rank runs half of the SigLIP tower's heads (the pooled projector is replicated) and of the decoder."""
-    llm = make_llm(tiny_gemma3, tensor_parallel_size=2, max_num_batched_tokens=20)
-    try:
-        outputs = llm.generate([{"prompt": t, "multi_modal_data": {"image": i}} for t, i in cases(images)], greedy(),
-                               use_tqdm=False)
-    finally:
-        llm.shutdown()
-    for (text, imgs), output in zip(cases(images), outputs):
-        assert_matches_hf(tiny_gemma3, output, text, imgs)
-
-
-def test_a_hit_ending_inside_an_image_is_recomputed_from_its_block_and_matches_transformers(tiny_gemma3, images):
+def test_a_hit_ending_inside_an_image_is_recomputed_from_its_block_and_matches_transformers(mm_parity, case, llm,
+                                                                                              images):
     """A prompt that ends just after its image: its full blocks but the last end at token 24, inside the image
     [9, 25); the second request's hit stops at 8, the block holding the image's start, and computes it whole."""
-    llm = make_llm(tiny_gemma3)
-    text, g = "User: <start_of_image>", images["gradient"]
-    try:
-        first, second = (llm.generate({"prompt": text, "multi_modal_data": {"image": g}}, greedy(),
-                                      use_tqdm=False)[0] for _ in range(2))
-    finally:
-        llm.shutdown()
-    image_start = first.prompt_token_ids.index(tiny_gemma3.hf_model.config.image_token_id)
+    prompt = MultimodalPrompt("User: <start_of_image>", (images["gradient"],))
+    first, second = (mm_parity.generate(case, llm, [prompt])[0] for _ in range(2))
+    image_start = first.prompt_token_ids.index(case.image_token_id())
     assert (image_start, len(first.prompt_token_ids)) == (9, 28)  # full blocks without the last token: 24
     assert second.num_cached_tokens == 8
-    assert_matches_hf(tiny_gemma3, second, text, [g])
+    mm_parity.assert_matches(case, second, prompt)
 
 
 # -- the engine's rules for bidirectional spans ---------------------------------------------------------------------

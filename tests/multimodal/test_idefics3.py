@@ -5,16 +5,16 @@ whose budget is smaller than one tile; prefix caching by image content; the enco
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
-from llmplug import LLM, SamplingParams
+from llmplug import SamplingParams
 from llmplug.core.errors import InvalidRequestError
+from llmplug.testing import MultimodalParityCase, MultimodalPrompt
 from tests.models.tiny_models import train_llama_tokenizer
-from tests.multimodal.conftest import shapes
+from tests.multimodal.conftest import TinyVLM, model_runner, shapes
 
 MAX_TOKENS = 8
 TOKENS_PER_TILE = 4  # (32 / 8) ** 2 patches, pixel-shuffled by 2
@@ -24,14 +24,7 @@ ONE = "User:<image>What is in the picture?<end_of_utterance>\nAssistant:"
 TWO = "User:<image> and <image>Which one is brighter?<end_of_utterance>\nAssistant:"
 
 
-@dataclass
-class TinyIdefics3:
-    path: Path
-    processor: object
-    hf_model: torch.nn.Module
-
-
-def save_tiny(path: Path, family: str) -> TinyIdefics3:
+def save_tiny(path: Path, family: str) -> TinyVLM:
     """A SigLIP-layout ViT on 32x32 tiles (patch 8), scale factor 2, a 2-layer Llama, and an Idefics3Processor that
     resizes the longest edge to 64 and splits into 32x32 tiles (up to 2 x 2, plus the global view).
 
@@ -61,44 +54,16 @@ def save_tiny(path: Path, family: str) -> TinyIdefics3:
     processor = Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer,
                                   image_seq_len=TOKENS_PER_TILE)
     processor.save_pretrained(path)
-    return TinyIdefics3(path, processor, model)
+    return TinyVLM(path, processor, model)
 
 
 @pytest.fixture(scope="module", params=["idefics3", "smolvlm"])
-def tiny(request, tmp_path_factory) -> TinyIdefics3:
+def tiny(request, tmp_path_factory) -> TinyVLM:
     return save_tiny(tmp_path_factory.mktemp(f"tiny_{request.param}"), request.param)
 
 
 def greedy(logprobs: int = 2) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=logprobs)
-
-
-def make_llm(tiny: TinyIdefics3, **kwargs) -> LLM:
-    kwargs = {"dtype": "float32", "block_size": 4, "num_gpu_blocks_override": 256,
-              "limit_mm_per_prompt": {"image": 2}, **kwargs}
-    return LLM(str(tiny.path), **kwargs)
-
-
-def hf_reference(tiny: TinyIdefics3, text: str, images: list) -> tuple[list[int], torch.Tensor]:
-    """transformers' greedy tokens from the same processor output, and its log-softmax rows over prompt + tokens."""
-    inputs = tiny.processor(text=text, images=images, return_tensors="pt")
-    with torch.inference_mode():
-        out = tiny.hf_model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
-        full = out[0]
-        logits = tiny.hf_model(input_ids=full[None, :-1], pixel_values=inputs["pixel_values"],
-                               pixel_attention_mask=inputs["pixel_attention_mask"]).logits[0]
-    return full[inputs["input_ids"].shape[1]:].tolist(), torch.log_softmax(logits.float(), -1)
-
-
-def assert_matches_hf(tiny: TinyIdefics3, output, text: str, images: list) -> None:
-    tokens, log_probs = hf_reference(tiny, text, images)
-    completion = output.outputs[0]
-    assert list(completion.token_ids) == tokens
-    prompt_len = len(output.prompt_token_ids)
-    assert log_probs.shape[0] == prompt_len + MAX_TOKENS - 1  # the engine's prompt holds the processor's expansion
-    for t, position in enumerate(completion.logprobs):
-        for token, logprob in position.items():
-            assert logprob.logprob == pytest.approx(float(log_probs[prompt_len - 1 + t, token]), abs=1e-4)
 
 
 @pytest.fixture(scope="module")
@@ -107,33 +72,42 @@ def pictures(images) -> dict:
     return {**images, "wide": shapes(96, 30)}
 
 
-def cases(pictures):
-    g, s, w = pictures["gradient"], pictures["shapes"], pictures["wide"]
-    return [(ONE, [g]), (ONE, [w]), (TWO, [g, w]), (TWO, [w, s])]
-
-
-def runner(llm):
-    return llm.llm_engine.engine_core.executor.worker.model_runner
-
-
-@pytest.mark.parametrize("engine_kwargs", [{}, {"max_num_batched_tokens": 3}], ids=["plain", "chunked_prefill"])
-def test_greedy_tokens_and_logprobs_match_transformers(tiny, pictures, engine_kwargs):
+@pytest.fixture(scope="module")
+def case(tiny, pictures) -> MultimodalParityCase:
     """Chunks of 3 tokens: every tile's 4 placeholders, and the tags between them, span two or more steps."""
-    llm = make_llm(tiny, **engine_kwargs)
-    assert type(runner(llm).model).__name__ == tiny.hf_model.config.architectures[0]  # ours, not the fallback
-    prompts = [{"prompt": text, "multi_modal_data": {"image": imgs}} for text, imgs in cases(pictures)]
-    outputs = llm.generate(prompts, greedy(), use_tqdm=False)
-    for (text, imgs), output in zip(cases(pictures), outputs):
-        assert_matches_hf(tiny, output, text, imgs)
-    assert outputs[0].outputs[0].token_ids != outputs[1].outputs[0].token_ids  # the picture matters
-    llm.shutdown()
+    g, s, w = pictures["gradient"], pictures["shapes"], pictures["wide"]
+    prompts = (MultimodalPrompt(ONE, (g,)), MultimodalPrompt(ONE, (w,)), MultimodalPrompt(TWO, (g, w)),
+               MultimodalPrompt(TWO, (w, s)))
+    return MultimodalParityCase(tiny.hf_model.config.architectures[0], tiny.path, tiny.processor, tiny.hf_model,
+                                prompts, chunk_budget=3, max_tokens=MAX_TOKENS)
 
 
-def test_an_image_is_one_item_whose_mask_skips_the_tile_tags(tiny, pictures):
-    llm = make_llm(tiny)
+def test_greedy_tokens_and_logprobs_match_transformers_and_the_prefix_cache_follows_the_image(mm_parity, case, llm):
+    assert type(model_runner(llm).model).__name__ == case.name  # ours, not the fallback
+    mm_parity.check(case, "plain", llm)
+    calls = model_runner(llm).encoder_cache.num_encoder_calls
+    mm_parity.check_prefix_cache(case, llm)
+    assert model_runner(llm).encoder_cache.num_encoder_calls == calls + 1  # the other picture; the same one: cached
+
+
+def test_chunked_prefill_matches_transformers_and_encodes_each_image_once(mm_parity, case, pictures):
+    """Chunks of 3 tokens, no prefix caching: an image's five tiles' placeholders take a dozen chunks and one
+    encoder call; an image of an earlier request comes from the encoder cache."""
+    with mm_parity.engine(case, "chunked_prefill", encoder_cache_size=128, enable_prefix_caching=False) as llm:
+        cache = model_runner(llm).encoder_cache
+        g, w = pictures["gradient"], pictures["wide"]
+        llm.generate({"prompt": ONE, "multi_modal_data": {"image": g}}, greedy(), use_tqdm=False)
+        assert cache.num_encoder_calls == 1
+        out = llm.generate({"prompt": TWO, "multi_modal_data": {"image": [w, g]}}, greedy(), use_tqdm=False)[0]
+        assert cache.num_encoder_calls == 2  # the gradient came from the cache
+        mm_parity.assert_matches(case, out, MultimodalPrompt(TWO, (w, g)))
+        mm_parity.check(case, "chunked_prefill", llm)
+
+
+def test_an_image_is_one_item_whose_mask_skips_the_tile_tags(case, llm, pictures):
     ids, features = llm.llm_engine.processor.mm_processor.process(
         TWO, None, [pictures["gradient"], pictures["wide"]])
-    image_token = tiny.hf_model.config.image_token_id
+    image_token = case.image_token_id()
     assert [f.num_embeds for f in features] == [5 * TOKENS_PER_TILE, 3 * TOKENS_PER_TILE]
     assert [f.data["pixel_values"].shape[1] for f in features] == [5, 3]  # tiles, the global view last
     for feature in features:
@@ -141,61 +115,23 @@ def test_an_image_is_one_item_whose_mask_skips_the_tile_tags(tiny, pictures):
         assert span[0] == span[-1] == image_token
         assert feature.is_embed.tolist() == [t == image_token for t in span]
     assert features[0].end < features[1].offset
-    llm.shutdown()
 
 
-def test_prefix_cache_hits_for_the_same_image_and_misses_for_another(tiny, pictures):
-    llm = make_llm(tiny)
-    g, s = pictures["gradient"], pictures["shapes"]
-    first = llm.generate({"prompt": ONE, "multi_modal_data": {"image": g}}, greedy(), use_tqdm=False)[0]
-    same = llm.generate({"prompt": ONE, "multi_modal_data": {"image": g}}, greedy(), use_tqdm=False)[0]
-    other = llm.generate({"prompt": ONE, "multi_modal_data": {"image": s}}, greedy(), use_tqdm=False)[0]
-    image_token = tiny.hf_model.config.image_token_id
-    first_image, last_image = (first.prompt_token_ids.index(image_token),
-                               len(first.prompt_token_ids) - first.prompt_token_ids[::-1].index(image_token))
-    assert first.num_cached_tokens == 0
-    assert same.num_cached_tokens >= last_image - 3  # every block holding the image is reused (block size 4)
-    assert other.num_cached_tokens <= first_image  # only the text before the image: its blocks name the image
-    assert same.outputs[0].token_ids == first.outputs[0].token_ids
-    assert runner(llm).encoder_cache.num_encoder_calls == 2  # the gradient once, the shapes once
-    assert_matches_hf(tiny, same, ONE, [g])
-    assert_matches_hf(tiny, other, ONE, [s])
-    llm.shutdown()
-
-
-def test_encoder_runs_once_per_image_across_chunks(tiny, pictures):
-    llm = make_llm(tiny, max_num_batched_tokens=3, encoder_cache_size=128, enable_prefix_caching=False)
-    cache = runner(llm).encoder_cache
-    g, w = pictures["gradient"], pictures["wide"]
-    llm.generate({"prompt": ONE, "multi_modal_data": {"image": g}}, greedy(), use_tqdm=False)
-    assert cache.num_encoder_calls == 1  # its five tiles' placeholders took a dozen chunks
-    out = llm.generate({"prompt": TWO, "multi_modal_data": {"image": [w, g]}}, greedy(), use_tqdm=False)[0]
-    assert cache.num_encoder_calls == 2  # the gradient came from the cache
-    assert_matches_hf(tiny, out, TWO, [w, g])
-    llm.shutdown()
-
-
-def test_a_token_id_prompt_with_one_placeholder_per_image_is_refused_and_an_expanded_one_matches(tiny, pictures):
+def test_a_token_id_prompt_with_one_placeholder_per_image_is_refused_and_an_expanded_one_matches(mm_parity, case, llm,
+                                                                                                  pictures):
     """The processor's expansion holds tile tags, which single placeholders in token ids cannot become."""
-    llm = make_llm(tiny)
     g = pictures["gradient"]
-    ids = tiny.processor.tokenizer.encode(ONE)
+    ids = case.processor.tokenizer.encode(ONE)
     with pytest.raises(InvalidRequestError, match="send the prompt as text"):
         llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": g}}, greedy(), use_tqdm=False)
-    expanded = tiny.processor(text=ONE, images=[g], return_tensors="pt")["input_ids"][0].tolist()
+    expanded = case.processor(text=ONE, images=[g], return_tensors="pt")["input_ids"][0].tolist()
     (output,) = llm.generate({"prompt_token_ids": expanded, "multi_modal_data": {"image": g}}, greedy(),
                              use_tqdm=False)
-    assert_matches_hf(tiny, output, ONE, [g])
-    llm.shutdown()
+    mm_parity.assert_matches(case, output, MultimodalPrompt(ONE, (g,)))
 
 
-def test_tensor_parallel_encodes_on_every_rank(tiny, pictures):
-    """TP=2: each rank runs its half of the vision heads (the connector is replicated) on the same tiles."""
-    llm = make_llm(tiny, tensor_parallel_size=2, max_num_batched_tokens=5)
-    try:
-        outputs = llm.generate([{"prompt": text, "multi_modal_data": {"image": imgs}} for text, imgs in cases(pictures)],
-                               greedy(), use_tqdm=False)
-    finally:
-        llm.shutdown()
-    for (text, imgs), output in zip(cases(pictures), outputs):
-        assert_matches_hf(tiny, output, text, imgs)
+def test_tensor_parallel_encodes_on_every_rank(mm_parity, case):
+    """TP=2: each rank runs its half of the vision heads (the connector is replicated) on the same tiles, in chunks
+    of 8 (each ends inside an image; fewer steps than chunks of 3, each a round trip to two workers)."""
+    with mm_parity.engine(case, "tp2", max_num_batched_tokens=8) as llm:
+        mm_parity.check(case, "tp2", llm)

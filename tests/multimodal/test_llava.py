@@ -14,7 +14,7 @@ import torch
 from llmplug import LLM, SamplingParams
 from llmplug.core.errors import InvalidRequestError
 from llmplug.testing import MultimodalParityCase, MultimodalPrompt
-from tests.multimodal.conftest import NUM_IMAGE_TOKENS, copy_with_renamed_weights, gradient, shapes
+from tests.multimodal.conftest import NUM_IMAGE_TOKENS, copy_with_renamed_weights, gradient, model_runner, shapes
 
 MAX_TOKENS = 8
 ONE = "USER: <image>\nWhat is in the picture? ASSISTANT:"
@@ -35,13 +35,6 @@ def case(tiny_llava, images) -> MultimodalParityCase:
     return MultimodalParityCase("LlavaForConditionalGeneration", tiny_llava.path, tiny_llava.processor,
                                 tiny_llava.hf_model, prompts, chunk_budget=6, preemption_blocks=26,
                                 max_tokens=MAX_TOKENS, engine_kwargs={"limit_mm_per_prompt": {"image": 2}})
-
-
-@pytest.fixture(scope="module")
-def llm(mm_parity, case):
-    """One engine of the plain variant for the checks that need no other settings."""
-    with mm_parity.engine(case) as engine:
-        yield engine
 
 
 def assert_matches_hf(mm_parity, case, output, text: str, images: list) -> None:
@@ -80,10 +73,6 @@ def test_numpy_and_torch_images_are_the_pil_image(llm, images):
     assert len({tuple(o.outputs[0].token_ids) for o in outputs}) == 1
 
 
-def engine_runner(llm):
-    return llm.llm_engine.engine_core.executor.worker.model_runner
-
-
 def make_llm(case, **kwargs) -> LLM:
     """An engine of settings the shared one lacks."""
     return LLM(str(case.model), **{"dtype": "float32", "block_size": 4, "num_gpu_blocks_override": 128,
@@ -92,7 +81,7 @@ def make_llm(case, **kwargs) -> LLM:
 
 def test_encoder_runs_once_per_image_across_chunks_and_requests(mm_parity, case, images):
     llm = make_llm(case, max_num_batched_tokens=6, enable_prefix_caching=False)
-    cache = engine_runner(llm).encoder_cache
+    cache = model_runner(llm).encoder_cache
     g, s = images["gradient"], images["shapes"]
     llm.generate({"prompt": ONE, "multi_modal_data": {"image": g}}, greedy(), use_tqdm=False)
     assert cache.num_encoder_calls == 1  # its 16 placeholders took three chunks
@@ -106,7 +95,7 @@ def test_encoder_runs_once_per_image_across_chunks_and_requests(mm_parity, case,
 
 def test_encoder_cache_evicts_unused_images_beyond_its_size(mm_parity, case):
     llm = make_llm(case, encoder_cache_size=NUM_IMAGE_TOKENS, enable_prefix_caching=False)
-    cache = engine_runner(llm).encoder_cache
+    cache = model_runner(llm).encoder_cache
     pictures = [gradient(40 + 4 * i, 40) for i in range(3)]
     outputs = llm.generate([{"prompt": ONE, "multi_modal_data": {"image": p}} for p in pictures], greedy(),
                            use_tqdm=False)
@@ -214,7 +203,7 @@ def test_a_prefix_hit_that_ends_inside_an_image_computes_the_rest_of_it(mm_parit
     """A prompt that ends with its image: the second time, the cached blocks end inside the image, and the rest of
     its placeholders take rows of the image's encoder output (computed again: the cache evicted it meanwhile)."""
     llm = make_llm(case, encoder_cache_size=NUM_IMAGE_TOKENS)
-    cache = engine_runner(llm).encoder_cache
+    cache = model_runner(llm).encoder_cache
     text, g = "USER: <image>", images["gradient"]
     first = llm.generate({"prompt": text, "multi_modal_data": {"image": g}}, greedy(), use_tqdm=False)[0]
     llm.generate({"prompt": ONE, "multi_modal_data": {"image": images["shapes"]}}, greedy(), use_tqdm=False)
@@ -242,7 +231,7 @@ def test_max_model_len_counts_the_image_tokens(case, images):
 
 def test_resetting_the_prefix_cache_drops_the_encoder_outputs_too(llm):
     """New weights (update_weights resets the prefix cache): an image cached under the old ones is encoded again."""
-    cache = engine_runner(llm).encoder_cache
+    cache = model_runner(llm).encoder_cache
     prompt = {"prompt": ONE, "multi_modal_data": {"image": shapes(40, 52)}}  # a picture no other test sends
     llm.generate(prompt, greedy(), use_tqdm=False)
     calls = cache.num_encoder_calls
@@ -255,7 +244,7 @@ def test_an_image_that_fails_to_encode_ends_only_its_own_request(mm_parity, case
     """The encoder raises for one image: that request ends with the error, the other image request and a text
     request in the same steps are answered as transformers answers them, and no block of the failed request is
     left named in the prefix cache — the same image, once it encodes, is computed afresh and answered right."""
-    model = engine_runner(llm).model
+    model = model_runner(llm).model
     g, s = images["gradient"], gradient(44, 56)  # a picture no other test sends: nothing of it cached yet
     real = model.embed_multimodal
     broken = case.processor(text=ONE, images=[s], return_tensors="pt")["pixel_values"]

@@ -6,8 +6,6 @@ whose budget is smaller than one image, and with preemption; a prefix-cache hit 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,19 +13,20 @@ import torch
 from llmplug import LLM, SamplingParams
 from llmplug.layers.vision import AnyResGrid
 from llmplug.testing import MultimodalParityCase, MultimodalPrompt
-from tests.multimodal.conftest import CHAT_TEMPLATE, IMAGE_TOKEN, copy_with_renamed_weights, gradient, shapes
+from tests.multimodal.conftest import (
+    CHAT_TEMPLATE,
+    IMAGE_TOKEN,
+    TinyVLM,
+    copy_with_renamed_weights,
+    gradient,
+    model_runner,
+    shapes,
+)
 
 MAX_TOKENS = 8
 PINPOINTS = [[32, 64], [64, 32], [64, 64]]  # (height, width): llava-v1.6's grids scaled to a 32-pixel tower
 ONE = "USER: <image>\nWhat is in the picture? ASSISTANT:"
 TWO = "USER: <image> and <image>\nWhich one is brighter? ASSISTANT:"
-
-
-@dataclass
-class TinyLlavaNext:
-    path: Path
-    processor: object
-    hf_model: torch.nn.Module
 
 
 def tiny_config(image_token_index: int, vocab_size: int, **overrides):
@@ -43,7 +42,7 @@ def tiny_config(image_token_index: int, vocab_size: int, **overrides):
 
 
 @pytest.fixture(scope="module")
-def tiny_llava_next(tmp_path_factory) -> TinyLlavaNext:
+def tiny_llava_next(tmp_path_factory) -> TinyVLM:
     """A tiny random LLaVA-NeXT (CLIP 32x32 tiles, patch 8: 16 rows a tile; a 2-layer Llama) saved with its
     LlavaNextProcessor and PIL LlavaNextImageProcessor."""
     from transformers import LlavaNextForConditionalGeneration, LlavaNextProcessor
@@ -64,7 +63,7 @@ def tiny_llava_next(tmp_path_factory) -> TinyLlavaNext:
                                    vision_feature_select_strategy="default", num_additional_image_tokens=1,
                                    chat_template=CHAT_TEMPLATE)
     processor.save_pretrained(path)
-    return TinyLlavaNext(path, processor, model)
+    return TinyVLM(path, processor, model)
 
 
 @pytest.fixture(scope="module")
@@ -89,13 +88,6 @@ def case(tiny_llava_next, pictures) -> MultimodalParityCase:
     return MultimodalParityCase("LlavaNextForConditionalGeneration", tiny_llava_next.path, tiny_llava_next.processor,
                                 tiny_llava_next.hf_model, prompts, chunk_budget=16, preemption_blocks=60,
                                 max_tokens=MAX_TOKENS, engine_kwargs={"max_num_seqs": 4})
-
-
-@pytest.fixture(scope="module")
-def llm(mm_parity, case):
-    """One engine of the plain variant for the checks that need no other settings."""
-    with mm_parity.engine(case) as engine:
-        yield engine
 
 
 def test_tiles_grid_and_row_count_equal_transformers(tiny_llava_next):
@@ -158,7 +150,7 @@ def test_images_of_a_prompt_keep_their_own_tiles(llm, pictures):
     padding of the smaller one (to 5 tiles) is left to the model, which trims it by image_sizes."""
     from llmplug.plugins.models.llava import LlavaNextForConditionalGeneration
 
-    assert type(llm.llm_engine.engine_core.executor.worker.model_runner.model) is LlavaNextForConditionalGeneration
+    assert type(model_runner(llm).model) is LlavaNextForConditionalGeneration
     processed = llm.llm_engine.processor.process_multimodal(
         {"prompt": TWO, "multi_modal_data": {"image": [pictures["portrait"], pictures["wide"]]}})
     portrait, wide = processed["mm_features"]

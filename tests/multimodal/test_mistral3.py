@@ -9,28 +9,18 @@ from __future__ import annotations
 
 import sys
 import types
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 import torch
 
-from llmplug import LLM, SamplingParams
+from llmplug.testing import MultimodalParityCase, MultimodalPrompt
 from tests.models.tiny_models import train_llama_tokenizer
-from tests.multimodal.conftest import shapes
+from tests.multimodal.conftest import TinyVLM, model_runner, shapes
 
 MAX_TOKENS = 6
 IMAGE_TOKENS = ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]
 ONE = "User: [IMG] What is in the picture?\nAssistant:"
 TWO = "User: [IMG] and [IMG] Which one is brighter?\nAssistant:"
-
-
-@dataclass
-class TinyMistral3:
-    path: Path
-    processor: object
-    hf_model: torch.nn.Module
-    references: dict = field(default_factory=dict)  # (prompt, pictures' bytes) -> hf_reference's
 
 
 def pixtral_processor_class() -> type:
@@ -53,7 +43,7 @@ def pixtral_processor_class() -> type:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> TinyMistral3:
+def tiny(tmp_path_factory) -> TinyVLM:
     """A Pixtral encoder (patch 8, SwiGLU), spatial merge 2, a 2-layer Mistral, and a PixtralProcessor resizing the
     longest edge to 64 (each image a whole number of 16-pixel merged patches, at its own aspect ratio)."""
     from transformers import AutoProcessor, Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig
@@ -84,112 +74,44 @@ def tiny(tmp_path_factory) -> TinyMistral3:
     processor = processor_class(image_processor=image_processor, tokenizer=tokenizer, patch_size=8,
                                 spatial_merge_size=2)
     processor.save_pretrained(path)
-    yield TinyMistral3(path, processor, model)
+    yield TinyVLM(path, processor, model)
     PROCESSOR_MAPPING._extra_content.pop(Mistral3Config, None)
 
 
-def greedy() -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
-
-
-def hf_reference(tiny: TinyMistral3, text: str, images: list) -> tuple[list[int], torch.Tensor]:
-    """transformers' greedy tokens from the same processor output, and its log-softmax rows over prompt + tokens
-    (computed once per prompt and pictures)."""
-    key = (text, tuple(image.tobytes() for image in images))
-    if key not in tiny.references:
-        tiny.references[key] = _hf_reference(tiny, text, images)
-    return tiny.references[key]
-
-
-def _hf_reference(tiny: TinyMistral3, text: str, images: list) -> tuple[list[int], torch.Tensor]:
-    """transformers' generate and forward on the processor's output."""
-    inputs = tiny.processor(text=text, images=images, return_tensors="pt")
-    with torch.inference_mode():
-        full = tiny.hf_model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)[0]
-        logits = tiny.hf_model(input_ids=full[None, :-1], pixel_values=inputs["pixel_values"],
-                               image_sizes=inputs["image_sizes"]).logits[0]
-    return full[inputs["input_ids"].shape[1]:].tolist(), torch.log_softmax(logits.float(), -1)
-
-
-def assert_matches_hf(tiny: TinyMistral3, output, text: str, images: list) -> None:
-    tokens, log_probs = hf_reference(tiny, text, images)
-    completion = output.outputs[0]
-    assert list(completion.token_ids) == tokens
-    prompt_len = len(output.prompt_token_ids)
-    assert log_probs.shape[0] == prompt_len + MAX_TOKENS - 1  # the engine's prompt holds the processor's expansion
-    for t, position in enumerate(completion.logprobs):
-        for token, logprob in position.items():
-            assert logprob.logprob == pytest.approx(float(log_probs[prompt_len - 1 + t, token]), abs=1e-4)
-
-
-def cases(images):
+@pytest.fixture(scope="module")
+def case(tiny, images) -> MultimodalParityCase:
+    """Landscape 60x40 -> 4 x 3 merged patches, portrait 48x64 -> 3 x 4; steps of 10 tokens end inside images (12
+    placeholders each); 24 KV blocks hold one prompt, not three."""
     g, s = images["gradient"], images["shapes"]
-    return [(ONE, [g]), (ONE, [s]), (TWO, [s, g])]
+    prompts = (MultimodalPrompt(ONE, (g,)), MultimodalPrompt(ONE, (s,)), MultimodalPrompt(TWO, (s, g)))
+    return MultimodalParityCase("Mistral3ForConditionalGeneration", tiny.path, tiny.processor, tiny.hf_model, prompts,
+                                chunk_budget=10, preemption_blocks=24, max_tokens=MAX_TOKENS)
 
 
-def runner(llm):
-    return llm.llm_engine.engine_core.executor.worker.model_runner
+def test_greedy_tokens_and_logprobs_match_transformers_and_the_prefix_cache_follows_the_image(mm_parity, case, images):
+    """Plain; each image one item over its rows' [IMG] runs; two images encoded in one call (block-diagonal
+    attention) equal transformers' image features; prefix caching by picture (another of another size misses)."""
+    with mm_parity.engine(case) as llm:
+        assert type(model_runner(llm).model).__name__ == case.name  # ours, not the fallback
+        mm_parity.check(case, "plain", llm)
+        two = list(case.prompts[2].images)
+        ids, features = llm.llm_engine.processor.mm_processor.process(TWO, None, two)
+        image_token = case.image_token_id()
+        assert [f.num_embeds for f in features] == [12, 12]
+        for feature in features:  # each span runs over its rows' [IMG] runs, the [IMG_BREAK]s between masked out
+            assert feature.is_embed.tolist() == [t == image_token for t in ids[feature.offset:feature.end]]
+        inputs = case.processor(text=TWO, images=two, return_tensors="pt")
+        with torch.inference_mode():
+            ours = model_runner(llm).model.embed_multimodal(inputs["pixel_values"], inputs["image_sizes"])
+            theirs = case.hf_model.model.get_image_features(pixel_values=inputs["pixel_values"],
+                                                            image_sizes=inputs["image_sizes"]).pooler_output
+        for mine, reference in zip(ours, theirs, strict=True):
+            torch.testing.assert_close(mine, reference, atol=1e-4, rtol=1e-4)
+        mm_parity.check_prefix_cache(case, llm, other_image=shapes(96, 30))
 
 
-def assert_prefix_cache_follows_the_image(tiny: TinyMistral3, llm, images) -> None:
-    """The same prompt and picture again reuses every block holding the image; another picture only the text's."""
-    g, wide = images["gradient"], shapes(96, 30)
-    same = llm.generate({"prompt": ONE, "multi_modal_data": {"image": g}}, greedy(), use_tqdm=False)[0]
-    other = llm.generate({"prompt": ONE, "multi_modal_data": {"image": wide}}, greedy(), use_tqdm=False)[0]
-    ids, image_token = same.prompt_token_ids, tiny.hf_model.config.image_token_id
-    first_image, last_image = ids.index(image_token), len(ids) - ids[::-1].index(image_token)
-    assert same.num_cached_tokens >= last_image - 3  # block size 4
-    assert other.num_cached_tokens <= first_image  # its blocks name the other picture
-    assert_matches_hf(tiny, same, ONE, [g])
-    assert_matches_hf(tiny, other, ONE, [wide])
-
-
-@pytest.mark.parametrize("engine_kwargs", [
-    {},
-    {"max_num_batched_tokens": 10, "num_gpu_blocks_override": 24},  # too few blocks for three: preempted, recomputed
-], ids=["plain", "chunked_and_preempted"])
-def test_greedy_tokens_and_logprobs_match_transformers(tiny, images, engine_kwargs):
-    """Landscape 60x40 -> 4 x 3 merged patches, portrait 48x64 -> 3 x 4; chunked: steps of 10 tokens end inside
-    images; 24 blocks hold one prompt, not three."""
-    llm = LLM(str(tiny.path), **{"dtype": "float32", "block_size": 4, "num_gpu_blocks_override": 128,
-                                 "device": {"num_threads": 1}, "limit_mm_per_prompt": {"image": 2}, **engine_kwargs})
-    try:
-        assert type(runner(llm).model).__name__ == "Mistral3ForConditionalGeneration"  # ours, not the fallback
-        outputs = llm.generate([{"prompt": text, "multi_modal_data": {"image": imgs}} for text, imgs in cases(images)],
-                               greedy(), use_tqdm=False)
-        if engine_kwargs:
-            assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
-        if not engine_kwargs:
-            ids, features = llm.llm_engine.processor.mm_processor.process(TWO, None, cases(images)[2][1])
-            image_token = tiny.hf_model.config.image_token_id
-            assert [f.num_embeds for f in features] == [12, 12]
-            for feature in features:  # each span runs over its rows' [IMG] runs, the [IMG_BREAK]s between masked out
-                assert feature.is_embed.tolist() == [t == image_token for t in ids[feature.offset:feature.end]]
-            # two images in one call: block-diagonal attention over both, each image's rows as transformers'
-            inputs = tiny.processor(text=TWO, images=cases(images)[2][1], return_tensors="pt")
-            with torch.inference_mode():
-                ours = runner(llm).model.embed_multimodal(inputs["pixel_values"], inputs["image_sizes"])
-                theirs = tiny.hf_model.model.get_image_features(pixel_values=inputs["pixel_values"],
-                                                                image_sizes=inputs["image_sizes"]).pooler_output
-            for mine, reference in zip(ours, theirs, strict=True):
-                torch.testing.assert_close(mine, reference, atol=1e-4, rtol=1e-4)
-        if not engine_kwargs:
-            assert_prefix_cache_follows_the_image(tiny, llm, images)
-    finally:
-        llm.shutdown()
-    for (text, imgs), output in zip(cases(images), outputs, strict=True):
-        assert_matches_hf(tiny, output, text, imgs)
-    assert outputs[0].outputs[0].token_ids != outputs[1].outputs[0].token_ids  # the picture matters
-
-
-def test_tensor_parallel_encodes_on_every_rank(tiny, images):
-    """TP=2: each rank runs its half of the vision heads and MLP on the same pictures; chunks of 5 tokens."""
-    llm = LLM(str(tiny.path), dtype="float32", block_size=4, num_gpu_blocks_override=128, device={"num_threads": 1},
-              limit_mm_per_prompt={"image": 2}, tensor_parallel_size=2, max_num_batched_tokens=5)
-    try:
-        outputs = llm.generate([{"prompt": text, "multi_modal_data": {"image": imgs}} for text, imgs in cases(images)],
-                               greedy(), use_tqdm=False)
-    finally:
-        llm.shutdown()
-    for (text, imgs), output in zip(cases(images), outputs, strict=True):
-        assert_matches_hf(tiny, output, text, imgs)
+@pytest.mark.parametrize("variant", ["preemption", "tp2"])
+def test_chunked_preempted_and_tensor_parallel_match_transformers(mm_parity, case, variant):
+    """preemption: steps of 10 tokens and too few blocks, requests preempted and recomputed; tp2: each rank runs its
+    half of the vision heads and MLP on the same pictures, in steps of 10."""
+    mm_parity.check(case, variant)

@@ -6,15 +6,15 @@ for the same image and a miss for another."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
 from llmplug import LLM, SamplingParams
+from llmplug.testing import MultimodalParityCase, MultimodalPrompt
 from tests.models.tiny_models import train_llama_tokenizer
-from tests.multimodal.conftest import copy_with_renamed_weights
+from tests.multimodal.conftest import TinyVLM, copy_with_renamed_weights, model_runner
 
 MAX_TOKENS = 8
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -26,14 +26,31 @@ SPECIAL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|vide
 TOKENS = {"gradient": 40, "shapes": 48}
 
 
-@dataclass
-class TinyQwenVL:
-    path: Path
-    processor: object
-    hf_model: torch.nn.Module
+def qwen_tokenizer(path: Path) -> tuple[object, dict[str, int]]:
+    """The tiny tokenizer with Qwen's vision tokens, and their ids; the processor reads its placeholder from the
+    tokenizer's named `image_token`."""
+    from transformers import LlamaTokenizer
+
+    train_llama_tokenizer(path).save_pretrained(path)
+    tokenizer = LlamaTokenizer.from_pretrained(path, extra_special_tokens={"image_token": "<|image_pad|>"})
+    tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS})
+    return tokenizer, {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
 
 
-def save_tiny(path: Path, family: str) -> TinyQwenVL:
+def save_with_processor(path: Path, model, tokenizer) -> TinyVLM:
+    """Save `model` with its processor: 4-pixel patches merged 2x2, 8 x 8 to 64 x 64 pixels."""
+    from transformers import PaddleOCRVLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    model.save_pretrained(path)
+    image_processor = Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2,
+                                               min_pixels=8 * 8 * 4, max_pixels=64 * 64)
+    processor = PaddleOCRVLProcessor(image_processor=image_processor, tokenizer=tokenizer)
+    processor.save_pretrained(path)
+    return TinyVLM(path, processor, model)
+
+
+def save_tiny(path: Path, family: str) -> TinyVLM:
     """A 2- or 3-layer vision tower on 4-pixel patches merged 2x2 (Qwen2.5-VL: windows of 2x2 merge blocks, its
     middle layer attending over the whole image; embeddings tied), a 2-layer M-RoPE Qwen2 decoder.
 
@@ -42,15 +59,7 @@ def save_tiny(path: Path, family: str) -> TinyQwenVL:
     processor expands each `<|image_pad|>` into image_grid_thw.prod() / merge**2 placeholders exactly as
     Qwen2VLProcessor.replace_image_token does, and returns the same tensors (mm_token_type_ids included)."""
     import transformers
-    from transformers import LlamaTokenizer, PaddleOCRVLProcessor
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    train_llama_tokenizer(path / "tokenizer").save_pretrained(path / "tokenizer")
-    # the processor reads its placeholder from the tokenizer's named `image_token`
-    tokenizer = LlamaTokenizer.from_pretrained(path / "tokenizer",
-                                               extra_special_tokens={"image_token": "<|image_pad|>"})
-    tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS})
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    tokenizer, ids = qwen_tokenizer(path / "tokenizer")
     text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1,
                 eos_token_id=None, rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3],
@@ -75,16 +84,11 @@ def save_tiny(path: Path, family: str) -> TinyQwenVL:
         for name, param in model.model.language_model.layers.named_parameters():
             if name.endswith("proj.weight"):  # and the layers' outputs, beside a tied head's echo of the last token
                 param.normal_(0, 0.2)
-    model.save_pretrained(path)
-    image_processor = Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2,
-                                               min_pixels=8 * 8 * 4, max_pixels=64 * 64)
-    processor = PaddleOCRVLProcessor(image_processor=image_processor, tokenizer=tokenizer)
-    processor.save_pretrained(path)
-    return TinyQwenVL(path, processor, model)
+    return save_with_processor(path, model, tokenizer)
 
 
 @pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
-def tiny(request, tmp_path_factory) -> TinyQwenVL:
+def tiny(request, tmp_path_factory) -> TinyVLM:
     return save_tiny(tmp_path_factory.mktemp(f"tiny_{request.param}"), request.param)
 
 
@@ -92,58 +96,25 @@ def greedy() -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
 
 
-def make_llm(tiny: TinyQwenVL, **kwargs) -> LLM:
-    kwargs = {"dtype": "float32", "block_size": 4, "num_gpu_blocks_override": 256,
-              "limit_mm_per_prompt": {"image": 2}, **kwargs}
-    return LLM(str(tiny.path), **kwargs)
-
-
-def runner(llm: LLM):
-    return llm.llm_engine.engine_core.executor.worker.model_runner
-
-
-def cases(images) -> list[tuple[str, list]]:
+@pytest.fixture(scope="module")
+def case(tiny, images) -> MultimodalParityCase:
+    """One and two pictures a prompt and a text prompt; chunks of 16 tokens (each image's 40 or 48 placeholders span 3
+    or 4 steps), and 40 KV blocks for every request."""
     g, s = images["gradient"], images["shapes"]
-    return [(ONE, [g]), (ONE, [s]), (TWO, [g, s]), (TWO, [s, g]), (TEXT, [])]
+    prompts = (MultimodalPrompt(ONE, (g,)), MultimodalPrompt(ONE, (s,)), MultimodalPrompt(TWO, (g, s)),
+               MultimodalPrompt(TWO, (s, g)), MultimodalPrompt(TEXT))
+    return MultimodalParityCase(tiny.hf_model.config.architectures[0], tiny.path, tiny.processor, tiny.hf_model,
+                                prompts, chunk_budget=16, preemption_blocks=40, max_tokens=MAX_TOKENS,
+                                engine_kwargs={"max_num_seqs": 4})
 
 
-@pytest.fixture(scope="module")
-def references(tiny, images) -> dict:
-    """transformers' greedy tokens and each step's log-softmax [MAX_TOKENS, V], per case (index into `cases`)."""
-    refs = {}
-    for i, (text, imgs) in enumerate(cases(images)):
-        inputs = tiny.processor(text=text, images=imgs or None, return_tensors="pt")
-        with torch.inference_mode():
-            out = tiny.hf_model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, output_logits=True,
-                                         return_dict_in_generate=True)
-        tokens = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
-        refs[i] = tokens, torch.log_softmax(torch.cat(out.logits).float(), -1)
-    return refs
-
-
-def assert_matches_hf(output, reference) -> None:
-    tokens, log_probs = reference
-    completion = output.outputs[0]
-    assert list(completion.token_ids) == tokens
-    for t, position in enumerate(completion.logprobs):
-        for token, logprob in position.items():
-            assert logprob.logprob == pytest.approx(float(log_probs[t, token]), abs=1e-4)
-
-
-@pytest.fixture(scope="module")
-def plain_llm(tiny):
-    llm = make_llm(tiny)
-    yield llm
-    llm.shutdown()
-
-
-def test_mrope_positions_equal_transformers_rope_index(tiny, images, plain_llm):
+def test_mrope_positions_equal_transformers_rope_index(tiny, images, llm):
     """Each prompt's [3, P] positions and delta, from the engine's features, as transformers computes them."""
-    model = runner(plain_llm).model
-    for text, imgs in cases(images)[:4]:
-        ids, features = plain_llm.llm_engine.processor.mm_processor.process(text, None, imgs)
-        assert [f.length for f in features] == [TOKENS["gradient" if im is images["gradient"] else "shapes"]
-                                                for im in imgs]
+    model = model_runner(llm).model
+    g, s = images["gradient"], images["shapes"]
+    for text, imgs in [(ONE, [g]), (ONE, [s]), (TWO, [g, s]), (TWO, [s, g])]:
+        ids, features = llm.llm_engine.processor.mm_processor.process(text, None, imgs)
+        assert [f.length for f in features] == [TOKENS["gradient" if im is g else "shapes"] for im in imgs]
         positions, delta = model.get_mrope_input_positions(ids, features)
         inputs = tiny.processor(text=text, images=imgs, return_tensors="pt")
         assert inputs["input_ids"][0].tolist() == ids
@@ -153,70 +124,43 @@ def test_mrope_positions_equal_transformers_rope_index(tiny, images, plain_llm):
         assert delta == int(deltas[0, 0]) < -30  # each image's tokens span fewer positions than tokens
 
 
-def generate_cases(llm: LLM, images, references) -> list:
-    """Every case at once, each checked against transformers."""
-    outputs = llm.generate([{"prompt": text, "multi_modal_data": {"image": imgs}} if imgs else text
-                            for text, imgs in cases(images)], greedy(), use_tqdm=False)
-    for i, output in enumerate(outputs):
-        assert_matches_hf(output, references[i])
-    assert outputs[0].outputs[0].token_ids != outputs[1].outputs[0].token_ids  # the picture matters
-    return outputs
-
-
 def test_greedy_tokens_and_logprobs_match_transformers_and_the_prefix_cache_follows_the_image(
-        tiny, images, references, plain_llm):
-    """Every case at once; then the same image again (a prefix-cache hit), another (a miss), and a token-id prompt."""
-    assert type(runner(plain_llm).model).__name__ == tiny.hf_model.config.architectures[0]  # ours, not a fallback
-    generate_cases(plain_llm, images, references)
-    g = images["gradient"]
-    same = plain_llm.generate({"prompt": ONE, "multi_modal_data": {"image": g}}, greedy(), use_tqdm=False)[0]
-    other = plain_llm.generate({"prompt": ONE, "multi_modal_data": {"image": g.rotate(180)}},
-                               SamplingParams(max_tokens=1), use_tqdm=False)[0]
-    first_image = same.prompt_token_ids.index(tiny.hf_model.config.image_token_id)
-    assert same.num_cached_tokens >= first_image + TOKENS["gradient"]  # every block holding the image is reused
-    assert other.num_cached_tokens <= first_image  # only the text before the image: its blocks name the image
-    assert_matches_hf(same, references[0])  # the cached blocks' keys were rotated by the image's positions
+        mm_parity, case, images, llm):
+    """Every case at once, over a decode long enough that every generated token's position depends on the prompt's
+    delta; then the same image again (a prefix-cache hit: the cached blocks' keys were rotated by the image's
+    positions), another (a miss), and a token-id prompt."""
+    assert type(model_runner(llm).model).__name__ == case.name  # ours, not a fallback
+    mm_parity.check(case, "plain", llm)
+    mm_parity.check_prefix_cache(case, llm)
     # a token-id prompt with one placeholder per image: each expanded by its own image's count (40 and 48)
     g, s = images["gradient"], images["shapes"]
-    ids = tiny.processor.tokenizer.encode(TWO)
-    (from_ids,) = plain_llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": [g, s]}}, greedy(),
+    ids = case.processor.tokenizer.encode(TWO)
+    (from_ids,) = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": [g, s]}}, greedy(),
                                      use_tqdm=False)
-    assert from_ids.prompt_token_ids == tiny.processor(text=TWO, images=[g, s])["input_ids"][0]
-    assert_matches_hf(from_ids, references[2])
+    mm_parity.assert_matches(case, from_ids, MultimodalPrompt(TWO, (g, s)))
 
 
-def test_chunked_prefill_smaller_than_an_image_with_preemption_matches_transformers(tiny, images, references):
-    """Chunks of 16 tokens (each image's 40 or 48 placeholders span 3 or 4 steps) and too few blocks for every
-    request: preempted ones recompute their prompt and generated tokens, positions and all."""
-    llm = make_llm(tiny, max_num_batched_tokens=16, num_gpu_blocks_override=40, max_num_seqs=4)
-    generate_cases(llm, images, references)
-    assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
-    llm.shutdown()
-
+def test_chunked_prefill_smaller_than_an_image_with_preemption_matches_transformers(mm_parity, case):
+    """Chunks of 16 tokens and too few blocks for every request: preempted ones recompute their prompt and generated
+    tokens, positions and all."""
+    mm_parity.check(case, "preemption")
 
 
 @pytest.mark.parametrize("tiny", ["qwen2_5_vl"], indirect=True)  # its tower shards every layer kind Qwen2-VL's does
-def test_tensor_parallel_encodes_on_every_rank(tiny, images, references):
-    """TP=2: each rank runs its half of the tower's heads and MLP and of the merger's features on the same patches;
-    the two-image prompts, chunked inside the images."""
-    llm = make_llm(tiny, tensor_parallel_size=2, max_num_batched_tokens=16)
-    try:
-        two = [2, 3]
-        outputs = llm.generate([{"prompt": cases(images)[i][0], "multi_modal_data": {"image": cases(images)[i][1]}}
-                                for i in two], greedy(), use_tqdm=False)
-    finally:
-        llm.shutdown()
-    for i, output in zip(two, outputs):
-        assert_matches_hf(output, references[i])
+def test_tensor_parallel_encodes_on_every_rank(mm_parity, case):
+    """TP=2: each rank runs its half of the tower's heads and MLP and of the merger's features on the same patches,
+    chunked inside the images."""
+    mm_parity.check(case, "tp2")
 
 
 @pytest.mark.parametrize("tiny", ["qwen2_vl"], indirect=True)  # the layout is the same for both rows
-def test_transformers_5_checkpoint_layout_loads_alike(tiny, images, references, tmp_path):
+def test_transformers_5_checkpoint_layout_loads_alike(mm_parity, case, tmp_path):
     """The tensors renamed as transformers 5 holds them in memory (`model.language_model.*`, `model.visual.*`)."""
-    copy_with_renamed_weights(tiny.path, tmp_path, {"model.": "model.language_model.", "visual.": "model.visual.",
-                                                    "lm_head.": "lm_head."})
-    llm = make_llm(TinyQwenVL(tmp_path, tiny.processor, tiny.hf_model))
-    text, imgs = cases(images)[2]
-    (output,) = llm.generate({"prompt": text, "multi_modal_data": {"image": imgs}}, greedy(), use_tqdm=False)
-    assert_matches_hf(output, references[2])
+    copy_with_renamed_weights(case.model, tmp_path, {"model.": "model.language_model.", "visual.": "model.visual.",
+                                                     "lm_head.": "lm_head."})
+    llm = LLM(str(tmp_path), dtype="float32", block_size=4, num_gpu_blocks_override=256, device={"num_threads": 1},
+              limit_mm_per_prompt={"image": 2})
+    prompt = case.prompts[2]
+    (output,) = mm_parity.generate(case, llm, [prompt])
+    mm_parity.assert_matches(case, output, prompt)
     llm.shutdown()

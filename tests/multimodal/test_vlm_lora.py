@@ -14,6 +14,7 @@ import torch
 from llmplug import LLM, SamplingParams
 from llmplug.lora import LoRARequest
 from llmplug.lora.adapter import LoRALoadError
+from llmplug.testing import MultimodalParityCase, MultimodalPrompt
 from tests.multimodal.conftest import NUM_IMAGE_TOKENS
 
 MAX_TOKENS = 8
@@ -65,14 +66,9 @@ def save_in_old_layout(source: Path, target: Path) -> None:
     save_file(tensors, target / "adapter_model.safetensors", metadata={"format": "pt"})
 
 
-def reference(model: torch.nn.Module, processor, image, text: str = PROMPT) -> tuple[list[int], torch.Tensor]:
-    """Greedy tokens of `model` (transformers, or peft over it) and its log-softmax rows over prompt + tokens."""
-    inputs = processor(text=text, images=[image], return_tensors="pt")
-    pixels = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
-    with torch.inference_mode():
-        out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)[0]
-        logits = model(input_ids=out[None, :-1], **pixels).logits[0]
-    return out[inputs["input_ids"].shape[1]:].tolist(), torch.log_softmax(logits.float(), -1)
+def case_of(tiny, name: str, hf_model: torch.nn.Module) -> MultimodalParityCase:
+    """The kit's case of `hf_model` (transformers, or peft over it) on the tiny checkpoint's processor."""
+    return MultimodalParityCase(name, tiny.path, tiny.processor, hf_model, prompts=(), max_tokens=MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -104,31 +100,25 @@ def generate(llm: LLM, cases: list[tuple[str | None, object]], adapters, text: s
     return llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
 
 
-def assert_matches(output, expected: tuple[list[int], torch.Tensor]) -> None:
-    tokens, log_probs = expected
-    completion = output.outputs[0]
-    assert list(completion.token_ids) == tokens
-    start = len(output.prompt_token_ids) - 1
-    for t, position in enumerate(completion.logprobs):
-        for token, logprob in position.items():
-            assert logprob.logprob == pytest.approx(float(log_probs[start + t, token]), abs=1e-4)
-
-
 def test_mixed_adapters_with_images_match_peft_and_the_prefix_cache_keeps_them_apart(
-    tiny_llava, images, adapters, llm
+    mm_parity, tiny_llava, images, adapters, llm
 ):
     g, s = images["gradient"], images["shapes"]
-    ref = {(name, key): reference(tiny_llava.hf_model if name is None else adapters[name][1],
-                                  tiny_llava.processor, images[key])
-           for name, key in [(None, "gradient"), (None, "shapes"), ("a", "gradient"), ("b", "gradient"),
-                             ("b", "shapes")]}
+    cases = {name: case_of(tiny_llava, f"llava+{name}", tiny_llava.hf_model if name is None else adapters[name][1])
+             for name in (None, "a", "b")}
+    tokens = {(name, key): mm_parity.reference(cases[name], MultimodalPrompt(PROMPT, (images[key],))).tokens
+              for name, key in [(None, "gradient"), (None, "shapes"), ("a", "gradient"), ("b", "gradient"),
+                                ("b", "shapes")]}
     # the adapters matter: without them the test would fail
-    assert ref["a", "gradient"][0] != ref[None, "gradient"][0] != ref["b", "gradient"][0]
-    assert ref["b", "shapes"][0] != ref[None, "shapes"][0]
+    assert tokens["a", "gradient"] != tokens[None, "gradient"] != tokens["b", "gradient"]
+    assert tokens["b", "shapes"] != tokens[None, "shapes"]
+
+    def assert_matches(output, name, key):
+        mm_parity.assert_matches(cases[name], output, MultimodalPrompt(PROMPT, (images[key],)))
 
     first = generate(llm, [("a", g), ("b", g), (None, s)], adapters)
-    for output, key in zip(first, [("a", "gradient"), ("b", "gradient"), (None, "shapes")]):
-        assert_matches(output, ref[key])
+    for output, (name, key) in zip(first, [("a", "gradient"), ("b", "gradient"), (None, "shapes")]):
+        assert_matches(output, name, key)
     # the same image again: with the same adapter its blocks are reused; with another, at most the text before the
     # image that this adapter ran before ("b" on the gradient), and for a new adapter ("a" in the older layout:
     # the same weights under another id) nothing
@@ -137,8 +127,8 @@ def test_mixed_adapters_with_images_match_peft_and_the_prefix_cache_keeps_them_a
     assert again[0].num_cached_tokens > image_start + NUM_IMAGE_TOKENS
     assert again[1].num_cached_tokens <= image_start
     assert again[2].num_cached_tokens == 0
-    for output, key in zip(again, [("a", "gradient"), ("b", "shapes"), ("a", "gradient")]):
-        assert_matches(output, ref[key])
+    for output, (name, key) in zip(again, [("a", "gradient"), ("b", "shapes"), ("a", "gradient")]):
+        assert_matches(output, name, key)
 
 
 @pytest.mark.parametrize("name, module", [
@@ -153,7 +143,7 @@ def test_an_adapter_of_the_vision_tower_or_projector_is_refused_by_name(tiny_lla
     assert len(after.outputs[0].token_ids) == MAX_TOKENS
 
 
-def test_an_idefics3_adapter_of_its_text_model_matches_peft(images, tmp_path_factory):
+def test_an_idefics3_adapter_of_its_text_model_matches_peft(mm_parity, images, tmp_path_factory):
     """Another naming of the language model (`model.text_model.*`): the family's checkpoint prefixes map it."""
     from tests.multimodal.test_idefics3 import ONE, save_tiny
 
@@ -161,16 +151,15 @@ def test_an_idefics3_adapter_of_its_text_model_matches_peft(images, tmp_path_fac
     tiny = save_tiny(root / "model", "idefics3")
     peft_model = save_adapter(tiny.path, "idefics3", root / "adapter", seed=7,
                               model_class="Idefics3ForConditionalGeneration")
-    image = images["gradient"]
-    expected = {None: reference(tiny.hf_model, tiny.processor, image, ONE),
-                "idefics3": reference(peft_model, tiny.processor, image, ONE)}
-    assert expected[None][0] != expected["idefics3"][0]
+    prompt = MultimodalPrompt(ONE, (images["gradient"],))
+    base, adapted = case_of(tiny, "idefics3-base", tiny.hf_model), case_of(tiny, "idefics3+lora", peft_model)
+    assert mm_parity.reference(base, prompt).tokens != mm_parity.reference(adapted, prompt).tokens
     llm = LLM(str(tiny.path), dtype="float32", block_size=4, num_gpu_blocks_override=256, device={"num_threads": 1},
               enable_lora=True, max_lora_rank=8)
     try:
         adapters = {"idefics3": (LoRARequest("idefics3", 1, str(root / "adapter")), peft_model)}
-        outputs = generate(llm, [("idefics3", image), (None, image)], adapters, ONE)
+        outputs = generate(llm, [("idefics3", images["gradient"]), (None, images["gradient"])], adapters, ONE)
     finally:
         llm.shutdown()
-    assert_matches(outputs[0], expected["idefics3"])
-    assert_matches(outputs[1], expected[None])
+    mm_parity.assert_matches(adapted, outputs[0], prompt)
+    mm_parity.assert_matches(base, outputs[1], prompt)
