@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import copy
+import dataclasses
 import io
 
 import pytest
@@ -53,6 +55,23 @@ def test_chunked_inside_an_image_preempted_and_tensor_parallel_match_transformer
     """preemption: chunks of 6 and too few blocks, requests preempted and recomputed; tp2: each rank runs its half
     of the vision tower's heads and of the projector on the same image, in chunks of 6."""
     mm_parity.check(case, variant)
+
+
+def test_the_kit_fails_for_another_model_and_refuses_a_case_whose_pictures_do_not_matter(mm_parity, case, llm):
+    """The kit's checks can fail: transformers with the projector's output doubled is not the model the engine runs;
+    with the projector zeroed, the pictures change nothing transformers says, and the case is refused as one that
+    could not tell an engine that ignores them."""
+    (output,) = mm_parity.generate(case, llm, case.prompts[:1])
+    doubled, blind = copy.deepcopy(case.hf_model), copy.deepcopy(case.hf_model)
+    with torch.no_grad():
+        doubled.model.multi_modal_projector.linear_2.weight.mul_(2)
+        for param in blind.model.multi_modal_projector.parameters():
+            param.zero_()
+    with pytest.raises(AssertionError, match="differ from transformers"):
+        mm_parity.assert_matches(dataclasses.replace(case, name="llava-doubled", hf_model=doubled), output,
+                                 case.prompts[0])
+    with pytest.raises(ValueError, match="alike whatever the picture"):
+        mm_parity.check(dataclasses.replace(case, name="llava-blind", hf_model=blind), "plain", llm)
 
 
 def test_token_ids_prompt_with_one_placeholder_per_image_is_expanded(mm_parity, case, llm, images):
