@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 from typing import TYPE_CHECKING, Iterable
 
 from llmplug.core.config import EngineConfig
@@ -28,6 +29,9 @@ if TYPE_CHECKING:
     from llmplug.plugins.kv_connectors.base import KVConnector
 
 logger = logging.getLogger(__name__)
+
+# vLLM's switch for a max_model_len past the model's positions (a ConfigError without it)
+ALLOW_LONG_MAX_MODEL_LEN = "VLLM_ALLOW_LONG_MAX_MODEL_LEN"
 
 # a pooling step's default token budget (vLLM's): no KV cache to share the memory with, and fewer, larger
 # steps pool a batch faster; at least the context length, so that the longest prompt fits whole
@@ -134,8 +138,15 @@ class EngineCore:
         asked = self.config.model.max_model_len
         if asked is None:
             return int(model_len)
-        if asked > model_len:
-            logger.warning("model.max_model_len=%d exceeds the model's %d positions", asked, model_len)
+        if asked > model_len and self.model_info.get("context_length_stated", True):
+            if os.environ.get(ALLOW_LONG_MAX_MODEL_LEN) != "1":
+                raise ConfigError(
+                    f"model.max_model_len={asked} exceeds the model's {model_len} positions: positions past them "
+                    f"have no embedding (or rotary the model was not trained on); lower it, or set "
+                    f"{ALLOW_LONG_MAX_MODEL_LEN}=1 where the model extrapolates (rope scaling)"
+                )
+            logger.warning("model.max_model_len=%d exceeds the model's %d positions (%s=1)", asked, model_len,
+                           ALLOW_LONG_MAX_MODEL_LEN)
         return asked
 
     def _num_blocks(self) -> int:

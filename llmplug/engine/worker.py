@@ -37,11 +37,17 @@ CONTEXT_LENGTH_KEYS = (
 DEFAULT_CONTEXT_LENGTH = 2048
 
 
+def stated_context_length(hf_config: Any) -> int | None:
+    """The smallest context length the config names under CONTEXT_LENGTH_KEYS, or None."""
+    lengths = [v for v in (getattr(hf_config, key, None) for key in CONTEXT_LENGTH_KEYS) if isinstance(v, int)]
+    return min(lengths) if lengths else None
+
+
 def context_length_of(hf_config: Any) -> int:
     """The smallest context length the config names under CONTEXT_LENGTH_KEYS; 2048 (warned) when it names none."""
-    lengths = [v for v in (getattr(hf_config, key, None) for key in CONTEXT_LENGTH_KEYS) if isinstance(v, int)]
-    if lengths:
-        return min(lengths)
+    stated = stated_context_length(hf_config)
+    if stated is not None:
+        return stated
     logger.warning(
         "the model's config has none of %s; assuming a context length of %d (set model.max_model_len to change it)",
         ", ".join(CONTEXT_LENGTH_KEYS), DEFAULT_CONTEXT_LENGTH,
@@ -119,6 +125,7 @@ class Worker:
         else:
             budget = self.platform.memory_for_kv_cache(cache.memory_fraction, self.device.index or 0)
         budget -= self._state_bytes(spec, budget)
+        budget -= self._cross_attention_bytes(spec, budget)
         if not spec.block_bytes:  # no attention layer: blocks hold nothing and only count tokens
             return self._max_useful_blocks()
         num_blocks = max(budget // spec.block_bytes, 0)
@@ -138,6 +145,22 @@ class Worker:
                 "raise cache.kv_cache_memory / cache.memory_fraction"
             )
         return spec.state_bytes
+
+    def _cross_attention_bytes(self, spec: KVCacheSpec, budget: int) -> int:
+        """An encoder-decoder model's cross-attention K/V of max_num_seqs requests; a ConfigError when the budget
+        cannot hold them."""
+        if not spec.cross_attention_bytes:
+            return 0
+        max_num_seqs = self.config.scheduler.max_num_seqs
+        logger.info("cross-attention keys and values: %d requests of %.1f MiB", max_num_seqs,
+                    spec.cross_attention_bytes / max_num_seqs / 2**20)
+        if spec.cross_attention_bytes > budget:
+            raise ConfigError(
+                f"the encoders' cross-attention keys and values of scheduler.max_num_seqs={max_num_seqs} requests "
+                f"need {spec.cross_attention_bytes} bytes but the KV-cache budget left is {budget}; lower "
+                "scheduler.max_num_seqs or raise cache.kv_cache_memory / cache.memory_fraction"
+            )
+        return spec.cross_attention_bytes
 
     def _max_useful_blocks(self) -> int:
         """Blocks for max_num_seqs requests of max_model_len tokens (the engine uses no more)."""
@@ -198,6 +221,8 @@ class Worker:
         positions = getattr(runner.model, "max_positions", None) or context_length_of(hf)
         return {
             "context_length": positions,
+            # False where the config names no length (Mamba, Bloom: 2048 assumed): a longer max_model_len is fine
+            "context_length_stated": bool(getattr(runner.model, "max_positions", None) or stated_context_length(hf)),
             "vocab_size": hf.vocab_size,
             "eos_token_id": getattr(hf, "eos_token_id", None),
             "block_bytes": spec.block_bytes,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from llmplug import LLM, SamplingParams
-from llmplug.core.errors import InvalidRequestError
+from llmplug.core.errors import ConfigError, InvalidRequestError
 from tests.models.tiny_models import ARCHS, make_tiny
 
 MAX_TOKENS = 32
@@ -156,6 +156,17 @@ def test_bad_prompt_is_a_clear_error_and_engine_keeps_working(tiny_llama, bad, m
     with pytest.raises(InvalidRequestError, match=message):
         llm.generate([{"prompt_token_ids": [1, 2, 3]}, bad], GREEDY, use_tqdm=False)
     assert_no_leak(llm)
+    assert generate_ids(llm, [[1, 2, 3]], GREEDY) == [hf_greedy(tiny_llama.hf_model, [1, 2, 3])]
+
+
+def test_a_max_model_len_past_the_models_positions_is_refused_unless_allowed_as_in_vllm(tiny_llama, monkeypatch):
+    positions = tiny_llama.hf_model.config.max_position_embeddings
+    with pytest.raises(ConfigError, match=rf"max_model_len={positions + 1} exceeds the model's {positions} positions"
+                                          r".*VLLM_ALLOW_LONG_MAX_MODEL_LEN=1"):
+        make_llm(tiny_llama, max_model_len=positions + 1)
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    llm = make_llm(tiny_llama, max_model_len=positions + 1)
+    assert llm.llm_engine.engine_core.max_model_len == positions + 1
     assert generate_ids(llm, [[1, 2, 3]], GREEDY) == [hf_greedy(tiny_llama.hf_model, [1, 2, 3])]
 
 

@@ -42,7 +42,8 @@ class ModelConfig(_Section):
         None,
         gt=0,
         description="Context length; default: the model's (max_position_embeddings, n_positions, max_seq_len, ...; "
-        "2048 if its config names none).",
+        "2048 if its config names none). Past the length the model's config names, a ConfigError unless "
+        "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 (vLLM's switch, for models that extrapolate).",
     )
     seed: int = Field(0, description="Seed of the engine's random state (per-request seeds override).")
     skip_tokenizer_init: bool = Field(False, description="Do not load a tokenizer; prompts must be token ids.")
