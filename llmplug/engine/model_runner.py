@@ -54,7 +54,8 @@ UNSAMPLEABLE = "no token can be sampled: the logits hold NaN or +inf, or every t
 
 @dataclass(slots=True, frozen=True)
 class KVCacheSpec:
-    """What one KV block costs and how many layers hold one; and the recurrent-state slots beside them."""
+    """What one KV block costs and how many layers hold one; and what running requests hold beside them (recurrent-state
+    slots, an encoder-decoder model's cross-attention keys and values)."""
 
     num_layers: int  # attention layers (0 for a pure state-space model: blocks then only count tokens)
     block_elements: int  # cache elements of one block summed over the layers (layers may differ: MLA's latent)
@@ -62,6 +63,7 @@ class KVCacheSpec:
     block_size: int
     num_state_slots: int = 0  # one per request that can run at once, for a model with recurrent mixers
     state_slot_bytes: int = 0  # one request's state across the recurrent layers
+    cross_attention_bytes: int = 0  # the cross-attention K/V of max_num_seqs running requests (encoder-decoder)
 
     @property
     def block_bytes(self) -> int:
@@ -197,7 +199,10 @@ class ModelRunner:
         # every request that can run at once holds a slot, so a slot never has to be waited for
         num_slots = self.config.scheduler.max_num_seqs if slot_bytes else 0
         block_elements = sum(math.prod(shape) for shape in shapes)
-        return KVCacheSpec(len(attn_layers), block_elements, self.dtype, self.block_size, num_slots, slot_bytes)
+        cross = 0  # every request that can run at once holds its encoder's keys and values beside its blocks
+        if getattr(self.model, "is_encoder_decoder", False):
+            cross = self.config.scheduler.max_num_seqs * self.model.cross_attention_bytes(self.dtype)
+        return KVCacheSpec(len(attn_layers), block_elements, self.dtype, self.block_size, num_slots, slot_bytes, cross)
 
     def _attention_layers(self) -> list[torch.nn.Module]:
         from llmplug.layers.attention import Attention

@@ -25,7 +25,7 @@ from transformers import (
 )
 
 from llmplug import LLM, AsyncLLM, SamplingParams
-from llmplug.core.errors import InvalidRequestError
+from llmplug.core.errors import ConfigError, InvalidRequestError
 from tests.audio.conftest import encode, noise, tone
 
 RATE = 16000
@@ -141,6 +141,21 @@ def test_chunked_prefill_and_preemption_keep_the_tokens(whisper, references) -> 
     outputs = small.generate([_prompt(clip) for clip in clips], GREEDY)
     assert [list(o.outputs[0].token_ids) for o in outputs] == references[:8]
     assert small.llm_engine.engine_core.scheduler.num_preemptions > 0
+
+
+def test_cross_attention_memory_comes_out_of_the_kv_cache_budget_first(whisper, references) -> None:
+    _, model, processor = whisper
+    features = processor.feature_extractor(_clips()[0], sampling_rate=RATE, return_tensors="pt").input_features
+    with torch.no_grad():  # what transformers keeps for one request's cross-attention: its K/V cache's bytes
+        cache = model(input_features=features, decoder_input_ids=torch.tensor([[1]]), use_cache=True).past_key_values
+    per_request = sum(layer.keys.numel() + layer.values.numel() for layer in cache.cross_attention_cache.layers) * 4
+    block_bytes = 2 * 2 * 4 * 64 * 4  # decoder layers, K and V, block_size tokens, d_model, float32
+    with pytest.raises(ConfigError, match="cross-attention keys and values of scheduler.max_num_seqs=4 requests"):
+        LLM(str(whisper[0]), kv_cache_memory=4 * per_request - 1, max_num_seqs=4, **ENGINE)
+    llm = LLM(str(whisper[0]), kv_cache_memory=4 * per_request + 10 * block_bytes, max_num_seqs=4, **ENGINE)
+    assert llm.llm_engine.engine_core.kv_cache_manager.num_blocks == 10
+    out = llm.generate(_prompt(_clips()[0]), GREEDY)
+    assert list(out[0].outputs[0].token_ids) == references[0]
 
 
 @pytest.mark.parametrize("prompt, named", [

@@ -140,6 +140,11 @@ class WhisperForConditionalGeneration(nn.Module):
         states = self.model.encoder(input_features)[0]  # [S, d_model]
         return torch.stack([layer.encoder_attn.kv(states) for layer in self.model.decoder.layers])
 
+    def cross_attention_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes of one request's cross-attention keys and values (`encoder_kv`'s output) in `dtype`."""
+        layers, c = len(self.model.decoder.layers), self.config
+        return layers * 2 * c.d_model * c.max_source_positions * torch.empty((), dtype=dtype).element_size()
+
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, cross_attention: CrossAttentionBatch | None = None
     ) -> torch.Tensor:
