@@ -8,9 +8,9 @@ takes all its shards one way. Linear weights are those of the transformers model
 its output embedding (llmplug's head is not a linear layer); only architectures whose llmplug module names
 are transformers' (`PACKED_ARCHES`) are packed, so the names the loader yields are those the model's layers
 hold. `quantization`: none (the default) and auto pack the types the int4 path has no exact form of (K-quants,
-Q5_0/Q5_1, and the Q4_0/Q4_1/Q8_0 tensors beside them), and a file with packed modules gets no int4 copies; a
-file of only Q4_0/Q4_1/Q8_0 is dense (none) or keeps the exact int4 path (auto) as before; gguf packs every
-type the kernel implements; int4 and int8 (llmplug's own copies of dense weights) dequantize every tensor.
+Q5_0/Q5_1, the IQ types, and the Q4_0/Q4_1/Q8_0 tensors beside them), and a file with packed modules gets no
+int4 copies; a file of only Q4_0/Q4_1/Q8_0 is dense (none) or keeps the exact int4 path (auto) as before; gguf
+packs every type the kernel implements; int4 and int8 (llmplug's own copies of dense weights) dequantize every tensor.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ Q = gguf.GGMLQuantizationType
 # llama.cpp architectures whose llmplug modules carry transformers' names (no checkpoint-name translation)
 PACKED_ARCHES = frozenset({"llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3"})
 _INT4_EXACT = frozenset({Q.Q4_0, Q.Q4_1, Q.Q8_0})  # the auto mode's exact int4 path keeps files of only these
-# none (the default) and auto: a K-quant file is a quantized checkpoint, computed with its method as a gptq one is
+# none (the default) and auto: a K-quant or IQ file is a quantized checkpoint, computed by its method as a gptq one
 TRIGGER_TYPES = {"none": KERNEL_TYPES - _INT4_EXACT, "auto": KERNEL_TYPES - _INT4_EXACT, "gguf": KERNEL_TYPES}
 
 

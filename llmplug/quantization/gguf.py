@@ -8,11 +8,13 @@ attached with `as_packed`) or, for a type the kernel does not implement, the den
 types inside one fused layer (Q5_0 q and k with a Q8_0 v), so every shard keeps its own type; after loading,
 neighbouring shards of one type are joined, and a call computes each run of rows with one kernel call
 (`llmplug_cpu::gguf_matmul`: ggml's dequantization, float32 sums, every output row the same arithmetic
-whatever the number of tokens) into its slice of the output.
+whatever the number of tokens) into its slice of the output. The IQ types look their weights up in tables (a grid
+of int8 values, sign bytes); the kernel takes gguf-py's own (`lookup_tables`), read from its dequantizers.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -31,15 +33,36 @@ if TYPE_CHECKING:
     from llmplug.layers.linear import LinearBase
     from llmplug.layers.quantization import LinearOptions
 
-__all__ = ["GGUFConfig", "GGUFLinearMethod", "KERNEL_TYPES", "as_packed", "packed_type"]
+__all__ = ["GGUFConfig", "GGUFLinearMethod", "IQ_TYPES", "KERNEL_TYPES", "as_packed", "lookup_tables", "packed_type"]
 
 log = logging.getLogger(__name__)
 
 Q = gguf.GGMLQuantizationType
+# the types whose weights are looked up in tables, passed to the kernel from gguf-py's dequantizers (gguf.quants)
+IQ_TYPES = frozenset({Q.IQ4_NL, Q.IQ4_XS, Q.IQ3_S, Q.IQ3_XXS, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ1_S, Q.IQ1_M})
 # the GGUF types `llmplug_cpu::gguf_matmul` decodes (ops.cpp's gguf_type)
-KERNEL_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K})
+KERNEL_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}) | IQ_TYPES
+_SIGNED = frozenset({Q.IQ2_XXS, Q.IQ2_XS, Q.IQ3_XXS})  # the types storing 7-bit sign indices into ksigns
 PARAM = "qweight"
 _TYPE_ATTR = "_llmplug_gguf_type"
+
+
+@functools.cache
+def lookup_tables(qtype: Q) -> tuple[torch.Tensor, ...]:
+    """The tables `gguf_matmul` reads for `qtype`, gguf-py's own: the int8 grid (IQ4: its 16 levels) and, for the types
+    with sign indices, ksigns; () for the types without tables."""
+    if qtype not in IQ_TYPES:
+        return ()
+    traits = getattr(gguf.quants, qtype.name)  # gguf-py's dequantizer of the type, which holds its tables
+    if qtype in (Q.IQ4_NL, Q.IQ4_XS):
+        values = np.array(gguf.quants.IQ4_NL.kvalues, dtype=np.int8)
+    else:
+        traits.init_grid()
+        values = traits.grid.reshape(traits.grid_shape).astype(np.int8)  # small integers stored as float32
+    tables = (torch.from_numpy(values.reshape(-1)),)
+    if qtype in _SIGNED:
+        tables += (torch.frombuffer(bytearray(gguf.quants.IQ2_XXS.ksigns), dtype=torch.uint8),)
+    return tables
 
 
 def as_packed(blocks: torch.Tensor, qtype: Q) -> torch.Tensor:
@@ -69,9 +92,10 @@ class Segment:
         """x [T, in] -> [T, rows] in x's dtype."""
         if self.qtype is None:
             return F.linear(x, self.data.to(x.dtype))
+        tables = list(lookup_tables(self.qtype))
         if x.dtype not in (torch.float32, torch.bfloat16):  # the kernel reads float32 and bfloat16
-            return ops().gguf_matmul(x.float(), self.data, int(self.qtype)).to(x.dtype)
-        return ops().gguf_matmul(x, self.data, int(self.qtype))
+            return ops().gguf_matmul(x.float(), self.data, int(self.qtype), tables).to(x.dtype)
+        return ops().gguf_matmul(x, self.data, int(self.qtype), tables)
 
     def dequantize(self, in_features: int) -> torch.Tensor:
         """The dense rows [rows, in] in float32, by gguf-py's dequantizer (the format's reference)."""

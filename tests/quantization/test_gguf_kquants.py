@@ -1,7 +1,7 @@
 """GGUF linear weights computed from their packed blocks (llmplug.quantization.gguf, `llmplug_cpu::gguf_matmul`).
 
-The reference is gguf-py's own dequantizer (`gguf.quants.dequantize`) and transformers on its weights; the
-blocks are random bytes with sane fp16 scales, so every bit pattern of the quants is exercised.
+The reference is transformers on gguf-py's dequantized weights (`gguf.quants.dequantize`); the blocks are random
+bytes with sane fp16 scales (the kernel itself against gguf-py: tests/layers/kernels/test_gguf_matmul.py).
 """
 
 from __future__ import annotations
@@ -18,79 +18,18 @@ import torch
 
 from llmplug.core.config import EngineConfig, ModelConfig
 from llmplug.core.errors import ModelLoadError
-from llmplug.layers.kernels.native import native_available, ops
+from llmplug.layers.kernels.native import native_available
 from llmplug.layers.quantization import Int4LinearMethod
 from llmplug.loaders.gguf import GGUFLoader, packed_plan
 from llmplug.plugins.models.llama import LlamaForCausalLM
-from llmplug.quantization.gguf import KERNEL_TYPES, GGUFLinearMethod, as_packed
+from llmplug.quantization.gguf import GGUFLinearMethod, as_packed
 
+from tests.layers.kernels.test_gguf_matmul import random_blocks
 from tests.loaders.gguf_writer_utils import make_tiny_model, permute_qk, tiny_llama_config, write_model_gguf
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="llmplug's CPU kernels cannot be built here")
 
 Q = gguf.GGMLQuantizationType
-TYPES = sorted(KERNEL_TYPES, key=int)
-# the byte offsets of a block's fp16 fields: d, and the min's scale where the type has one
-_HALVES = {Q.Q4_1: (0, 2), Q.Q5_1: (0, 2), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q2_K: (80, 82), Q.Q3_K: (108,),
-           Q.Q6_K: (208,)}
-
-
-def random_blocks(qtype: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
-    """[rows, bytes] of random blocks of `qtype` whose fp16 scales are small positive numbers."""
-    rng = np.random.default_rng(seed)
-    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    blocks = rng.integers(0, 256, size=(rows, cols // block_size, type_size), dtype=np.uint8)
-
-    def halves() -> np.ndarray:
-        values = rng.uniform(0.001, 0.01, size=blocks.shape[:2]).astype(np.float16)
-        return values.view(np.uint8).reshape(*blocks.shape[:2], 2)
-
-    for offset in _HALVES.get(qtype, (0,)):
-        blocks[..., offset : offset + 2] = halves()
-    return blocks.reshape(rows, -1)
-
-
-def reference_weight(blocks: np.ndarray, qtype: Q, cols: int) -> torch.Tensor:
-    return torch.from_numpy(gguf.quants.dequantize(blocks, qtype).reshape(blocks.shape[0], cols))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
-def test_kernel_equals_x_times_gguf_py_dequantized_weight(qtype: Q, dtype: torch.dtype) -> None:
-    rows, cols = 42, 512  # 42: tiles of 4 rows and a last one of 2
-    blocks = random_blocks(qtype, rows, cols)
-    weight = reference_weight(blocks, qtype, cols)
-    for m in (1, 4, 33):
-        x = torch.randn(m, cols).to(dtype)
-        y = ops().gguf_matmul(x, torch.from_numpy(blocks), int(qtype))
-        expected = x.float() @ weight.T
-        assert y.dtype == dtype and y.shape == (m, rows)
-        scale = expected.abs().max()
-        tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's rounding
-        assert (y.float() - expected).abs().max() <= tolerance * scale
-
-
-@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
-def test_the_kernels_weights_are_gguf_pys_bit_for_bit(qtype: Q) -> None:
-    blocks = random_blocks(qtype, 8, 512, seed=3)
-    decoded = ops().gguf_matmul(torch.eye(512), torch.from_numpy(blocks), int(qtype))  # x = I: y = W^T, exactly
-    assert torch.equal(decoded.T, reference_weight(blocks, qtype, 512))
-
-
-@pytest.mark.parametrize("qtype", [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q8_0], ids=lambda q: q.name)
-def test_each_output_row_is_bitwise_the_same_whatever_the_number_of_rows(qtype: Q) -> None:
-    blocks = torch.from_numpy(random_blocks(qtype, 26, 768, seed=1))  # 26: a last tile of 2 rows
-    x = torch.randn(33, 768)
-    alone = torch.cat([ops().gguf_matmul(x[i : i + 1], blocks, int(qtype)) for i in range(33)])
-    for m in range(1, 34):
-        assert torch.equal(ops().gguf_matmul(x[:m], blocks, int(qtype)), alone[:m]), m
-
-
-def test_a_type_the_kernel_lacks_and_a_wrong_row_size_are_refused() -> None:
-    with pytest.raises(RuntimeError, match="not implemented"):
-        ops().gguf_matmul(torch.randn(1, 256), torch.zeros(4, 136, dtype=torch.uint8), int(Q.IQ4_XS))
-    with pytest.raises(RuntimeError, match="bytes a row"):
-        ops().gguf_matmul(torch.randn(1, 512), torch.zeros(4, 144, dtype=torch.uint8), int(Q.Q4_K))
 
 
 # ---------------------------------------------------------------- a tiny Llama in Q4_K and Q6_K, end to end
@@ -100,6 +39,8 @@ LAYER_TYPES = {"q_proj": Q.Q4_K, "k_proj": Q.Q4_K, "v_proj": Q.Q6_K, "o_proj": Q
                "gate_proj": Q.Q4_K, "up_proj": Q.Q4_K, "down_proj": Q.Q6_K}  # Q4_K_M's choice, v and down in Q6_K
 LOW_BIT_TYPES = {"q_proj": Q.Q2_K, "k_proj": Q.Q2_K, "v_proj": Q.Q3_K, "o_proj": Q.Q3_K,
                  "gate_proj": Q.Q2_K, "up_proj": Q.Q2_K, "down_proj": Q.Q3_K}  # Q2_K's and Q3_K's blocks
+IQ_LAYER_TYPES = {"q_proj": Q.IQ4_XS, "k_proj": Q.IQ4_XS, "v_proj": Q.IQ4_NL, "o_proj": Q.IQ3_S,
+                  "gate_proj": Q.IQ4_XS, "up_proj": Q.IQ4_XS, "down_proj": Q.IQ2_XXS}  # IQ4_XS, and grid types
 _GGUF = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
          "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
 
@@ -199,6 +140,15 @@ def test_q2_k_and_q3_k_layers_compute_packed_and_generate_transformers_greedy_to
     attention = load(path).model.layers[0].self_attn
     assert repr(attention.qkv_proj.quant_method) == "GGUFLinearMethod(Q2_K,Q3_K)"
     assert repr(attention.o_proj.quant_method) == "GGUFLinearMethod(Q3_K)"
+    greedy_equals_transformers(path, reference)
+
+
+def test_iq_layers_compute_packed_with_gguf_pys_tables_and_generate_transformers_greedy_tokens(tmp_path) -> None:
+    path, reference = write_kquant_llama(tmp_path, types=IQ_LAYER_TYPES)
+    layers = load(path).model.layers[0]
+    assert repr(layers.self_attn.qkv_proj.quant_method) == "GGUFLinearMethod(IQ4_XS,IQ4_NL)"
+    assert repr(layers.self_attn.o_proj.quant_method) == "GGUFLinearMethod(IQ3_S)"
+    assert repr(layers.mlp.down_proj.quant_method) == "GGUFLinearMethod(IQ2_XXS)"
     greedy_equals_transformers(path, reference)
 
 

@@ -107,7 +107,7 @@ def _register_fakes() -> None:
             logits.new_empty(logits.shape[0]),
         ),
         "row_bmm": lambda a, b: a.new_empty(a.shape[0], a.shape[1], b.shape[2]),
-        "gguf_matmul": lambda x, w, type_id: x.new_empty(x.shape[0], w.shape[0]),
+        "gguf_matmul": lambda x, w, type_id, tables: x.new_empty(x.shape[0], w.shape[0]),
     }
     for name, fake in fakes.items():
         torch.library.register_fake(f"llmplug_cpu::{name}", fake)

@@ -922,24 +922,198 @@ void block_q6_k(const uint8_t* b, float* y) {
   }
 }
 
+// ---------------------------------------------------------------- the IQ types: weights looked up in a table
+
+// An IQ type's lookup tables, gguf-py's (gguf.quants) passed in by the caller: `values` the int8 grid [entries, width]
+// its indices select (IQ4: the 16 non-linear levels), `signs` ksigns [128] (the sign bits of a 7-bit sign index:
+// the index and its parity bit) for the types that store sign indices.
+struct Lookup {
+  const int8_t* values = nullptr;
+  const uint8_t* signs = nullptr;
+};
+
+// The 8 weights scale * grid[j] with sign bit j of `s` negating weight j (ggml: db * grid[j] * (signs & kmask[j] ?
+// -1 : 1)).
+inline void signed_8(float scale, const int8_t* grid, uint8_t s, float* y) {
+  for (int j = 0; j < 8; ++j) y[j] = scale * float(grid[j]) * ((s >> j) & 1 ? -1.f : 1.f);
+}
+
+// IQ4_NL [d, 16 bytes]: weight j the low nibble of byte j, weight j + 16 its high nibble; w = d values[q].
+void block_iq4_nl(const uint8_t* b, float* y, const Lookup& t) {
+  const float d = half_at(b);
+  for (int j = 0; j < 16; ++j) {
+    y[j] = d * float(t.values[b[2 + j] & 0x0F]);
+    y[j + 16] = d * float(t.values[b[2 + j] >> 4]);
+  }
+}
+
+// IQ4_XS super-block [d, 16 bits of high scale bits, 4 bytes of low scale nibbles, 128 bytes]: 8 sub-blocks of 32
+// laid out as IQ4_NL's, each with a 6-bit scale (stored + 32); w = d (sc - 32) values[q].
+void block_iq4_xs(const uint8_t* b, float* y, const Lookup& t) {
+  const float d = half_at(b);
+  const uint16_t high = uint16_t(b[2] | (b[3] << 8));
+  const uint8_t *low = b + 4, *q = b + 8;
+  for (int s = 0; s < 8; ++s, q += 16, y += 32) {
+    const int ls = ((low[s / 2] >> (4 * (s % 2))) & 0x0F) | (((high >> (2 * s)) & 3) << 4);
+    const float dl = d * float(ls - 32);
+    for (int j = 0; j < 16; ++j) y[j] = dl * float(t.values[q[j] & 0x0F]), y[j + 16] = dl * float(t.values[q[j] >> 4]);
+  }
+}
+
+inline uint32_t u32_at(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+inline uint16_t u16_at(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+// IQ2_XXS super-block [d, 8 x (4 grid indices, 32 bits: 4 sign indices of 7 bits, 4-bit scale)]: each 32 weights
+// four grid rows of 8; w = d (0.5 + sc) / 4 grid[i][j] with ksigns' signs.
+void block_iq2_xxs(const uint8_t* b, float* y, const Lookup& t) {
+  const float d = half_at(b);
+  for (int s = 0; s < 8; ++s, y += 32) {
+    const uint8_t* idx = b + 2 + 8 * s;
+    const uint32_t aux = u32_at(idx + 4);
+    const float db = d * (0.5f + float(aux >> 28)) * 0.25f;
+    for (int l = 0; l < 4; ++l) signed_8(db, t.values + 8 * idx[l], t.signs[(aux >> (7 * l)) & 127], y + 8 * l);
+  }
+}
+
+// IQ2_XS super-block [d, 32 x 16 bits (9-bit grid index, 7-bit sign index), 8 bytes of 4-bit scales, one per 16]:
+// w = d (0.5 + sc) / 4 grid[i][j] with ksigns' signs.
+void block_iq2_xs(const uint8_t* b, float* y, const Lookup& t) {
+  const float d = half_at(b);
+  const uint8_t* scales = b + 66;
+  for (int g = 0; g < 32; ++g) {
+    const uint16_t q = u16_at(b + 2 + 2 * g);
+    const float db = d * (0.5f + float((scales[g / 4] >> (4 * ((g / 2) % 2))) & 0x0F)) * 0.25f;
+    signed_8(db, t.values + 8 * (q & 511), t.signs[q >> 9], y + 8 * g);
+  }
+}
+
+// IQ2_S super-block [d, 32 low bytes of grid indices, 32 sign bytes, 8 bytes of the indices' 2 high bits, 8 bytes of
+// 4-bit scales, one per 16]: w = d (0.5 + sc) / 4 grid[i][j], sign bit j of the group's byte.
+void block_iq2_s(const uint8_t* b, float* y, const Lookup& t) {
+  const float d = half_at(b);
+  const uint8_t *qs = b + 2, *signs = b + 34, *qh = b + 66, *scales = b + 74;
+  for (int g = 0; g < 32; ++g) {
+    const int index = qs[g] | (((qh[g / 4] >> (2 * (g % 4))) & 3) << 8);
+    const float db = d * (0.5f + float((scales[g / 4] >> (4 * ((g / 2) % 2))) & 0x0F)) * 0.25f;
+    signed_8(db, t.values + 8 * index, signs[g], y + 8 * g);
+  }
+}
+
+// IQ3_XXS super-block [d, 64 grid indices (rows of 4), 8 x 32 bits (4 sign indices of 7 bits, 4-bit scale)]: each 32
+// weights eight grid rows; w = d (0.5 + sc) / 2 grid[i][j] with ksigns' signs, one sign byte per 8 weights.
+void block_iq3_xxs(const uint8_t* b, float* y, const Lookup& t) {
+  const float d = half_at(b);
+  const uint8_t* qs = b + 2;
+  for (int s = 0; s < 8; ++s, y += 32) {
+    const uint32_t aux = u32_at(b + 66 + 4 * s);
+    const float db = d * (0.5f + float(aux >> 28)) * 0.5f;
+    for (int l = 0; l < 4; ++l) {
+      const uint8_t sign = t.signs[(aux >> (7 * l)) & 127];
+      int8_t grid[8];
+      std::memcpy(grid, t.values + 4 * qs[8 * s + 2 * l], 4);
+      std::memcpy(grid + 4, t.values + 4 * qs[8 * s + 2 * l + 1], 4);
+      signed_8(db, grid, sign, y + 8 * l);
+    }
+  }
+}
+
+// IQ3_S super-block [d, 64 low bytes of grid indices (rows of 4), 8 bytes of their high bits, 32 sign bytes, 4 bytes
+// of 4-bit scales, one per 32]: w = d (1 + 2 sc) grid[i][j], sign bit j of the 8 weights' byte.
+void block_iq3_s(const uint8_t* b, float* y, const Lookup& t) {
+  const float d = half_at(b);
+  const uint8_t *qs = b + 2, *qh = b + 66, *signs = b + 74, *scales = b + 106;
+  for (int g = 0; g < 32; ++g) {
+    const float db = d * float(1 + 2 * ((scales[g / 8] >> (4 * ((g / 4) % 2))) & 0x0F));
+    int8_t grid[8];
+    for (int h = 0; h < 2; ++h) {
+      const int i = 2 * g + h, index = qs[i] | (((qh[i / 8] >> (i % 8)) & 1) << 8);
+      std::memcpy(grid + 4 * h, t.values + 4 * index, 4);
+    }
+    signed_8(db, grid, signs[g], y + 8 * g);
+  }
+}
+
+// 8 IQ1 weights dl (grid[j] + delta), grid values -1, 0, 1.
+inline void shifted_8(float dl, const int8_t* grid, float delta, float* y) {
+  for (int j = 0; j < 8; ++j) y[j] = dl * (float(grid[j]) + delta);
+}
+
+constexpr float kIQ1Delta = 0.125f;
+
+// IQ1_S super-block [d, 32 low bytes of grid indices, 8 x 16 bits (4 x 3 high index bits, 3-bit scale, delta's
+// sign)]: w = d (2 sc + 1) (grid[i][j] +- 1/8).
+void block_iq1_s(const uint8_t* b, float* y, const Lookup& t) {
+  const float d = half_at(b);
+  const uint8_t* qs = b + 2;
+  for (int s = 0; s < 8; ++s, y += 32) {
+    const uint16_t qh = u16_at(b + 34 + 2 * s);
+    const float dl = d * float(2 * ((qh >> 12) & 7) + 1), delta = qh & 0x8000 ? -kIQ1Delta : kIQ1Delta;
+    for (int l = 0; l < 4; ++l)
+      shifted_8(dl, t.values + 8 * (qs[4 * s + l] | (((qh >> (3 * l)) & 7) << 8)), delta, y + 8 * l);
+  }
+}
+
+// IQ1_M super-block [32 low bytes of grid indices, 16 bytes of (3 high index bits, delta's sign) nibbles, 4 x 16
+// bits of 3-bit scales (one per 16 weights) whose top nibbles make the fp16 d]: w = d (2 sc + 1) (grid[i][j] +- 1/8).
+void block_iq1_m(const uint8_t* b, float* y, const Lookup& t) {
+  const uint8_t *qs = b, *qh = b + 32;
+  uint16_t sc[4];
+  std::memcpy(sc, b + 48, 8);
+  const uint16_t bits = uint16_t((sc[0] >> 12) | ((sc[1] >> 8) & 0x00F0) | ((sc[2] >> 4) & 0x0F00) | (sc[3] & 0xF000));
+  uint8_t half[2];
+  std::memcpy(half, &bits, 2);
+  const float d = half_at(half);
+  for (int g = 0; g < 32; ++g) {
+    const int s = g / 2, nibble = (qh[g / 2] >> (4 * (g % 2))) & 0x0F;
+    const float dl = d * float(2 * ((sc[s / 4] >> (3 * (s % 4))) & 7) + 1);
+    shifted_8(dl, t.values + 8 * (qs[g] | ((nibble & 7) << 8)), nibble & 8 ? -kIQ1Delta : kIQ1Delta, y + 8 * g);
+  }
+}
+
+// A decoder of a type without tables, as a decoder of the table-taking signature.
+template <void (*Decode)(const uint8_t*, float*)>
+void plain(const uint8_t* b, float* y, const Lookup&) {
+  Decode(b, y);
+}
+
 struct GGUFType {
   int64_t block_size, type_size;
-  void (*decode)(const uint8_t*, float*);
+  void (*decode)(const uint8_t*, float*, const Lookup&);
+  int64_t values = 0;  // int8 entries of the type's grid (Lookup::values): 0 for a type without tables
+  bool signs = false;  // whether it reads ksigns (Lookup::signs)
 };
 
 // ggml's type ids (GGMLQuantizationType) of the types decoded here.
 GGUFType gguf_type(int64_t id) {
   switch (id) {
-    case 2: return {32, 18, block_q4_0};
-    case 3: return {32, 20, block_q4_1};
-    case 6: return {32, 22, block_q5_0};
-    case 7: return {32, 24, block_q5_1};
-    case 8: return {32, 34, block_q8_0};
-    case 10: return {256, 84, block_q2_k};
-    case 11: return {256, 110, block_q3_k};
-    case 12: return {256, 144, block_q4_k};
-    case 13: return {256, 176, block_q5_k};
-    case 14: return {256, 210, block_q6_k};
+    case 2: return {32, 18, plain<block_q4_0>};
+    case 3: return {32, 20, plain<block_q4_1>};
+    case 6: return {32, 22, plain<block_q5_0>};
+    case 7: return {32, 24, plain<block_q5_1>};
+    case 8: return {32, 34, plain<block_q8_0>};
+    case 10: return {256, 84, plain<block_q2_k>};
+    case 11: return {256, 110, plain<block_q3_k>};
+    case 12: return {256, 144, plain<block_q4_k>};
+    case 13: return {256, 176, plain<block_q5_k>};
+    case 14: return {256, 210, plain<block_q6_k>};
+    case 16: return {256, 66, block_iq2_xxs, 256 * 8, true};
+    case 17: return {256, 74, block_iq2_xs, 512 * 8, true};
+    case 18: return {256, 98, block_iq3_xxs, 256 * 4, true};
+    case 19: return {256, 50, block_iq1_s, 2048 * 8};
+    case 20: return {32, 18, block_iq4_nl, 16};
+    case 21: return {256, 110, block_iq3_s, 512 * 4};
+    case 22: return {256, 82, block_iq2_s, 1024 * 8};
+    case 23: return {256, 136, block_iq4_xs, 16};
+    case 29: return {256, 56, block_iq1_m, 2048 * 8};
     default: TORCH_CHECK(false, "llmplug_cpu::gguf_matmul: GGUF type ", id, " is not implemented");
   }
   return {};
@@ -974,11 +1148,31 @@ inline void dot_tile(const float* x, int64_t K, const float* w, float* y, int64_
 
 constexpr int kTile = 4;  // rows of W decoded together, and rows of x per tile
 
+// The type's tables from `tables` ([values int8] or [values int8, signs uint8 [128]]), checked against what it reads.
+Lookup lookup(const GGUFType& type, at::TensorList tables) {
+  const size_t expected = type.values == 0 ? 0 : type.signs ? 2 : 1;
+  TORCH_CHECK(tables.size() == expected, "llmplug_cpu::gguf_matmul: this GGUF type takes ", expected,
+              " lookup tables, got ", tables.size());
+  if (expected == 0) return {};
+  const at::Tensor& values = tables[0];
+  TORCH_CHECK(values.scalar_type() == at::kChar && values.is_contiguous() && values.numel() == type.values,
+              "llmplug_cpu::gguf_matmul: the grid must be ", type.values, " contiguous int8 values, got ",
+              values.sizes(), " ", values.scalar_type());
+  if (!type.signs) return {values.data_ptr<int8_t>(), nullptr};
+  const at::Tensor& signs = tables[1];
+  TORCH_CHECK(signs.scalar_type() == at::kByte && signs.is_contiguous() && signs.numel() == 128,
+              "llmplug_cpu::gguf_matmul: ksigns must be 128 contiguous uint8, got ", signs.sizes(), " ",
+              signs.scalar_type());
+  return {values.data_ptr<int8_t>(), signs.data_ptr<uint8_t>()};
+}
+
 // x [M, K] (float32 or bfloat16) . dequant(w)^T -> [M, N] in x's dtype; w [N, K / block * type_size] uint8: each
-// row the GGUF blocks of one output feature. A thread decodes four rows of W into float32 once and takes their dot
-// products with the rows of x in 4 x 4 tiles (the remainder alone): output (m, n) is the same arithmetic whatever M.
-at::Tensor gguf_matmul(const at::Tensor& x, const at::Tensor& w, int64_t type_id) {
+// row the GGUF blocks of one output feature; `tables` the IQ types' lookup tables (gguf-py's). A thread decodes four
+// rows of W into float32 once and takes their dot products with the rows of x in 4 x 4 tiles (the remainder alone):
+// output (m, n) is the same arithmetic whatever M.
+at::Tensor gguf_matmul(const at::Tensor& x, const at::Tensor& w, int64_t type_id, at::TensorList tables) {
   const GGUFType type = gguf_type(type_id);
+  const Lookup lut = lookup(type, tables);
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
               "llmplug_cpu::gguf_matmul: x [M, K] and contiguous uint8 w [N, bytes] expected, got ", x.sizes(), " and ",
               w.sizes(), " ", w.scalar_type());
@@ -1001,7 +1195,7 @@ at::Tensor gguf_matmul(const at::Tensor& x, const at::Tensor& w, int64_t type_id
       for (int64_t c = 0; c < count; ++c) {
         const uint8_t* wr = wp + (n0 + c) * row_bytes;
         float* row = rows.data() + c * K;
-        for (int64_t b = 0; b < blocks; ++b) type.decode(wr + b * type.type_size, row + b * type.block_size);
+        for (int64_t b = 0; b < blocks; ++b) type.decode(wr + b * type.type_size, row + b * type.block_size, lut);
       }
       int64_t m = 0;
       for (; m + kTile <= M; m += kTile) {
@@ -1041,7 +1235,7 @@ TORCH_LIBRARY(llmplug_cpu, m) {
       "Tensor query_start_loc, Tensor seq_lens, float scale, int window, int chunk) -> Tensor");
   m.def("greedy(Tensor logits) -> (Tensor, Tensor)");
   m.def("row_bmm(Tensor a, Tensor b) -> Tensor");
-  m.def("gguf_matmul(Tensor x, Tensor w, int type_id) -> Tensor");
+  m.def("gguf_matmul(Tensor x, Tensor w, int type_id, Tensor[] tables) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llmplug_cpu, CPU, m) {
