@@ -87,12 +87,13 @@ class EncoderDecoderProcessor:
                 param="multi_modal_data")
         return samples
 
-    def _decoder_prompt(self, decoder: Any) -> tuple[str | None, list[int]]:
-        """(text, token ids) of the decoder prompt: text is tokenized as written, no special tokens added."""
+    def _decoder_prompt(self, decoder: Any) -> tuple[str | None, Any]:
+        """(text, token ids) of the decoder prompt: text is tokenized as written, no special tokens added; given ids
+        are passed on as they are (the input processor checks them like any prompt's)."""
         if decoder is None:
             decoder = START_OF_TRANSCRIPT
         if isinstance(decoder, dict) and "prompt_token_ids" in decoder:
-            return decoder.get("prompt"), [int(t) for t in decoder["prompt_token_ids"]]
+            return decoder.get("prompt"), decoder["prompt_token_ids"]
         text = decoder.get("prompt") if isinstance(decoder, dict) else decoder
         if not isinstance(text, str):
             raise InvalidRequestError("decoder_prompt must be text, {'prompt': text} or {'prompt_token_ids': ids}",

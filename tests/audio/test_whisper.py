@@ -163,7 +163,9 @@ def test_cross_attention_memory_comes_out_of_the_kv_cache_budget_first(whisper, 
     ({"prompt": DECODER_PROMPT, "multi_modal_data": {"audio": (tone(1.0, RATE), "16000")}}, "positive integer rate"),
     ({"prompt": DECODER_PROMPT, "multi_modal_data": {"audio": (tone(31.0, RATE), RATE)}}, "31.0 s long"),
     ({"prompt": DECODER_PROMPT, "multi_modal_data": {"image": tone(1.0, RATE)}}, "needs audio"),
-], ids=["no-audio", "rate-not-int", "longer-than-window", "image"])
+    ({"encoder_prompt": {"prompt": "", "multi_modal_data": {"audio": (tone(1.0, RATE), RATE)}},
+      "decoder_prompt": {"prompt_token_ids": [1, "x"]}}, "prompt_token_ids must be a list of integers"),
+], ids=["no-audio", "rate-not-int", "longer-than-window", "image", "bad-decoder-ids"])
 def test_bad_input_is_refused_by_name_and_the_next_request_works(llm, references, prompt, named) -> None:
     with pytest.raises(InvalidRequestError, match=named):
         llm.generate(prompt, GREEDY)
