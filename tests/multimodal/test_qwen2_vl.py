@@ -59,6 +59,7 @@ def save_tiny(path: Path, family: str) -> TinyVLM:
     processor expands each `<|image_pad|>` into image_grid_thw.prod() / merge**2 placeholders exactly as
     Qwen2VLProcessor.replace_image_token does, and returns the same tensors (mm_token_type_ids included)."""
     import transformers
+
     tokenizer, ids = qwen_tokenizer(path / "tokenizer")
     text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1,
@@ -136,7 +137,7 @@ def test_greedy_tokens_and_logprobs_match_transformers_and_the_prefix_cache_foll
     g, s = images["gradient"], images["shapes"]
     ids = case.processor.tokenizer.encode(TWO)
     (from_ids,) = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": [g, s]}}, greedy(),
-                                     use_tqdm=False)
+                               use_tqdm=False)
     mm_parity.assert_matches(case, from_ids, MultimodalPrompt(TWO, (g, s)))
 
 

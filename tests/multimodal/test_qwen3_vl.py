@@ -19,6 +19,7 @@ def save_tiny(path: Path) -> TinyVLM:
     """A 3-layer tower on 4-pixel patches merged 2x2 with a 4x4 table of learned positions and deepstack after
     its first two layers, a 2-layer Qwen3 decoder with interleaved M-RoPE; the processor as Qwen2-VL's test's."""
     import transformers
+
     tokenizer, ids = qwen_tokenizer(path / "tokenizer")
     text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
