@@ -90,9 +90,10 @@ class InputProcessor:
         return embeds, token_ids, params
 
     def process_multimodal(self, prompt: dict[str, Any]) -> dict[str, Any]:
-        """A prompt with images run through the model's processor: {"prompt": text or None, "prompt_token_ids": ids
-        with each image's placeholders expanded, "mm_features": one MultiModalFeature per image}. Checks the images
-        (modality, count, type) first; InvalidRequestError naming what is wrong. Blocking (pixels, tokenizer): call
+        """A prompt with images run through the model's processor (with the prompt's `mm_processor_kwargs` over the
+        engine's): {"prompt": text or None, "prompt_token_ids": ids with each image's placeholders expanded,
+        "mm_features": one MultiModalFeature per image}. Checks the images (modality, count, type) first;
+        InvalidRequestError naming what is wrong. Blocking (pixels, tokenizer): call
         it off the event loop and the engine thread."""
         if "mm_features" in prompt:  # processed already (AsyncLLM does it on a worker thread)
             return prompt
@@ -111,7 +112,8 @@ class InputProcessor:
         if ids is None and not isinstance(text, str):
             raise InvalidRequestError("a prompt with multi_modal_data needs 'prompt' (text) or 'prompt_token_ids'",
                                       param="prompt")
-        token_ids, features = self.mm_processor.process(text if ids is None else None, ids, items)
+        token_ids, features = self.mm_processor.process(text if ids is None else None, ids, items,
+                                                        prompt.get("mm_processor_kwargs"))
         return {"prompt": text, "prompt_token_ids": token_ids, "mm_features": features}
 
     def process_pooling(self, prompt: PromptType) -> tuple[str | None, list[int]]:

@@ -56,7 +56,8 @@ def build_input_processor(config: EngineConfig, tokenizer: Any | None, info: dic
     from llmplug.engine.multimodal import mm_processor_for
 
     model = config.model  # an image or audio model: the folder's own HF processor
-    mm_processor = mm_processor_for(model.model, info, model.limit_mm_per_prompt, model.trust_remote_code)
+    mm_processor = mm_processor_for(model.model, info, model.limit_mm_per_prompt, model.trust_remote_code,
+                                    model.mm_processor_kwargs)
     encoder_decoder_processor = None
     if info.get("is_encoder_decoder"):  # the model folder's Whisper processor: audio in, the decoder's prompt
         from llmplug.engine.encoder_decoder import EncoderDecoderProcessor

@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 import torch
@@ -32,8 +32,8 @@ if TYPE_CHECKING:
     from llmplug.core.config import EngineConfig
 
 __all__ = [
-    "AudioProcessor", "MultiModalFeature", "MultiModalProcessor", "bidirectional_spans", "block_keys", "check_engine",
-    "mm_processor_for", "span_safe", "to_image",
+    "AudioProcessor", "MultiModalFeature", "MultiModalProcessor", "accepted_processor_kwargs", "bidirectional_spans",
+    "block_keys", "check_engine", "mm_processor_for", "span_safe", "to_image",
 ]
 
 DEFAULT_LIMIT = 1  # items of a modality per prompt when limit_mm_per_prompt does not name it (vLLM's default)
@@ -41,6 +41,10 @@ LIMIT_FLAG = "model.limit_mm_per_prompt (--limit-mm-per-prompt)"
 # processor outputs that are not the image's (mm_token_type_ids: which tokens are placeholders, Qwen2-VL's; labels:
 # PaliGemma's, from its token_type_ids)
 TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids", "labels"})
+KWARGS_FLAG = "model.mm_processor_kwargs (--mm-processor-kwargs)"
+# processor call arguments the engine sets itself: mm_processor_kwargs may not name them
+RESERVED_KWARGS = frozenset({"text", "images", "audio", "videos", "return_tensors", "sampling_rate",
+                             "return_text_replacement_offsets"})
 
 
 @dataclass(slots=True, frozen=True, eq=False)
@@ -120,12 +124,14 @@ def block_keys(features: list[MultiModalFeature] | None, start: int, end: int) -
 def bidirectional_spans(kind: str | None, features: list[MultiModalFeature] | None,
                         num_prompt_tokens: int) -> list[tuple[int, int]]:
     """(first token, one past the last) of each run of prompt tokens that attend to one another both ways in a model
-    declaring `bidirectional_spans`: "image", each image's span (Gemma 3); "prompt", the whole prompt (PaliGemma's
-    prefix); None, none. The scheduler never splits one across steps, nor a prefix-cache hit ends inside one."""
+    declaring `bidirectional_spans`: "image", each run of an image's placeholders (Gemma 3: the image, and each of
+    its pan-and-scan crops apart, never the text between them, as transformers groups consecutive image tokens);
+    "prompt", the whole prompt (PaliGemma's prefix); None, none. The scheduler never splits one across steps, nor a
+    prefix-cache hit ends inside one."""
     if kind is None:
         return []
     if kind == "image":
-        return [(f.offset, f.end) for f in features or ()]
+        return [(lo, hi) for f in features or () for lo, hi, _ in f.embed_runs(f.offset, f.end)]
     if kind == "prompt":
         return [(0, num_prompt_tokens)]
     raise ValueError(f"bidirectional_spans={kind!r} is not one of 'image', 'prompt'")
@@ -186,15 +192,31 @@ def content_hash(data: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def mm_processor_for(model_path: str, info: dict[str, Any], limits: dict[str, int],
-                     trust_remote_code: bool = False) -> "MultiModalProcessor | None":
+def mm_processor_for(model_path: str, info: dict[str, Any], limits: dict[str, int], trust_remote_code: bool = False,
+                     processor_kwargs: Mapping[str, Any] | None = None) -> "MultiModalProcessor | None":
     """The processor of a model that reported `info` (a worker's model_info): an image model's, an audio model's
-    (its `audio_token_id`), or None for a text-only model."""
+    (its `audio_token_id`), or None for a text-only model. `processor_kwargs`: model.mm_processor_kwargs."""
     if info.get("image_token_id") is not None:
-        return MultiModalProcessor(model_path, info["image_token_id"], limits, trust_remote_code)
+        return MultiModalProcessor(model_path, info["image_token_id"], limits, trust_remote_code, processor_kwargs)
     if info.get("audio_token_id") is not None:
-        return AudioProcessor(model_path, info["audio_token_id"], limits, trust_remote_code)
+        return AudioProcessor(model_path, info["audio_token_id"], limits, trust_remote_code, processor_kwargs)
     return None
+
+
+def accepted_processor_kwargs(hf_processor: Any) -> frozenset[str]:
+    """The keyword arguments an HF processor's call takes, as transformers' `ProcessorMixin._merge_kwargs` routes
+    them: its own (`valid_processor_kwargs`) and each modality's, the sub-processors' `valid_kwargs` included.
+    transformers ignores any other name with a warning, so the engine checks names against this first."""
+    typed = getattr(hf_processor, "valid_processor_kwargs", None)
+    if typed is None:
+        return frozenset()
+    names = set(typed.__annotations__)
+    for modality, attribute in (("text_kwargs", "tokenizer"), ("images_kwargs", "image_processor"),
+                                ("audio_kwargs", "feature_extractor"), ("videos_kwargs", "video_processor")):
+        names |= set(getattr(typed.__annotations__.get(modality), "__annotations__", {}))
+        sub = getattr(hf_processor, attribute, None)
+        names |= set(getattr(getattr(sub, "valid_kwargs", None), "__annotations__", {}))
+    return frozenset(names - RESERVED_KWARGS)
 
 
 class MultiModalProcessor:
@@ -207,8 +229,8 @@ class MultiModalProcessor:
     noun = "images"  # its items, in messages
     sampling_rate: int | None = None  # the rate clips are decoded at (AudioProcessor's); None: the model takes none
 
-    def __init__(self, model_path: str, token_id: int, limits: dict[str, int],
-                 trust_remote_code: bool = False) -> None:
+    def __init__(self, model_path: str, token_id: int, limits: dict[str, int], trust_remote_code: bool = False,
+                 processor_kwargs: Mapping[str, Any] | None = None) -> None:
         from transformers import AutoProcessor
 
         # the PIL image processors: the torchvision ones need torchvision, which llmplug does not require
@@ -227,6 +249,12 @@ class MultiModalProcessor:
             ) from error
         self.token_id = token_id
         self.limits = limits
+        self.accepted_kwargs = accepted_processor_kwargs(self.hf_processor)
+        unknown = self._unknown_kwargs(processor_kwargs or {})
+        if unknown:
+            raise ConfigError(f"{KWARGS_FLAG} names {unknown}, which {type(self.hf_processor).__name__} does not "
+                              f"take; it takes {sorted(self.accepted_kwargs)}")
+        self.processor_kwargs = dict(processor_kwargs or {})  # the engine's defaults of every call
         self._lock = threading.Lock()  # a processor and its tokenizer are not documented as thread-safe
 
     @property
@@ -260,60 +288,109 @@ class MultiModalProcessor:
         """The items of `multi_modal_data[modality]`: one item, or a list (or tuple) of them."""
         return list(value) if isinstance(value, (list, tuple)) else [value]
 
-    def process(self, text: str | None, token_ids: list[int] | None,
-                items: list[Any]) -> tuple[list[int], list[MultiModalFeature]]:
-        """(prompt token ids with each item's placeholders expanded, one feature per item in prompt order)."""
+    def _unknown_kwargs(self, kwargs: Mapping[str, Any]) -> list[str]:
+        return sorted(name for name in kwargs if name not in self.accepted_kwargs)
+
+    def call_kwargs(self, request_kwargs: Any) -> dict[str, Any]:
+        """The processor call's keyword arguments for a request: the engine's (model.mm_processor_kwargs) updated by
+        the request's own `mm_processor_kwargs` (vLLM's), whose names must be the processor's; InvalidRequestError
+        naming any other."""
+        if request_kwargs is None:
+            return self.processor_kwargs
+        if not isinstance(request_kwargs, Mapping):
+            raise InvalidRequestError(f"mm_processor_kwargs must be a dict such as {{\"do_pan_and_scan\": true}}, got "
+                                      f"{type(request_kwargs).__name__}", param="mm_processor_kwargs")
+        unknown = self._unknown_kwargs(request_kwargs)
+        if unknown:
+            raise InvalidRequestError(
+                f"mm_processor_kwargs names {unknown}, which this model's processor "
+                f"({type(self.hf_processor).__name__}) does not take; it takes {sorted(self.accepted_kwargs)}",
+                param="mm_processor_kwargs")
+        return {**self.processor_kwargs, **request_kwargs}
+
+    def process(self, text: str | None, token_ids: list[int] | None, items: list[Any],
+                request_kwargs: Mapping[str, Any] | None = None) -> tuple[list[int], list[MultiModalFeature]]:
+        """(prompt token ids with each item's placeholders expanded, one feature per item in prompt order);
+        `request_kwargs`: the request's `mm_processor_kwargs` (`call_kwargs`)."""
+        kwargs = self.call_kwargs(request_kwargs)
         if not items:
             ids = token_ids if token_ids is not None else self._tokenize(text)
             return ids, []
+        call_text = text if token_ids is None else self.placeholder * len(items)
         with self._lock:
-            if text is not None and token_ids is None:
-                out = self._call_with_items(text, items)
+            out = self._call_with_items(call_text, items, kwargs)
+            if token_ids is None:
                 ids = out["input_ids"][0].tolist()
             else:  # token ids: each single placeholder becomes the run the processor makes of it
-                out = self._call_with_items(self.placeholder * len(items), items)
-                ids = self._expand(token_ids, out["input_ids"][0].tolist(), items)
-        tensors = {k: v for k, v in out.items() if k not in TEXT_KEYS and torch.is_tensor(v)}
-        runs = _true_runs([t == self.token_id for t in ids])
-        # an item as several runs of placeholders, or a prompt's tiles in one row: ask the processor whose is which
-        laid_out = len(runs) == len(items) and all(t.shape[0] == len(items) for t in tensors.values())
-        counts = None if laid_out else self._counts(items)
+                ids = self._expand(token_ids, out["input_ids"][0].tolist(), items, kwargs)
+            tensors = {k: v for k, v in out.items() if k not in TEXT_KEYS and torch.is_tensor(v)}
+            runs = _true_runs([t == self.token_id for t in ids])
+            # an item as several runs of placeholders, or a prompt's tiles in one row: ask the processor whose is
+            # which
+            laid_out = len(runs) == len(items) and all(t.shape[0] == len(items) for t in tensors.values())
+            counts = None if laid_out else self._counts(items, kwargs, call_text, runs, tensors)
         spans = self._spans(runs, ids, len(items), counts and counts["tokens"])
         data = _split_items(tensors, len(items), counts and counts["rows"])
         features = [MultiModalFeature(self.modality, content_hash(d), d, offset, length, is_embed)
                     for d, (offset, length, is_embed) in zip(data, spans)]
         return ids, features
 
-    def _call_with_items(self, text: str, items: list[Any]) -> Any:
-        return self._call(text=[text], images=items)
+    def _call_with_items(self, text: str, items: list[Any], kwargs: Mapping[str, Any]) -> Any:
+        return self._call(text=[text], images=items, **kwargs)
 
-    def _counts(self, images: list[Any]) -> dict[str, list[int] | None] | None:
+    def _counts(self, images: list[Any], kwargs: Mapping[str, Any], text: str, runs: list[tuple[int, int]],
+                tensors: dict[str, torch.Tensor]) -> dict[str, list[int] | None] | None:
         """Each image's placeholder tokens ("tokens") and tiles ("rows") as the processor reckons them (transformers'
         `_get_num_multimodal_tokens`), for prompts where an image is several runs of placeholders or several tiles;
-        None when the processor does not tell."""
+        where its count misses placeholders the call made (Gemma 3's ignores pan-and-scan crops), each image's own
+        expansion (`_replacement_counts`); None when the processor does not tell."""
         count = getattr(self.hf_processor, "_get_num_multimodal_tokens", None)
         if count is None:
             return None
         try:
-            data = count(image_sizes=[(image.height, image.width) for image in images])
+            data = count(image_sizes=[(image.height, image.width) for image in images], **kwargs)
         except (NotImplementedError, TypeError, ValueError, KeyError, AttributeError):
             return None  # not implemented for this processor's options: the runs alone decide, or the prompt is refused
         tokens, patches = getattr(data, "num_image_tokens", None), getattr(data, "num_image_patches", None)
         if tokens is None or patches is None:
             return None
-        return {"tokens": list(tokens), "rows": list(patches)}
+        counts = {"tokens": list(tokens), "rows": list(patches)}
+        if sum(tokens) != sum(end - start for start, end in runs):
+            return self._replacement_counts(text, images, kwargs, len(runs), tensors, list(patches)) or counts
+        return counts
+
+    def _replacement_counts(self, text: str, images: list[Any], kwargs: Mapping[str, Any], num_runs: int,
+                            tensors: dict[str, torch.Tensor], rows: list[int]) -> dict[str, list[int] | None] | None:
+        """Each image's placeholders, read from the text the processor put in its place (`return_text_replacement_
+        offsets`); its tiles are its runs of placeholders when the tensors hold one row per run (Gemma 3's image and
+        pan-and-scan crops), else `rows`. None when the processor does not report its replacements."""
+        out = self._call(text=[text], images=images, **kwargs, return_text_replacement_offsets=True)
+        offsets = out.get("text_replacement_offsets")
+        if not offsets or len(offsets[0]) != len(images):
+            return None
+        encoded = [self._tokenize_plain(item["replacement"]) for item in offsets[0]]
+        tokens = [ids.count(self.token_id) for ids in encoded]
+        runs = [len(_true_runs([t == self.token_id for t in ids])) for ids in encoded]
+        one_row_per_run = all(t.shape[0] == num_runs for t in tensors.values())
+        return {"tokens": tokens, "rows": runs if one_row_per_run else rows}
+
+    def _tokenize_plain(self, text: str) -> list[int]:
+        return list(self.hf_processor.tokenizer.encode(text, add_special_tokens=False))
 
     def _call(self, **kwargs: Any) -> Any:
+        from huggingface_hub.errors import StrictDataclassError  # transformers' check of a kwarg's type raises it
+
         try:
             return self.hf_processor(**kwargs, return_tensors="pt")
-        except (ValueError, TypeError, OSError) as error:  # e.g. fewer placeholders than images
+        except (ValueError, TypeError, OSError, StrictDataclassError) as error:  # e.g. fewer placeholders than images
             raise InvalidRequestError(f"the model's processor refused the prompt: {error}",
                                       param="multi_modal_data") from None
 
     def _tokenize(self, text: str) -> list[int]:
         return list(self.hf_processor.tokenizer.encode(text))
 
-    def _expand(self, token_ids: list[int], processed: list[int], images: list[Image.Image]) -> list[int]:
+    def _expand(self, token_ids: list[int], processed: list[int], images: list[Image.Image],
+                kwargs: Mapping[str, Any]) -> list[int]:
         """`token_ids` whose single placeholders are replaced by the processor's expansion of one image each (each
         image's own count: anyres images of other sizes expand to other counts); ids expanded already (as many
         placeholders as the processor makes) are kept."""
@@ -331,18 +408,18 @@ class MultiModalProcessor:
                 "this model's processor expands an image into placeholder and other tokens (tile tags, image "
                 "delimiters), which a token-id prompt cannot be expanded into: send the prompt as text, or "
                 "prompt_token_ids holding each image's expansion already", param="prompt_token_ids")
-        lengths = iter(self._run_lengths(processed, images))
+        lengths = iter(self._run_lengths(processed, images, kwargs))
         return [t for token in token_ids
                 for t in ([self.token_id] * next(lengths) if token == self.token_id else [token])]
 
-    def _run_lengths(self, processed: list[int], images: list[Image.Image]) -> list[int]:
+    def _run_lengths(self, processed: list[int], images: list[Image.Image], kwargs: Mapping[str, Any]) -> list[int]:
         """Each image's placeholder count in `processed` (the expansion of one placeholder per image, whose runs
         may touch): the runs themselves, else the processor's count, else equal parts."""
         runs = _true_runs([t == self.token_id for t in processed])
         if len(runs) == len(images):
             return [end - start for start, end in runs]
         total = sum(end - start for start, end in runs)
-        counts = self._counts(images)
+        counts = self._counts(images, kwargs, self.placeholder * len(images), runs, {})
         if counts is not None and counts["tokens"] is not None and sum(counts["tokens"]) == total:
             return counts["tokens"]
         if total % len(images):
@@ -411,10 +488,10 @@ class AudioProcessor(MultiModalProcessor):
         """One clip (an array, or vLLM's `(samples, rate)` tuple), or a list of them."""
         return list(value) if isinstance(value, list) else [value]
 
-    def _call_with_items(self, text: str, items: list[Any]) -> Any:
-        return self._call(text=[text], audio=items, sampling_rate=self.sampling_rate)
+    def _call_with_items(self, text: str, items: list[Any], kwargs: Mapping[str, Any]) -> Any:
+        return self._call(text=[text], audio=items, sampling_rate=self.sampling_rate, **kwargs)
 
-    def _counts(self, items: list[Any]) -> dict[str, list[int] | None]:
+    def _counts(self, items: list[Any], *_: Any) -> dict[str, list[int] | None]:
         """Each clip's windows of `chunk_length` seconds (its rows of the processor's frames: AudioFlamingo3 cuts a
         long clip into several); its placeholders are one run, so their count is the runs'."""
         chunk_length = self.hf_processor.feature_extractor.chunk_length

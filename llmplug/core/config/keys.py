@@ -36,6 +36,7 @@ ALIASES: dict[str, str] = {
     "model_impl": "model.model_impl",
     "enable_prompt_embeds": "model.enable_prompt_embeds",
     "limit_mm_per_prompt": "model.limit_mm_per_prompt",
+    "mm_processor_kwargs": "model.mm_processor_kwargs",
     "block_size": "cache.block_size",
     "num_gpu_blocks_override": "cache.num_blocks",
     "kv_cache_memory": "cache.kv_cache_memory",

@@ -57,6 +57,12 @@ class ModelConfig(_Section):
         description="Most items of each modality in one prompt of a multimodal model, e.g. '{\"image\": 2}' "
         "(--limit-mm-per-prompt); a modality not named allows 1 (vLLM's default); 0 refuses that modality.",
     )
+    mm_processor_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword arguments for the multimodal model's HF processor call, e.g. '{\"do_pan_and_scan\": true}' "
+        "(--mm-processor-kwargs; Gemma 3's pan-and-scan crops); a request's own `mm_processor_kwargs` override them. "
+        "A name the processor does not take is an error at start.",
+    )
     # "none" by default: dense weights are what the parity tests hold against transformers; int4 trades
     # prefill and large-batch speed for single-stream speed (docs/quantization.md)
     quantization: str = Field(
@@ -116,9 +122,9 @@ class ModelConfig(_Section):
         ),
     )
 
-    @field_validator("limit_mm_per_prompt", mode="before")
+    @field_validator("limit_mm_per_prompt", "mm_processor_kwargs", mode="before")
     @classmethod
-    def _limits_from_json(cls, value: Any) -> Any:
+    def _mapping_from_json(cls, value: Any) -> Any:
         """The flag's value is JSON text ('{"image": 2}', as vLLM's); a file or kwargs give a mapping."""
         if not isinstance(value, str):
             return value

@@ -249,6 +249,7 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: bool = True
     # vLLM's chat extras
     chat_template_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None  # the model processor's call, over model.mm_processor_kwargs
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 

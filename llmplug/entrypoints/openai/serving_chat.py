@@ -106,7 +106,7 @@ class OpenAIServingChat(OpenAIServing):
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         beam = self.beam_search_params(body, params, lora)
         outputs = self.generate(prompt_text, prompt_ids, params, request_id, lora, beam, priority=body.priority,
-                                mm_data=pictures)
+                                mm_data=pictures, mm_processor_kwargs=body.mm_processor_kwargs)
         if body.stream:
             # wait for the first output here, so an error the engine finds gets its status code
             first = await until_disconnected(raw_request, anext(outputs))

@@ -191,6 +191,7 @@ class OpenAIServing:
                        request_id: str, lora: LoRARequest | None = None,
                        beam: BeamSearchParams | None = None, admit: bool = True, priority: int = 0,
                        prompt_embeds: Any = None, mm_data: dict[str, list[Any]] | None = None,
+                       mm_processor_kwargs: dict[str, Any] | None = None,
                        ) -> AsyncGenerator[RequestOutput, None]:
         """The engine's outputs of one request, recorded in the metrics however the request ends.
 
@@ -198,7 +199,7 @@ class OpenAIServing:
         `prompt_embeds` (a checked tensor) replaces the prompt: `prompt_ids` are then its placeholders.
         `mm_data` (loaded PIL images or audio clips of each modality, in the prompt's order) goes with the prompt as
         `multi_modal_data`: the model's processor expands their placeholders, so `prompt_ids` are then the
-        unexpanded ones.
+        unexpanded ones; `mm_processor_kwargs` (the request's) go to the model's processor with them.
 
         With `beam`, the request is a beam search: one finished output whose completions are the best beams.
 
@@ -215,7 +216,7 @@ class OpenAIServing:
             prompt = {"prompt": prompt_text, "prompt_token_ids": prompt_ids} if prompt_embeds is None else {
                 "prompt_embeds": prompt_embeds}
             if mm_data:  # the ids hold one placeholder per item; the processor expands each
-                prompt = {**prompt, "multi_modal_data": mm_data}
+                prompt = {**prompt, "multi_modal_data": mm_data, "mm_processor_kwargs": mm_processor_kwargs}
             outcome = "abort"  # unless it finishes or fails: the consumer went away
             if beam is None:
                 outputs = self.engine.generate(prompt, params, request_id, priority=priority, lora_request=lora)

@@ -4,10 +4,13 @@ and the Gemma 3 text decoder. Each image is one run of `image_token_id` placehol
 `<start_of_image>` and `<end_of_image>` tokens; the image rows are not scaled by sqrt(hidden) as the text
 embeddings are (as in transformers).
 
-The tokens of each image attend to one another both ways at prefill, as transformers' `token_type_ids` block mask
-makes them (`bidirectional_spans = "image"`: layers/attention/spans.py; the scheduler never splits an image across
-prefill chunks). Pan-and-scan crops (several pixel rows per image) are refused when processing; the processor's
-default is off.
+Pan-and-scan (the processor's `do_pan_and_scan`, through `mm_processor_kwargs`) adds crops of a wide or tall image:
+the image is then one item whose pixel rows are the whole picture and each crop, each its own run of placeholders
+with the processor's text between them (`is_embed` marks the runs), and its encoder rows are theirs in that order.
+
+The tokens of each run attend to one another both ways at prefill, as transformers' `token_type_ids` block mask
+makes them (`bidirectional_spans = "image"`: each run of consecutive image tokens, never the text between crops;
+layers/attention/spans.py; the scheduler never splits a run across prefill chunks).
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ class Gemma3ForConditionalGeneration(LlavaForConditionalGeneration):
         return tower, projector
 
     def embed_multimodal(self, pixel_values: torch.Tensor, **_: Any) -> list[torch.Tensor]:
-        """pixel_values [B, C, H, W] -> one [mm_tokens_per_image, hidden] tensor per image: its placeholder rows."""
-        features = self.vision_tower(pixel_values)  # [B, patches, vision_hidden], post-normed
-        return list(self.multi_modal_projector(features))  # B x [mm_tokens_per_image, hidden]
+        """One image's pixel_values [1 + crops, C, H, W] (the picture, then its pan-and-scan crops) -> its placeholder
+        rows [(1 + crops) * mm_tokens_per_image, hidden], the picture's first."""
+        features = self.vision_tower(pixel_values)  # [1 + crops, patches, vision_hidden], post-normed
+        rows = self.multi_modal_projector(features)  # [1 + crops, mm_tokens_per_image, hidden]
+        return [rows.flatten(0, 1)]
