@@ -121,7 +121,8 @@ def main() -> None:
         hf = WhisperForConditionalGeneration.from_pretrained(path).eval()
         asr = pipeline("automatic-speech-recognition", model=hf, tokenizer=processor.tokenizer,
                        feature_extractor=processor.feature_extractor, device="cpu")
-        kwargs = {"max_new_tokens": args.tokens, "min_new_tokens": args.tokens}
+        # greedy: the pipeline otherwise runs a beam search for Whisper
+        kwargs = {"max_new_tokens": args.tokens, "min_new_tokens": args.tokens, "num_beams": 1, "do_sample": False}
         llm = LLM(str(path), dtype="float32", max_num_seqs=args.clips)
         params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
 
