@@ -143,6 +143,17 @@ def test_chunked_prefill_and_preemption_keep_the_tokens(whisper, references) -> 
     assert small.llm_engine.engine_core.scheduler.num_preemptions > 0
 
 
+def test_a_clip_whose_encoder_fails_ends_only_its_own_request(llm, references) -> None:
+    from llmplug.engine.multimodal import MultiModalFeature
+
+    good = llm.llm_engine.processor.process_multimodal(_prompt(_clips()[0]))  # processed as AsyncLLM sends it
+    frames = {"input_features": torch.zeros(1, 7, 3000)}  # 7 mel bins: the encoder's first convolution refuses them
+    bad = {**good, "encoder_feature": MultiModalFeature("audio", "seven-mel-bins", frames, 0, 1500)}
+    failed, answered = llm.generate([bad, good], GREEDY)
+    assert failed.outputs[0].finish_reason == "abort" and "encoding its audio failed" in failed.outputs[0].error
+    assert list(answered.outputs[0].token_ids) == references[0] and answered.outputs[0].error is None
+
+
 def test_cross_attention_memory_comes_out_of_the_kv_cache_budget_first(whisper, references) -> None:
     _, model, processor = whisper
     features = processor.feature_extractor(_clips()[0], sampling_rate=RATE, return_tensors="pt").input_features
