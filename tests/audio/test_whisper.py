@@ -193,6 +193,7 @@ def _server_reference(model, processor, samples: np.ndarray, text: str = DECODER
             for w in windows]
 
 
+@pytest.mark.filterwarnings("ignore:deprecated:DeprecationWarning")  # the openai client's audio.translations
 def test_transcriptions_endpoint_over_the_openai_client_equals_transformers_per_window(whisper) -> None:
     import openai
     import soundfile as sf
@@ -206,7 +207,9 @@ def test_transcriptions_endpoint_over_the_openai_client_equals_transformers_per_
     windows = _server_reference(model, processor, decoded)
     assert len(set(windows)) > 1
     short = encode(_clips()[5], RATE, "WAV", "PCM_16")
-    conditioned = _server_reference(model, processor, sf.read(io.BytesIO(short), dtype="float32")[0], LONG_PROMPT)
+    short_decoded = sf.read(io.BytesIO(short), dtype="float32")[0]
+    conditioned = _server_reference(model, processor, short_decoded, LONG_PROMPT)
+    translated = _server_reference(model, processor, short_decoded, DECODER_PROMPT.replace("transcribe", "translate"))
     engine = AsyncLLM(str(path), num_gpu_blocks_override=128, **ENGINE)
     try:
         with serve(engine) as server:
@@ -226,6 +229,9 @@ def test_transcriptions_endpoint_over_the_openai_client_equals_transformers_per_
                 (0.0, 30.0, windows[0]), (30.0, 60.0, windows[1]), (60.0, 75.0, windows[2])]
             assert create("json", file=short, prompt="the quick brown fox jumps over the lazy dog").text == \
                 conditioned[0]
+            translation = client.audio.translations.create(model=server.model, file=("clip.wav", short, "audio/wav"),
+                                                           response_format="json", temperature=0.0)
+            assert translation.text == translated[0] != conditioned[0]
             with pytest.raises(openai.BadRequestError) as refused:
                 create("json", file=b"not audio at all")
             assert refused.value.body["param"] == "file" and "not audio" in refused.value.body["message"]
