@@ -91,7 +91,8 @@ class InputProcessor:
 
     def process_multimodal(self, prompt: dict[str, Any]) -> dict[str, Any]:
         """A prompt with images run through the model's processor (with the prompt's `mm_processor_kwargs` over the
-        engine's): {"prompt": text or None, "prompt_token_ids": ids with each image's placeholders expanded,
+        engine's; a text prompt with `"add_special_tokens": False` holds its special tokens already, as a rendered
+        chat does): {"prompt": text or None, "prompt_token_ids": ids with each image's placeholders expanded,
         "mm_features": one MultiModalFeature per image}. Checks the images (modality, count, type) first;
         InvalidRequestError naming what is wrong. Blocking (pixels, tokenizer): call
         it off the event loop and the engine thread."""
@@ -113,7 +114,8 @@ class InputProcessor:
             raise InvalidRequestError("a prompt with multi_modal_data needs 'prompt' (text) or 'prompt_token_ids'",
                                       param="prompt")
         token_ids, features = self.mm_processor.process(text if ids is None else None, ids, items,
-                                                        prompt.get("mm_processor_kwargs"))
+                                                        prompt.get("mm_processor_kwargs"),
+                                                        add_special_tokens=prompt.get("add_special_tokens", True))
         return {"prompt": text, "prompt_token_ids": token_ids, "mm_features": features}
 
     def process_pooling(self, prompt: PromptType) -> tuple[str | None, list[int]]:

@@ -151,7 +151,9 @@ class LLM:
 
     def _multimodal_chat_prompt(self, conversation: Conversation, **kwargs: Any) -> dict[str, Any]:
         """Rendered by the processor's chat template when it has one (else the tokenizer's, each image or clip as
-        the model's placeholder text); one placeholder token per item, expanded by the processor."""
+        the model's placeholder text), then the text through the processor as an offline text prompt is (its
+        special tokens the template's own): each placeholder expanded as the model's processor expands it, tile
+        tags and image delimiters included (Gemma 3, Idefics3, Llama 4)."""
         from llmplug.engine.multimodal import flatten_media_parts, split_chat_media
 
         mm_processor = self.llm_engine.processor.mm_processor
@@ -166,8 +168,7 @@ class LLM:
         else:
             text = self.llm_engine.processor.apply_chat_template(
                 flatten_media_parts(messages, mm_processor.placeholder), **kwargs)
-        token_ids = self.get_tokenizer().encode(text, add_special_tokens=False)
-        return {"prompt": text, "prompt_token_ids": token_ids, "multi_modal_data": mm_data}
+        return {"prompt": text, "multi_modal_data": mm_data, "add_special_tokens": False}
 
     # ---- pooling models: embeddings, classification, scores (vLLM's names) ------------------------
     def encode(

@@ -309,16 +309,19 @@ class MultiModalProcessor:
         return {**self.processor_kwargs, **request_kwargs}
 
     def process(self, text: str | None, token_ids: list[int] | None, items: list[Any],
-                request_kwargs: Mapping[str, Any] | None = None) -> tuple[list[int], list[MultiModalFeature]]:
+                request_kwargs: Mapping[str, Any] | None = None,
+                add_special_tokens: bool = True) -> tuple[list[int], list[MultiModalFeature]]:
         """(prompt token ids with each item's placeholders expanded, one feature per item in prompt order);
-        `request_kwargs`: the request's `mm_processor_kwargs` (`call_kwargs`)."""
+        `request_kwargs`: the request's `mm_processor_kwargs` (`call_kwargs`); `add_special_tokens` False for a
+        text that holds them already (a rendered chat template: no second BOS)."""
         kwargs = self.call_kwargs(request_kwargs)
         if not items:
-            ids = token_ids if token_ids is not None else self._tokenize(text)
+            ids = token_ids if token_ids is not None else self._tokenize(text, add_special_tokens)
             return ids, []
         call_text = text if token_ids is None else self.placeholder * len(items)
+        call_kwargs = kwargs if add_special_tokens or token_ids is not None else {**kwargs, "add_special_tokens": False}
         with self._lock:
-            out = self._call_with_items(call_text, items, kwargs)
+            out = self._call_with_items(call_text, items, call_kwargs)
             if token_ids is None:
                 ids = out["input_ids"][0].tolist()
             else:  # token ids: each single placeholder becomes the run the processor makes of it
@@ -386,8 +389,8 @@ class MultiModalProcessor:
             raise InvalidRequestError(f"the model's processor refused the prompt: {error}",
                                       param="multi_modal_data") from None
 
-    def _tokenize(self, text: str) -> list[int]:
-        return list(self.hf_processor.tokenizer.encode(text))
+    def _tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf_processor.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def _expand(self, token_ids: list[int], processed: list[int], images: list[Image.Image],
                 kwargs: Mapping[str, Any]) -> list[int]:

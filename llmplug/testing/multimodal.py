@@ -70,9 +70,9 @@ class MultimodalPrompt:
         return {"prompt": self.text, "multi_modal_data": {"image": list(self.images)}}
 
 
-def processor_inputs(processor: Any, text: str, images: Sequence[Any]) -> dict[str, Any]:
-    """transformers' inputs for a prompt: `processor(text=..., images=..., return_tensors="pt")`."""
-    inputs = processor(text=text, images=list(images) or None, return_tensors="pt")
+def processor_inputs(processor: Any, text: str, images: Sequence[Any], **kwargs: Any) -> dict[str, Any]:
+    """transformers' inputs for a prompt: `processor(text=..., images=..., return_tensors="pt", **kwargs)`."""
+    inputs = processor(text=text, images=list(images) or None, return_tensors="pt", **kwargs)
     return {name: value for name, value in inputs.items() if value is not None}
 
 

@@ -7,6 +7,8 @@ steps, a span larger than the budget refused, no prefix-cache hit ending inside 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -15,6 +17,7 @@ from llmplug.core.errors import InvalidRequestError
 from llmplug.engine.kv_cache import KVCacheManager
 from llmplug.layers.kernels.native import KERNELS_ENV
 from llmplug.testing import MultimodalParityCase, MultimodalPrompt
+from llmplug.testing.multimodal import processor_inputs
 from tests.engine.test_scheduler import make_scheduler, run_until_done, scheduled, step
 from tests.models.tiny_models import train_llama_tokenizer
 from tests.multimodal.conftest import TinyVLM
@@ -23,6 +26,12 @@ from tests.multimodal.test_encoder_cache import feature, image_request
 MAX_TOKENS = 6
 NUM_IMAGE_TOKENS = 16
 SPECIAL = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+# Gemma 3's turns, each image part as its placeholder
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{% for c in m['content'] %}"
+    "{% if c['type'] == 'image' %}<start_of_image>{% else %}{{ c['text'] }}{% endif %}{% endfor %}<end_of_turn>\n"
+    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
 ONE = "User: <start_of_image> What is in the picture? Model:"
 TWO = "User: <start_of_image> or <start_of_image> Which one is brighter? Model:"
 
@@ -61,7 +70,7 @@ def tiny_gemma3(tmp_path_factory) -> TinyVLM:
     model.save_pretrained(path)
     image_processor = Gemma3ImageProcessorPil(size={"height": 32, "width": 32})
     processor = Gemma3Processor(image_processor=image_processor, tokenizer=tokenizer,
-                                image_seq_length=NUM_IMAGE_TOKENS)
+                                image_seq_length=NUM_IMAGE_TOKENS, chat_template=CHAT_TEMPLATE)
     processor.save_pretrained(path)
     return TinyVLM(path, processor, model)
 
@@ -96,6 +105,23 @@ def test_chunked_preempted_tensor_parallel_and_torch_paths_match_transformers(mm
         monkeypatch.setenv(KERNELS_ENV, "0")
         variant = "chunked_prefill"
     mm_parity.check(case, variant)
+
+
+def test_chat_with_images_is_the_rendered_conversation_through_the_processor_as_transformers_runs_it(
+        mm_parity, case, llm, images):
+    """The image expands into delimiters and soft tokens (no token-id expansion could): LLM.chat renders the
+    conversation, and the processor takes the text with its special tokens as the template wrote them (one BOS)."""
+    messages = [{"role": "user", "content": [
+        {"type": "image_pil", "image_pil": images["shapes"]}, {"type": "text", "text": "What is it?"},
+        {"type": "image_pil", "image_pil": images["gradient"]}]}]
+    rendered = case.processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}, {"type": "image"}]}],
+        tokenize=False, add_generation_prompt=True)
+    chat_case = replace(case, hf_inputs=lambda processor, text, pictures: processor_inputs(
+        processor, text, pictures, add_special_tokens=False))
+    (output,) = llm.chat(messages, greedy(), use_tqdm=False)
+    assert output.prompt_token_ids.count(case.processor.tokenizer.bos_token_id) == 1
+    mm_parity.assert_matches(chat_case, output, MultimodalPrompt(rendered, (images["shapes"], images["gradient"])))
 
 
 def test_text_only_prompt_matches_transformers(mm_parity, case, llm):

@@ -198,8 +198,8 @@ class OpenAIServing:
         `priority` orders it among the waiting requests under scheduler.policy "priority" (`check_priority`).
         `prompt_embeds` (a checked tensor) replaces the prompt: `prompt_ids` are then its placeholders.
         `mm_data` (loaded PIL images or audio clips of each modality, in the prompt's order) goes with the prompt as
-        `multi_modal_data`: the model's processor expands their placeholders, so `prompt_ids` are then the
-        unexpanded ones; `mm_processor_kwargs` (the request's) go to the model's processor with them.
+        `multi_modal_data` with the rendered `prompt_text` (its special tokens the template's): the model's processor
+        expands their placeholders, so `prompt_ids` are then the unexpanded ones; `mm_processor_kwargs` (the request's) go to the model's processor with them.
 
         With `beam`, the request is a beam search: one finished output whose completions are the best beams.
 
@@ -215,8 +215,9 @@ class OpenAIServing:
             delta = params.output_kind == RequestOutputKind.DELTA
             prompt = {"prompt": prompt_text, "prompt_token_ids": prompt_ids} if prompt_embeds is None else {
                 "prompt_embeds": prompt_embeds}
-            if mm_data:  # the ids hold one placeholder per item; the processor expands each
-                prompt = {**prompt, "multi_modal_data": mm_data, "mm_processor_kwargs": mm_processor_kwargs}
+            if mm_data:  # the rendered chat goes through the model's processor, which expands each placeholder
+                prompt = {"prompt": prompt_text, "multi_modal_data": mm_data, "mm_processor_kwargs": mm_processor_kwargs,
+                          "add_special_tokens": False}
             outcome = "abort"  # unless it finishes or fails: the consumer went away
             if beam is None:
                 outputs = self.engine.generate(prompt, params, request_id, priority=priority, lora_request=lora)
