@@ -200,7 +200,7 @@ class ModelRunner:
         num_slots = self.config.scheduler.max_num_seqs if slot_bytes else 0
         block_elements = sum(math.prod(shape) for shape in shapes)
         cross = 0  # every request that can run at once holds its encoder's keys and values beside its blocks
-        if getattr(self.model, "is_encoder_decoder", False):
+        if self.is_encoder_decoder:
             cross = self.config.scheduler.max_num_seqs * self.model.cross_attention_bytes(self.dtype)
         return KVCacheSpec(len(attn_layers), block_elements, self.dtype, self.block_size, num_slots, slot_bytes, cross)
 

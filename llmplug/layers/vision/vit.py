@@ -38,7 +38,7 @@ tensor-parallel ranks like the decoder's (fused q/k/v column-parallel, out_proj 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Literal
+from typing import Any, Iterable, Literal
 
 import torch
 import torch.nn.functional as F
@@ -183,18 +183,14 @@ def vit_config(hf: PretrainedConfig) -> ViTConfig:
         return _internvit_config(hf, layout)
     if hf.model_type == "llama4_vision_model":
         return _llama4_vit_config(hf, layout)
-    return ViTConfig(
-        layout=layout,
-        hidden_size=hf.hidden_size,
-        intermediate_size=hf.intermediate_size,
-        num_layers=hf.num_hidden_layers,
-        num_heads=hf.num_attention_heads,
-        image_size=hf.image_size,
-        patch_size=hf.patch_size,
-        num_channels=hf.num_channels,
-        activation=hf.hidden_act,
-        eps=hf.layer_norm_eps,
-    )
+    return ViTConfig(**_shared_fields(hf, layout), image_size=hf.image_size, patch_size=hf.patch_size,
+                     activation=hf.hidden_act, eps=hf.layer_norm_eps)
+
+
+def _shared_fields(hf: PretrainedConfig, layout: ViTLayout) -> dict[str, Any]:
+    """The ViTConfig fields every vision config names alike."""
+    return {"layout": layout, "hidden_size": hf.hidden_size, "intermediate_size": hf.intermediate_size,
+            "num_layers": hf.num_hidden_layers, "num_heads": hf.num_attention_heads, "num_channels": hf.num_channels}
 
 
 def _internvit_config(hf: PretrainedConfig, layout: ViTLayout) -> ViTConfig:
@@ -203,14 +199,9 @@ def _internvit_config(hf: PretrainedConfig, layout: ViTLayout) -> ViTConfig:
         raise ValueError("InternViT with q/k norms (use_qk_norm, InternViT-6B) or without absolute position "
                          "embeddings is not built by llmplug yet")
     return ViTConfig(
-        layout=layout,
-        hidden_size=hf.hidden_size,
-        intermediate_size=hf.intermediate_size,
-        num_layers=hf.num_hidden_layers,
-        num_heads=hf.num_attention_heads,
+        **_shared_fields(hf, layout),
         image_size=_square(hf.image_size, "image_size"),
         patch_size=_square(hf.patch_size, "patch_size"),
-        num_channels=hf.num_channels,
         activation=hf.hidden_act,
         eps=hf.layer_norm_eps,
         norm=_norm_kind(hf.norm_type),
@@ -224,14 +215,9 @@ def _llama4_vit_config(hf: PretrainedConfig, layout: ViTLayout) -> ViTConfig:
     if rope.get("rope_type", "default") != "default":
         raise ValueError(f"Llama 4's vision rotary is unscaled; its config asks for rope_type {rope['rope_type']!r}")
     return ViTConfig(
-        layout=layout,
-        hidden_size=hf.hidden_size,
-        intermediate_size=hf.intermediate_size,
-        num_layers=hf.num_hidden_layers,
-        num_heads=hf.num_attention_heads,
+        **_shared_fields(hf, layout),
         image_size=hf.image_size,
         patch_size=hf.patch_size,
-        num_channels=hf.num_channels,
         activation="gelu",  # transformers' Llama4VisionMLP is nn.GELU() whatever hidden_act says
         eps=LLAMA4_NORM_EPS,
         rope_theta=float(rope["rope_theta"]),
