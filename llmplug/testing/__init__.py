@@ -13,12 +13,16 @@
 - `save_quantized_checkpoint`, `check_quantization_method`: a quantization method (`llmplug.quantization`)
   through the engine: each quantized layer against its own dequantized weight, row invariance, and the logits
   against transformers on the dequantized weights;
+- `check_attention_backend`, `AttentionReport`: an attention backend (`llmplug.attention`) against dense attention
+  through prompts, chunked prefill, decodes and prefix hits, one scenario per feature it implements, its refusal
+  of the others and its batch-invariance claim;
 - `check_kv_connector`, `KVConnectorReport`: a KV connector (`llmplug.kv_connectors`) through the engine: save/load
   round trip, partial hits, failed loads recomputed, with the tokens of an engine without it.
 
 See docs/plugins.md ("Testing a model architecture", "Quantization methods") and docs/multimodal.md.
 """
 
+from llmplug.testing.attention import AttentionReport, check_attention_backend
 from llmplug.testing.kv_connectors import KVConnectorReport, check_kv_connector
 from llmplug.testing.multimodal import (
     MULTIMODAL_VARIANTS,
@@ -44,6 +48,7 @@ __all__ = [
     "MULTIMODAL_VARIANTS",
     "TINY_SIZES",
     "VARIANTS",
+    "AttentionReport",
     "Completion",
     "KVConnectorReport",
     "LayerCheck",
@@ -63,6 +68,7 @@ __all__ = [
     "Reference",
     "TinyCheckpoint",
     "Variant",
+    "check_attention_backend",
     "check_kv_connector",
     "check_quantization_method",
     "processor_inputs",

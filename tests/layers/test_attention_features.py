@@ -1,25 +1,35 @@
 """Sliding window, chunked local attention, logit soft-capping, ALiBi, sinks and values inside the keys
 (latent attention) in TorchSDPABackend equal a dense reference —
-plain masked softmax attention over each request's whole history, itself checked against transformers'
-own eager attention functions and mask functions — through every path a request takes: batched and
+plain masked softmax attention over each request's whole history (llmplug.testing.attention, the attention-backend
+conformance kit), itself checked against transformers' own eager attention functions and mask functions — through every path a request takes: batched and
 single prompts, chunked prefill across block boundaries, prefix-cache hits, and decode (mirror appends,
 rings, regathers), for GQA ratios 1, 4 and 8, block sizes 4 and 16, and windows smaller than, equal to
 and larger than a block. The triton backend is held to the same reference."""
 
 from __future__ import annotations
 
-import random
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import pytest
 import torch
 
-from llmplug.layers.attention import Attention, alibi_slopes, bind_kv_cache, decode_mirror
+from llmplug.layers.attention import Attention, decode_mirror
 from llmplug.layers.attention.decode_mirror import DecodeMirror
 from llmplug.layers.attention.key_layout import DecodeKeys
 from llmplug.layers.attention.torch_sdpa import TorchSDPABackend
-from llmplug.layers.forward_context import CommonAttentionMetadata, forward_context
+from llmplug.layers.forward_context import CommonAttentionMetadata
 from llmplug.layers.kernels.native import KERNELS_ENV
+from llmplug.testing.attention import (
+    HEAD_DIM,
+    SOFTCAP,
+    AttentionFeatures,
+    History,
+    lifecycle,
+    make_layer,
+    reference,
+    requests,
+    step,
+)
 
 
 @pytest.fixture(autouse=True, params=["auto", "0"], ids=["cpu-kernels", "torch-paths"])
@@ -28,140 +38,8 @@ def kernel_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv(KERNELS_ENV, request.param)
 
 
-D = 8
-SOFTCAP = 2.0  # scores here have std ~1, so tanh bends them visibly
-
-
-@dataclass(frozen=True)
-class Features:
-    """Which features a test layer uses."""
-
-    window: int | None = None
-    softcap: float | None = None
-    alibi: bool = False
-    sinks: bool = False
-    latent: int | None = None  # values_in_keys: the values are the keys' first `latent` dims (one KV head)
-    chunk: int | None = None  # attention_chunk: keys of the query's own chunk only (Llama 4)
-
-
-def make_layer(
-    heads: int, kv_heads: int, block: int, features: Features, num_blocks: int = 256, backend=TorchSDPABackend
-) -> Attention:
-    layer = Attention(
-        heads, D, D**-0.5, kv_heads, prefix="layers.0.attn", sliding_window=features.window,
-        logit_softcap=features.softcap, alibi_slopes=alibi_slopes(heads) if features.alibi else None,
-        use_sinks=features.sinks, values_in_keys=features.latent, attention_chunk=features.chunk,
-    )
-    if features.sinks:
-        with torch.no_grad():
-            layer.sinks.copy_(torch.randn(heads, generator=torch.Generator().manual_seed(7)) * 2)
-    cache = torch.zeros(backend.layer_kv_cache_shape(layer, num_blocks, block))
-    bind_kv_cache(layer, [cache], backend)
-    return layer
-
-
-class History:
-    """One request: q, k, v of every position, its blocks so far, and how many tokens are cached."""
-
-    def __init__(
-        self, length: int, heads: int, kv_heads: int, gen: torch.Generator, free: list[int], block: int,
-        latent: int | None = None,
-    ):
-        self.q = torch.randn(length, heads * D, generator=gen)
-        self.k = torch.randn(length, kv_heads * D, generator=gen)
-        self.v = torch.randn(length, kv_heads * D, generator=gen) if latent is None else self.k[:, :latent]
-        self.free, self.block, self.blocks, self.computed = free, block, [], 0
-
-    def share_prefix(self, other: "History", num_blocks: int) -> None:
-        """A prefix-cache hit: `other`'s first blocks (same tokens, so the same keys) hold this one's start."""
-        n = num_blocks * self.block
-        self.k[:n], self.v[:n] = other.k[:n], other.v[:n]
-        self.blocks, self.computed = list(other.blocks[:num_blocks]), n
-
-    def schedule(self, num_tokens: int) -> tuple[int, int]:
-        start, stop = self.computed, self.computed + num_tokens
-        while len(self.blocks) * self.block < stop:
-            self.blocks.append(self.free.pop())
-        return start, stop
-
-
-def reference(layer: Attention, r: History, start: int, stop: int) -> torch.Tensor:
-    """Dense attention of positions [start, stop) over keys [0, stop): scale, cap, ALiBi, mask, softmax with sink."""
-    heads, g = layer.num_heads, layer.num_queries_per_kv
-    q = r.q[start:stop].view(-1, heads, D).transpose(0, 1)  # [H, n, D]
-    k = r.k[:stop].view(stop, -1, D).transpose(0, 1).repeat_interleave(g, 0)  # [H, stop, D]
-    v = r.v[:stop].view(stop, layer.num_kv_heads, -1).transpose(0, 1).repeat_interleave(g, 0)
-    scores = q @ k.transpose(1, 2) * layer.scale
-    if layer.logit_softcap is not None:
-        scores = layer.logit_softcap * torch.tanh(scores / layer.logit_softcap)
-    i, j = torch.arange(start, stop)[:, None], torch.arange(stop)[None, :]
-    if layer.alibi_slopes is not None:
-        scores = scores + layer.alibi_slopes[:, None, None] * (j - i)
-    seen = j <= i
-    if layer.sliding_window is not None:
-        seen &= j > i - layer.sliding_window
-    if layer.attention_chunk is not None:
-        seen &= j // layer.attention_chunk == i // layer.attention_chunk
-    scores = scores.masked_fill(~seen, float("-inf"))
-    if layer.sinks is not None:
-        scores = torch.cat([scores, layer.sinks[:, None, None].expand(-1, stop - start, 1)], dim=-1)
-    probs = scores.softmax(-1)[..., :stop]
-    return (probs @ v).transpose(0, 1).reshape(stop - start, -1)
-
-
-def step(
-    layer: Attention, reqs: list[History], num_tokens: list[int], dtype: torch.dtype = torch.float32, atol: float = 2e-5
-) -> None:
-    """One flattened step of num_tokens[i] tokens of each request, checked against the reference."""
-    spans = [r.schedule(n) for r, n in zip(reqs, num_tokens)]
-    block = reqs[0].block
-    width = max(len(r.blocks) for r in reqs)
-    common = CommonAttentionMetadata(
-        query_start_loc=torch.tensor([0, *torch.cumsum(torch.tensor(num_tokens), 0).tolist()]),
-        seq_lens=torch.tensor([b for _, b in spans]),
-        num_computed_tokens=torch.tensor([a for a, _ in spans]),
-        block_tables=torch.tensor([r.blocks + [0] * (width - len(r.blocks)) for r in reqs]),
-        slot_mapping=torch.tensor(
-            [r.blocks[p // block] * block + p % block for r, (a, b) in zip(reqs, spans) for p in range(a, b)]
-        ),
-        positions=torch.tensor([p for a, b in spans for p in range(a, b)]),
-        block_size=block, num_reqs=len(reqs), num_tokens=sum(num_tokens), max_query_len=max(num_tokens),
-        max_seq_len=max(b for _, b in spans), query_lens_list=tuple(num_tokens),
-        seq_lens_list=tuple(b for _, b in spans),
-    )
-    q, k, v = (torch.cat([getattr(r, name)[a:b] for r, (a, b) in zip(reqs, spans)]) for name in "qkv")
-    qkv = torch.cat([q, k, v], dim=1)  # k and v as views of one projection output, as the decoder passes them
-    q, k, v = qkv.to(dtype).split([q.shape[1], k.shape[1], v.shape[1]], dim=1)
-    with torch.inference_mode(), forward_context(layer.backend.build_metadata(common)):
-        out = layer(q, k, None if layer.values_in_keys else v)
-    expected = torch.cat([reference(layer, r, a, b) for r, (a, b) in zip(reqs, spans)])
-    torch.testing.assert_close(out.float(), expected, rtol=0, atol=atol)
-    for r, (_, b) in zip(reqs, spans):
-        r.computed = b
-
-
-def requests(n: int, layer: Attention, block: int, length: int = 96, seed: int = 0, num_blocks: int = 256):
-    gen, free = torch.Generator().manual_seed(seed), list(range(1, num_blocks))
-    random.Random(seed).shuffle(free)  # blocks out of order, as after reuse
-    return [
-        History(length, layer.num_heads, layer.num_kv_heads, gen, free, block, layer.values_in_keys) for _ in range(n)
-    ]
-
-
-def lifecycle(layer: Attention, block: int, window: int) -> None:
-    """Prompts, a chunked prompt, decodes with batch changes and a prefix hit, every step checked."""
-    r0, r1, r2, r3 = requests(4, layer, block)
-    step(layer, [r0, r1], [window + 5, 3])  # two prompts: padded batch, one longer than the window
-    step(layer, [r2], [5])  # one prompt, nothing cached
-    step(layer, [r0, r2, r1], [1, 7, 1])  # decodes around a chunk with 5 tokens of context
-    for _ in range(window + block + 2):  # r1 grows past the window; blocks fill up
-        step(layer, [r0, r1], [1, 1])
-    step(layer, [r2, r0, r1], [2 * block + 1, 1, 1])  # a chunk across block boundaries between decodes
-    r3.share_prefix(r0, r0.computed // block)
-    step(layer, [r3, r2], [4, 1])  # prefix hit of r0's full blocks: a context longer than the window
-    for _ in range(block + 1):
-        step(layer, [r3, r0, r2], [1, 1, 1])
-    step(layer, [r0, r3], [1, 1])  # a request left: regathered
+D = HEAD_DIM
+Features = AttentionFeatures
 
 
 GQA = [(4, 4), (8, 2), (8, 1)]  # ratios 1, 4 and 8
