@@ -1,11 +1,14 @@
-"""Shared audio fixtures: synthetic clips (tones, noise) and their encoded files."""
+"""Shared audio fixtures: synthetic clips (tones, noise; speech in tests/audio/speech.py), their encoded files, and a
+tiny random Whisper with the real WhisperProcessor and transformers' greedy tokens on it."""
 
 from __future__ import annotations
 
 import io
+from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 
 def tone(seconds: float, rate: int, hz: float = 440.0, amplitude: float = 0.5) -> np.ndarray:
@@ -34,3 +37,67 @@ def encode(samples: np.ndarray, rate: int, fmt: str = "WAV", subtype: str | None
 def wav_bytes():
     """The helper that encodes samples as a 16-bit WAV file."""
     return lambda samples, rate: encode(samples, rate, "WAV", "PCM_16")
+
+
+WHISPER_RATE = 16000
+WHISPER_SPECIAL = ["<|endoftext|>", "<|startoftranscript|>", "<|en|>", "<|de|>", "<|translate|>", "<|transcribe|>",
+                   "<|startoflm|>", "<|startofprev|>", "<|nocaptions|>", "<|notimestamps|>"]
+WHISPER_PROMPT = "<|startoftranscript|><|en|><|transcribe|><|notimestamps|>"
+
+
+def _whisper_tokenizer():
+    """A byte-level BPE of a few hundred tokens, then Whisper's special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import WhisperTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    bpe.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 4, trainer)
+    eot = WHISPER_SPECIAL[0]
+    tokenizer = WhisperTokenizerFast(tokenizer_object=bpe, unk_token=eot, bos_token=eot, eos_token=eot, pad_token=eot)
+    tokenizer.add_special_tokens({"additional_special_tokens": WHISPER_SPECIAL[1:]})
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny_whisper(tmp_path_factory) -> tuple[Path, torch.nn.Module, object]:
+    """(folder, transformers' WhisperForConditionalGeneration, WhisperProcessor) of a tiny random Whisper (d_model 64,
+    2 encoder + 2 decoder layers, 32 decoder positions), written by transformers."""
+    from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration, WhisperProcessor
+
+    path = tmp_path_factory.mktemp("tiny-whisper")
+    tokenizer = _whisper_tokenizer()
+    processor = WhisperProcessor(feature_extractor=WhisperFeatureExtractor(feature_size=80), tokenizer=tokenizer)
+    eot, sot = tokenizer.convert_tokens_to_ids(WHISPER_SPECIAL[:2])
+    config = WhisperConfig(
+        vocab_size=len(tokenizer), d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, num_mel_bins=80,
+        max_source_positions=1500, max_target_positions=32, eos_token_id=eot, bos_token_id=eot, pad_token_id=eot,
+        decoder_start_token_id=sot, suppress_tokens=None, begin_suppress_tokens=None,
+    )
+    torch.manual_seed(0)
+    model = WhisperForConditionalGeneration(config).eval()
+    with torch.no_grad():  # weights large enough that the audio moves the tokens
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.5)
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return path, model, processor
+
+
+def whisper_reference(model, processor, clip: np.ndarray, max_new_tokens: int, text: str = WHISPER_PROMPT) -> list[int]:
+    """transformers' greedy tokens (float32) for one window of 16 kHz samples after the decoder prompt `text` (the
+    plain generation loop, without Whisper's logits processors)."""
+    from transformers import GenerationConfig, GenerationMixin
+
+    features = processor.feature_extractor(clip, sampling_rate=WHISPER_RATE, return_tensors="pt").input_features
+    prompt = processor.tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=model.config.eos_token_id,
+                              pad_token_id=model.config.pad_token_id)
+    with torch.no_grad():
+        out = GenerationMixin.generate(model, input_features=features, decoder_input_ids=prompt,
+                                       generation_config=config)
+    return out[0, prompt.shape[1]:].tolist()

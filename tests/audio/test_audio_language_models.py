@@ -149,18 +149,52 @@ FAMILY_CASES = {
 }
 
 
-@pytest.mark.parametrize("family", ["qwen2_audio", "audio_flamingo3"])
-def test_greedy_tokens_and_logprobs_match_transformers(family, request):
-    tiny = request.getfixturevalue(family)
+def check_family(tiny: TinyAudioLM, family: str, **engine) -> LLM:
+    """FAMILY_CASES[family] in one batch through the engine (make_llm's settings and `engine`), each against
+    transformers; the first two clips must answer differently. Returns the engine, still running."""
     cases = FAMILY_CASES[family]
-    llm = make_llm(tiny)
+    llm = make_llm(tiny, **engine)
     prompts = [{"prompt": tiny.prompt(len(names)), "multi_modal_data": {"audio": [(CLIPS[n], RATE) for n in names]}}
                for names in cases]
     outputs = llm.generate(prompts, greedy(), use_tqdm=False)
     for names, output in zip(cases, outputs):
         assert_matches_hf(tiny, output, tiny.prompt(len(names)), [CLIPS[n] for n in names])
     assert outputs[0].outputs[0].token_ids != outputs[1].outputs[0].token_ids  # the clip matters
+    return llm
+
+
+@pytest.mark.parametrize("family", ["qwen2_audio", "audio_flamingo3"])
+def test_greedy_tokens_and_logprobs_match_transformers(family, request):
+    check_family(request.getfixturevalue(family), family).shutdown()
+
+
+def audio_shard_shapes(worker) -> dict[str, tuple[int, ...]]:
+    """A worker's shapes of the encoder's first fused q/k/v, MLP and convolution weights and the projector's."""
+    model = worker.model_runner.model
+    layer = model.audio_tower.layers[0]
+    tensors = {"qkv": layer.self_attn.qkv_proj.weight, "mlp_up": layer.mlp.up_proj.weight,
+               "conv1": model.audio_tower.conv1.weight}
+    tensors.update({name: p for name, p in model.multi_modal_projector.named_parameters() if name.endswith("weight")})
+    return {name: tuple(tensor.shape) for name, tensor in tensors.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2_audio", "audio_flamingo3"])
+def test_tensor_parallel_2_matches_transformers(family, request):
+    """Two worker processes, each with half of the encoder's heads and MLP (its convolutions and positions
+    replicated), half of the decoder's, and the projector sharded (AudioFlamingo3) or replicated (Qwen2-Audio);
+    steps of 8 tokens split each clip's placeholders."""
+    llm = check_family(request.getfixturevalue(family), family, tensor_parallel_size=2, max_num_batched_tokens=8)
+    shapes = llm.llm_engine.engine_core.executor.collective_rpc(audio_shard_shapes)
     llm.shutdown()
+    width, ffn = ENCODER["d_model"], ENCODER["encoder_ffn_dim"]
+    assert shapes[0] == shapes[1]
+    assert shapes[0]["qkv"] == (3 * width // 2, width) and shapes[0]["mlp_up"] == (ffn // 2, width)
+    assert shapes[0]["conv1"] == (width, ENCODER["num_mel_bins"], 3)  # replicated
+    projector = {"qwen2_audio": {"linear.weight": (DECODER["hidden_size"], width)},
+                 "audio_flamingo3": {"linear_1.weight": (DECODER["hidden_size"] // 2, width),
+                                     "linear_2.weight": (DECODER["hidden_size"], DECODER["hidden_size"] // 2)}}
+    assert {k: v for k, v in shapes[0].items() if k.startswith("linear")} == projector[family]
 
 
 def test_chunked_prefill_encodes_each_clip_once_and_caches_it_and_its_prefix(qwen2_audio):

@@ -4,7 +4,9 @@ mel [B, n_mels, frames] -> conv1d (k 3) + GELU -> conv1d (k 3, stride 2) + GELU 
 (initialised sinusoidal, stored in the checkpoint) -> pre-LN transformer layers -> a final LayerNorm. The layers
 are the ViT's (`llmplug.layers.vision.vit.VisionEncoderLayer`: bidirectional attention, a two-layer MLP, each with
 its LayerNorm before it), built from a `ViTConfig` view of the Whisper shape; Whisper's `k_proj` has no bias, so
-its share of the fused q/k/v bias is loaded as zeros (as vLLM does).
+its share of the fused q/k/v bias is loaded as zeros (as vLLM does). Under tensor parallelism the layers shard as
+the ViT's (each rank its share of the heads and of the MLP's hidden units); the convolutions, positions and final
+norm are replicated, so every rank encodes whole windows.
 
 Whisper, Qwen2-Audio's tower and other Whisper-derived encoders differ only by data (`WhisperEncoderConfig`).
 A checkpoint's frames are padded to the trained window (`max_source_positions` * 2 frames, 30 s); a shorter input

@@ -50,7 +50,9 @@ class Qwen2AudioForConditionalGeneration(LlavaForConditionalGeneration):
     """Qwen2-Audio: Whisper encoder (pooled by 2) -> linear projector -> clip rows in the Qwen2 decoder's input
     embeddings (LLaVA's weight routing, embedding, forward and logits, inherited)."""
 
-    supports_tensor_parallel = False  # the encoder's layers shard as the ViT's, not proven with audio yet
+    # the encoder's layers shard as the ViT's (heads and MLP), its convolutions and positions are replicated; the
+    # projector shards as LLaVA's (AudioFlamingo3) or is replicated (Qwen2-Audio); each rank encodes whole clips
+    supports_tensor_parallel = True
     language_models: dict[str, type[DecoderForCausalLM]] = {"qwen2": Qwen2ForCausalLM}
     checkpoint_prefixes = CHECKPOINT_PREFIXES
     mask_name = "feature_attention_mask"  # the processor's name of each window's valid frames
