@@ -119,7 +119,7 @@ class DataParallelEngine:
             raise
         info = ready.model_info
         self.engine_core = ReplicaCalls(self, ready)
-        self.processor = build_input_processor(self.config, self.tokenizer, info, ready.max_model_len)
+        self.processor = build_input_processor(self.config, self.tokenizer, info, ready.max_model_len, self.registry)
         self.eos_token_ids = ready.eos_token_ids
         self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
         self.guided = GuidedDecodingManager(self.tokenizer, info["vocab_size"], self.eos_token_id, self.config.decoding,

@@ -49,21 +49,34 @@ def prepare_config(config: EngineConfig, registry: PluginRegistry) -> EngineConf
 
 
 def build_input_processor(config: EngineConfig, tokenizer: Any | None, info: dict[str, Any],
-                          max_model_len: int) -> InputProcessor:
+                          max_model_len: int, registry: PluginRegistry | None = None) -> InputProcessor:
     """The prompt checker and tokenizer of an engine whose model reported `info` (a worker's model_info)."""
     limits = RequestLimits.of(info["vocab_size"], max_model_len, config.decoding)
     embedding_size = info["embedding_size"] if config.model.enable_prompt_embeds else None
     from llmplug.engine.multimodal import mm_processor_for
 
-    model = config.model  # an image or audio model: the folder's own HF processor
+    model = config.model  # an image or audio model: the folder's own HF processor, or the family's own processing
+    multimodal = info.get("image_token_id") is not None or info.get("audio_token_id") is not None
     mm_processor = mm_processor_for(model.model, info, model.limit_mm_per_prompt, model.trust_remote_code,
-                                    model.mm_processor_kwargs)
+                                    model.mm_processor_kwargs, family_hf_processor(config, registry) if multimodal
+                                    else None)
     encoder_decoder_processor = None
     if info.get("is_encoder_decoder"):  # the model folder's Whisper processor: audio in, the decoder's prompt
         from llmplug.engine.encoder_decoder import EncoderDecoderProcessor
 
         encoder_decoder_processor = EncoderDecoderProcessor(config.model.model, config.model.trust_remote_code)
     return InputProcessor(tokenizer, limits, embedding_size, mm_processor, encoder_decoder_processor)
+
+
+def family_hf_processor(config: EngineConfig, registry: PluginRegistry | None) -> Any | None:
+    """The processing a model family brings for prompts (its class's `build_hf_processor(model_path, hf_config)`,
+    for a family transformers has no processor for: Ultravox's); None for a family that uses transformers'."""
+    from llmplug.core.plugins import get_registry
+
+    loader = build_loader(registry or get_registry(), config.load.format, config.load)
+    hf_config = loader.load_hf_config(config.model)
+    build = getattr(loader.get_model_class(hf_config, config.model.model_impl), "build_hf_processor", None)
+    return build(loader.model_path(config.model.model), hf_config) if build is not None else None
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -93,7 +106,8 @@ class LLMEngine:
         self.tokenizer = None if self.config.model.skip_tokenizer_init else loader.load_tokenizer(self.config.model)
         self.engine_core = EngineCore(self.config, self.registry)
         info = self.engine_core.model_info
-        self.processor = build_input_processor(self.config, self.tokenizer, info, self.engine_core.max_model_len)
+        self.processor = build_input_processor(self.config, self.tokenizer, info, self.engine_core.max_model_len,
+                                               self.registry)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_ids = self._eos_token_ids(loader.load_generation_config(self.config.model))
         self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None  # the tokenizer's, if it has one

@@ -193,13 +193,17 @@ def content_hash(data: dict[str, torch.Tensor]) -> str:
 
 
 def mm_processor_for(model_path: str, info: dict[str, Any], limits: dict[str, int], trust_remote_code: bool = False,
-                     processor_kwargs: Mapping[str, Any] | None = None) -> "MultiModalProcessor | None":
+                     processor_kwargs: Mapping[str, Any] | None = None,
+                     hf_processor: Any | None = None) -> "MultiModalProcessor | None":
     """The processor of a model that reported `info` (a worker's model_info): an image model's, an audio model's
-    (its `audio_token_id`), or None for a text-only model. `processor_kwargs`: model.mm_processor_kwargs."""
+    (its `audio_token_id`), or None for a text-only model. `processor_kwargs`: model.mm_processor_kwargs;
+    `hf_processor`: the family's own processing (None: transformers' AutoProcessor of the folder)."""
     if info.get("image_token_id") is not None:
-        return MultiModalProcessor(model_path, info["image_token_id"], limits, trust_remote_code, processor_kwargs)
+        return MultiModalProcessor(model_path, info["image_token_id"], limits, trust_remote_code, processor_kwargs,
+                                   hf_processor)
     if info.get("audio_token_id") is not None:
-        return AudioProcessor(model_path, info["audio_token_id"], limits, trust_remote_code, processor_kwargs)
+        return AudioProcessor(model_path, info["audio_token_id"], limits, trust_remote_code, processor_kwargs,
+                              hf_processor)
     return None
 
 
@@ -230,13 +234,29 @@ class MultiModalProcessor:
     sampling_rate: int | None = None  # the rate clips are decoded at (AudioProcessor's); None: the model takes none
 
     def __init__(self, model_path: str, token_id: int, limits: dict[str, int], trust_remote_code: bool = False,
-                 processor_kwargs: Mapping[str, Any] | None = None) -> None:
+                 processor_kwargs: Mapping[str, Any] | None = None, hf_processor: Any | None = None) -> None:
+        # `hf_processor`: the model family's own (its `build_hf_processor`), for a family transformers has none for
+        if hf_processor is None:
+            hf_processor = self._auto_processor(model_path, trust_remote_code)
+        self.hf_processor = hf_processor
+        self.token_id = token_id
+        self.limits = limits
+        self.accepted_kwargs = accepted_processor_kwargs(self.hf_processor)
+        unknown = self._unknown_kwargs(processor_kwargs or {})
+        if unknown:
+            raise ConfigError(f"{KWARGS_FLAG} names {unknown}, which {type(self.hf_processor).__name__} does not "
+                              f"take; it takes {sorted(self.accepted_kwargs)}")
+        self.processor_kwargs = dict(processor_kwargs or {})  # the engine's defaults of every call
+        self._lock = threading.Lock()  # a processor and its tokenizer are not documented as thread-safe
+
+    @staticmethod
+    def _auto_processor(model_path: str, trust_remote_code: bool) -> Any:
+        """transformers' `AutoProcessor` of the folder, with the PIL image processors (the torchvision ones need
+        torchvision, which llmplug does not require)."""
         from transformers import AutoProcessor
 
-        # the PIL image processors: the torchvision ones need torchvision, which llmplug does not require
         try:
-            self.hf_processor = AutoProcessor.from_pretrained(model_path, backend="pil",
-                                                              trust_remote_code=trust_remote_code)
+            return AutoProcessor.from_pretrained(model_path, backend="pil", trust_remote_code=trust_remote_code)
         except (ImportError, ValueError) as error:  # a processor transformers builds only with torchvision's classes
             # an image processor that exists for torchvision only (Llama 4's) is refused with a ValueError naming it
             if isinstance(error, ValueError) and "torchvision" not in str(error):
@@ -247,15 +267,6 @@ class MultiModalProcessor:
                 "installed, for their video or image processor classes: install the torchvision release built for "
                 "your torch"
             ) from error
-        self.token_id = token_id
-        self.limits = limits
-        self.accepted_kwargs = accepted_processor_kwargs(self.hf_processor)
-        unknown = self._unknown_kwargs(processor_kwargs or {})
-        if unknown:
-            raise ConfigError(f"{KWARGS_FLAG} names {unknown}, which {type(self.hf_processor).__name__} does not "
-                              f"take; it takes {sorted(self.accepted_kwargs)}")
-        self.processor_kwargs = dict(processor_kwargs or {})  # the engine's defaults of every call
-        self._lock = threading.Lock()  # a processor and its tokenizer are not documented as thread-safe
 
     @property
     def placeholder(self) -> str:

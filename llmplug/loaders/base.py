@@ -109,13 +109,37 @@ class BaseModelLoader(abc.ABC):
 
         path = self.model_path(model_config.model)
         try:
-            config = AutoConfig.from_pretrained(
-                path, trust_remote_code=model_config.trust_remote_code, local_files_only=True
-            )
+            config_class = self._plugin_config_class(path)
+            if config_class is not None:
+                config = config_class.from_pretrained(path, local_files_only=True)
+            else:
+                config = AutoConfig.from_pretrained(
+                    path, trust_remote_code=model_config.trust_remote_code, local_files_only=True
+                )
         except (OSError, ValueError) as error:
             raise ModelLoadError(f"cannot read the config of {model_config.model!r} ({path}): {error}") from error
         config.update(dict(model_config.hf_overrides))
         return config
+
+    def _plugin_config_class(self, path: str) -> type | None:
+        """The config class a model plugin brings (its `hf_config_class`) for a config.json whose model_type
+        transformers does not know (Ultravox's, whose checkpoints bring theirs as remote code); None otherwise."""
+        from transformers import CONFIG_MAPPING
+
+        from llmplug.core.plugins import get_registry
+
+        try:
+            with open(os.path.join(path, "config.json"), encoding="utf-8") as file:
+                raw = json.load(file)
+        except (OSError, ValueError):
+            return None  # AutoConfig says what is wrong with the folder
+        architectures = (raw.get("architectures") or []) if isinstance(raw, dict) else []
+        if not architectures or raw.get("model_type") in CONFIG_MAPPING:
+            return None
+        registry = self.registry or get_registry()
+        if architectures[0] not in registry.names("llmplug.models"):
+            return None
+        return getattr(registry.load("llmplug.models", architectures[0]), "hf_config_class", None)
 
     def load_tokenizer(self, model_config: "ModelConfig") -> "PreTrainedTokenizerBase":
         """The model's tokenizer (or `model_config.tokenizer`'s), from local files only."""

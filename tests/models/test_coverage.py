@@ -27,6 +27,7 @@ MULTIMODAL_PARITY = {
     "WhisperForConditionalGeneration": "tests/audio/test_whisper.py",  # encoder-decoder, with audio
     "Qwen2AudioForConditionalGeneration": "tests/audio/test_audio_language_models.py",  # with audio
     "AudioFlamingo3ForConditionalGeneration": "tests/audio/test_audio_language_models.py",
+    "UltravoxModel": "tests/audio/test_ultravox.py",  # against a reference composed of transformers' parts
 }
 
 
