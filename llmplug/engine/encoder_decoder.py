@@ -11,6 +11,8 @@ written (no special tokens added). The clip becomes one `MultiModalFeature` (mod
 frames, its span the encoder's states) that the request keeps as its `encoder_feature`: the model runner computes the
 cross-attention keys and values from it once per request, and the prefix cache names every decoder block with its
 hash. Processing runs where the request is made (the caller's thread for `LLM`, a worker thread for `AsyncLLM`).
+The folder's generation rules (`rules`: suppressed tokens, timestamps) are read here once for `LLM.transcribe` and
+the /v1/audio endpoints; a plain `generate` takes its sampling params as given (vLLM's way).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 from llmplug.core.errors import InvalidRequestError, ModelLoadError
 from llmplug.engine.multimodal import MultiModalFeature, content_hash
+from llmplug.engine.whisper_rules import WhisperRules
 
 __all__ = ["EncoderDecoderProcessor", "is_encoder_decoder_prompt"]
 
@@ -45,6 +48,10 @@ class EncoderDecoderProcessor:
         extractor = self.hf_processor.feature_extractor
         self.sampling_rate = int(extractor.sampling_rate)
         self.max_seconds = float(extractor.chunk_length)  # one encoder window
+        # Whisper's generation rules (suppressed tokens, timestamps): one timestamp step is one encoder position,
+        # two mel frames
+        self.rules = WhisperRules.from_folder(model_path, self.hf_processor.tokenizer,
+                                              2 * extractor.hop_length / self.sampling_rate)
         self._lock = threading.Lock()  # a processor and its tokenizer are not documented as thread-safe
 
     def process(self, prompt: dict[str, Any]) -> dict[str, Any]:

@@ -25,6 +25,17 @@ from llmplug.engine.data_parallel import DataParallelEngine, build_engine
 from llmplug.engine.input_processor import PromptType
 from llmplug.engine.llm_engine import LLMEngine
 from llmplug.engine.pooling import pair_prompt, score_pairs
+from llmplug.engine.transcription import (
+    Transcription,
+    TranscriptionOptions,
+    decoder_prompt,
+    load_clip,
+    no_speech_params,
+    no_speech_prompt,
+    sampling_params,
+    transcript,
+    windows,
+)
 from llmplug.lora.request import LoRARequest
 
 if TYPE_CHECKING:
@@ -97,6 +108,52 @@ class LLM:
         loras = self._per_prompt(lora_request, len(prompts), "lora_request")
         ids = self._add_requests(prompts, params, priority, loras)
         return self._run(ids, use_tqdm)
+
+    def transcribe(
+        self,
+        audio: Any,
+        *,
+        language: str = "en",
+        task: str = "transcribe",
+        prompt: str | None = None,
+        temperature: float = 0.0,
+        timestamps: bool = False,
+        max_tokens: int | None = None,
+        use_tqdm: bool = False,
+    ) -> Transcription:
+        """Transcribe (task "translate": into English) a clip of any length with a Whisper model, as
+        /v1/audio/transcriptions does: 30 s windows decoded together under the folder's generation rules, their
+        texts joined; with `timestamps` each window's timestamp tokens cut it into segments (and each window's
+        no_speech_prob is computed).
+
+        `audio`: the bytes of an encoded file, vLLM's `(samples, sampling_rate)` or samples at 16 kHz. `prompt`:
+        earlier text the decoder is conditioned on. `max_tokens`: per window (default: the decoder's context).
+        InvalidRequestError for a model that is not Whisper-like, an unknown language or task, bad audio.
+        """
+        processor = self.llm_engine.processor.encoder_decoder_processor
+        if processor is None:
+            raise InvalidRequestError(f"LLM.transcribe needs a speech model (Whisper); {self.config.model.model} is "
+                                      "not an encoder-decoder model", param="model")
+        if timestamps and processor.rules.timestamp_begin is None:
+            raise InvalidRequestError("timestamps=True, but this model's tokenizer has no timestamp tokens "
+                                      "(<|0.00|> right after <|notimestamps|>)", param="timestamps")
+        options = TranscriptionOptions(language, task, prompt, temperature, timestamps)
+        tokenizer = self.get_tokenizer()
+        options.check(tokenizer)
+        rate = processor.sampling_rate
+        clip = windows(load_clip(audio, rate), rate, processor.max_seconds)
+        text = decoder_prompt(options)
+        room = self.llm_engine.processor.max_model_len - len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        params = sampling_params(options, processor.rules, room if max_tokens is None else max_tokens)
+        audio_data = [{"multi_modal_data": {"audio": (w.samples, rate)}} for w in clip]
+        prompts, all_params = [{"prompt": text, **a} for a in audio_data], [params] * len(clip)
+        probe = no_speech_prompt(options, processor.rules) if timestamps else None
+        if probe is not None:  # each window's no_speech_prob, from one more short request
+            prompts += [{"prompt": probe, **a} for a in audio_data]
+            all_params += [no_speech_params()] * len(clip)
+        outputs = self.generate(prompts, all_params, use_tqdm=use_tqdm)
+        return transcript(options, clip, outputs[: len(clip)], processor.rules,
+                          lambda ids: tokenizer.decode(ids, skip_special_tokens=True), outputs[len(clip) :])
 
     def beam_search(
         self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams, *, use_tqdm: bool = False

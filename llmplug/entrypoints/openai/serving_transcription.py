@@ -2,36 +2,66 @@
 
 The request is OpenAI's multipart form: `file` (an encoded clip: WAV, FLAC, OGG, MP3, ...), `model`, `language`
 (ISO 639-1, default "en"), `prompt` (earlier text the decoder is conditioned on), `response_format` (json, text,
-srt, vtt, verbose_json) and `temperature`. The clip is decoded and resampled to the processor's rate off the event
-loop (llmplug.multimodal.audio, under the server's byte and duration caps), cut into windows of the model's 30 s,
-and each window is one request of the engine, all in flight together; their texts are joined in order. Each window
-is one segment of srt, vtt and verbose_json (the model's timestamp tokens, which would cut finer segments, are not
-used yet). Whisper's decoder prompt is vLLM's: `<|startofprev|>` and the prompt when given, then
-`<|startoftranscript|><|{language}|><|{task}|><|notimestamps|>`.
+srt, vtt, verbose_json), `temperature`, `timestamp_granularities[]` ("segment"; "word" is refused) and `stream`.
+The clip is decoded and resampled to the processor's rate off the event loop (llmplug.multimodal.audio, under the
+server's byte and duration caps), cut into the model's 30 s windows, and each window is one request of the engine,
+all in flight together, with the folder's generation rules as logits processors (`llmplug.engine.transcription`,
+shared with `LLM.transcribe`: windows, decoder prompt, segments from the timestamp tokens, srt / vtt). srt, vtt,
+verbose_json and `timestamp_granularities=["segment"]` decode with timestamps when the tokenizer has them.
+
+`stream=true` (json or text) answers with OpenAI's server-sent events, which the `openai` client parses:
+`{"type": "transcript.text.delta", "delta": ...}` as the windows' text grows, in window order, then
+`{"type": "transcript.text.done", "text": ...}` and `[DONE]`; a window that fails ends the stream with an error event.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import math
 import uuid
-import zlib
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from llmplug.core.errors import InvalidRequestError
 from llmplug.core.outputs import RequestOutput
 from llmplug.core.params import SamplingParams
+from llmplug.engine.transcription import (
+    Transcription,
+    TranscriptionOptions,
+    Window,
+    decoder_prompt,
+    join_texts,
+    no_speech_params,
+    no_speech_prompt,
+    sampling_params,
+    subtitles,
+    transcript,
+    windows,
+)
+from llmplug.entrypoints.openai.backpressure import EventStreamResponse
 from llmplug.entrypoints.openai.errors import OpenAIError
-from llmplug.entrypoints.openai.serving_engine import OpenAIServing, last_output
+from llmplug.entrypoints.openai.serving_engine import (
+    SSE_HEADERS,
+    OpenAIServing,
+    last_output,
+    merge,
+    sse,
+    sse_error,
+    until_disconnected,
+)
 from llmplug.multimodal.media import MediaPolicy, decode_audio_bytes
 
 __all__ = ["OpenAIServingTranscription"]
 
 RESPONSE_FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
+TIMESTAMP_FORMATS = ("srt", "vtt", "verbose_json")  # their segments come from the model's timestamp tokens
+STREAM_FORMATS = ("json", "text")
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,15 +74,13 @@ class TranscriptionForm:
     prompt: str | None
     response_format: str
     temperature: float
+    segment_timestamps: bool  # timestamp_granularities holds "segment"
+    stream: bool
 
-
-@dataclass(frozen=True, slots=True)
-class Segment:
-    """One window's transcript and where the window lies in the clip."""
-
-    start: float
-    end: float
-    output: RequestOutput
+    def options(self, task: str, has_timestamps: bool) -> TranscriptionOptions:
+        """The transcription it asks for; timestamps only where the model's tokenizer has them."""
+        wants = self.response_format in TIMESTAMP_FORMATS or self.segment_timestamps
+        return TranscriptionOptions(self.language, task, self.prompt, self.temperature, wants and has_timestamps)
 
 
 class OpenAIServingTranscription(OpenAIServing):
@@ -69,38 +97,79 @@ class OpenAIServingTranscription(OpenAIServing):
             raise OpenAIError(400, f"/v1/audio/{task}s needs a speech model (Whisper); {self.engine.model_name} is "
                                    "not an encoder-decoder model", code="wrong_model_kind")
         form = await _read_form(raw_request)
-        model = self.check_model(form.model)
-        rate, window = processor.sampling_rate, processor.max_seconds
-        samples = await asyncio.to_thread(decode_audio_bytes, form.data, self.media, rate, "file")
-        prompt_text = _decoder_prompt(form.prompt, form.language, task)
-        prompt_ids = self._token_ids(prompt_text, form.language)
-        segments = await self._transcribe(samples, rate, window, prompt_text, prompt_ids, form)
-        return _response(form, task, len(samples) / rate, segments, model)
-
-    def _token_ids(self, text: str, language: str) -> list[int]:
-        """The decoder prompt's ids; 400 when the tokenizer has no token for the language."""
+        self.check_model(form.model)
+        options = form.options(task, processor.rules.timestamp_begin is not None)
         tokenizer = self.engine.get_tokenizer()
-        if tokenizer.convert_tokens_to_ids(f"<|{language}|>") in (None, tokenizer.unk_token_id):
-            raise OpenAIError(400, f"language {language!r} is not one this model knows (its tokenizer has no "
-                                   f"<|{language}|> token); send an ISO 639-1 code such as 'en'", param="language")
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    async def _transcribe(self, samples: np.ndarray, rate: int, window: float, prompt_text: str,
-                          prompt_ids: list[int], form: TranscriptionForm) -> list[Segment]:
-        """One engine request per window, all in flight together; their final outputs in order."""
-        params = SamplingParams(temperature=form.temperature,
-                                max_tokens=self.max_tokens(None, len(prompt_ids), "prompt", "prompt"),
-                                logprobs=0 if form.response_format == "verbose_json" else None)
-        step = int(window * rate)
-        starts = range(0, max(len(samples), 1), step)
+        try:
+            options.check(tokenizer)
+        except InvalidRequestError as error:
+            raise OpenAIError(400, str(error), param=error.param) from None
+        rate = processor.sampling_rate
+        samples = await asyncio.to_thread(decode_audio_bytes, form.data, self.media, rate, "file")
+        clip = windows(samples, rate, processor.max_seconds)
+        prompt_text = decoder_prompt(options)
+        prompt_ids = list(tokenizer(prompt_text, add_special_tokens=False)["input_ids"])
+        params = sampling_params(options, processor.rules, self.max_tokens(None, len(prompt_ids), "prompt", "prompt"),
+                                 stream=form.stream)
         request_id = f"transcription-{uuid.uuid4().hex}"
-        outputs = [last_output(self.generate(prompt_text, prompt_ids, params, f"{request_id}-{i}",
-                                             mm_data={"audio": (samples[start : start + step], rate)}))
-                   for i, start in enumerate(starts)]
-        results = await asyncio.gather(*outputs)
-        duration = len(samples) / rate
-        return [Segment(start / rate, min((start + step) / rate, duration), output)
-                for start, output in zip(starts, results)]
+        streams = self._per_window(clip, rate, prompt_text, prompt_ids, params, request_id)
+        decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731 - drops the timestamps
+        if form.stream:
+            outputs = merge(streams)  # every window in flight at once
+            first = await until_disconnected(raw_request, anext(outputs))
+            return EventStreamResponse(_events(first, outputs, len(clip), decode), headers=SSE_HEADERS)
+        probe = no_speech_prompt(options, processor.rules) if form.response_format == "verbose_json" else None
+        if probe is not None:  # each window's no_speech_prob, from one more short request
+            probe_ids = list(tokenizer(probe, add_special_tokens=False)["input_ids"])
+            streams += self._per_window(clip, rate, probe, probe_ids, no_speech_params(), f"{request_id}-no-speech")
+        finals = await until_disconnected(raw_request, asyncio.gather(*(last_output(s) for s in streams)))
+        result = transcript(options, clip, finals[: len(clip)], processor.rules, decode, finals[len(clip) :])
+        return _response(form, result)
+
+    def _per_window(self, clip: list[Window], rate: int, prompt_text: str, prompt_ids: list[int],
+                    params: SamplingParams, request_id: str) -> list[AsyncGenerator[RequestOutput, None]]:
+        """One engine request per window (started when first read)."""
+        return [self.generate(prompt_text, prompt_ids, params, f"{request_id}-{i}",
+                              mm_data={"audio": (window.samples, rate)})
+                for i, window in enumerate(clip)]
+
+
+async def _events(first: tuple[int, RequestOutput], outputs: AsyncGenerator[tuple[int, RequestOutput], None],
+                  num_windows: int, decode: Callable[[list[int]], str]) -> AsyncIterator[str]:
+    """OpenAI's transcript events: the joined text's growth, window by window in order, then the whole text. A
+    window's text is decoded from its tokens, as the whole answer's is; while it runs, a trailing replacement
+    character (a character whose bytes are still coming) is held back."""
+    latest: dict[int, RequestOutput] = {}
+    finished: list[str] = []  # the texts of the windows streamed to their end
+    sent = ""
+    try:
+        item: tuple[int, RequestOutput] | None = first
+        while item is not None:
+            latest[item[0]] = item[1]
+            while len(finished) < num_windows and len(finished) in latest:
+                current = latest[len(finished)]
+                window_text = decode(list(current.outputs[0].token_ids))
+                text = join_texts([*finished, window_text if current.finished else window_text.rstrip("\ufffd")])
+                if len(text) > len(sent) and text.startswith(sent):  # the text so far only grows
+                    yield _event({"type": "transcript.text.delta", "delta": text[len(sent):]})
+                    sent = text
+                if not current.finished:
+                    break
+                finished.append(window_text)
+            item = await anext(outputs, None)
+        text = join_texts(finished)
+        if len(text) > len(sent) and text.startswith(sent):
+            yield _event({"type": "transcript.text.delta", "delta": text[len(sent):]})
+        yield _event({"type": "transcript.text.done", "text": text})
+    except Exception as exc:  # noqa: BLE001 - the status line is sent: report in the stream
+        yield sse_error(exc)
+    finally:
+        await outputs.aclose()
+    yield sse("[DONE]")
+
+
+def _event(body: dict[str, Any]) -> str:
+    return sse(json.dumps(body, ensure_ascii=False))
 
 
 async def _read_form(raw_request: Request) -> TranscriptionForm:
@@ -123,11 +192,29 @@ async def _read_form(raw_request: Request) -> TranscriptionForm:
         raise OpenAIError(400, "temperature must be a number", param="temperature") from None
     if not 0.0 <= temperature <= 2.0:
         raise OpenAIError(400, f"temperature {temperature} is outside [0, 2]", param="temperature")
-    if (_text(form, "stream") or "false").lower() == "true":
-        raise OpenAIError(400, "stream is not supported by this server's transcriptions yet: send stream=false",
+    segments = _granularities(form)
+    stream = (_text(form, "stream") or "false").lower() == "true"
+    if stream and (response_format not in STREAM_FORMATS or segments):
+        raise OpenAIError(400, f"stream=true streams text: response_format must be json or text (not "
+                               f"{response_format!r}) and timestamp_granularities empty; segments are not streamed",
                           param="stream")
     return TranscriptionForm(await upload.read(), _text(form, "model"), _text(form, "language") or "en",
-                             _text(form, "prompt"), response_format, temperature)
+                             _text(form, "prompt"), response_format, temperature, segments, stream)
+
+
+def _granularities(form: Any) -> bool:
+    """Whether `timestamp_granularities` (the openai client sends `timestamp_granularities[]`) asks for segments;
+    400 for "word" and for anything else."""
+    values = [v for name in ("timestamp_granularities[]", "timestamp_granularities") for v in form.getlist(name)]
+    for value in values:
+        if value == "word":
+            raise OpenAIError(400, "timestamp_granularities 'word' is not supported: word timings need the model's "
+                                   "alignment heads (cross-attention weights aligned by dynamic time warping), which "
+                                   "this server does not compute; send 'segment'", param="timestamp_granularities")
+        if value != "segment":
+            raise OpenAIError(400, f"timestamp_granularities {value!r} is not one of 'segment', 'word'",
+                              param="timestamp_granularities")
+    return bool(values)
 
 
 def _text(form: Any, name: str) -> str | None:
@@ -137,58 +224,16 @@ def _text(form: Any, name: str) -> str | None:
     return value
 
 
-def _decoder_prompt(prompt: str | None, language: str, task: str) -> str:
-    """Whisper's decoder prompt (vLLM's): the earlier text after <|startofprev|>, then the task's tokens."""
-    previous = f"<|startofprev|> {prompt.strip()}" if prompt and prompt.strip() else ""
-    return f"{previous}<|startoftranscript|><|{language}|><|{task}|><|notimestamps|>"
-
-
-def _response(form: TranscriptionForm, task: str, duration: float, segments: list[Segment], model: str) -> Response:
+def _response(form: TranscriptionForm, result: Transcription) -> Response:
     """The answer in the asked format."""
-    texts = [s.output.outputs[0].text.strip() for s in segments]
-    text = " ".join(t for t in texts if t)
-    usage = {"type": "duration", "seconds": math.ceil(duration)}
+    usage = {"type": "duration", "seconds": math.ceil(result.duration)}
     if form.response_format == "json":
-        return JSONResponse({"text": text, "usage": usage})
+        return JSONResponse({"text": result.text, "usage": usage})
     if form.response_format == "text":
-        return PlainTextResponse(text)
+        return PlainTextResponse(result.text)
     if form.response_format in ("srt", "vtt"):
-        return PlainTextResponse(_subtitles(form.response_format, segments, texts))
-    body = {"task": "translate" if task == "translate" else "transcribe", "language": form.language,
-            "duration": duration, "text": text, "segments": [_segment(i, s, t, form.temperature)
-                                                             for i, (s, t) in enumerate(zip(segments, texts))],
-            "usage": usage}
-    return JSONResponse(body)
+        return PlainTextResponse(subtitles(form.response_format, result.segments))
+    return JSONResponse({"task": result.task, "language": result.language, "duration": result.duration,
+                         "text": result.text, "segments": [dataclasses.asdict(s) for s in result.segments],
+                         "usage": usage})
 
-
-def _segment(index: int, segment: Segment, text: str, temperature: float) -> dict[str, Any]:
-    """verbose_json's segment of one window: its span, text, tokens, mean token log-probability and the text's
-    compression ratio (Whisper's repetition signal)."""
-    completion = segment.output.outputs[0]
-    tokens = list(completion.token_ids)
-    cumulative = completion.cumulative_logprob
-    encoded = text.encode()
-    return {
-        "id": index, "seek": round(segment.start * 100), "start": segment.start, "end": segment.end, "text": text,
-        "tokens": tokens, "temperature": temperature,
-        "avg_logprob": cumulative / len(tokens) if tokens and cumulative is not None else None,
-        "compression_ratio": len(encoded) / len(zlib.compress(encoded)) if encoded else 0.0,
-    }
-
-
-def _subtitles(kind: str, segments: list[Segment], texts: list[str]) -> str:
-    """srt or vtt cues, one per window."""
-    separator = "," if kind == "srt" else "."
-    cues = []
-    for i, (segment, text) in enumerate(zip(segments, texts), start=1):
-        span = f"{_clock(segment.start, separator)} --> {_clock(segment.end, separator)}"
-        cues.append(f"{i}\n{span}\n{text}\n" if kind == "srt" else f"{span}\n{text}\n")
-    return ("" if kind == "srt" else "WEBVTT\n\n") + "\n".join(cues)
-
-
-def _clock(seconds: float, separator: str) -> str:
-    """hh:mm:ss,mmm (srt) or hh:mm:ss.mmm (vtt)."""
-    millis = round(seconds * 1000)
-    hours, rest = divmod(millis, 3_600_000)
-    minutes, rest = divmod(rest, 60_000)
-    return f"{hours:02d}:{minutes:02d}:{rest // 1000:02d}{separator}{rest % 1000:03d}"
