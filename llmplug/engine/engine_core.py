@@ -150,7 +150,10 @@ class EngineCore:
         return asked
 
     def _num_blocks(self) -> int:
-        blocks_per_seq = -(-self.max_model_len // self.config.cache.block_size)
+        block_size = self.config.cache.block_size
+        # an encoder-decoder request also holds its encoder's keys and values in cross blocks (kv_cache.py)
+        num_cross_blocks = -(-self.model_info.get("num_encoder_tokens", 0) // block_size)
+        blocks_per_seq = -(-self.max_model_len // block_size) + num_cross_blocks
         # more blocks than max_num_seqs full-length requests can use only feed the prefix cache;
         # the cap keeps the block pool's bookkeeping small for tiny models with huge budgets
         cap = self.config.scheduler.max_num_seqs * blocks_per_seq

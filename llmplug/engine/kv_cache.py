@@ -15,6 +15,13 @@ per request: each running request owns one state slot (`StateSlotPool`) besides 
 with its first blocks and released with them (finish, abort, preemption: a recomputed request starts
 its state from zero). A state summarizes the whole prefix it has seen and cannot be shared or cut
 back to a block boundary, so prefix caching is off for such models.
+
+An encoder-decoder request (Whisper: `encoder_feature` set) holds a second list of blocks from the same pool, its
+cross blocks (vLLM's cross-attention KV group): ceil(encoder tokens / block_size) of them, taken with its first
+blocks and released with them, holding the cross-attention keys and values of its encoder states in every decoder
+layer's cache tensor, with consecutive ids where the free blocks allow (read without a gather). A request is admitted
+only when both lists fit. With prefix caching the cross blocks are named by the clip's content hash, so running or
+later requests with the same clip share them (all of them or none).
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Iterable, Sequence
+
+import numpy as np
 
 from llmplug.core.errors import ConfigError
 from llmplug.engine.multimodal import bidirectional_spans, block_keys as mm_block_keys, span_safe
@@ -145,6 +154,26 @@ class BlockPool:
             block_ids.append(block_id)
         return block_ids
 
+    def get_new_run(self, num_blocks: int) -> list[int] | None:
+        """Take `num_blocks` free blocks with consecutive ids (the lowest such run), evicting cached ones; None when
+        the free blocks hold no such run."""
+        if num_blocks > len(self.free_block_ids):
+            return None
+        free = np.fromiter(self.free_block_ids, dtype=np.int64, count=len(self.free_block_ids))
+        free.sort()
+        # sorted distinct ids: free[i:i + n] is a run exactly when its last id is its first plus n - 1
+        starts = np.flatnonzero(free[num_blocks - 1 :] - free[: len(free) - num_blocks + 1] == num_blocks - 1)
+        if not len(starts):
+            return None
+        first = int(free[starts[0]])
+        block_ids = list(range(first, first + num_blocks))
+        for block_id in block_ids:
+            del self.free_block_ids[block_id]
+            block = self.blocks[block_id]
+            self._evict(block)
+            block.ref_count = 1
+        return block_ids
+
     def _evict(self, block: Block) -> None:
         if block.block_hash is not None:
             del self.cached_block_ids[block.block_hash]
@@ -239,6 +268,10 @@ class KVCacheManager:
         self.state_pool = StateSlotPool(num_state_slots)
         self.state_slots: dict[str, int] = {}  # request id -> its state slot (models with recurrent mixers)
         self.block_tables: dict[str, list[int]] = {}  # request id -> block ids, in token order
+        # encoder-decoder requests: request id -> its cross blocks (the encoder's K/V), and those found named in the
+        # prefix cache (their K/V are written already: the workers do not run the encoder for them)
+        self.cross_block_tables: dict[str, list[int]] = {}
+        self._cross_hit_req_ids: set[str] = set()
         self.num_cached_blocks: dict[str, int] = {}  # request id -> leading blocks already hashed
         # request id -> leading blocks of its table the workers hold as they are (the rest is sent next step)
         self.num_sent_blocks: dict[str, int] = {}
@@ -310,15 +343,18 @@ class KVCacheManager:
                                + num_external_tokens)
         num_total_tokens = num_computed_tokens + num_new_tokens
         num_needed = -(-num_total_tokens // self.block_size) - len(block_table) - len(new_computed_blocks)
+        cross_hits, num_cross = self._cross_needs(request)
         # Hits that sit on the free list stop being free once taken.
-        num_free_hits = sum(1 for b in new_computed_blocks if self.pool.blocks[b].ref_count == 0)
-        if max(num_needed, 0) + num_free_hits > self.pool.num_free_blocks:
+        num_free_hits = sum(1 for b in (*new_computed_blocks, *cross_hits) if self.pool.blocks[b].ref_count == 0)
+        if max(num_needed, 0) + num_cross + num_free_hits > self.pool.num_free_blocks:
             return False
         if self._needs_state_slot(request):
             if not self.state_pool.num_free_slots:
                 return False
             self.state_slots[request.request_id] = self.state_pool.allocate()
-        self.pool.touch(new_computed_blocks)
+        self.pool.touch(new_computed_blocks)  # (before any new block is taken: that could evict a hit)
+        if cross_hits or num_cross:
+            self._allocate_cross(request, cross_hits, num_cross)
         block_table = self.block_tables.setdefault(request.request_id, block_table)
         block_table.extend(new_computed_blocks)
         if num_needed > 0:
@@ -329,6 +365,50 @@ class KVCacheManager:
             # The token sampled at the last position is not known yet: cache only blocks full of known tokens.
             self._cache_full_blocks(request, min(num_total_tokens, request.num_tokens) // self.block_size)
         return True
+
+    def num_cross_blocks(self, request: Request) -> int:
+        """The cross blocks an encoder-decoder request holds while it runs: its encoder states' (0 for any other)."""
+        feature = request.encoder_feature
+        return 0 if feature is None else -(-feature.length // self.block_size)
+
+    def _cross_needs(self, request: Request) -> tuple[list[int], int]:
+        """(named cross blocks to share, or new cross blocks to take) for a request that holds none yet."""
+        if request.encoder_feature is None or request.request_id in self.cross_block_tables:
+            return [], 0
+        hits = [self.pool.get_cached_block(block_hash) for block_hash in self._cross_hashes(request)]
+        if hits and None not in hits:  # all or none: the encoder writes a request's K/V whole
+            return hits, 0
+        return [], self.num_cross_blocks(request)
+
+    def _cross_hashes(self, request: Request) -> list[int]:
+        """The names of the request's cross blocks: its clip's content hash and the block's index (and its adapter,
+        as for any block); none without prefix caching."""
+        if self.enable_prefix_caching and not request.cross_block_hashes:
+            lora = () if request.lora_request is None else (request.lora_int_id, request.lora_load)
+            key = (*lora, ("cross", request.encoder_feature.identifier))
+            request.cross_block_hashes = [hash_block(None, (i,), key) for i in range(self.num_cross_blocks(request))]
+        return request.cross_block_hashes
+
+    def _allocate_cross(self, request: Request, hits: list[int], num_new: int) -> None:
+        """Give the request its cross blocks: the shared hits, or new blocks named (when allocated, like decoder
+        blocks: a failed encoder or step takes the names back) for the requests that come with the same clip."""
+        if hits:
+            self.pool.touch(hits)
+            self.cross_block_tables[request.request_id] = hits
+            self._cross_hit_req_ids.add(request.request_id)
+            return
+        # consecutive ids if the free blocks hold a run: the workers then read them as a view of the cache, no gather
+        block_ids = self.pool.get_new_run(num_new) or self.pool.get_new_blocks(num_new)
+        self.cross_block_tables[request.request_id] = block_ids
+        named = self._named_this_step.setdefault(request.request_id, [])
+        for block_id, block_hash in zip(block_ids, self._cross_hashes(request)):
+            if self.pool.cache_block(block_id, block_hash):
+                named.append(block_id)
+
+    def get_cross_blocks(self, request: Request) -> tuple[list[int], bool]:
+        """A copy of the request's cross blocks, and whether their K/V are written already (a prefix-cache hit)."""
+        req_id = request.request_id
+        return list(self.cross_block_tables.get(req_id, ())), req_id in self._cross_hit_req_ids
 
     def _needs_state_slot(self, request: Request) -> bool:
         return self.state_pool.num_slots > 0 and request.request_id not in self.state_slots
@@ -385,13 +465,16 @@ class KVCacheManager:
         return (("prompt", request.num_prompt_tokens),)
 
     def free(self, request: Request) -> None:
-        """Release the request's blocks and state slot; cached blocks stay reusable until evicted."""
+        """Release the request's blocks, cross blocks and state slot; cached blocks stay reusable until evicted."""
         slot = self.state_slots.pop(request.request_id, None)
         if slot is not None:
             self.state_pool.free(slot)
         block_table = self.block_tables.pop(request.request_id, [])
-        # Tail first: its blocks are the least likely to be shared, so they are evicted first.
+        # Tail first: its blocks are the least likely to be shared, so they are evicted first. Cross blocks last: a
+        # miss on them costs an encoder run, a miss on a decoder block a few tokens.
         self.pool.free(reversed(block_table))
+        self.pool.free(reversed(self.cross_block_tables.pop(request.request_id, [])))
+        self._cross_hit_req_ids.discard(request.request_id)
         self.num_cached_blocks.pop(request.request_id, None)
         self.num_sent_blocks.pop(request.request_id, None)
         self._counted_req_ids.discard(request.request_id)

@@ -24,9 +24,9 @@ from llmplug.engine.prompt_embeds import check_engine as check_prompt_embeds_eng
 from llmplug.engine.sampler import Sampler
 from llmplug.engine.spec_decode.verifier import DraftVerifier
 from llmplug.engine.sampling_state import SamplingState
-from llmplug.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from llmplug.engine.scheduler_output import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 from llmplug.layers.attention import bind_kv_cache
-from llmplug.layers.attention.cross_attention import CrossAttentionBatch
+from llmplug.layers.attention.cross_attention import CrossAttentionBatch, CrossBlocks
 from llmplug.layers.compiled_forward import CompiledForward
 from llmplug.layers.attention.spans import check_spans_supported
 from llmplug.layers.forward_context import BidirectionalSpan, CommonAttentionMetadata, forward_context
@@ -55,7 +55,7 @@ UNSAMPLEABLE = "no token can be sampled: the logits hold NaN or +inf, or every t
 @dataclass(slots=True, frozen=True)
 class KVCacheSpec:
     """What one KV block costs and how many layers hold one; and what running requests hold beside them (recurrent-state
-    slots, an encoder-decoder model's cross-attention keys and values)."""
+    slots). An encoder-decoder model's cross-attention keys and values take blocks of the same pool (cross blocks)."""
 
     num_layers: int  # attention layers (0 for a pure state-space model: blocks then only count tokens)
     block_elements: int  # cache elements of one block summed over the layers (layers may differ: MLA's latent)
@@ -63,7 +63,6 @@ class KVCacheSpec:
     block_size: int
     num_state_slots: int = 0  # one per request that can run at once, for a model with recurrent mixers
     state_slot_bytes: int = 0  # one request's state across the recurrent layers
-    cross_attention_bytes: int = 0  # the cross-attention K/V of max_num_seqs running requests (encoder-decoder)
 
     @property
     def block_bytes(self) -> int:
@@ -111,10 +110,11 @@ class ModelRunner:
         self.prompt_embeds: dict[str, torch.Tensor] = {}  # running requests' prompts given as embeddings (model dtype)
         self.mm_features: dict[str, list] = {}  # running requests' images (MultiModalFeature), in prompt order
         self.encoder_cache = EncoderCache()  # their encoder outputs, by content hash
-        # encoder-decoder models (Whisper): each running request's audio, and its cross-attention keys and values
-        # [layers, 2, heads, encoder states, head_dim], computed at its first step (None: its encoder failed)
+        # encoder-decoder models (Whisper): each running request's audio and its cross blocks (its encoder's keys and
+        # values in every decoder layer's cache), and the requests whose encoder has not written them yet
         self.encoder_features: dict[str, MultiModalFeature] = {}
-        self.cross_kv: dict[str, torch.Tensor | None] = {}
+        self.cross_blocks: dict[str, CrossBlocks] = {}
+        self.unencoded: set[str] = set()
         self.kv_connector: KVConnector | None = None  # the worker role of kv_transfer_config's connector
         # M-RoPE models (layers/mrope.py): each running request's prompt positions [3, P] and decode delta
         self.mrope_positions: dict[str, tuple[np.ndarray, int]] = {}
@@ -199,10 +199,7 @@ class ModelRunner:
         # every request that can run at once holds a slot, so a slot never has to be waited for
         num_slots = self.config.scheduler.max_num_seqs if slot_bytes else 0
         block_elements = sum(math.prod(shape) for shape in shapes)
-        cross = 0  # every request that can run at once holds its encoder's keys and values beside its blocks
-        if self.is_encoder_decoder:
-            cross = self.config.scheduler.max_num_seqs * self.model.cross_attention_bytes(self.dtype)
-        return KVCacheSpec(len(attn_layers), block_elements, self.dtype, self.block_size, num_slots, slot_bytes, cross)
+        return KVCacheSpec(len(attn_layers), block_elements, self.dtype, self.block_size, num_slots, slot_bytes)
 
     def _attention_layers(self) -> list[torch.nn.Module]:
         from llmplug.layers.attention import Attention
@@ -288,8 +285,9 @@ class ModelRunner:
             self.prompt_embeds.pop(req_id, None)  # a resumed request brings them again
             self.mm_features.pop(req_id, None)
             self.mrope_positions.pop(req_id, None)
-            self.encoder_features.pop(req_id, None)  # a resumed request brings its audio again
-            self.cross_kv.pop(req_id, None)
+            self.encoder_features.pop(req_id, None)  # a resumed request brings its audio and cross blocks again
+            self.cross_blocks.pop(req_id, None)
+            self.unencoded.discard(req_id)
         for req_id in scheduler_output.finished_req_ids:
             self.prompt_logprobs_sent.pop(req_id, None)
         for req in scheduler_output.requests:
@@ -308,10 +306,18 @@ class ModelRunner:
                 if new.mm_features:
                     self.mm_features[new.req_id] = new.mm_features
                 if new.encoder_feature is not None:
-                    self.encoder_features[new.req_id] = new.encoder_feature
+                    self._add_encoder_input(new)
                 if self.uses_mrope:  # once per request (and again when a preempted one resumes)
                     self.mrope_positions[new.req_id] = self.model.get_mrope_input_positions(
                         new.prompt_token_ids, new.mm_features or [])
+
+    def _add_encoder_input(self, new: NewRequestData) -> None:
+        """Keep an encoder-decoder request's audio and cross blocks; unless they hold its keys and values already (a
+        prefix-cache hit), its encoder runs at this step."""
+        self.encoder_features[new.req_id] = new.encoder_feature
+        self.cross_blocks[new.req_id] = CrossBlocks.of(new.cross_block_ids, new.encoder_feature.length, self.device)
+        if not new.cross_blocks_written:
+            self.unencoded.add(new.req_id)
 
     def prepare_inputs(self, reqs: list[ScheduledRequest], block_tables: np.ndarray) -> BatchInputs:
         """Flatten the scheduled tokens of all requests into one batch (numpy, then one copy to torch);
@@ -508,31 +514,34 @@ class ModelRunner:
         return chunks, failed
 
     def _cross_attention(self, requests: list[ScheduledRequest]) -> tuple[CrossAttentionBatch, dict[str, str]]:
-        """The step's cross-attention inputs (each request's rows and keys and values), running the encoder of the
-        requests that have none yet; and those whose encoder failed, with why (they end; the batch goes on)."""
-        failed: dict[str, str] = {}
+        """The step's cross-attention inputs (each request's rows and cross blocks), running the encoder of the
+        requests whose blocks are not written yet; and those whose encoder failed, with why (they end; the batch goes
+        on). A request that shares the cross blocks of a clip whose encoder failed in this step fails with it."""
+        failed_clips: dict[str, str] = {}  # content hash -> why its encoder failed
         for r in requests:
-            if r.req_id not in self.cross_kv:
-                self.cross_kv[r.req_id] = self._encoder_kv(r.req_id, failed)
+            if r.req_id in self.unencoded:
+                self.unencoded.discard(r.req_id)
+                feature = self.encoder_features[r.req_id]
+                why = self._encode(r.req_id, feature)
+                if why is not None:
+                    failed_clips[feature.identifier] = why
+        failed = {r.req_id: failed_clips[clip] for r in requests
+                  if (clip := self.encoder_features[r.req_id].identifier) in failed_clips}
         starts = tuple(itertools.accumulate((len(r.token_ids) for r in requests), initial=0))
-        return CrossAttentionBatch(starts, tuple(self.cross_kv[r.req_id] for r in requests)), failed
+        blocks = tuple(None if r.req_id in failed else self.cross_blocks[r.req_id] for r in requests)
+        return CrossAttentionBatch(starts, blocks), failed
 
-    def _encoder_kv(self, req_id: str, failed: dict[str, str]) -> torch.Tensor | None:
-        """A request's cross-attention keys and values: a running request's with the same audio, else its encoder's
-        (run alone, so they never depend on the step); None, with why in `failed`, when the encoder raises."""
-        feature = self.encoder_features[req_id]
-        for other, kv in self.cross_kv.items():
-            if kv is not None and self.encoder_features[other].identifier == feature.identifier:
-                return kv
+    def _encode(self, req_id: str, feature: MultiModalFeature) -> str | None:
+        """Run a request's encoder alone (so its keys and values never depend on the step) into its cross blocks;
+        why it failed, or None."""
         try:
             frames = feature.data["input_features"].to(self.device, self.dtype)
-            kv = self.model.encoder_kv(frames)
+            self.model.encode(frames, self.cross_blocks[req_id])
         except Exception as error:  # this request's audio: the batch goes on without it
             logger.warning("request %s: encoding its audio failed: %r", req_id, error)
-            failed[req_id] = f"encoding its audio failed: {error!r}"
-            return None
+            return f"encoding its audio failed: {error!r}"
         self.encoder_cache.num_encoder_calls += 1
-        return kv
+        return None
 
     def _mrope_step_positions(self, requests: list[ScheduledRequest]) -> torch.Tensor:
         """[3, T] M-RoPE positions of the step's tokens: a prompt token's from its request's prompt positions, a

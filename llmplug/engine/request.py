@@ -73,6 +73,7 @@ class Request:
     mm_features: list[MultiModalFeature] | None = None
     # an encoder-decoder request's encoder input (Whisper's audio, engine/encoder_decoder.py): kept across preemption
     encoder_feature: MultiModalFeature | None = None
+    cross_block_hashes: list[int] = field(default_factory=list)  # names of its cross blocks (engine/kv_cache.py)
 
     @property
     def lora_int_id(self) -> int | None:

@@ -24,6 +24,11 @@ PaliGemma's prompt: `bidirectional_spans`) a chunk never ends inside a span: it 
 the step's budget left (the span waits for the next step), and a request with a span longer than the whole budget is
 refused when it is added.
 
+An encoder-decoder request (Whisper) is admitted only when its decoder blocks and its cross blocks (the encoder's
+keys and values: ceil(encoder tokens / block_size), engine/kv_cache.py) fit together; both are freed when it finishes
+or is preempted. A small cache therefore runs fewer transcriptions at once, and a request grows at most to the blocks
+its cross blocks leave.
+
 With a KV connector (`kv_connector`, engine/kv_transfer.py), a waiting request's blocks past its local prefix-cache
 hit that the connector holds are loaded into new blocks before the forward pass of the step that admits it, and the
 full blocks each step computes are offered to the connector to save. A request that read a block whose load failed
@@ -230,9 +235,11 @@ class Scheduler:
             )
         kv = self.kv_cache_manager
         num_blocks = -(-(num_prompt + 1) // kv.block_size)
-        if num_blocks > kv.num_blocks:
+        num_cross = kv.num_cross_blocks(request)
+        if num_blocks + num_cross > kv.num_blocks:
+            cross = f" and {num_cross} cross blocks for its encoder's keys and values" if num_cross else ""
             raise InvalidRequestError(
-                f"{where} plus one generated token needs {num_blocks} KV blocks of {kv.block_size} tokens, "
+                f"{where} plus one generated token needs {num_blocks} KV blocks of {kv.block_size} tokens{cross}, "
                 f"but the cache holds {kv.num_blocks}; shorten the prompt or give the KV cache more memory"
             )
         for start, end in bidirectional_spans(self.span_kind, request.mm_features, num_prompt):
@@ -361,7 +368,7 @@ class Scheduler:
     def _draft_room(self, request: Request, budget: int) -> int:
         """How many draft tokens `request` may verify: within the budget, the context length and max_tokens."""
         max_tokens = request.sampling_params.max_tokens
-        return min(budget, self.max_num_tokens - request.num_tokens - 1,
+        return min(budget, self._max_tokens(request) - request.num_tokens - 1,
                    max_tokens - request.num_output_tokens - 1 if max_tokens is not None else budget)
 
     def _allocate_or_preempt(self, request: Request, num_new_tokens: int, preempted: set[str]) -> bool:
@@ -510,6 +517,9 @@ class Scheduler:
         request.num_computed_tokens = num_computed_tokens
         request.status = RequestStatus.RUNNING
         insort(self.running, request, key=self._sort_key)
+        cross_block_ids, cross_written = [], False
+        if request.encoder_feature is not None:
+            cross_block_ids, cross_written = self.kv_cache_manager.get_cross_blocks(request)
         new = NewRequestData(
             req_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
@@ -522,6 +532,8 @@ class Scheduler:
             prompt_embeds=request.prompt_embeds,
             mm_features=request.mm_features,
             encoder_feature=request.encoder_feature,
+            cross_block_ids=cross_block_ids,
+            cross_blocks_written=cross_written,
         )
         return self._scheduled_request(request, num_new_tokens, new)
 
@@ -689,9 +701,17 @@ class Scheduler:
             return RequestStatus.FINISHED_STOPPED
         if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH
-        if request.num_tokens >= self.max_num_tokens:
+        if request.num_tokens >= self._max_tokens(request):
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    def _max_tokens(self, request: Request) -> int:
+        """The most tokens the request may hold: max_model_len, and what the cache holds besides its cross blocks
+        (more would preempt it forever)."""
+        kv = self.kv_cache_manager
+        if kv is None or request.encoder_feature is None:
+            return self.max_num_tokens
+        return min(self.max_num_tokens, (kv.num_blocks - kv.num_cross_blocks(request)) * kv.block_size)
 
     # -- queries -------------------------------------------------------------------------------
 

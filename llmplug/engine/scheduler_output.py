@@ -30,6 +30,10 @@ class NewRequestData:
     prompt_embeds: torch.Tensor | None = None  # a prompt given as embeddings: the rows of its prompt positions
     mm_features: list[MultiModalFeature] | None = None  # a multimodal prompt's images (engine/multimodal.py)
     encoder_feature: MultiModalFeature | None = None  # an encoder-decoder request's audio (engine/encoder_decoder.py)
+    # its cross blocks, which hold the encoder's keys and values in every decoder layer's cache (engine/kv_cache.py),
+    # and whether they are written already (a prefix-cache hit: the worker does not run the encoder)
+    cross_block_ids: list[int] = field(default_factory=list)
+    cross_blocks_written: bool = False
 
 
 @dataclass(slots=True, frozen=True)

@@ -125,7 +125,6 @@ class Worker:
         else:
             budget = self.platform.memory_for_kv_cache(cache.memory_fraction, self.device.index or 0)
         budget -= self._state_bytes(spec, budget)
-        budget -= self._cross_attention_bytes(spec, budget)
         if not spec.block_bytes:  # no attention layer: blocks hold nothing and only count tokens
             return self._max_useful_blocks()
         num_blocks = max(budget // spec.block_bytes, 0)
@@ -145,22 +144,6 @@ class Worker:
                 "raise cache.kv_cache_memory / cache.memory_fraction"
             )
         return spec.state_bytes
-
-    def _cross_attention_bytes(self, spec: KVCacheSpec, budget: int) -> int:
-        """An encoder-decoder model's cross-attention K/V of max_num_seqs requests; a ConfigError when the budget
-        cannot hold them."""
-        if not spec.cross_attention_bytes:
-            return 0
-        max_num_seqs = self.config.scheduler.max_num_seqs
-        logger.info("cross-attention keys and values: %d requests of %.1f MiB", max_num_seqs,
-                    spec.cross_attention_bytes / max_num_seqs / 2**20)
-        if spec.cross_attention_bytes > budget:
-            raise ConfigError(
-                f"the encoders' cross-attention keys and values of scheduler.max_num_seqs={max_num_seqs} requests "
-                f"need {spec.cross_attention_bytes} bytes but the KV-cache budget left is {budget}; lower "
-                "scheduler.max_num_seqs or raise cache.kv_cache_memory / cache.memory_fraction"
-            )
-        return spec.cross_attention_bytes
 
     def _max_useful_blocks(self) -> int:
         """Blocks for max_num_seqs requests of max_model_len tokens (the engine uses no more)."""
@@ -241,6 +224,8 @@ class Worker:
             "bidirectional_spans": getattr(runner.model, "bidirectional_spans", None),
             # an encoder-decoder model (Whisper): its prompts bring audio for the encoder (engine/encoder_decoder.py)
             "is_encoder_decoder": getattr(runner.model, "is_encoder_decoder", False),
+            # the encoder states each of its requests keeps in cross blocks beside its decoder blocks (kv_cache.py)
+            "num_encoder_tokens": getattr(runner.model, "num_encoder_tokens", 0),
         }
 
     # ---- LoRA adapters (called through Executor.collective_rpc) ----

@@ -3,7 +3,8 @@
 The checkpoint (d_model 64, 2 encoder + 2 decoder layers) and its processor (a byte-level BPE tokenizer with
 Whisper's special tokens, transformers' WhisperFeatureExtractor) are written by transformers; clips are tones and
 noise of different lengths. Greedy tokens must equal transformers' `generate` (float32) on the same processor output:
-one by one, as one batch of 16 clips, under preemption, and through the prefix cache with the same and another clip.
+one by one, as one batch of 16 clips, under preemption, with a KV cache that holds the cross blocks of only a few
+requests, and through the prefix cache with the same and another clip.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from transformers import (
 )
 
 from llmplug import LLM, AsyncLLM, SamplingParams
-from llmplug.core.errors import ConfigError, InvalidRequestError
+from llmplug.core.errors import InvalidRequestError
 from tests.audio.conftest import encode, noise, tone
 
 RATE = 16000
@@ -36,6 +37,7 @@ DECODER_PROMPT = "<|startoftranscript|><|en|><|transcribe|><|notimestamps|>"
 LONG_PROMPT = "<|startofprev|> the quick brown fox jumps over the lazy dog" + DECODER_PROMPT
 MAX_TOKENS = 6
 ENGINE = dict(dtype="float32", block_size=4, device={"num_threads": 1})
+CROSS_BLOCKS = 1500 // 4  # each request's cross blocks: its encoder's 1500 states, in blocks of 4
 
 
 def _tokenizer() -> WhisperTokenizerFast:
@@ -104,7 +106,7 @@ def references(whisper) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def llm(whisper) -> LLM:
-    return LLM(str(whisper[0]), num_gpu_blocks_override=128, **ENGINE)
+    return LLM(str(whisper[0]), num_gpu_blocks_override=16 * (CROSS_BLOCKS + 8), **ENGINE)  # 16 requests at once
 
 
 def _prompt(clip: np.ndarray) -> dict:
@@ -121,23 +123,35 @@ def test_batch_of_16_clips_equals_transformers_one_by_one(llm, references) -> No
     assert len({tuple(r) for r in references}) > 4  # the audio decides the tokens
 
 
+def _runner(llm: LLM):
+    return llm.llm_engine.engine_core.executor.worker.model_runner
+
+
+def _encoder_calls(llm: LLM) -> int:
+    return _runner(llm).encoder_cache.num_encoder_calls
+
+
 def test_shorthand_prompt_and_prefix_cache_hit_keep_the_tokens(whisper, llm) -> None:
     _, model, processor = whisper
-    clips = [_clips()[i] for i in (0, 1)]
+    clips = [noise(2.0, RATE, seed=99), tone(3.0, RATE, hz=990.0)]  # clips no other test sends
     expected = [_reference(model, processor, clip, LONG_PROMPT) for clip in clips]
     assert expected[0] != expected[1]
-    # the same clip again: its decoder blocks hit the prefix cache; another clip: they must not
+    # the same clip again: its decoder blocks and its cross blocks (no encoder run) hit the prefix cache; another
+    # clip: neither may
     for clip, tokens, hit in ((clips[0], expected[0], False), (clips[0], expected[0], True),
                               (clips[1], expected[1], False)):
+        calls = _encoder_calls(llm)
         out = llm.generate({"prompt": LONG_PROMPT, "multi_modal_data": {"audio": (clip, RATE)}}, GREEDY)
         assert list(out[0].outputs[0].token_ids) == tokens
         assert (out[0].num_cached_tokens > 0) == hit
+        assert _encoder_calls(llm) == calls + (not hit)
 
 
 def test_chunked_prefill_and_preemption_keep_the_tokens(whisper, references) -> None:
     clips = _clips()[:8]
-    # 8 requests of 4 + 6 tokens need 24 blocks of 4; 7 blocks force preemption; steps of 6 tokens split prompts
-    small = LLM(str(whisper[0]), num_gpu_blocks_override=7, max_num_batched_tokens=6, **ENGINE)
+    # a request of 4 + 6 tokens needs 3 blocks of 4 beside its cross blocks: the cross blocks of two and 4 more force
+    # preemption; steps of 6 tokens split prompts
+    small = LLM(str(whisper[0]), num_gpu_blocks_override=2 * CROSS_BLOCKS + 4, max_num_batched_tokens=6, **ENGINE)
     outputs = small.generate([_prompt(clip) for clip in clips], GREEDY)
     assert [list(o.outputs[0].token_ids) for o in outputs] == references[:8]
     assert small.llm_engine.engine_core.scheduler.num_preemptions > 0
@@ -154,19 +168,65 @@ def test_a_clip_whose_encoder_fails_ends_only_its_own_request(llm, references) -
     assert list(answered.outputs[0].token_ids) == references[0] and answered.outputs[0].error is None
 
 
-def test_cross_attention_memory_comes_out_of_the_kv_cache_budget_first(whisper, references) -> None:
+def _cross_bytes(whisper) -> int:
+    """What transformers keeps for one request's cross-attention: its K/V cache's bytes (float32)."""
     _, model, processor = whisper
     features = processor.feature_extractor(_clips()[0], sampling_rate=RATE, return_tensors="pt").input_features
-    with torch.no_grad():  # what transformers keeps for one request's cross-attention: its K/V cache's bytes
+    with torch.no_grad():
         cache = model(input_features=features, decoder_input_ids=torch.tensor([[1]]), use_cache=True).past_key_values
-    per_request = sum(layer.keys.numel() + layer.values.numel() for layer in cache.cross_attention_cache.layers) * 4
+    return sum(layer.keys.numel() + layer.values.numel() for layer in cache.cross_attention_cache.layers) * 4
+
+
+def _record_running(llm: LLM) -> list[int]:
+    """The number of running requests after each schedule() of the engine, recorded from now on."""
+    scheduler, counts = llm.llm_engine.engine_core.scheduler, []
+    schedule = scheduler.schedule
+
+    def recorded():
+        output = schedule()
+        counts.append(len(scheduler.running))
+        return output
+
+    scheduler.schedule = recorded
+    return counts
+
+
+def test_a_kv_cache_for_the_cross_blocks_of_three_requests_serves_16_clips_three_at_a_time(whisper,
+                                                                                           references) -> None:
     block_bytes = 2 * 2 * 4 * 64 * 4  # decoder layers, K and V, block_size tokens, d_model, float32
-    with pytest.raises(ConfigError, match="cross-attention keys and values of scheduler.max_num_seqs=4 requests"):
-        LLM(str(whisper[0]), kv_cache_memory=4 * per_request - 1, max_num_seqs=4, **ENGINE)
-    llm = LLM(str(whisper[0]), kv_cache_memory=4 * per_request + 10 * block_bytes, max_num_seqs=4, **ENGINE)
-    assert llm.llm_engine.engine_core.kv_cache_manager.num_blocks == 10
-    out = llm.generate(_prompt(_clips()[0]), GREEDY)
-    assert list(out[0].outputs[0].token_ids) == references[0]
+    assert _cross_bytes(whisper) == CROSS_BLOCKS * block_bytes  # a request's cross blocks hold transformers' cache
+    # room for the cross blocks of 3 requests and 30 decoder blocks; max_num_seqs is not what limits it
+    llm = LLM(str(whisper[0]), kv_cache_memory=3 * _cross_bytes(whisper) + 30 * block_bytes, max_num_seqs=16,
+              **ENGINE)
+    kv = llm.llm_engine.engine_core.kv_cache_manager
+    assert kv.num_blocks == 3 * CROSS_BLOCKS + 30 and kv.num_free_blocks == kv.num_blocks
+    running = _record_running(llm)
+    outputs = llm.generate([_prompt(clip) for clip in _clips()], GREEDY)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == references
+    assert max(running) == 3  # admitted as the cross blocks of finished requests come free
+    assert kv.num_free_blocks == kv.num_blocks and not kv.cross_block_tables and not kv.block_tables
+
+
+def test_preemption_frees_both_block_lists_and_the_resumed_request_encodes_again(whisper, references) -> None:
+    # without prefix caching a preempted request's cross blocks are plain free blocks: its encoder runs again
+    small = LLM(str(whisper[0]), num_gpu_blocks_override=2 * CROSS_BLOCKS + 4, max_num_batched_tokens=6,
+                enable_prefix_caching=False, **ENGINE)
+    scheduler, kv = small.llm_engine.engine_core.scheduler, small.llm_engine.engine_core.kv_cache_manager
+    preempt, freed = scheduler._preempt, []
+
+    def checked(request):
+        held = len(kv.get_block_ids(request)) + len(kv.get_cross_blocks(request)[0])
+        free = kv.num_free_blocks
+        preempt(request)
+        assert request.request_id not in kv.block_tables and request.request_id not in kv.cross_block_tables
+        freed.append((held, kv.num_free_blocks - free))
+
+    scheduler._preempt = checked
+    outputs = small.generate([_prompt(clip) for clip in _clips()[:6]], GREEDY)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == references[:6]
+    assert freed and all(held == gained and held > CROSS_BLOCKS for held, gained in freed)
+    assert _encoder_calls(small) == 6 + len(freed)  # once per admission: every resumed request encodes again
+    assert kv.num_free_blocks == kv.num_blocks
 
 
 @pytest.mark.parametrize("prompt, named", [
@@ -210,7 +270,7 @@ def test_transcriptions_endpoint_over_the_openai_client_equals_transformers_per_
     short_decoded = sf.read(io.BytesIO(short), dtype="float32")[0]
     conditioned = _server_reference(model, processor, short_decoded, LONG_PROMPT)
     translated = _server_reference(model, processor, short_decoded, DECODER_PROMPT.replace("transcribe", "translate"))
-    engine = AsyncLLM(str(path), num_gpu_blocks_override=128, **ENGINE)
+    engine = AsyncLLM(str(path), num_gpu_blocks_override=8 * (CROSS_BLOCKS + 8), **ENGINE)
     try:
         with serve(engine) as server:
             client = server.client()
@@ -241,3 +301,27 @@ def test_transcriptions_endpoint_over_the_openai_client_equals_transformers_per_
             assert create("json").text == " ".join(windows)  # the next request is served
     finally:
         engine.shutdown()
+
+
+def _cross_heads(worker) -> tuple[int, int]:
+    """A worker's heads of the first decoder layer's cross-attention, and of the cache tensor its blocks are in."""
+    from llmplug.layers.attention.cross_attention import paged_view
+
+    layer = worker.model_runner.model.model.decoder.layers[0]
+    return layer.encoder_attn.num_heads, paged_view(layer.self_attn.attn).shape[1]
+
+
+@pytest.mark.slow
+def test_tensor_parallel_2_keeps_the_tokens_with_each_rank_caching_its_heads(whisper, references) -> None:
+    """Two worker processes, each with half of the encoder's and the decoder's heads: each writes and reads its heads'
+    cross-attention keys and values in its own cache; steps of 6 tokens and preemption as above."""
+    llm = LLM(str(whisper[0]), tensor_parallel_size=2, num_gpu_blocks_override=2 * CROSS_BLOCKS + 4,
+              max_num_batched_tokens=6, **ENGINE)
+    try:
+        outputs = llm.generate([_prompt(clip) for clip in _clips()[:6]], GREEDY)
+        heads = llm.llm_engine.engine_core.executor.collective_rpc(_cross_heads)
+        preemptions = llm.llm_engine.engine_core.scheduler.num_preemptions
+    finally:
+        llm.shutdown()
+    assert [list(o.outputs[0].token_ids) for o in outputs] == references[:6]
+    assert heads == [(2, 2), (2, 2)] and preemptions > 0  # 4 heads halved

@@ -5,8 +5,9 @@ decoder is the generic decoder (`DecoderModel`) with Whisper's data — LayerNor
 learned positions (`max_target_positions`), q/v/out biases and a bias-free k, a GELU MLP with biases, a final
 LayerNorm, the output projection tied to the token embeddings — whose layers add a cross-attention sublayer over
 the request's encoder states between self-attention and the MLP (`WhisperDecoderLayer`). Self-attention is paged
-like any decoder's; the cross-attention keys and values are computed once per request (`encoder_kv`) and passed to
-each step (`layers/attention/cross_attention.py`). Every size (tiny ... large-v3 with 128 mel bins, turbo's 4
+like any decoder's; the cross-attention keys and values are computed once per request (`encode`) into the request's
+cross blocks of each layer's self-attention cache, and read from there by each step
+(`layers/attention/cross_attention.py`). Every size (tiny ... large-v3 with 128 mel bins, turbo's 4
 decoder layers, Distil-Whisper's 2) is read from the config.
 """
 
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from llmplug.layers.attention.cross_attention import CrossAttention, CrossAttentionBatch
+from llmplug.layers.attention.cross_attention import CrossAttention, CrossAttentionBatch, CrossBlocks
 from llmplug.layers.audio import WhisperEncoder, whisper_encoder_config, with_zero_k_bias
 from llmplug.layers.checkpoint_names import CheckpointNames, HeadLayout
 from llmplug.layers.decoder import DecoderArchConfig, LayerConfig, MLPConfig
@@ -71,7 +72,8 @@ def whisper_decoder_arch(hf: PretrainedConfig) -> DecoderArchConfig:
 
 
 class WhisperDecoderLayer(DecoderLayer):
-    """x + self_attn(norm(x)), then + cross_attn(norm'(x)) over the request's encoder states, then + mlp(norm''(x))."""
+    """x + self_attn(norm(x)), then + cross_attn(norm'(x)) over the request's encoder states, then + mlp(norm''(x));
+    the cross-attention's keys and values are kept in the self-attention's cache (the same heads and head_dim)."""
 
     def __init__(self, arch: DecoderArchConfig, layer: LayerConfig, prefix: str = "") -> None:
         super().__init__(arch, layer, prefix)
@@ -79,7 +81,7 @@ class WhisperDecoderLayer(DecoderLayer):
         self.encoder_attn = CrossAttention(arch.hidden_size, arch.num_heads, f"{prefix}.encoder_attn")
 
     def forward(  # type: ignore[override]
-        self, hidden: torch.Tensor, residual: torch.Tensor | None, cross: CrossAttentionBatch | None, index: int
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, cross: CrossAttentionBatch | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(sublayer output, residual stream) -> the same for this layer (residual None at the first layer)."""
         if residual is None:
@@ -87,7 +89,8 @@ class WhisperDecoderLayer(DecoderLayer):
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden, residual = self.encoder_attn_layer_norm(self.self_attn(hidden, None), residual)
-        hidden, residual = self.post_attention_layernorm(self.encoder_attn(hidden, cross, index), residual)
+        cross_out = self.encoder_attn(hidden, cross, self.self_attn.attn)  # its K/V in self_attn's cache
+        hidden, residual = self.post_attention_layernorm(cross_out, residual)
         return self.mlp(hidden), residual
 
 
@@ -101,8 +104,8 @@ class WhisperDecoder(DecoderModel):
     ) -> torch.Tensor:
         """input_ids, positions [T] -> hidden states [T, hidden]."""
         hidden, residual = self.embed(input_ids, positions), None
-        for index, layer in enumerate(self.layers):
-            hidden, residual = layer(hidden, residual, cross_attention, index)
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, cross_attention)
         return self._output(hidden, residual)
 
 
@@ -116,11 +119,11 @@ class WhisperModel(nn.Module):
 
 
 class WhisperForConditionalGeneration(nn.Module):
-    """Whisper: audio features in through `encoder_kv` (once per request), text out of the decoder step by step."""
+    """Whisper: audio features in through `encode` (once per request), text out of the decoder step by step."""
 
     is_encoder_decoder: ClassVar[bool] = True  # the engine's encoder-decoder path (engine/encoder_decoder.py)
     supports_pipeline_parallel: ClassVar[bool] = False
-    supports_tensor_parallel: ClassVar[bool] = False  # not proven yet: one worker
+    supports_tensor_parallel: ClassVar[bool] = True  # heads shard, cross blocks too (each rank caches its heads)
     supports_prompt_embeds: ClassVar[bool] = False
 
     def __init__(self, *, config: PretrainedConfig, prefix: str = "") -> None:
@@ -133,17 +136,14 @@ class WhisperForConditionalGeneration(nn.Module):
         self.lm_head = head.tie_weights(self.model.decoder.embed_tokens)
         self.max_positions = config.max_target_positions  # the decoder's context (the worker's model_info)
         self.num_mel_bins = config.num_mel_bins
+        self.num_encoder_tokens = config.max_source_positions  # the encoder's states per window (cross blocks)
 
-    def encoder_kv(self, input_features: torch.Tensor) -> torch.Tensor:
-        """input_features [1, n_mels, frames] -> every decoder layer's cross-attention keys and values
-        [layers, 2, heads, encoder states, head_dim]: one request's encoder, run once."""
+    def encode(self, input_features: torch.Tensor, blocks: CrossBlocks) -> None:
+        """input_features [1, n_mels, frames] -> every decoder layer's cross-attention keys and values, written into
+        the request's cross blocks of that layer's cache: one request's encoder, run once."""
         states = self.model.encoder(input_features)[0]  # [S, d_model]
-        return torch.stack([layer.encoder_attn.kv(states) for layer in self.model.decoder.layers])
-
-    def cross_attention_bytes(self, dtype: torch.dtype) -> int:
-        """Bytes of one request's cross-attention keys and values (`encoder_kv`'s output) in `dtype`."""
-        layers, c = len(self.model.decoder.layers), self.config
-        return layers * 2 * c.d_model * c.max_source_positions * torch.empty((), dtype=dtype).element_size()
+        for layer in self.model.decoder.layers:
+            layer.encoder_attn.store(states, layer.self_attn.attn, blocks)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, cross_attention: CrossAttentionBatch | None = None
