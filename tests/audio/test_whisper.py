@@ -15,24 +15,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import (
-    GenerationConfig,
-    GenerationMixin,
-    WhisperConfig,
-    WhisperFeatureExtractor,
-    WhisperForConditionalGeneration,
-    WhisperProcessor,
-    WhisperTokenizerFast,
-)
+from transformers import WhisperForConditionalGeneration, WhisperProcessor
 
 from llmplug import LLM, AsyncLLM, SamplingParams
 from llmplug.core.errors import InvalidRequestError
-from tests.audio.conftest import encode, noise, tone
+from tests.audio.conftest import WHISPER_PROMPT as DECODER_PROMPT
+from tests.audio.conftest import WHISPER_RATE as RATE
+from tests.audio.conftest import encode, noise, tone, whisper_reference
 
-RATE = 16000
-SPECIAL = ["<|endoftext|>", "<|startoftranscript|>", "<|en|>", "<|de|>", "<|translate|>", "<|transcribe|>",
-           "<|startoflm|>", "<|startofprev|>", "<|nocaptions|>", "<|notimestamps|>"]
-DECODER_PROMPT = "<|startoftranscript|><|en|><|transcribe|><|notimestamps|>"
 # Whisper's prompt conditioning (previous text): several full blocks, so a second request can hit the prefix cache
 LONG_PROMPT = "<|startofprev|> the quick brown fox jumps over the lazy dog" + DECODER_PROMPT
 MAX_TOKENS = 6
@@ -40,43 +30,10 @@ ENGINE = dict(dtype="float32", block_size=4, device={"num_threads": 1})
 CROSS_BLOCKS = 1500 // 4  # each request's cross blocks: its encoder's 1500 states, in blocks of 4
 
 
-def _tokenizer() -> WhisperTokenizerFast:
-    """A byte-level BPE of a few hundred tokens, then Whisper's special tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    bpe.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 4, trainer)
-    eot = SPECIAL[0]
-    tokenizer = WhisperTokenizerFast(tokenizer_object=bpe, unk_token=eot, bos_token=eot, eos_token=eot, pad_token=eot)
-    tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL[1:]})
-    return tokenizer
-
-
 @pytest.fixture(scope="module")
-def whisper(tmp_path_factory) -> tuple[Path, WhisperForConditionalGeneration, WhisperProcessor]:
-    """(folder, transformers' model, processor) of a tiny random Whisper."""
-    path = tmp_path_factory.mktemp("tiny-whisper")
-    tokenizer = _tokenizer()
-    processor = WhisperProcessor(feature_extractor=WhisperFeatureExtractor(feature_size=80), tokenizer=tokenizer)
-    eot, sot = tokenizer.convert_tokens_to_ids(SPECIAL[:2])
-    config = WhisperConfig(
-        vocab_size=len(tokenizer), d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-        decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, num_mel_bins=80,
-        max_source_positions=1500, max_target_positions=32, eos_token_id=eot, bos_token_id=eot, pad_token_id=eot,
-        decoder_start_token_id=sot, suppress_tokens=None, begin_suppress_tokens=None,
-    )
-    torch.manual_seed(0)
-    model = WhisperForConditionalGeneration(config).eval()
-    with torch.no_grad():  # weights large enough that the audio moves the tokens
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * 0.5)
-    model.save_pretrained(path)
-    processor.save_pretrained(path)
-    return path, model, processor
+def whisper(tiny_whisper) -> tuple[Path, WhisperForConditionalGeneration, WhisperProcessor]:
+    """(folder, transformers' model, processor) of the tiny random Whisper of tests/audio/conftest.py."""
+    return tiny_whisper
 
 
 def _clips() -> list[np.ndarray]:
@@ -87,15 +44,7 @@ def _clips() -> list[np.ndarray]:
 
 def _reference(model: WhisperForConditionalGeneration, processor: WhisperProcessor, clip: np.ndarray,
                text: str = DECODER_PROMPT, max_new_tokens: int = MAX_TOKENS) -> list[int]:
-    """transformers' greedy tokens for one clip (the plain generation loop, without Whisper's logits processors)."""
-    features = processor.feature_extractor(clip, sampling_rate=RATE, return_tensors="pt").input_features
-    prompt = processor.tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
-    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=model.config.eos_token_id,
-                              pad_token_id=model.config.pad_token_id)
-    with torch.no_grad():
-        out = GenerationMixin.generate(model, input_features=features, decoder_input_ids=prompt,
-                                       generation_config=config)
-    return out[0, prompt.shape[1]:].tolist()
+    return whisper_reference(model, processor, clip, max_new_tokens, text)
 
 
 @pytest.fixture(scope="module")
