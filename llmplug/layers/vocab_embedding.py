@@ -6,8 +6,10 @@ last rank's rows past the vocabulary are zero padding and their logits are cut o
 Both have a `lora` hook (None unless LoRA is enabled, see llmplug/lora/layers.py) that adds each
 token's adapter delta on this rank's vocabulary share, before the all-reduce or the gather.
 
-The lookup is always dense; the LM head (tied or not) computes through its `quant_method` and may get
-a packed int4 copy of its table for small batches, like the linear layers (see layers/quantization.py).
+The LM head (tied or not) computes through its `quant_method` and may get a packed int4 copy of its table
+for small batches, like the linear layers (see layers/quantization.py). A GGUF loader may hand either layer
+its table as raw blocks (`as_packed`, llmplug.quantization.gguf): the table then stays in them, the lookup
+decoding only its rows and the head computing from the blocks (`GGUFTableMethod`), one copy when tied.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from llmplug.communicators.parallel_state import get_tp_group
 from llmplug.layers.linear import LoRAHook
 from llmplug.layers.quantization import DENSE, LinearOptions, LinearMethod, linear_method_for, stage_int4, staged_int4
 from llmplug.layers.weight_utils import check_shape, frozen_parameter
+from llmplug.quantization import gguf as gguf_blocks  # the module: it imports llmplug.layers in turn
 
 __all__ = ["ParallelLMHead", "VocabParallelEmbedding"]
 
@@ -36,6 +39,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = self.tp_rank * self.num_embeddings_per_partition
         self.vocab_end = min(self.vocab_start + self.num_embeddings_per_partition, num_embeddings)
         table = torch.empty(self.num_embeddings_per_partition, embedding_dim)
+        self.dtype = table.dtype  # of the lookups, also from a packed table
         self.weight = frozen_parameter(table, self.weight_loader)
         self.weight_users: list[ParallelLMHead] = []  # heads tied to this table (told when it is reloaded)
         self.lora: LoRAHook | None = None  # adapter slots, attached by llmplug.lora when LoRA is enabled
@@ -43,9 +47,20 @@ class VocabParallelEmbedding(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         """Copy this rank's vocabulary rows of the full [vocab, hidden] table; zero the padding rows.
 
-        Exact int4 groups attached to the table are staged the same way, for a head that uses it.
+        Exact int4 groups attached to the table are staged the same way, for a head that uses it. A packed
+        GGUF table (`as_packed`) replaces the dense one: this rank's rows of blocks, padding rows all zero.
         """
-        self._place(param.data, loaded_weight)
+        if gguf_blocks.packed_type(loaded_weight) is not None:
+            vocab = (self.num_embeddings, self.vocab_start, self.vocab_end, self.num_embeddings_per_partition)
+            shard = gguf_blocks.packed_table_shard(loaded_weight, self.embedding_dim, vocab, self.prefix)
+            param.data = shard.to(param.device)
+            gguf_blocks.as_packed(param, gguf_blocks.packed_type(loaded_weight))  # the object a tied head shares
+        else:
+            if gguf_blocks.packed_type(param) is not None:  # a dense table after a packed one
+                shape = (self.num_embeddings_per_partition, self.embedding_dim)
+                param.data = torch.empty(shape, dtype=self.dtype, device=param.device)
+                gguf_blocks.as_packed(param, None)
+            self._place(param.data, loaded_weight)
         if param is self.weight:
             for head in (self, *self.weight_users):
                 if isinstance(head, ParallelLMHead):
@@ -65,15 +80,23 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] token ids -> [T, embedding_dim]."""
         if self.tp_size == 1:
-            out = F.embedding(input_ids, self.weight)
+            out = self._rows(input_ids)
             return out if self.lora is None else self.lora.apply(input_ids, out)
         # ids owned by other ranks look up row 0 and are zeroed; the all-reduce fills them in
         owned = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         local = torch.where(owned, input_ids - self.vocab_start, 0)
-        out = F.embedding(local, self.weight) * owned.unsqueeze(-1).to(self.weight.dtype)
+        out = self._rows(local)
+        out = out * owned.unsqueeze(-1).to(out.dtype)
         if self.lora is not None:  # the delta of this rank's vocabulary; the all-reduce sums them
             out = self.lora.apply(input_ids, out)
         return get_tp_group().all_reduce(out)
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of this rank's table: dense, or decoded from its blocks (only those rows)."""
+        qtype = gguf_blocks.packed_type(self.weight)
+        if qtype is None:
+            return F.embedding(ids, self.weight)
+        return gguf_blocks.packed_rows(self.weight, qtype, ids, self.dtype)
 
     def extra_repr(self) -> str:
         return f"vocab={self.num_embeddings}, dim={self.embedding_dim}, per_rank={self.num_embeddings_per_partition}"
@@ -95,11 +118,16 @@ class ParallelLMHead(VocabParallelEmbedding):
         return self
 
     def process_weights_after_loading(self, options: LinearOptions) -> None:
-        """Choose the quant method now that the table (and any staged int4 groups) are loaded."""
-        self.quant_method = linear_method_for(self.weight, options)
+        """Choose the quant method now that the table (and any staged int4 groups) are loaded: a packed GGUF table
+        computes from its blocks."""
+        qtype = gguf_blocks.packed_type(self.weight)
+        if qtype is None:
+            self.quant_method = linear_method_for(self.weight, options)
+        else:
+            self.quant_method = gguf_blocks.GGUFTableMethod(qtype)
 
     def get_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] logits in the weight's dtype."""
+        """[N, hidden] -> [N, vocab] logits in the model's dtype."""
         logits = self.quant_method.apply(self, hidden_states, self.bias)
         if self.lora is not None:  # the rows of this rank's vocabulary
             logits = self.lora.apply(hidden_states, logits)

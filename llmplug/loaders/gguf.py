@@ -8,7 +8,9 @@ Q4_0, Q4_1 and Q8_0 tensors can also carry their exact int4 form (`int4_groups_o
 the raw blocks) to the layers, which keep a packed int4 copy for small batches (docs/quantization.md).
 With `quantization` none (the default), auto or gguf, the linear weights of K-quant files stay in their blocks
 instead (`gguf_packed`, computed by the `gguf` quantization method): no dense copy is made of them, and
-such a file gets no int4 copies (its other tensors, e.g. the embedding, are dense).
+such a file gets no int4 copies. Its token embedding and output tables stay in their blocks too (`packed_tables`),
+as llama.cpp keeps them: the vocabulary layers look rows up and compute the logits from the blocks; its other
+tensors (norms, biases, experts) are dense.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from tqdm import tqdm
 
 from llmplug.core.cache import cache_dir
 from llmplug.core.errors import ModelLoadError
+from llmplug.layers.kernels.native import native_available
 from llmplug.layers.quantization import INT4_GROUP_SIZE, Int4Groups, attach_int4_groups
 from llmplug.loaders.base import BaseModelLoader, model_dtype
 from llmplug.loaders.default_model import resolve_model_path
@@ -60,6 +63,7 @@ __all__ = [
     "load_gguf_tokenizer",
     "open_gguf",
     "packed_plan",
+    "packed_tables",
     "reverse_permute_qk",
     "tensor_names",
     "undo_conversion",
@@ -70,6 +74,7 @@ log = logging.getLogger(__name__)
 GGUF_MAGIC = b"GGUF"
 
 CONFIG_ONLY_TENSORS = frozenset({ROPE_FREQS_TENSOR})  # read into the config, not model weights
+TABLE_TENSORS = frozenset({"token_embd.weight", "output.weight"})  # the vocabulary tables (kept packed with the plan)
 Q = gguf.GGMLQuantizationType
 
 
@@ -377,12 +382,13 @@ _CONV1D_TENSORS = frozenset({"attn_qkv", "attn_output", "ffn_up", "ffn_down"})
 
 def iter_gguf_weights(
     path: str, dtype: torch.dtype, progress: bool = True, int4_types: frozenset[Q] = frozenset(),
-    plan: PackedPlan = PackedPlan(),
+    plan: PackedPlan = PackedPlan(), tables: frozenset[str] = frozenset(),
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor in `dtype`) for every weight of the file, dequantized one at a time.
 
     Matrices of a type in `int4_types` also carry their exact int4 groups (`attach_int4_groups`); the
-    weights of `plan` come as `<module>.qweight`, raw blocks where the kernel implements their type.
+    weights of `plan` come as `<module>.qweight`, raw blocks where the kernel implements their type; the
+    tables named in `tables` (HF names, `packed_tables`) come as their raw blocks under their own names.
     """
     reader = open_gguf(path)
     check_tensors(reader, path)
@@ -396,6 +402,9 @@ def iter_gguf_weights(
         name = hf_tensor_name(tensor.name, names)
         if (packed_name := plan.packed_name(name)) is not None:
             yield packed_name, _packed_weight(tensor, name, shapes.get(name), head_counts, dtype)
+            continue
+        if name in tables:
+            yield name, packed_blocks(tensor, name, shapes.get(name))
             continue
         weight = dequantize_tensor(tensor)
         if _is_per_projection_experts(name):
@@ -442,6 +451,19 @@ def _packed_plan_cached(path: str, mtime_ns: int, size: int, quantization: str) 
     names = tensor_names(path)
     types = {names[t.name]: t.tensor_type for t in reader.tensors if t.name in names and len(t.shape) == 2}
     return plan_packing(arch, types, linear_weight_names(build_hf_config(reader, path)), quantization)
+
+
+def packed_tables(path: str, quantization: str) -> frozenset[str]:
+    """The HF names of the file's vocabulary tables (token embedding, output) that stay in their blocks under
+    `quantization`: those of a type the kernels implement, in a file whose linear layers are packed, when the
+    kernels are built (else every table is dense)."""
+    if not packed_plan(path, quantization).modules or not native_available():
+        return frozenset()
+    names = tensor_names(path)
+    return frozenset(
+        names[t.name] for t in open_gguf(path).tensors
+        if t.name in TABLE_TENSORS and t.name in names and t.tensor_type in KERNEL_TYPES
+    )
 
 
 def _is_per_projection_experts(hf_name: str) -> bool:
@@ -596,4 +618,7 @@ class GGUFLoader(BaseModelLoader):
         # a file with packed layers gets no int4 copies: they would only add memory (an int4 copy of Gemma 3's
         # Q8_0 embedding as its head decodes 8x slower than the dense head here: benchmarks/gguf_kquants.py)
         int4_types = frozenset() if plan.modules else exact_int4_types(model_config.quantization)
-        return iter_gguf_weights(path, dtype, progress=False, int4_types=int4_types, plan=plan)
+        # llmplug's vocabulary layers take packed tables; transformers' own (the transformers backend) dense ones
+        native = model_config.model_impl != "transformers"
+        tables = packed_tables(path, model_config.quantization) if native else frozenset()
+        return iter_gguf_weights(path, dtype, progress=False, int4_types=int4_types, plan=plan, tables=tables)

@@ -10,6 +10,11 @@ neighbouring shards of one type are joined, and a call computes each run of rows
 (`llmplug_cpu::gguf_matmul`: ggml's dequantization, float32 sums, every output row the same arithmetic
 whatever the number of tokens) into its slice of the output. The IQ types look their weights up in tables (a grid
 of int8 values, sign bytes); the kernel takes gguf-py's own (`lookup_tables`), read from its dequantizers.
+
+The token embedding table and the LM head's table (the same one when tied) stay in their blocks too, as llama.cpp
+keeps `token_embd.weight`: a lookup decodes only its rows (`packed_rows`, `llmplug_cpu::gguf_get_rows`, ggml's
+get_rows) and the head computes its logits with `gguf_matmul` over the table (`GGUFTableMethod`); the vocabulary
+layers (llmplug.layers.vocab_embedding) hold the blocks as their `weight`, marked with `as_packed`.
 """
 
 from __future__ import annotations
@@ -33,7 +38,10 @@ if TYPE_CHECKING:
     from llmplug.layers.linear import LinearBase
     from llmplug.layers.quantization import LinearOptions
 
-__all__ = ["GGUFConfig", "GGUFLinearMethod", "IQ_TYPES", "KERNEL_TYPES", "as_packed", "lookup_tables", "packed_type"]
+__all__ = [
+    "GGUFConfig", "GGUFLinearMethod", "GGUFTableMethod", "IQ_TYPES", "KERNEL_TYPES", "as_packed", "lookup_tables",
+    "packed_matmul", "packed_rows", "packed_table_shard", "packed_type",
+]
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +73,9 @@ def lookup_tables(qtype: Q) -> tuple[torch.Tensor, ...]:
     return tables
 
 
-def as_packed(blocks: torch.Tensor, qtype: Q) -> torch.Tensor:
-    """`blocks` ([rows, bytes] uint8) marked as raw GGUF blocks of `qtype`, for `GGUFLinearMethod`'s loader."""
+def as_packed(blocks: torch.Tensor, qtype: Q | None) -> torch.Tensor:
+    """`blocks` ([rows, bytes] uint8) marked as raw GGUF blocks of `qtype`, for `GGUFLinearMethod`'s loader and the
+    vocabulary layers (None: marked dense again, for a parameter that takes a dense table)."""
     setattr(blocks, _TYPE_ATTR, qtype)
     return blocks
 
@@ -74,6 +83,64 @@ def as_packed(blocks: torch.Tensor, qtype: Q) -> torch.Tensor:
 def packed_type(tensor: torch.Tensor) -> Q | None:
     """The GGUF type `as_packed` gave `tensor`; None for a dense tensor."""
     return getattr(tensor, _TYPE_ATTR, None)
+
+
+def packed_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: Q) -> torch.Tensor:
+    """x [T, in] . dequant(blocks)^T -> [T, rows] in x's dtype (`gguf_matmul`; float16 goes through float32)."""
+    tables = list(lookup_tables(qtype))
+    if x.dtype not in (torch.float32, torch.bfloat16):  # the kernel reads float32 and bfloat16
+        return ops().gguf_matmul(x.float(), blocks, int(qtype), tables).to(x.dtype)
+    return ops().gguf_matmul(x, blocks, int(qtype), tables)
+
+
+def packed_rows(blocks: torch.Tensor, qtype: Q, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """ids [...] -> rows [..., cols] of dequant(blocks) in `dtype` (float32, bfloat16 or float16), decoding only those
+    rows (`gguf_get_rows`): each gguf-py's dequantized row, rounded to `dtype`."""
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    flat = ids.reshape(-1)
+    out = torch.empty(flat.shape[0], blocks.shape[1] // type_size * block_size, dtype=dtype)
+    ops().gguf_get_rows(blocks, flat, int(qtype), list(lookup_tables(qtype)), out)
+    return out.reshape(*ids.shape, out.shape[-1])
+
+
+def packed_table_shard(loaded: torch.Tensor, cols: int, vocab: tuple[int, int, int, int], prefix: str) -> torch.Tensor:
+    """This rank's rows of a packed [vocab, bytes] table, `vocab` = (vocabulary size, first row, end row, rows per
+    rank), the padding rows past the vocabulary all-zero blocks (whose weights are 0); a ModelLoadError naming
+    `prefix` when the table is not `cols` weights a row in blocks of its type."""
+    qtype = packed_type(loaded)
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    size, start, end, per_rank = vocab
+    if loaded.dim() != 2 or cols % block_size or tuple(loaded.shape) != (size, cols // block_size * type_size):
+        raise ModelLoadError(
+            f"{prefix}: a {qtype.name} table of shape {tuple(loaded.shape)} (bytes) for a [{size}, {cols}] table; "
+            "the GGUF file does not match its config"
+        )
+    if (start, end) == (0, size) and per_rank == size and loaded.is_contiguous():  # one rank: the blocks as they are
+        return loaded
+    shard = loaded.new_zeros(per_rank, loaded.shape[1])
+    shard[: end - start] = loaded[start:end]
+    return shard
+
+
+class GGUFTableMethod:
+    """The LM head's logits from its packed table (`layer.weight`, raw blocks of `qtype`; the embedding's when tied):
+    `gguf_matmul`, each row of logits the same arithmetic whatever the batch, as llama.cpp computes its output."""
+
+    row_invariant = True
+
+    def __init__(self, qtype: Q) -> None:
+        self.qtype = qtype
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """[..., hidden] -> [..., rows of this rank's table] in x's dtype."""
+        flat = x.reshape(-1, x.shape[-1])  # [T, hidden]
+        y = packed_matmul(flat, layer.weight, self.qtype)
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    def __repr__(self) -> str:
+        return f"gguf({self.qtype.name})"
 
 
 @dataclass(slots=True)
@@ -92,10 +159,7 @@ class Segment:
         """x [T, in] -> [T, rows] in x's dtype."""
         if self.qtype is None:
             return F.linear(x, self.data.to(x.dtype))
-        tables = list(lookup_tables(self.qtype))
-        if x.dtype not in (torch.float32, torch.bfloat16):  # the kernel reads float32 and bfloat16
-            return ops().gguf_matmul(x.float(), self.data, int(self.qtype), tables).to(x.dtype)
-        return ops().gguf_matmul(x, self.data, int(self.qtype), tables)
+        return packed_matmul(x, self.data, self.qtype)
 
     def dequantize(self, in_features: int) -> torch.Tensor:
         """The dense rows [rows, in] in float32, by gguf-py's dequantizer (the format's reference)."""

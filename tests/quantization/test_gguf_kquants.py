@@ -1,4 +1,5 @@
-"""GGUF linear weights computed from their packed blocks (llmplug.quantization.gguf, `llmplug_cpu::gguf_matmul`).
+"""GGUF linear weights computed from their packed blocks (llmplug.quantization.gguf, `llmplug_cpu::gguf_matmul`), and
+the token embedding and output tables kept in theirs (rows by `llmplug_cpu::gguf_get_rows`, logits by gguf_matmul).
 
 The reference is transformers on gguf-py's dequantized weights (`gguf.quants.dequantize`); the blocks are random
 bytes with sane fp16 scales (the kernel itself against gguf-py: tests/layers/kernels/test_gguf_matmul.py).
@@ -22,7 +23,7 @@ from llmplug.layers.kernels.native import native_available
 from llmplug.layers.quantization import Int4LinearMethod
 from llmplug.loaders.gguf import GGUFLoader, packed_plan
 from llmplug.plugins.models.llama import LlamaForCausalLM
-from llmplug.quantization.gguf import GGUFLinearMethod, as_packed
+from llmplug.quantization.gguf import GGUFLinearMethod, GGUFTableMethod, as_packed, packed_table_shard, packed_type
 
 from tests.layers.kernels.test_gguf_matmul import random_blocks
 from tests.loaders.gguf_writer_utils import make_tiny_model, permute_qk, tiny_llama_config, write_model_gguf
@@ -51,12 +52,13 @@ def unpermute_qk(weight: np.ndarray, heads: int) -> np.ndarray:
     return weight.reshape(heads, rows // heads // 2, 2, -1).swapaxes(1, 2).reshape(weight.shape)
 
 
-def write_kquant_llama(folder: Path, hidden: int = HIDDEN,
-                       types: dict[str, Q] = LAYER_TYPES) -> tuple[Path, torch.nn.Module]:
-    """(a tiny Llama GGUF whose linear weights are random blocks of `types` (Q4_K / Q6_K by default), transformers'
-    model of the same weights as gguf-py dequantizes them)."""
+def write_kquant_llama(folder: Path, hidden: int = HIDDEN, types: dict[str, Q] = LAYER_TYPES,
+                       tied: bool = False) -> tuple[Path, torch.nn.Module]:
+    """(a tiny Llama GGUF whose linear weights are random blocks of `types` (Q4_K / Q6_K by default), its token table
+    Q5_0 and output Q8_0 (tied: one Q8_0 table, as Gemma's), transformers' model of the same weights as gguf-py
+    dequantizes them)."""
     config = tiny_llama_config(hidden_size=hidden, intermediate_size=FFN, num_attention_heads=4,
-                               num_key_value_heads=2, vocab_size=256)
+                               num_key_value_heads=2, vocab_size=256, tie_word_embeddings=tied)
     model = make_tiny_model(config)
     extra, state = {}, model.state_dict()
     for layer in range(config.num_hidden_layers):
@@ -69,11 +71,16 @@ def write_kquant_llama(folder: Path, hidden: int = HIDDEN,
             heads = {"q_proj": 4, "k_proj": 2}.get(proj)
             with torch.no_grad():
                 state[hf_name].copy_(torch.from_numpy(unpermute_qk(stored, heads) if heads else stored))
-    head = gguf.quants.quantize(state["lm_head.weight"].numpy(), Q.Q8_0)  # a Q8_0 head, which has an int4 form
-    extra["output.weight"] = (head, Q.Q8_0)
-    with torch.no_grad():
-        state["lm_head.weight"].copy_(torch.from_numpy(gguf.quants.dequantize(head, Q.Q8_0)))
-    path = folder / f"tiny-{'-'.join(sorted({t.name.lower() for t in types.values()}))}.gguf"
+    tables = {"token_embd": ("model.embed_tokens.weight", Q.Q8_0 if tied else Q.Q5_0)}
+    if not tied:  # a Q8_0 head, which has an int4 form
+        tables["output"] = ("lm_head.weight", Q.Q8_0)
+    for gguf_name, (hf_name, qtype) in tables.items():
+        blocks = gguf.quants.quantize(state[hf_name].numpy(), qtype)
+        extra[f"{gguf_name}.weight"] = (blocks, qtype)
+        with torch.no_grad():
+            state[hf_name].copy_(torch.from_numpy(gguf.quants.dequantize(blocks, qtype)))
+    kinds = sorted({t.name.lower() for t in types.values()}) + (["tied"] if tied else [])
+    path = folder / f"tiny-{'-'.join(kinds)}.gguf"
     write_model_gguf(path, model, Q.F32, tokenizer=False, extra_tensors=extra)
     return path, model
 
@@ -113,6 +120,56 @@ def test_every_linear_layer_keeps_its_blocks_and_computes_gguf_pys_weights(kquan
     assert repr(model.model.layers[0].self_attn.qkv_proj.quant_method) == "GGUFLinearMethod(Q4_K,Q6_K)"
     # a file with packed layers gets no int4 copy of its Q8_0 head (quantization=auto would give one otherwise)
     assert not isinstance(load(path, "auto").lm_head.quant_method, Int4LinearMethod)
+
+
+def test_the_token_and_output_tables_stay_in_their_blocks_and_compute_gguf_pys_weights(kquant_llama) -> None:
+    path, reference = kquant_llama
+    model = load(path)
+    embedding, head = model.model.embed_tokens, model.lm_head
+    assert packed_type(embedding.weight) == Q.Q5_0 and embedding.weight.dtype == torch.uint8
+    assert packed_type(head.weight) == Q.Q8_0 and repr(head.quant_method) == "gguf(Q8_0)"
+    ids = torch.tensor([0, 7, 255, 7])
+    assert torch.equal(embedding(ids), reference.model.embed_tokens(ids))  # gguf-py's rows, bit for bit
+    hidden = torch.randn(6, HIDDEN)
+    expected = hidden @ reference.lm_head.weight.T
+    logits = head.get_logits(hidden)
+    assert (logits - expected).abs().max() <= 1e-5 * expected.abs().max()  # float32 sums' order
+    alone = torch.cat([head.get_logits(hidden[i : i + 1]) for i in range(6)])
+    assert torch.equal(alone, logits)  # a row of logits does not depend on the batch
+
+
+@pytest.fixture(scope="module")
+def tied_kquant_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
+    return write_kquant_llama(tmp_path_factory.mktemp("tied"), tied=True)
+
+
+def test_a_tied_table_is_one_packed_copy_for_the_lookup_and_the_head(tied_kquant_llama) -> None:
+    path, reference = tied_kquant_llama
+    model = load(path)
+    table = model.model.embed_tokens.weight
+    assert model.lm_head.weight is table and packed_type(table) == Q.Q8_0
+    assert table.nbytes == 256 * HIDDEN // 32 * 34  # the Q8_0 blocks, no dense copy
+    assert isinstance(model.lm_head.quant_method, GGUFTableMethod)
+    ids = torch.tensor([3, 200])
+    assert torch.equal(model.model.embed_tokens(ids), reference.model.embed_tokens(ids))
+    hidden = torch.randn(3, HIDDEN)
+    expected = hidden @ reference.model.embed_tokens.weight.T
+    assert (model.lm_head.get_logits(hidden) - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
+def test_a_tied_packed_table_generates_transformers_greedy_tokens(tied_kquant_llama) -> None:
+    greedy_equals_transformers(*tied_kquant_llama)
+
+
+def test_a_ranks_share_of_a_packed_table_is_its_rows_and_zero_padding_and_a_wrong_width_is_refused() -> None:
+    blocks = as_packed(torch.from_numpy(random_blocks(Q.Q4_K, 5, 256, seed=4)), Q.Q4_K)
+    with pytest.raises(ModelLoadError, match=r"lm_head: a Q4_K table of shape \(5, 144\) \(bytes\) for a \[5, 512\]"):
+        packed_table_shard(blocks, 512, (5, 0, 5, 5), "lm_head")
+    first = packed_table_shard(blocks, 256, (5, 0, 3, 3), "lm_head")  # rank 0 of 2: rows 0-2
+    assert torch.equal(first, blocks[:3])
+    shard = packed_table_shard(blocks, 256, (5, 3, 5, 3), "lm_head")  # rank 1 of 2: rows 3, 4 and a padding row
+    assert torch.equal(shard[:2], blocks[3:]) and not shard[2].any()
+    assert packed_table_shard(blocks, 256, (5, 0, 5, 5), "lm_head") is blocks  # one rank: the blocks as they are
 
 
 def greedy_equals_transformers(path: Path, reference: torch.nn.Module, **engine: object) -> None:
@@ -212,15 +269,18 @@ def test_real_gemma3_q4_k_m_packed_generates_transformers_greedy_tokens(gemma3_2
     assert len(methods) == 18 * 4  # qkv, o, gate_up, down of each of the 18 layers
     packed = sum(s.data.nbytes for m in methods for s in m.segments)
     dense = sum(s.rows * layer.input_size * 4 for layer, m in zip(layers, methods) for s in m.segments)
+    table = model.model.embed_tokens.weight  # the tied 262k-row Q8_0 table: one packed copy, lookups and logits
+    assert packed_type(table) == Q.Q8_0 and model.lm_head.weight is table
+    assert isinstance(model.lm_head.quant_method, GGUFTableMethod)
     with capsys.disabled():  # the weights' memory: benchmarks/gguf_kquants.py measures the process's RSS
         print(f"\ngemma3 270M Q4_K_M: linear weights {packed / 2**20:.1f} MiB packed "
-              f"({dense / 2**20:.0f} MiB as float32), "
+              f"({dense / 2**20:.0f} MiB as float32), token table {table.nbytes / 2**20:.0f} MiB packed, "
               f"load {time.perf_counter() - start:.0f} s")
     prompts = ["The capital of France is", "def fibonacci(n):"]
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)
     tokenizer = llm.get_tokenizer()
     llm.shutdown()
-    del llm, model, layers, methods
+    del llm, model, layers, methods, table
     gc.collect()
     theirs = AutoModelForCausalLM.from_pretrained(gemma3_270m.parent, gguf_file=gemma3_270m.name,
                                                   dtype=torch.float32).eval()

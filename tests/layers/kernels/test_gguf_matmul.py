@@ -1,5 +1,6 @@
 """`llmplug_cpu::gguf_matmul`, GGUF-quantized weights computed from their raw blocks (llmplug.quantization.gguf),
-against gguf-py's own dequantizer (`gguf.quants.dequantize`, llama.cpp's reference in Python).
+and `llmplug_cpu::gguf_get_rows`, rows of such a table (an embedding lookup), against gguf-py's own dequantizer
+(`gguf.quants.dequantize`, llama.cpp's reference in Python).
 
 The blocks are random bytes with sane fp16 scales, so every bit pattern of the quants (and, for the IQ types, every
 grid and sign index) is exercised. test_isa_caps runs this file under the generic x86-64-v2 build too.
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from llmplug.layers.kernels.native import native_available, ops
-from llmplug.quantization.gguf import IQ_TYPES, KERNEL_TYPES, lookup_tables
+from llmplug.quantization.gguf import IQ_TYPES, KERNEL_TYPES, lookup_tables, packed_rows
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="llmplug's CPU kernels cannot be built here")
 
@@ -112,3 +113,40 @@ def test_an_iq_type_without_its_tables_or_with_a_wrong_grid_is_refused() -> None
         ops().gguf_matmul(x, blocks, int(Q.IQ2_XXS), [grid[:1024], signs])
     with pytest.raises(RuntimeError, match="ksigns must be 128 contiguous uint8"):
         ops().gguf_matmul(x, blocks, int(Q.IQ2_XXS), [grid, signs.to(torch.int8)])
+
+
+# ---------------------------------------------------------------- gguf_get_rows: rows of a packed table
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_looked_up_rows_are_gguf_pys_dequantized_rows_bit_for_bit_in_each_dtype(qtype: Q) -> None:
+    blocks = random_blocks(qtype, 12, 512, seed=5)
+    weight = reference_weight(blocks, qtype, 512)
+    ids = torch.tensor([[3, 0, 11], [3, 7, 1]])  # any shape of ids, a row twice
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        rows = packed_rows(torch.from_numpy(blocks), qtype, ids, dtype)
+        assert rows.dtype == dtype and rows.shape == (2, 3, 512)
+        assert torch.equal(rows, weight[ids].to(dtype)), dtype  # torch's rounding of gguf-py's float32 weights
+    assert torch.equal(packed_rows(torch.from_numpy(blocks), qtype, ids.int(), torch.float32), weight[ids])
+
+
+def test_a_row_looked_up_alone_equals_it_in_a_batch() -> None:
+    blocks = torch.from_numpy(random_blocks(Q.Q6_K, 64, 768, seed=2))
+    ids = torch.randint(0, 64, (40,))
+    batch = packed_rows(blocks, Q.Q6_K, ids, torch.float32)
+    assert torch.equal(torch.cat([packed_rows(blocks, Q.Q6_K, ids[i : i + 1], torch.float32) for i in range(40)]),
+                       batch)
+
+
+def test_an_id_outside_the_table_or_a_wrong_output_is_refused_and_the_next_lookup_works() -> None:
+    blocks = torch.from_numpy(random_blocks(Q.Q8_0, 4, 64))
+    out = torch.empty(1, 64)
+    for bad in (4, -1):
+        with pytest.raises(RuntimeError, match=f"id {bad} is outside the table's 4 rows"):
+            ops().gguf_get_rows(blocks, torch.tensor([bad]), int(Q.Q8_0), [], out)
+    with pytest.raises(RuntimeError, match=r"out must be \[1, 64\]"):
+        ops().gguf_get_rows(blocks, torch.tensor([0]), int(Q.Q8_0), [], torch.empty(1, 32))
+    with pytest.raises(RuntimeError, match="takes 1 lookup tables, got 0"):
+        ops().gguf_get_rows(blocks, torch.tensor([0]), int(Q.IQ4_NL), [], out)
+    ops().gguf_get_rows(blocks, torch.tensor([3]), int(Q.Q8_0), [], out)
+    assert torch.equal(out, reference_weight(blocks.numpy(), Q.Q8_0, 64)[3:])

@@ -1,6 +1,7 @@
 // llmplug's CPU kernels: RMSNorm (with the residual add), SiLU-and-mul, rotary embedding, the KV cache write,
 // paged attention (alone, or after the write in one call), greedy sampling, a batched matmul whose rows do not
-// depend on the batch, and a matmul with GGUF-quantized weights computed from their raw blocks.
+// depend on the batch, and a matmul with GGUF-quantized weights computed from their raw blocks (and the rows of such
+// a table, an embedding lookup).
 //
 // Every output row is computed by one thread, by the same loops whatever else the call holds: a row's
 // bits depend only on its own inputs (and, for attention, its own keys), never on the number of rows,
@@ -1155,7 +1156,7 @@ GGUFType gguf_type(int64_t id) {
     case 22: return {256, 82, block_iq2_s, 1024 * 8};
     case 23: return {256, 136, block_iq4_xs, 16};
     case 29: return {256, 56, block_iq1_m, 2048 * 8};
-    default: TORCH_CHECK(false, "llmplug_cpu::gguf_matmul: GGUF type ", id, " is not implemented");
+    default: TORCH_CHECK(false, "llmplug_cpu GGUF kernels: GGUF type ", id, " is not implemented");
   }
   return {};
 }
@@ -1192,12 +1193,12 @@ constexpr int kTile = 4;  // rows of W decoded together, and rows of x per tile
 // The type's tables from `tables` ([values int8] or [values int8, signs uint8 [128]]), checked against what it reads.
 Lookup lookup(const GGUFType& type, at::TensorList tables) {
   const size_t expected = type.values == 0 ? 0 : type.signs ? 2 : 1;
-  TORCH_CHECK(tables.size() == expected, "llmplug_cpu::gguf_matmul: this GGUF type takes ", expected,
+  TORCH_CHECK(tables.size() == expected, "llmplug_cpu GGUF kernels: this GGUF type takes ", expected,
               " lookup tables, got ", tables.size());
   if (expected == 0) return {};
   const at::Tensor& values = tables[0];
   TORCH_CHECK(values.scalar_type() == at::kChar && values.is_contiguous() && values.numel() == type.values,
-              "llmplug_cpu::gguf_matmul: the grid must be ", type.values, " contiguous int8 values, got ",
+              "llmplug_cpu GGUF kernels: the grid must be ", type.values, " contiguous int8 values, got ",
               values.sizes(), " ", values.scalar_type());
   Lookup lut{values.data_ptr<int8_t>(), nullptr};
   if (type.values == 16)
@@ -1205,7 +1206,7 @@ Lookup lookup(const GGUFType& type, at::TensorList tables) {
   if (!type.signs) return lut;
   const at::Tensor& signs = tables[1];
   TORCH_CHECK(signs.scalar_type() == at::kByte && signs.is_contiguous() && signs.numel() == 128,
-              "llmplug_cpu::gguf_matmul: ksigns must be 128 contiguous uint8, got ", signs.sizes(), " ",
+              "llmplug_cpu GGUF kernels: ksigns must be 128 contiguous uint8, got ", signs.sizes(), " ",
               signs.scalar_type());
   lut.signs = signs.data_ptr<uint8_t>();
   return lut;
@@ -1264,6 +1265,40 @@ at::Tensor gguf_matmul(const at::Tensor& x, const at::Tensor& w, int64_t type_id
   return x.scalar_type() == at::kFloat ? yf : yf.to(x.scalar_type());
 }
 
+// out[t] = row ids[t] of dequant(w), ggml's get_rows: w [N, bytes] uint8 as gguf_matmul's, ids [T] (int32 or int64,
+// each in [0, N)), out [T, K] (float32, bfloat16 or float16, rows contiguous). Only the looked-up rows are decoded,
+// each exactly as gguf-py's dequantize computes it, then rounded to out's dtype (to nearest even, as torch does).
+void gguf_get_rows(const at::Tensor& w, const at::Tensor& ids, int64_t type_id, at::TensorList tables, at::Tensor out) {
+  const GGUFType type = gguf_type(type_id);
+  const Lookup lut = lookup(type, tables);
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) % type.type_size == 0,
+              "llmplug_cpu::gguf_get_rows: contiguous uint8 w [N, whole blocks of ", type.type_size,
+              " bytes] expected, got ", w.sizes(), " ", w.scalar_type());
+  TORCH_CHECK(ids.dim() == 1 && (ids.scalar_type() == at::kLong || ids.scalar_type() == at::kInt),
+              "llmplug_cpu::gguf_get_rows: ids must be [T] int64 or int32, got ", ids.sizes(), " ", ids.scalar_type());
+  const int64_t N = w.size(0), blocks = w.size(1) / type.type_size, K = blocks * type.block_size, T = ids.size(0);
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == T && out.size(1) == K && out.stride(1) == 1,
+              "llmplug_cpu::gguf_get_rows: out must be [", T, ", ", K, "] with contiguous rows, got ", out.sizes());
+  const at::Tensor rows = ids.to(at::kLong).contiguous();
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(rp[t] >= 0 && rp[t] < N, "llmplug_cpu::gguf_get_rows: id ", rp[t], " is outside the table's ", N,
+                " rows");
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  dispatch(out, "gguf_get_rows", [&]<typename E>() {
+    auto* op = reinterpret_cast<typename E::raw*>(out.data_ptr());
+    at::parallel_for(0, T, grain(K), [&](int64_t begin, int64_t end) {
+      std::vector<float> row(K);
+      for (int64_t t = begin; t < end; ++t) {
+        const uint8_t* wr = wp + rp[t] * w.size(1);
+        for (int64_t b = 0; b < blocks; ++b) type.decode(wr + b * type.type_size, row.data() + b * type.block_size, lut);
+        typename E::raw* y = op + t * out.stride(0);
+        for (int64_t k = 0; k < K; ++k) y[k] = E::store(row[k]);
+      }
+    });
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(llmplug_cpu, m) {
@@ -1281,6 +1316,7 @@ TORCH_LIBRARY(llmplug_cpu, m) {
   m.def("greedy(Tensor logits) -> (Tensor, Tensor)");
   m.def("row_bmm(Tensor a, Tensor b) -> Tensor");
   m.def("gguf_matmul(Tensor x, Tensor w, int type_id, Tensor[] tables) -> Tensor");
+  m.def("gguf_get_rows(Tensor w, Tensor ids, int type_id, Tensor[] tables, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(llmplug_cpu, CPU, m) {
@@ -1294,4 +1330,5 @@ TORCH_LIBRARY_IMPL(llmplug_cpu, CPU, m) {
   m.impl("greedy", greedy);
   m.impl("row_bmm", row_bmm);
   m.impl("gguf_matmul", gguf_matmul);
+  m.impl("gguf_get_rows", gguf_get_rows);
 }
