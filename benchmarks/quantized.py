@@ -3,14 +3,21 @@ dense, in bf16 and float32.
 
     python benchmarks/quantized.py --format gptq                   # hidden 1024, 4 layers, 2816 intermediate
     python benchmarks/quantized.py --format fp8 --threads 1 --prompt 128 --new 64
+    python benchmarks/quantized.py --format fp8 --kernel --threads 1    # fp8_matmul alone, ns a weight
 
 Writes a random Llama-shaped checkpoint (float32) and its quantized copy -- gptq: symmetric round-to-nearest in
 groups of `group_size`, packed as AutoGPTQ packs (qweight [K / 8, N], qzeros [G, N / 8] storing zero - 1, scales
 fp16 [G, N]); fp8: vLLM's blockwise quantizer (scale = block amax / 448) -- then for each variant loads it with
 `llmplug.LLM` and times, after a warm-up, one prompt of `prompt` tokens with one new token (prefill tok/s) and the
-same prompt with `new` tokens (decode tok/s: the extra tokens over the extra time). The quantized weights stay
-packed (llmplug/quantization/). Medians of `repeats`, in wall clock and in the process's CPU time: on a shared
-machine run it with --threads 1 and read the CPU-time columns, which do not count waiting for a core.
+same prompt with `new` tokens (decode tok/s: the extra tokens over the extra time); prefix caching is off, so
+every repeat prefills the whole prompt. The quantized weights stay packed (llmplug/quantization/). Medians of
+`repeats`, in wall clock and in the process's CPU time: on a shared machine run it with --threads 1 and read the
+CPU-time columns, which do not count waiting for a core.
+
+--kernel (fp8): llmplug's `fp8_matmul` alone against the engine's dense matmul (bf16: oneDNN on prepacked weights;
+float32: F.linear), in CPU-ns per weight and row, on the model's
+projection shapes at 1 row (decode) and `prompt` rows (prefill), each weight read from memory (copies of the weights
+larger than the caches).
 """
 
 from __future__ import annotations
@@ -105,6 +112,47 @@ def timed(llm: LLM, prompt: list[int], new: int, repeats: int) -> tuple[float, f
     return statistics.median(walls[1:]), statistics.median(cpus[1:])
 
 
+def kernel_times(args: argparse.Namespace) -> None:
+    """CPU-ns per weight and row of fp8_matmul (128x128 block scales) and of the engine's dense path for the same
+    shape (bf16: oneDNN with the weight prepacked, as `prepack_weights` does; float32: F.linear)."""
+    from llmplug.layers.kernels.native import ops
+    from llmplug.layers.packed_linear import PrepackedLinearMethod, RowPlannedDenseMethod
+
+    def dense_method(weight: torch.Tensor) -> PrepackedLinearMethod | RowPlannedDenseMethod:
+        return PrepackedLinearMethod(weight) if weight.dtype == torch.bfloat16 else RowPlannedDenseMethod(weight, False)
+
+    shapes = {"qkv": (args.hidden + 2 * max(1, args.hidden // 256) * 64, args.hidden),
+              "gate_up": (2 * args.intermediate, args.hidden), "down": (args.hidden, args.intermediate)}
+    print(f"threads {torch.get_num_threads()}; CPU-ns per weight and row (fp8_matmul vs the engine's dense matmul)")
+    print(f"{'shape':<22} {'rows':>5} {'activations':>12} {'fp8':>8} {'dense':>8} {'dense/fp8':>10}")
+    for name, (n, k) in shapes.items():
+        stored = fp8_tensors(torch.randn(n, k) * 0.02, 128)
+        copies = max(2, (256 << 20) // (n * k))  # > the caches even for the 1-byte weights
+        weights = [stored["weight"].clone() for _ in range(copies)]
+        scale = stored["weight_scale_inv"]
+        for rows in (1, args.prompt):
+            for dtype in (torch.bfloat16, torch.float32):
+                size = torch.empty((), dtype=dtype).element_size()  # as many bytes of dense copies
+                dense = [dense_method((w.float() * 0.01).to(dtype)) for w in weights[: max(2, copies // size)]]
+                x = torch.randn(rows, k).to(dtype)
+                fp8 = per_weight(lambda w: ops().fp8_matmul(x, w, scale), weights, n * k * rows, args.repeats)
+                full = per_weight(lambda method: method.matmul(x, None), dense, n * k * rows, args.repeats)
+                print(f"{f'{name} [{n} x {k}]':<22} {rows:>5} {str(dtype).removeprefix('torch.'):>12} {fp8:>8.4f} "
+                      f"{full:>8.4f} {full / fp8:>9.2f}x", flush=True)
+
+
+def per_weight(call: Callable[[torch.Tensor], torch.Tensor], weights: list[torch.Tensor], work: int,
+               repeats: int) -> float:
+    """Median CPU-ns per weight and row of `call` over every weight of `weights` in turn (each from memory)."""
+    times = []
+    for _ in range(repeats + 1):
+        start = time.process_time()
+        for weight in weights:
+            call(weight)
+        times.append((time.process_time() - start) / len(weights))
+    return statistics.median(times[1:]) / work * 1e9
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--format", choices=sorted(FORMATS), default="gptq")
@@ -117,7 +165,13 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="the engine's torch threads (default: its own)")
+    parser.add_argument("--kernel", action="store_true", help="time fp8_matmul alone (see above)")
     args = parser.parse_args()
+    if args.kernel:
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        kernel_times(args)
+        return
     prompt = [(7 * i + 3) % args.vocab for i in range(args.prompt)]
     with tempfile.TemporaryDirectory() as tmp:
         dense, quantized = write_checkpoints(Path(tmp), args)
@@ -130,7 +184,7 @@ def main() -> None:
         for name, path, dtype in variants:
             device = {} if args.threads is None else {"device": {"num_threads": args.threads}}
             llm = LLM(str(path), dtype=dtype, skip_tokenizer_init=True, max_model_len=args.prompt + args.new + 8,
-                      **device)
+                      enable_prefix_caching=False, **device)
             try:
                 prefill = timed(llm, prompt, 1, args.repeats)
                 full = timed(llm, prompt, args.new, args.repeats)

@@ -5,18 +5,20 @@ A weight is float8_e4m3fn [N, K] with float32 scales: one per 128 x 128 block (`
 (`weight_scale`). The dense weight is `w[n, k] = float32(q[n, k]) * scale[n // 128, k // 128]`, exactly as
 transformers' `Fp8Dequantize` and DeepSeek's `weight_dequant` define it, rounded once to the activation dtype.
 
-What is computed (W8A16, weight-only, as vLLM does for fp8 on the CPU): torch on the CPU has no fast fp8 GEMM
-(`torch._scaled_mm` runs there, but ~50x slower than the bf16 matmul on 2 AVX-512 cores), so the weight stays fp8
-in memory (1 byte a weight, plus float32 scales: 4 bytes per row and 128 columns) and each call dequantizes it about
-a million weights (whole 128-row blocks) at a time into the activation dtype, exactly as above, and multiplies that
-tile with F.linear. Decoding pays the dequantization per token (`benchmarks/quantized.py --format fp8`: several
-times slower than the bf16 model); prefill amortizes it over the prompt's rows. Activations are not
-quantized: an `input_scale` (activation_scheme static) is read and checked but not applied, as transformers'
-CPU load of the same checkpoint (which dequantizes the whole model) does not apply it either.
+What is computed (W8A16, weight-only, as vLLM does for fp8 on the CPU): the weight stays fp8 in memory (1 byte a
+weight, plus float32 scales: 4 bytes per row and 128 columns). On the CPU, llmplug's kernel `fp8_matmul`
+(layers/kernels/native/fp8.cpp) decodes each weight in registers, scales it and rounds it to the activation dtype
+exactly as above, and sums in float32 in a fixed order, reading half the bytes of a bf16 weight (its speed against
+the dense model: docs/quantization.md). Elsewhere (a GPU tensor, no C++ compiler) each call dequantizes
+the weight about a million weights (whole 128-row blocks) at a time into the activation dtype, exactly as above, and
+multiplies that tile with F.linear (torch has no fast fp8 GEMM on the CPU: `torch._scaled_mm` runs there ~50x slower
+than bf16). Activations are not quantized: an `input_scale` (activation_scheme static) is read and checked but not
+applied, as transformers' CPU load of the same checkpoint (which dequantizes the whole model) does not apply it either.
 
-Batch invariance: the dequantized tile does not depend on x, and each tile's F.linear is called by its row plan
-(layers/row_invariance.py), probed per tile shape on this CPU, so a row's bits do not depend on the number of
-rows. Where no plan holds for a shape, the layer says so once (a warning) and computes anyway.
+Batch invariance: the kernel computes every output row by the same instructions whatever the number of rows (by
+construction). On the tile path the dequantized tile does not depend on x, and in batch-invariant mode each tile's
+F.linear is called by its row plan (layers/row_invariance.py), probed per tile shape when the layer is loaded; where
+no plan holds, the layer says so once (a warning) and declares `row_invariant` False.
 """
 
 from __future__ import annotations
@@ -30,12 +32,14 @@ import torch
 import torch.nn.functional as F
 
 from llmplug.core.errors import ModelLoadError
+from llmplug.layers.kernels.native import ops, use_native
 from llmplug.layers.packed_linear import row_plan_for
 from llmplug.layers.row_invariance import RowPlan
-from llmplug.quantization.base import QuantizationConfig, QuantizedLinearMethod
+from llmplug.quantization.base import QuantizationConfig, QuantizedExpertsMethod, QuantizedLinearMethod
 
 if TYPE_CHECKING:
     from llmplug.layers.linear import LinearBase
+    from llmplug.layers.moe.experts import FusedExperts
     from llmplug.layers.quantization import LinearOptions
 
 __all__ = [
@@ -69,16 +73,23 @@ class Fp8Scheme:
 
 
 class Fp8LinearMethod(QuantizedLinearMethod):
-    """A layer of an fp8 checkpoint: fp8 weight [N, K] in memory, dequantized a tile of rows at a time per call.
+    """A layer of an fp8 checkpoint: fp8 weight [N, K] in memory, multiplied by `fp8_matmul` on the CPU (else
+    dequantized a tile of rows at a time per call).
 
-    Per-layer state lives on the layer (`weight`, the scale parameter, `fp8_scale`: the same scales times 2^8 after
-    loading, `fp8_plans`), so one method may serve several layers.
+    Per-layer state lives on the layer (`weight`, the scale parameter, `fp8_plans`), so one method may serve several
+    layers of one dtype.
     """
-
-    row_invariant = True  # in batch-invariant mode: each tile's F.linear by its probed row plan (module doc)
 
     def __init__(self, scheme: Fp8Scheme) -> None:
         self.scheme = scheme
+        self.dtype = torch.get_default_dtype()  # the model's: layers are built inside the loader's dtype context
+        self._row_invariant = True
+
+    @property
+    def row_invariant(self) -> bool:  # type: ignore[override]
+        """Rows never depend on their number on the CPU kernel (by construction); on the tile path, where
+        batch-invariant mode found a row plan for every tile shape when the layer was loaded."""
+        return self._row_invariant
 
     # ------------------------------------------------------------ loading
 
@@ -102,7 +113,7 @@ class Fp8LinearMethod(QuantizedLinearMethod):
             layer.register_parameter("input_scale", _input_scale_parameter(layer))
 
     def process_weights_after_loading(self, layer: LinearBase, options: LinearOptions) -> None:
-        """Check the loaded tensors, fold the fp16 decoding's 2^8 into the scales, probe the tiles' row plans."""
+        """Check the loaded tensors; off the kernel, probe the tiles' row plans in batch-invariant mode."""
         scale = getattr(layer, self.scheme.scale_name).data
         name = f"{layer.prefix}.{self.scheme.scale_name}"
         if not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()):
@@ -110,33 +121,41 @@ class Fp8LinearMethod(QuantizedLinearMethod):
         codes = layer.weight.data.view(torch.uint8)
         if bool(((codes & 0x7F) == 0x7F).any()):  # e4m3fn's only NaN codes
             raise ModelLoadError(f"{layer.prefix}.weight holds fp8 NaNs; the checkpoint is damaged")
-        # in place (no second copy): codes decode to value / 2^8 (_decode_tile), so the scales carry the 2^8 from now
-        # on; once only (loading a scale again unsets fp8_scale, see _scale_loader)
-        if getattr(layer, "fp8_scale", None) is None:
-            layer.fp8_scale = scale.mul_(256.0)
-        layer.fp8_plans = {}
+        layer.fp8_plans, layer.fp8_row_variant = {}, False
         layer.fp8_row_invariant = options.row_invariant
+        if not use_native(layer.weight):  # the tile path: its tile shapes' plans now, for the engine's check
+            step = tile_rows(layer.input_size)
+            for start in range(0, layer.output_size, step):
+                _plan(layer, min(step, layer.output_size - start), self.dtype)
+            self._row_invariant &= options.row_invariant and not layer.fp8_row_variant
 
     # ------------------------------------------------------------ computing
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])  # [M, K]
-        step = tile_rows(layer.input_size)
-        parts = []
-        for start in range(0, layer.output_size, step):
-            stop = min(start + step, layer.output_size)
-            tile = dequantize_tile(layer.weight, layer.fp8_scale, start, stop, self.scheme.blocked, x.dtype)
-            plan = _plan(layer, stop - start, x.dtype)
-            parts.append(F.linear(rows, tile) if plan is None else plan(lambda part: F.linear(part, tile), rows))
-        y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # [M, N]
+        scale = getattr(layer, self.scheme.scale_name)  # [N, column blocks or 1]
+        if use_native(rows):
+            y = ops().fp8_matmul(rows, layer.weight, scale)  # [M, N]
+        else:
+            y = self._tiles(layer, rows, scale)
         if bias is not None:
             y += bias
         return y.view(*x.shape[:-1], layer.output_size)
 
+    def _tiles(self, layer: LinearBase, rows: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """The tile path: [M, K] -> [M, N], a tile of whole 128-row blocks dequantized at a time."""
+        step = tile_rows(layer.input_size)
+        parts = []
+        for start in range(0, layer.output_size, step):
+            stop = min(start + step, layer.output_size)
+            tile = dequantize_tile(layer.weight[start:stop], scale[start:stop] * 256.0, 0, stop - start,
+                                   self.scheme.blocked, rows.dtype)
+            plan = _plan(layer, stop - start, rows.dtype)
+            parts.append(F.linear(rows, tile) if plan is None else plan(lambda part: F.linear(part, tile), rows))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
     def dequantize(self, layer: LinearBase) -> torch.Tensor:
-        scale = getattr(layer, "fp8_scale", None)
-        if scale is None:  # before process_weights_after_loading
-            scale = getattr(layer, self.scheme.scale_name).data * 256.0
+        scale = getattr(layer, self.scheme.scale_name).data * 256.0
         return dequantize_tile(layer.weight, scale, 0, layer.output_size, self.scheme.blocked, torch.float32)
 
     def __repr__(self) -> str:
@@ -192,7 +211,8 @@ def _plan(layer: LinearBase, rows: int, dtype: torch.dtype) -> RowPlan | None:
         if plan is None:
             log.warning("%s: F.linear on [%d x %d] %s tiles sums rows in an order that depends on their number here; "
                         "its results are not batch invariant", layer.prefix, rows, layer.input_size, dtype)
-        layer.fp8_plans[key] = None if plan == RowPlan() else plan
+            layer.fp8_row_variant = True
+        layer.fp8_plans[key] = None if plan in (None, RowPlan()) else plan
     return layer.fp8_plans[key]
 
 
@@ -243,7 +263,6 @@ def _scale_loader(layer: LinearBase, scheme: Fp8Scheme, load: Any) -> Any:
             raise ModelLoadError(f"{name} has shape {tuple(loaded.shape)}; a weight of {rows} rows takes one scale "
                                  f"per tensor ([] or [1]) or per row ([{rows}, 1])")
         load(param, per_row.contiguous(), shard_id)
-        layer.fp8_scale = None  # the parameter holds the checkpoint's scales again, not yet times 2^8
 
     return load_scale
 
@@ -304,6 +323,12 @@ class Fp8Config(QuantizationConfig):
 
     def linear_method(self, layer: LinearBase, prefix: str) -> QuantizedLinearMethod | None:
         return None if _skipped(prefix, self.ignored) else Fp8LinearMethod(self.scheme)
+
+    def experts_method(self, experts: FusedExperts, prefix: str) -> QuantizedExpertsMethod | None:
+        """The routed experts: llmplug.quantization.fp8_experts (block or per-tensor scales)."""
+        from llmplug.quantization.fp8_experts import Fp8ExpertsMethod  # it imports this module
+
+        return Fp8ExpertsMethod(self.scheme)
 
 
 def _skipped(prefix: str, ignored: tuple[str, ...]) -> bool:

@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from llmplug.core.errors import ModelLoadError
+from llmplug.layers.kernels.native import KERNELS_ENV
 from llmplug.layers.linear import LinearBase, ReplicatedLinear
 from llmplug.layers.quantization import LinearOptions
 from llmplug.quantization.context import building_with
@@ -101,8 +102,11 @@ def _load(layer: LinearBase, tensors: dict[str, torch.Tensor]) -> None:
     layer.process_weights_after_loading(LinearOptions(row_invariant=True))
 
 
+@pytest.mark.parametrize("kernels", ["auto", "0"], ids=["fp8_matmul", "tiles"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_blocked_layer_dequantizes_like_deepseek_and_rows_do_not_depend_on_their_number(dtype):
+def test_blocked_layer_dequantizes_like_deepseek_and_rows_do_not_depend_on_their_number(dtype, kernels, monkeypatch):
+    """On llmplug's CPU kernel (where it builds) and on the tile path (LLMPLUG_CPU_KERNELS=0)."""
+    monkeypatch.setenv(KERNELS_ENV, kernels)
     n, k = 320, 384  # a last block of 64 rows
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(1)) * 0.05
     stored, reference = blocked("w", w)
@@ -118,6 +122,7 @@ def test_blocked_layer_dequantizes_like_deepseek_and_rows_do_not_depend_on_their
     assert (y.double() - expected).abs().max() <= (1e-5 if dtype == torch.float32 else 2e-2) * expected.abs().max()
     for m in range(1, 34):
         assert torch.equal(layer(x[:m]), y[:m]), f"rows of a {m}-row call differ from the same rows among 33"
+    assert layer.quant_method.row_invariant  # the declaration the engine's batch-invariance check reads
 
 
 # ---------------------------------------------------------------- whole checkpoints through the engine
@@ -189,20 +194,27 @@ def test_blocked_checkpoint_passes_llmplugs_quantization_method_check(odd_blocke
     assert report.quant_method == "fp8" and len(report.layers) == 2 * 4 and report.row_invariant
 
 
-def test_blocked_checkpoint_in_bfloat16(odd_blocked, tmp_path):
-    odd_blocked.hf_model.save_pretrained(tmp_path / "dequantized")  # the same weights, dense float32
+def test_blocked_checkpoint_in_bfloat16(odd_blocked):
+    ours_greedy = greedy(odd_blocked.path, "bfloat16")
     reference = odd_blocked.hf_model.to(torch.bfloat16)  # the dequantized weights rounded once to bf16, as ours
     try:
         ours = our_logits(load_model(odd_blocked.path, "safetensors", dtype="bfloat16")).float()
         theirs = hf_logits(reference)
+        # transformers' logits along our greedy tokens (teacher forced): [prompt + new tokens, vocab]
+        forced = [hf_logits(reference, prompt + tokens) for prompt, tokens in zip(GREEDY_PROMPTS, ours_greedy)]
     finally:
         odd_blocked.hf_model.float()
     # bf16 activations (8 bits of mantissa) rounded in different places by two implementations: a few bf16 ulps
     assert (ours - theirs).abs().max() < 0.05 * theirs.abs().max()
-    # Greedy tokens: this random model has a bf16 near-tie at the 3rd token of the first prompt, where transformers'
-    # bf16 and llmplug's dense bf16 engine (on these very weights) already part; the fp8 layers must give exactly the
-    # dense engine's tokens on the dequantized weights (their weights are bitwise the same bf16 values)
-    assert greedy(odd_blocked.path, "bfloat16") == greedy(tmp_path / "dequantized", "bfloat16")
+    # Greedy tokens: this random model has bf16 near-ties (at the 3rd token of the first prompt transformers' bf16
+    # and llmplug's dense bf16 engine on these very weights already part), where float32 sums in another order may
+    # choose the other token; so each of our tokens is transformers' choice or within bf16 noise of it
+    for prompt, tokens, logits in zip(GREEDY_PROMPTS, ours_greedy, forced):
+        rows = logits[len(prompt) - 1 : -1]  # the logits each new token was chosen from
+        chosen = rows.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+        gaps = rows.max(dim=1).values - chosen
+        assert (gaps <= 0.04 * rows.abs().max()).all(), gaps  # measured: up to 3 bf16 ulps (0.09 of logits ~6)
+        assert (gaps == 0).float().mean() >= 0.75, gaps  # near-ties are rare: most tokens are transformers' own
 
 
 def test_transformers_own_load_of_the_folder_is_the_reference(tmp_path):
@@ -249,8 +261,7 @@ def test_quantized_weights_take_the_checkpoints_bytes(odd_blocked):
     layers = fp8_layers(load_model(odd_blocked.path, "safetensors", dtype="bfloat16"))
     loaded = sum(p.numel() * p.element_size() for m in layers for p in m.parameters(recurse=False))
     held = {id(t) for m in layers for t in vars(m).values() if isinstance(t, torch.Tensor)}
-    assert not held - {id(p) for m in layers for p in m.parameters(recurse=False)} - {id(m.fp8_scale) for m in layers}
-    assert all(m.fp8_scale.data_ptr() == m.weight_scale_inv.data_ptr() for m in layers)  # no second copy
+    assert not held - {id(p) for m in layers for p in m.parameters(recurse=False)}  # no second copy of anything
     assert checkpoint_bytes <= loaded <= 1.3 * checkpoint_bytes
 
 

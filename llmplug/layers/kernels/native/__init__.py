@@ -1,13 +1,14 @@
 """llmplug's CPU kernels (`ops.cpp`): RMSNorm with its residual add, SiLU-and-mul, rotary, the KV write, paged
-attention, and the matmul of GGUF-quantized weights from their raw blocks (llmplug.quantization.gguf).
+attention, and the matmul of GGUF-quantized weights from their raw blocks (llmplug.quantization.gguf); (`fp8.cpp`)
+the matmul of fp8 weights with their scales (llmplug.quantization.fp8).
 
 Eager PyTorch runs each of these as 5–40 small ops, each a Python-level dispatch of a few microseconds,
 which at one decode token is most of their cost (docs/benchmarks.md). Here each is one call, with every
 output row computed by one thread in one fixed order: batch invariant by construction (docs/determinism.md).
 
-The source is compiled once with the host's compiler (`torch.utils.cpp_extension`, about a minute, for this
-CPU: `-march=native`, or `$LLMPLUG_CPU_MARCH`) into a directory named by a hash of the source, the flags,
-torch's version and the CPU, under `TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`); every later process loads the library
+The sources are compiled once with the host's compiler (`torch.utils.cpp_extension`, about a minute, for this
+CPU: `-march=native`, or `$LLMPLUG_CPU_MARCH`) into one library, in a directory named by a hash of every source,
+the flags, torch's version and the CPU, under `TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`); every later process loads the library
 from there in milliseconds. `make setup` builds it (`python -m llmplug.layers.kernels.native`), else the first
 forward pass does. Where it cannot be built (no C++ compiler), the layers keep their torch paths and the log
 says why, once.
@@ -34,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 KERNELS_ENV = "LLMPLUG_CPU_KERNELS"  # "auto" (default): on CPU tensors when the kernels build; "0": never
 NAME = "llmplug_cpu_ops"
-SOURCE = Path(__file__).with_name("ops.cpp")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("ops.cpp", "fp8.cpp"))
 MARCH_ENV = "LLMPLUG_CPU_MARCH"  # the target CPU of the build: "native" (default) or a generic one, e.g. x86-64-v2
 
 
@@ -48,13 +49,14 @@ LDFLAGS = ["-fopenmp", "-lmvec"]  # libmvec: glibc's vectorized expf
 
 
 def build_directory() -> Path:
-    """Where the kernels are built: one directory per source, flags, torch version and CPU (`-march=native`)."""
+    """Where the kernels are built: one directory per set of sources, flags, torch version and CPU (`-march=native`)."""
     from torch.utils.cpp_extension import get_default_build_root
 
     cpuinfo = Path("/proc/cpuinfo")
     lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
     flags = next((line for line in lines if line.startswith("flags")), "")
-    key = "\n".join([SOURCE.read_text(), *cflags(), *LDFLAGS, torch.__version__, platform.machine(), flags])
+    sources = [source.read_text() for source in SOURCES]
+    key = "\n".join([*sources, *cflags(), *LDFLAGS, torch.__version__, platform.machine(), flags])
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()  # as torch's own extensions
     return Path(root) / f"{NAME}_{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
@@ -80,7 +82,7 @@ def _load() -> bool:
         logger.info("building llmplug's CPU kernels in %s (once, about a minute)", directory)
         directory.mkdir(parents=True, exist_ok=True)
         # fresh lists: torch appends its own flags to the lists it is given, which would change build_directory()'s key
-        load(NAME, [str(SOURCE)], extra_cflags=cflags(), extra_ldflags=list(LDFLAGS),
+        load(NAME, [str(source) for source in SOURCES], extra_cflags=cflags(), extra_ldflags=list(LDFLAGS),
              build_directory=str(directory), is_python_module=False)
     except (ImportError, OSError, RuntimeError) as exc:  # no compiler, no ninja, a failed build: torch paths serve
         logger.warning("llmplug's CPU kernels could not be built (%s); the layers use their torch paths", exc)
@@ -108,6 +110,8 @@ def _register_fakes() -> None:
         ),
         "row_bmm": lambda a, b: a.new_empty(a.shape[0], a.shape[1], b.shape[2]),
         "gguf_matmul": lambda x, w, type_id, tables: x.new_empty(x.shape[0], w.shape[0]),
+        "fp8_matmul": lambda x, w, scale: x.new_empty(x.shape[0], w.shape[0]),
+        "gguf_get_rows": lambda w, ids, type_id, tables, out: None,
     }
     for name, fake in fakes.items():
         torch.library.register_fake(f"llmplug_cpu::{name}", fake)
