@@ -188,12 +188,12 @@ def row_planned_methods(model: nn.Module) -> list[_RowPlannedLinear]:
 def row_variant_weights(model: nn.Module) -> list[str]:
     """`model`'s weights (shape, dtype, kernel) for which batch-invariant mode found no row plan on this CPU, and
     the layers of a quantized checkpoint whose method declares its rows depend on their number."""
-    from llmplug.quantization.base import QuantizedLinearMethod
+    from llmplug.quantization.base import QuantizedExpertsMethod, QuantizedLinearMethod
 
     variant = {method.describe() for method in row_planned_methods(model) if method.row_variant}
     for module in model.modules():
         method = getattr(module, "quant_method", None)
-        if isinstance(method, QuantizedLinearMethod) and not method.row_invariant:
+        if isinstance(method, (QuantizedLinearMethod, QuantizedExpertsMethod)) and not method.row_invariant:
             name = getattr(module, "prefix", "") or type(module).__name__
             variant.add(f"{name} ({type(method).__name__}, whose rows depend on their number)")
     return sorted(variant)

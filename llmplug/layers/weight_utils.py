@@ -86,15 +86,14 @@ def map_name(name: str, stacked: StackedParamsMap) -> tuple[str, ShardId | None]
 
 
 def map_expert_name(name: str, experts: ExpertParamsMap) -> tuple[str, ExpertShard] | None:
-    """`<owner>.experts.<e>.<proj>.<leaf>` -> (`<owner>.experts.<param>[_bias]`, ExpertShard(e, part)) when
-    `proj` is in `experts`; None for any other name."""
+    """`<owner>.experts.<e>.<proj>.<leaf>` -> (`<owner>.experts.<param>[_<leaf>]`, ExpertShard(e, part)) when
+    `proj` is in `experts` (leaf `weight`: the parameter itself; a quantized checkpoint's `weight_scale`, ...:
+    `<param>_weight_scale`); None for any other name."""
     parts = name.split(".")
     if len(parts) < 4 or parts[-4] != "experts" or not parts[-3].isdigit() or parts[-2] not in experts:
         return None
     param, part = experts[parts[-2]]
-    suffix = {"weight": "", "bias": "_bias"}.get(parts[-1])
-    if suffix is None:
-        return None
+    suffix = "" if parts[-1] == "weight" else "_" + parts[-1]
     return ".".join([*parts[:-3], param + suffix]), ExpertShard(int(parts[-3]), part)
 
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from llmplug.core.config.schema import QUANTIZATION_MODES
 from llmplug.core.errors import ConfigError
-from llmplug.quantization.base import QuantizationConfig, QuantizedLinearMethod
+from llmplug.quantization.base import QuantizationConfig, QuantizedExpertsMethod, QuantizedLinearMethod
 from llmplug.quantization.context import building_with, checkpoint_method_for
 
 if TYPE_CHECKING:
@@ -21,6 +21,7 @@ __all__ = [
     "GROUP",
     "RUNTIME_MODES",
     "QuantizationConfig",
+    "QuantizedExpertsMethod",
     "QuantizedLinearMethod",
     "building_with",
     "checkpoint_method_for",

@@ -12,11 +12,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from llmplug.core.errors import ModelLoadError
-from llmplug.quantization.base import QuantizationConfig
+from llmplug.quantization.base import QuantizationConfig, QuantizedExpertsMethod
 from llmplug.quantization.int_weights import IntWeights, IntWeightsMethod, float_loader, unpack_int32
 
 if TYPE_CHECKING:
     from llmplug.layers.linear import LinearBase
+    from llmplug.layers.moe.experts import FusedExperts
 
 __all__ = ["AWQ_ORDER", "AWQConfig", "AWQLinearMethod"]
 
@@ -79,7 +80,17 @@ class AWQConfig(QuantizationConfig):
         return cls(group_size, tuple(config.get("modules_to_not_convert") or ()))
 
     def linear_method(self, layer: LinearBase, prefix: str) -> AWQLinearMethod | None:
-        parts = prefix.split(".")
-        if any(name in parts or prefix.endswith(name) for name in self.excluded):
+        return None if self._dense(prefix) else AWQLinearMethod(self.group_size)
+
+    def experts_method(self, experts: FusedExperts, prefix: str) -> QuantizedExpertsMethod | None:
+        """The routed experts: llmplug.quantization.int_experts."""
+        if self._dense(f"{prefix}.0.gate_proj"):
             return None
-        return AWQLinearMethod(self.group_size)
+        from llmplug.quantization.int_experts import AWQExpertsMethod
+
+        return AWQExpertsMethod(4, self.group_size)
+
+    def _dense(self, prefix: str) -> bool:
+        """Whether the checkpoint keeps layer `prefix` unquantized (`modules_to_not_convert`)."""
+        parts = prefix.split(".")
+        return any(name in parts or prefix.endswith(name) for name in self.excluded)

@@ -26,7 +26,12 @@ from torch import nn
 
 from llmplug.core.errors import ModelLoadError
 from llmplug.layers.int8_linear import int8_matmul_exact
-from llmplug.quantization.base import QuantizationConfig, QuantizedLinearMethod
+from llmplug.quantization.base import (
+    QuantizationConfig,
+    QuantizedExpertsMethod,
+    QuantizedLinearMethod,
+    refuse_experts,
+)
 from llmplug.quantization.int_weights import (
     IntWeights,
     IntWeightsMethod,
@@ -37,12 +42,14 @@ from llmplug.quantization.int_weights import (
 
 if TYPE_CHECKING:
     from llmplug.layers.linear import LinearBase
+    from llmplug.layers.moe.experts import FusedExperts
     from llmplug.layers.quantization import LinearOptions
 
 __all__ = ["CTInt8Method", "CTIntWeightsMethod", "CompressedTensorsConfig"]
 
 # the checkpoint projections of llmplug's fused layers (as vLLM's packed_modules_mapping)
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # each routed expert's, in the checkpoint
 _INT_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized")
 _SUPPORTED_FORMATS = (*_INT_FORMATS, "float-quantized", "dense")
 _REFUSED_SETTINGS = ("kv_cache_scheme", "sparsity_config", "transform_config")
@@ -185,6 +192,28 @@ class CompressedTensorsConfig(QuantizationConfig):
             raise ModelLoadError(f"{prefix} fuses {names}, which the checkpoint quantizes differently")
         scheme = schemes.pop()
         return None if scheme is None else _method(scheme)
+
+    def experts_method(self, experts: FusedExperts, prefix: str) -> QuantizedExpertsMethod | None:
+        """The routed experts (their checkpoint projections `<prefix>.<e>.gate_proj`, ...) in one scheme: dense,
+        weight-only pack-quantized (llmplug.quantization.int_experts) or float-quantized FP8
+        (llmplug.quantization.fp8_experts); any other scheme is refused by name."""
+        names = [f"{prefix}.{e}.{part}" for e in range(experts.num_experts) for part in EXPERT_PROJECTIONS]
+        schemes = {self._scheme_of(name) for name in names}
+        if len(schemes) > 1:
+            raise ModelLoadError(f"{prefix}: the checkpoint quantizes its experts' projections differently")
+        scheme = schemes.pop()
+        if scheme is None or scheme.fmt == "dense" or scheme.weights is None:
+            return None
+        if scheme.fmt == "float-quantized":  # FP8: the fp8 checkpoints' experts method, on this scheme
+            from llmplug.quantization.fp8_experts import Fp8ExpertsMethod
+
+            return Fp8ExpertsMethod(_fp8_method(scheme).scheme)  # type: ignore[attr-defined]
+        if scheme.fmt != "pack-quantized" or scheme.inputs is not None:
+            raise refuse_experts(f"compressed-tensors {scheme.fmt}"
+                                 + (" with quantized input activations" if scheme.inputs is not None else ""), prefix)
+        from llmplug.quantization.int_experts import CTPackedExpertsMethod
+
+        return CTPackedExpertsMethod(scheme.weights)
 
     def _scheme_of(self, name: str) -> _Scheme | None:
         if any(_matches(name, entry) and entry != "Linear" for entry in self.ignore):

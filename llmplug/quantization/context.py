@@ -2,8 +2,9 @@
 
 A quantized checkpoint's linear layers hold the checkpoint's packed tensors, not a dense weight, so they must
 know the method when they are created: the loader builds the model inside `building_with(config)`, and each
-layer's constructor calls `checkpoint_method_for(self, prefix)` (models pass nothing along; a model plugin's
-layers get this for free). Light on purpose: the layers import it.
+layer's constructor calls `checkpoint_method_for(self, prefix)` (a mixture-of-experts layer's stacked experts:
+`experts_method_for(self, prefix)`; models pass nothing along; a model plugin's layers get this for free). Light on
+purpose: the layers import it.
 """
 
 from __future__ import annotations
@@ -30,12 +31,12 @@ def building_with(config: QuantizationConfig | None) -> Iterator[None]:
         _BUILDING.reset(token)
 
 
-def check_experts(prefix: str) -> None:
-    """Called by a mixture-of-experts block as it is built: the method of the model being built says whether it can
-    hold the checkpoint's experts (QuantizationConfig.check_experts)."""
+def experts_method_for(experts: Any, prefix: str) -> Any:
+    """The quantized method of the stacked routed experts named `prefix` in the model being built (None: dense); the
+    checkpoint's method refuses by name a quantized MoE checkpoint it cannot hold
+    (QuantizationConfig.experts_method)."""
     config = _BUILDING.get()
-    if config is not None:
-        config.check_experts(prefix)
+    return None if config is None else config.experts_method(experts, prefix)
 
 
 def checkpoint_method_for(layer: Any, prefix: str) -> Any:

@@ -15,11 +15,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from llmplug.core.errors import ModelLoadError
-from llmplug.quantization.base import QuantizationConfig
+from llmplug.quantization.base import QuantizationConfig, QuantizedExpertsMethod
 from llmplug.quantization.int_weights import IntWeights, IntWeightsMethod, float_loader, unpack_int32
 
 if TYPE_CHECKING:
     from llmplug.layers.linear import LinearBase
+    from llmplug.layers.moe.experts import FusedExperts
 
 __all__ = ["GPTQConfig", "GPTQLinearMethod"]
 
@@ -101,6 +102,14 @@ class GPTQConfig(QuantizationConfig):
         if self._dense(prefix):
             return None
         return GPTQLinearMethod(self.bits, self.group_size, self.desc_act, 0 if self.v2 else 1)
+
+    def experts_method(self, experts: FusedExperts, prefix: str) -> QuantizedExpertsMethod | None:
+        """The routed experts: llmplug.quantization.int_experts."""
+        if self._dense(f"{prefix}.0.gate_proj"):
+            return None
+        from llmplug.quantization.int_experts import GPTQExpertsMethod
+
+        return GPTQExpertsMethod(self.bits, self.group_size, 0 if self.v2 else 1, self.desc_act)
 
     def _dense(self, prefix: str) -> bool:
         """Whether the checkpoint keeps layer `prefix` unquantized."""

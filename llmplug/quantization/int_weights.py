@@ -45,7 +45,10 @@ from llmplug.quantization.base import QuantizedLinearMethod
 if TYPE_CHECKING:
     from llmplug.layers.linear import LinearBase
 
-__all__ = ["IntWeights", "IntWeightsMethod", "float_loader", "free_checkpoint_tensors", "unpack_int32"]
+__all__ = [
+    "IntWeights", "IntWeightsMethod", "dense_fallback", "float_loader", "free_checkpoint_tensors", "pack_int4",
+    "unpack_int32",
+]
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +140,38 @@ def free_checkpoint_tensors(layer: nn.Module, names: tuple[str, ...]) -> None:
     layer.register_parameter("weight", None)
 
 
+def pack_int4(
+    weights: IntWeights, dtype: torch.dtype, options: LinearOptions
+) -> tuple[str, tuple[PackedInt4, torch.Tensor | None] | None]:
+    """The int4 kernel's form of `weights` for activations of `dtype`: (why not, None) or ("", (the packed weight,
+    the column permutation))."""
+    device = weights.q.device
+    if not int4_kernel_supported(device.type, dtype):
+        return f"torch's int4 kernel is not available on {device.type} for {dtype}", None
+    regrouped = weights.contiguous()
+    if regrouped is None:
+        return "its act-order groups are of unequal sizes", None
+    groups = regrouped[0].int4_groups()
+    if groups is None:
+        return f"its group size {weights.q.shape[1] // weights.scale.shape[1]} is no multiple of 32", None
+    reason = packable(groups)
+    if reason is not None:
+        return reason, None
+    n, k = weights.q.shape
+    threads = torch.get_num_threads()
+    if options.row_invariant and not int4_rows_invariant(n, k, groups.num_planes, dtype, threads):
+        return "the int4 kernel's rows depend on their number for this shape (batch-invariant mode)", None
+    return "", (PackedInt4.pack(groups, dtype, device), regrouped[1])
+
+
+def dense_fallback(weights: IntWeights, dtype: torch.dtype, options: LinearOptions) -> tuple[LinearMethod, bool]:
+    """Where the int4 kernel cannot serve: (a dense method on the dequantized weight in `dtype`, whether its rows
+    are invariant: where batch-invariant mode found the dense kernel a row plan)."""
+    dense = weights.dequantize().to(dtype)
+    compute = cpu_dense_method(dense, options.packs(dtype), options.row_invariant) or _DequantizedLinear(dense)
+    return compute, options.row_invariant and not getattr(compute, "row_variant", False)
+
+
 class _DequantizedLinear:
     """F.linear with a dense weight the method holds (the fallback where the int4 kernel does not serve)."""
 
@@ -179,40 +214,14 @@ class IntWeightsMethod(QuantizedLinearMethod):
     def process_weights_after_loading(self, layer: LinearBase, options: LinearOptions) -> None:
         weights = self.int_weights(layer)
         free_checkpoint_tensors(layer, self.checkpoint_tensors)
-        reason, packed = self._pack(layer, weights, options)
+        reason, packed = pack_int4(weights, self.dtype, options)
         if packed is not None:
             self.compute, self.perm = Int4LinearMethod(packed[0], None, exact=True), packed[1]
             self._rows_probe = (*weights.q.shape, packed[0].num_planes, self.dtype)
             return
         name = layer.prefix or type(layer).__name__
         log.warning("%s (%s) computes with a dense dequantized weight: %s", name, type(self).__name__, reason)
-        dense = weights.dequantize().to(self.dtype)
-        packs = options.packs(self.dtype)
-        self.compute = cpu_dense_method(dense, packs, options.row_invariant) or _DequantizedLinear(dense)
-        # invariant where batch-invariant mode found the dense kernel a row plan (its row_variant says it did not)
-        self._dense_invariant = options.row_invariant and not getattr(self.compute, "row_variant", False)
-
-    def _pack(
-        self, layer: LinearBase, weights: IntWeights, options: LinearOptions
-    ) -> tuple[str, tuple[PackedInt4, torch.Tensor | None] | None]:
-        """(why not, None) or ("", (the packed weight, the column permutation))."""
-        device = weights.q.device
-        if not int4_kernel_supported(device.type, self.dtype):
-            return f"torch's int4 kernel is not available on {device.type} for {self.dtype}", None
-        regrouped = weights.contiguous()
-        if regrouped is None:
-            return "its act-order groups are of unequal sizes", None
-        groups = regrouped[0].int4_groups()
-        if groups is None:
-            return f"its group size {weights.q.shape[1] // weights.scale.shape[1]} is no multiple of 32", None
-        reason = packable(groups)
-        if reason is not None:
-            return reason, None
-        n, k = weights.q.shape
-        threads = torch.get_num_threads()
-        if options.row_invariant and not int4_rows_invariant(n, k, groups.num_planes, self.dtype, threads):
-            return "the int4 kernel's rows depend on their number for this shape (batch-invariant mode)", None
-        return "", (PackedInt4.pack(groups, self.dtype, device), regrouped[1])
+        self.compute, self._dense_invariant = dense_fallback(weights, self.dtype, options)
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.compute is None:

@@ -8,9 +8,11 @@ transformers' model holding those dequantized weights, the reference.
 `check_quantization_method(path, reference)` loads the checkpoint with `llmplug.LLM` (the method found by
 config.json's quant_method through its entry point, as any user's engine finds it) and asserts:
 
-- some linear layers were built with the method (weight None, a `QuantizedLinearMethod`), else nothing is proved;
+- some linear layers were built with the method (weight None, a `QuantizedLinearMethod`), or some MoE layers'
+  experts (a `QuantizedExpertsMethod`), else nothing is proved;
 - each such layer's `apply(x)` equals x @ `dequantize(layer)`^T + b (its own dequantized reference, float64)
-  within `layer_rtol` of the reference's largest entry;
+  within `layer_rtol` of the reference's largest entry; so does each local expert's projection (gate_up_proj,
+  down_proj), reported as `<experts prefix>.<expert>.<projection>`;
 - rows are invariant: `apply` on rows 0..M-1 gives, row by row, bitwise what it gives each row alone, for every M
   up to `max_rows`; a method whose `row_invariant` is False is reported so (None), not checked;
 - greedy generation gives transformers' tokens on the reference weights, and every log-probability the engine
@@ -185,10 +187,10 @@ def _check_layers(
     # a method may keep a tensor named `weight` (fp8 checkpoints do): the layer's method says it is quantized
     quantized = [
         m for m in model.modules() if isinstance(m, LinearBase) and isinstance(m.quant_method, QuantizedLinearMethod)
-    ]
+    ] + _expert_projections(model)
     if not quantized:
-        raise AssertionError("no linear layer was built with the checkpoint's quantization method: the engine ran the "
-                             "model dense, so nothing about the method is proved")
+        raise AssertionError("no linear layer or experts were built with the checkpoint's quantization method: the "
+                             "engine ran the model dense, so nothing about the method is proved")
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     generator = torch.Generator().manual_seed(seed)
     checks, invariant = [], True
@@ -202,6 +204,51 @@ def _check_layers(
             elif invariant:
                 _assert_rows_invariant(layer, x)
     return tuple(checks), invariant
+
+
+@dataclass(frozen=True, slots=True)
+class _ExpertProjection:
+    """One local expert's projection of a quantized FusedExperts, shaped like a linear layer for the checks."""
+
+    experts: Any  # llmplug.layers.moe.FusedExperts
+    expert: int
+    projection: str  # "gate_up_proj" or "down_proj"
+    output_size: int
+    input_size: int
+    bias: None = None
+
+    @property
+    def prefix(self) -> str:
+        return f"{self.experts.prefix}.{self.expert}.{self.projection}"
+
+    @property
+    def quant_method(self) -> _ExpertProjection:
+        return self
+
+    @property
+    def row_invariant(self) -> bool:
+        return self.experts.quant_method.row_invariant
+
+    def apply(self, layer: Any, x: torch.Tensor, bias: None) -> torch.Tensor:
+        return self.experts.quant_method.apply(self.experts, self.expert, self.projection, x)
+
+    def dequantize(self, layer: Any) -> torch.Tensor:
+        return self.experts.quant_method.dequantize(self.experts, self.expert, self.projection)
+
+
+def _expert_projections(model: torch.nn.Module) -> list[_ExpertProjection]:
+    """Every local expert's projections of the model's quantized experts."""
+    from llmplug.layers.moe import FusedExperts
+    from llmplug.quantization import QuantizedExpertsMethod
+
+    found = []
+    for experts in model.modules():
+        if isinstance(experts, FusedExperts) and isinstance(experts.quant_method, QuantizedExpertsMethod):
+            i, h = experts.intermediate_size, experts.hidden_size
+            for e in range(experts.num_local_experts):
+                found += [_ExpertProjection(experts, e, "gate_up_proj", 2 * i, h),
+                          _ExpertProjection(experts, e, "down_proj", h, i)]
+    return found
 
 
 def _relative_error(layer: Any, x: torch.Tensor, rtol: float) -> float:

@@ -14,7 +14,6 @@ from llmplug.layers.moe.experts import FusedExperts
 from llmplug.layers.moe.router import Router
 from llmplug.layers.rowwise import rowwise
 from llmplug.layers.weight_utils import default_weight_loader, frozen_parameter
-from llmplug.quantization.context import check_experts
 
 __all__ = ["SparseMoeBlock"]
 
@@ -44,11 +43,11 @@ class SparseMoeBlock(nn.Module):
         expert_parallel: bool | None = None,
     ) -> None:
         super().__init__()
-        check_experts(_join(prefix, "experts"))  # a quantized checkpoint's method must hold them, or refuse by name
         self.gate = Router(config.router, hidden_size)
         if expert_parallel is None:
             expert_parallel = expert_parallel_enabled()
-        self.experts = FusedExperts(config, hidden_size, expert_parallel)
+        # a quantized checkpoint's method holds the experts packed, or refuses them by name (FusedExperts asks it)
+        self.experts = FusedExperts(config, hidden_size, expert_parallel, _join(prefix, "experts"))
         self.shared_experts = None
         if config.shared_intermediate_size:
             shared = MLPConfig(config.activation, bias=config.shared_bias)
