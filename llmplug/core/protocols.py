@@ -46,7 +46,11 @@ if TYPE_CHECKING:  # no heavy imports at run time
 # 1.11: audio clips in the optional multimodal surface: `audio_token_id` (the placeholder token the model folder's
 #      HF processor expands each clip into; `embed_multimodal` then gets one clip's feature-extractor tensors);
 #      the Whisper encoder block (llmplug.layers.audio)
-PLUGIN_API_VERSION = "1.11"
+# 1.12: quantized mixture-of-experts (`QuantizationConfig.experts_method`, `QuantizedExpertsMethod`); a model class's
+#      optional `hf_config_class` (its config for a model_type transformers does not know) and
+#      `build_hf_processor(model_path, hf_config)` (its own prompt processing); an encoder-decoder model's
+#      `num_encoder_tokens` (the encoder states its requests keep in cross blocks); llmplug.testing.check_attention_backend
+PLUGIN_API_VERSION = "1.12"
 
 
 @runtime_checkable
