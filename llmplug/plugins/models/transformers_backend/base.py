@@ -16,9 +16,9 @@ from transformers import PretrainedConfig
 
 from llmplug.communicators.parallel_state import get_tp_group
 from llmplug.core.errors import ModelLoadError
-from llmplug.layers.weight_utils import default_weight_loader
 from llmplug.plugins.models.transformers_backend import attention
 from llmplug.plugins.models.transformers_backend.checkpoint import converted_weights
+from llmplug.plugins.models.transformers_backend.quantized import apply_quantized_linears, load_dense
 from llmplug.plugins.models.transformers_backend.support import unsupported_reason
 from llmplug.plugins.models.transformers_backend.tensor_parallel import apply_tp_plan
 
@@ -81,7 +81,8 @@ class TransformersModel(nn.Module):
         return attention.ATTN_IMPLEMENTATION if self.paged else None
 
     def _build(self, config: PretrainedConfig) -> nn.Module:
-        """transformers' model on meta, its planned linears made parallel, then materialised on the engine's device."""
+        """transformers' model on meta, its planned linears made parallel and its quantized ones llmplug's layers
+        (quantized.py), then materialised on the engine's device."""
         hf_class = self.hf_class(config)
         if self.paged:
             reason = self.refusal(hf_class, config)
@@ -101,6 +102,7 @@ class TransformersModel(nn.Module):
                                  "tensor_parallel_size=1")
             base = model.base_model
             apply_tp_plan(base, getattr(base.config, "base_model_tp_plan", None), device, hf_class.__name__)
+        apply_quantized_linears(model, config, device)  # a quantized checkpoint's linears hold its packed tensors
         model.to_empty(device=device)
         model.tie_weights()  # to_empty gives tied parameters separate storage again
         _initialize_buffers(model)
@@ -130,7 +132,7 @@ class TransformersModel(nn.Module):
         for name, target, tensor in converted_weights(self.model, kept, set(targets)):
             if target in targets:
                 param = targets[target]
-                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+                getattr(param, "weight_loader", load_dense)(param, tensor)
                 loaded.add(f"model.{target}")
             elif not any(p.search(name) for p in ignored):
                 raise ModelLoadError(
