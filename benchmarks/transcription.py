@@ -41,18 +41,9 @@ DECODER_PROMPT = "<|startoftranscript|><|en|><|transcribe|><|notimestamps|>"
 
 def build_tokenizer():
     """A byte-level BPE with Whisper's special tokens, padded with added tokens to Whisper's vocabulary size."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import WhisperTokenizerFast
+    from llmplug.testing.whisper import tiny_whisper_tokenizer
 
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    bpe.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 4, trainer)
-    eot = SPECIAL[0]
-    tokenizer = WhisperTokenizerFast(tokenizer_object=bpe, unk_token=eot, bos_token=eot, eos_token=eot, pad_token=eot)
-    tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL[1:]})
+    tokenizer = tiny_whisper_tokenizer(SPECIAL)
     tokenizer.add_tokens([f"<|w{i}|>" for i in range(VOCAB - len(tokenizer))])
     return tokenizer
 

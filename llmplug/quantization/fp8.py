@@ -267,18 +267,23 @@ def _scale_loader(layer: LinearBase, scheme: Fp8Scheme, load: Any) -> Any:
     return load_scale
 
 
+def static_input_scale(name: str, loaded: torch.Tensor) -> float:
+    """A checkpoint's static activation scale `name`: one positive, finite float (ModelLoadError naming it)."""
+    if loaded.dtype not in _SCALE_DTYPES or loaded.numel() != 1:
+        raise ModelLoadError(f"{name} is {loaded.dtype} of shape {tuple(loaded.shape)}; a static activation "
+                             "scale is one float32")
+    value = float(loaded)
+    if not math.isfinite(value) or value <= 0:
+        raise ModelLoadError(f"{name} is {value}; a static activation scale is a positive number")
+    return value
+
+
 def _input_scale_parameter(layer: LinearBase) -> torch.nn.Parameter:
     """The static activation scale: one per checkpoint tensor; a fused layer keeps the largest (as vLLM does)."""
     name = f"{layer.prefix}.input_scale"
 
     def load(param: torch.nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
-        if loaded.dtype not in _SCALE_DTYPES or loaded.numel() != 1:
-            raise ModelLoadError(f"{name} is {loaded.dtype} of shape {tuple(loaded.shape)}; a static activation "
-                                 "scale is one float32")
-        value = float(loaded)
-        if not math.isfinite(value) or value <= 0:
-            raise ModelLoadError(f"{name} is {value}; a static activation scale is a positive number")
-        param.data.fill_(max(value, float(param.data)))
+        param.data.fill_(max(static_input_scale(name, loaded), float(param.data)))
 
     param = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
     param.weight_loader = load

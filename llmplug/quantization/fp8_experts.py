@@ -34,7 +34,7 @@ from llmplug.layers.packed_linear import row_plan_for
 from llmplug.layers.row_invariance import RowPlan
 from llmplug.layers.weight_utils import ExpertShard
 from llmplug.quantization.base import QuantizedExpertsMethod
-from llmplug.quantization.fp8 import BLOCK, Fp8Scheme, dequantize_tile, tile_rows
+from llmplug.quantization.fp8 import BLOCK, Fp8Scheme, dequantize_tile, static_input_scale, tile_rows
 
 if TYPE_CHECKING:
     from llmplug.layers.moe.experts import FusedExperts
@@ -177,15 +177,8 @@ def _input_scale(experts: FusedExperts, projection: str) -> torch.nn.Parameter:
 
     def load(param: torch.nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         local = experts.local_expert(shard_id)
-        if local is None:
-            return
-        if loaded.dtype not in _SCALE_DTYPES or loaded.numel() != 1:
-            raise ModelLoadError(f"{name} is {loaded.dtype} of shape {tuple(loaded.shape)}; a static activation "
-                                 "scale is one float32")
-        value = float(loaded)
-        if not math.isfinite(value) or value <= 0:
-            raise ModelLoadError(f"{name} is {value}; a static activation scale is a positive number")
-        param.data[local] = max(value, float(param.data[local]))
+        if local is not None:
+            param.data[local] = max(static_input_scale(name, loaded), float(param.data[local]))
 
     parts = 2 if projection == "gate_up_proj" else 1
     param = torch.nn.Parameter(torch.zeros(experts.num_local_experts), requires_grad=False)

@@ -16,6 +16,8 @@
 - `check_attention_backend`, `AttentionReport`: an attention backend (`llmplug.attention`) against dense attention
   through prompts, chunked prefill, decodes and prefix hits, one scenario per feature it implements, its refusal
   of the others and its batch-invariance claim;
+- `tiny_whisper_tokenizer`: a Whisper tokenizer of a few hundred BPE tokens and Whisper's special tokens, for a
+  tiny random speech checkpoint with the real `WhisperProcessor`;
 - `check_kv_connector`, `KVConnectorReport`: a KV connector (`llmplug.kv_connectors`) through the engine: save/load
   round trip, partial hits, failed loads recomputed, with the tokens of an engine without it.
 
@@ -43,6 +45,7 @@ from llmplug.testing.quantization import (
     save_quantized_checkpoint,
 )
 from llmplug.testing.tiny import TINY_SIZES, TinyCheckpoint, randomize_, save_tiny_checkpoint, tiny_config
+from llmplug.testing.whisper import tiny_whisper_tokenizer
 
 __all__ = [
     "MULTIMODAL_VARIANTS",
@@ -76,4 +79,5 @@ __all__ = [
     "save_quantized_checkpoint",
     "save_tiny_checkpoint",
     "tiny_config",
+    "tiny_whisper_tokenizer",
 ]

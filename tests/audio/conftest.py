@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 import torch
 
+from llmplug.testing.whisper import tiny_whisper_tokenizer
+
 
 def tone(seconds: float, rate: int, hz: float = 440.0, amplitude: float = 0.5) -> np.ndarray:
     """A sine of `hz`, float32 mono samples at `rate`."""
@@ -45,23 +47,6 @@ WHISPER_SPECIAL = ["<|endoftext|>", "<|startoftranscript|>", "<|en|>", "<|de|>",
 WHISPER_PROMPT = "<|startoftranscript|><|en|><|transcribe|><|notimestamps|>"
 
 
-def _whisper_tokenizer():
-    """A byte-level BPE of a few hundred tokens, then Whisper's special tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import WhisperTokenizerFast
-
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    bpe.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 4, trainer)
-    eot = WHISPER_SPECIAL[0]
-    tokenizer = WhisperTokenizerFast(tokenizer_object=bpe, unk_token=eot, bos_token=eot, eos_token=eot, pad_token=eot)
-    tokenizer.add_special_tokens({"additional_special_tokens": WHISPER_SPECIAL[1:]})
-    return tokenizer
-
-
 @pytest.fixture(scope="module")
 def tiny_whisper(tmp_path_factory) -> tuple[Path, torch.nn.Module, object]:
     """(folder, transformers' WhisperForConditionalGeneration, WhisperProcessor) of a tiny random Whisper (d_model 64,
@@ -69,7 +54,7 @@ def tiny_whisper(tmp_path_factory) -> tuple[Path, torch.nn.Module, object]:
     from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration, WhisperProcessor
 
     path = tmp_path_factory.mktemp("tiny-whisper")
-    tokenizer = _whisper_tokenizer()
+    tokenizer = tiny_whisper_tokenizer(WHISPER_SPECIAL)
     processor = WhisperProcessor(feature_extractor=WhisperFeatureExtractor(feature_size=80), tokenizer=tokenizer)
     eot, sot = tokenizer.convert_tokens_to_ids(WHISPER_SPECIAL[:2])
     config = WhisperConfig(
@@ -101,3 +86,15 @@ def whisper_reference(model, processor, clip: np.ndarray, max_new_tokens: int, t
         out = GenerationMixin.generate(model, input_features=features, decoder_input_ids=prompt,
                                        generation_config=config)
     return out[0, prompt.shape[1]:].tolist()
+
+
+@pytest.fixture(scope="module")
+def timed_whisper(tmp_path_factory):
+    """The tiny random Whisper with timestamp tokens and a real generation_config (tests/audio/whisper_fixtures.py),
+    built with one torch thread: transformers' reference runs 10x faster so on a shared 2-core machine."""
+    from tests.audio.whisper_fixtures import SUPPRESSED, build_tiny_whisper
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield build_tiny_whisper(tmp_path_factory.mktemp("tiny-timed-whisper"), SUPPRESSED)
+    torch.set_num_threads(threads)

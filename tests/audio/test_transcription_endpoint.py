@@ -14,28 +14,20 @@ import torch
 from llmplug import LLM, AsyncLLM
 from llmplug.engine.whisper_rules import WhisperRules
 from tests.audio.conftest import encode, noise, tone
-from tests.audio.whisper_fixtures import RATE, SUPPRESSED, TinyWhisper, build_tiny_whisper, reference, reference_text
+from tests.audio.whisper_fixtures import RATE, reference, reference_text
 
 CLIP = np.concatenate([tone(30.0, RATE, hz=330.0), noise(12.0, RATE, seed=1)])  # 42 s: two windows
 SHORT = tone(3.0, RATE)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> TinyWhisper:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # transformers' reference: 10x faster on a shared 2-core machine
-    yield build_tiny_whisper(tmp_path_factory.mktemp("tiny-whisper-http"), SUPPRESSED)
-    torch.set_num_threads(threads)
 
 
 ENGINE = dict(dtype="float32", block_size=4, device={"num_threads": 1}, num_gpu_blocks_override=2048)
 
 
 @pytest.fixture(scope="module")
-def server(tiny):
+def server(timed_whisper):
     from tests.entrypoints.openai.conftest import serve
 
-    engine = AsyncLLM(str(tiny.path), **ENGINE)
+    engine = AsyncLLM(str(timed_whisper.path), **ENGINE)
     try:
         with serve(engine) as running:
             yield running
@@ -62,10 +54,10 @@ def _clock(seconds: float, separator: str) -> str:
     return f"{hours:02d}:{minutes:02d}:{secs:02d}{separator}{millis % 1000:03d}"
 
 
-def test_every_response_format_equals_transformers_per_window_and_llm_transcribe(tiny, server) -> None:
+def test_every_response_format_equals_transformers_per_window_and_llm_transcribe(timed_whisper, server) -> None:
     data, decoded = _wav(CLIP)
-    text = reference_text(tiny, decoded)
-    tokens, segments = reference(tiny, decoded)
+    text = reference_text(timed_whisper, decoded)
+    tokens, segments = reference(timed_whisper, decoded)
     assert len(segments) > 3
     assert _create(server, data, "json").text == text
     assert _create(server, data, "text").strip() == text
@@ -73,11 +65,11 @@ def test_every_response_format_equals_transformers_per_window_and_llm_transcribe
     assert (verbose.task, verbose.language, verbose.duration) == ("transcribe", "en", 42.0)
     assert [(s.start, s.end, s.text) for s in verbose.segments] == [
         (pytest.approx(a, abs=1e-3), pytest.approx(b, abs=1e-3), t) for a, b, t in segments]
-    silence = [tiny.no_speech_prob(decoded[:30 * RATE]), tiny.no_speech_prob(decoded[30 * RATE:])]
+    silence = [timed_whisper.no_speech_prob(decoded[:30 * RATE]), timed_whisper.no_speech_prob(decoded[30 * RATE:])]
     assert [s.no_speech_prob for s in verbose.segments] == [
         pytest.approx(silence[s.seek // 3000], rel=1e-4) for s in verbose.segments]
-    assert [t for s in verbose.segments for t in s.tokens if t != tiny.processor.tokenizer.eos_token_id] == [
-        t for window in tokens for t in window if t != tiny.processor.tokenizer.eos_token_id]
+    assert [t for s in verbose.segments for t in s.tokens if t != timed_whisper.processor.tokenizer.eos_token_id] == [
+        t for window in tokens for t in window if t != timed_whisper.processor.tokenizer.eos_token_id]
     srt = [f"{i}\n{_clock(a, ',')} --> {_clock(b, ',')}\n{t.strip()}\n" for i, (a, b, t) in enumerate(segments, 1)]
     assert _create(server, data, "srt") == "\n".join(srt)
     vtt = [f"{_clock(a, '.')} --> {_clock(b, '.')}\n{t.strip()}\n" for a, b, t in segments]
@@ -86,7 +78,7 @@ def test_every_response_format_equals_transformers_per_window_and_llm_transcribe
     timed = _create(server, data, "verbose_json", timestamp_granularities=["segment"])
     assert [s.text for s in timed.segments] == [t for _, _, t in segments]
     # offline, the same clip gives the same text and segments
-    llm = LLM(str(tiny.path), **ENGINE)
+    llm = LLM(str(timed_whisper.path), **ENGINE)
     assert llm.transcribe(decoded).text == text
     offline = llm.transcribe(decoded, timestamps=True)
     assert [(s.start, s.end, s.text, s.tokens, s.no_speech_prob) for s in offline.segments] == [
@@ -94,12 +86,12 @@ def test_every_response_format_equals_transformers_per_window_and_llm_transcribe
     llm.shutdown()
 
 
-def test_stream_deltas_join_into_the_text_of_the_whole_answer(tiny, server) -> None:
+def test_stream_deltas_join_into_the_text_of_the_whole_answer(timed_whisper, server) -> None:
     data, decoded = _wav(CLIP)
     events = list(_create(server, data, "json", stream=True))
     deltas = [e.delta for e in events if e.type == "transcript.text.delta"]
     assert [e.type for e in events[-1:]] == ["transcript.text.done"] and len(deltas) >= 2  # a window at least each
-    assert "".join(deltas) == events[-1].text == reference_text(tiny, decoded) == _create(server, data, "json").text
+    assert "".join(deltas) == events[-1].text == reference_text(timed_whisper, decoded) == _create(server, data, "json").text
 
 
 class _FailingRules(WhisperRules):
@@ -115,7 +107,7 @@ def _fail_at_third_token(output_token_ids: list[int], logits: torch.Tensor) -> t
     return logits
 
 
-def test_a_failing_window_ends_the_stream_with_an_error_event_and_the_server_goes_on(tiny, server,
+def test_a_failing_window_ends_the_stream_with_an_error_event_and_the_server_goes_on(timed_whisper, server,
                                                                                      monkeypatch) -> None:
     import dataclasses
 
@@ -128,7 +120,7 @@ def test_a_failing_window_ends_the_stream_with_an_error_event_and_the_server_goe
         list(_create(server, data, "json", stream=True))
     assert not isinstance(failed.value, openai.APIStatusError)  # an event of the stream, not an HTTP status
     monkeypatch.undo()
-    assert _create(server, data, "json").text == reference_text(tiny, decoded)
+    assert _create(server, data, "json").text == reference_text(timed_whisper, decoded)
 
 
 @pytest.mark.parametrize("kwargs, param, named", [
@@ -138,7 +130,7 @@ def test_a_failing_window_ends_the_stream_with_an_error_event_and_the_server_goe
     ({"response_format": "srt", "stream": True}, "stream", "segments are not streamed"),
     ({"response_format": "xml"}, "response_format", "'xml' is not one of"),
 ], ids=["word-granularity", "stream-bad-file", "stream-srt", "unknown-format"])
-def test_bad_input_is_a_400_naming_it_and_the_next_request_works(tiny, server, kwargs, param, named) -> None:
+def test_bad_input_is_a_400_naming_it_and_the_next_request_works(timed_whisper, server, kwargs, param, named) -> None:
     import openai
 
     short, decoded = _wav(SHORT)
@@ -146,4 +138,4 @@ def test_bad_input_is_a_400_naming_it_and_the_next_request_works(tiny, server, k
     with pytest.raises(openai.BadRequestError) as refused:
         _create(server, data, **kwargs)
     assert refused.value.body["param"] == param and named in refused.value.body["message"]
-    assert _create(server, short, "json").text == reference_text(tiny, decoded)
+    assert _create(server, short, "json").text == reference_text(timed_whisper, decoded)

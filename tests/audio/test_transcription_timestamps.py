@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from llmplug import LLM, SamplingParams
 from llmplug.core.errors import InvalidRequestError
@@ -18,8 +17,6 @@ from tests.audio.conftest import noise, tone
 from tests.audio.whisper_fixtures import (
     RATE,
     SUPPRESSED,
-    TinyWhisper,
-    build_tiny_whisper,
     reference,
     reference_text,
 )
@@ -29,57 +26,49 @@ SHORT = tone(3.0, RATE)
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> TinyWhisper:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # transformers' reference: 10x faster on a shared 2-core machine
-    yield build_tiny_whisper(tmp_path_factory.mktemp("tiny-whisper-ts"), SUPPRESSED)
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def llm(tiny) -> LLM:
-    return LLM(str(tiny.path), dtype="float32", block_size=4, device={"num_threads": 1},
+def llm(timed_whisper) -> LLM:
+    return LLM(str(timed_whisper.path), dtype="float32", block_size=4, device={"num_threads": 1},
                num_gpu_blocks_override=2048)
 
 
-def test_suppress_rules_keep_the_tokens_of_transformers_generate(tiny, llm) -> None:
-    tokenizer = tiny.processor.tokenizer
+def test_suppress_rules_keep_the_tokens_of_transformers_generate(timed_whisper, llm) -> None:
+    tokenizer = timed_whisper.processor.tokenizer
     suppressed = set(tokenizer.convert_tokens_to_ids(SUPPRESSED))
     result = llm.transcribe(SHORT)
     tokens = list(result.outputs[0].outputs[0].token_ids)
-    assert tokens == tiny.generate(SHORT, timestamps=False)
+    assert tokens == timed_whisper.generate(SHORT, timestamps=False)
     assert not suppressed & set(tokens)
     # the rules matter: the same prompt without them samples suppressed tokens
     plain = llm.generate({"prompt": "<|startoftranscript|><|en|><|transcribe|><|notimestamps|>",
                           "multi_modal_data": {"audio": (SHORT, RATE)}},
                          SamplingParams(temperature=0.0, max_tokens=60))
     assert suppressed & set(plain[0].outputs[0].token_ids)
-    assert result.text == reference_text(tiny, SHORT)
+    assert result.text == reference_text(timed_whisper, SHORT)
 
 
-def test_timestamp_tokens_equal_transformers_per_window_of_a_long_clip(tiny, llm) -> None:
+def test_timestamp_tokens_equal_transformers_per_window_of_a_long_clip(timed_whisper, llm) -> None:
     result = llm.transcribe(CLIP, timestamps=True)
-    tokens, expected = reference(tiny, CLIP)
+    tokens, expected = reference(timed_whisper, CLIP)
     assert [list(o.outputs[0].token_ids) for o in result.outputs] == tokens and len(tokens) == 2
     assert len(expected) > 3 and any(start >= 30.0 for start, _, _ in expected)  # segments in both windows
     assert [(s.start, s.end, s.text) for s in result.segments] == [
         (pytest.approx(a, abs=1e-3), pytest.approx(b, abs=1e-3), text) for a, b, text in expected]
     assert [s.id for s in result.segments] == list(range(len(expected)))
     assert all(s.avg_logprob is not None and s.avg_logprob <= 0 for s in result.segments)
-    silence = [tiny.no_speech_prob(CLIP[:30 * RATE]), tiny.no_speech_prob(CLIP[30 * RATE:])]
+    silence = [timed_whisper.no_speech_prob(CLIP[:30 * RATE]), timed_whisper.no_speech_prob(CLIP[30 * RATE:])]
     assert [s.no_speech_prob for s in result.segments] == [
         pytest.approx(silence[s.seek // 3000], rel=1e-4) for s in result.segments]
     texts = ["".join(s.text for s in result.segments if s.seek == seek).strip() for seek in (0, 3000)]
     assert result.text == " ".join(t for t in texts if t)
 
 
-def test_text_without_timestamps_of_a_long_clip_a_prompt_and_a_translation_equal_transformers(tiny, llm) -> None:
-    assert llm.transcribe(CLIP).text == reference_text(tiny, CLIP)
+def test_text_without_timestamps_of_a_long_clip_a_prompt_and_a_translation_equal_transformers(timed_whisper, llm) -> None:
+    assert llm.transcribe(CLIP).text == reference_text(timed_whisper, CLIP)
     prompt = "the quick brown fox"
     result = llm.transcribe(SHORT, prompt=prompt)
-    assert list(result.outputs[0].outputs[0].token_ids) == tiny.generate(SHORT, timestamps=False, prompt=prompt)
+    assert list(result.outputs[0].outputs[0].token_ids) == timed_whisper.generate(SHORT, timestamps=False, prompt=prompt)
     translated = llm.transcribe(SHORT, task="translate")
-    assert list(translated.outputs[0].outputs[0].token_ids) == tiny.generate(SHORT, timestamps=False, task="translate")
+    assert list(translated.outputs[0].outputs[0].token_ids) == timed_whisper.generate(SHORT, timestamps=False, task="translate")
 
 
 @pytest.mark.parametrize("kwargs, named", [
@@ -88,12 +77,12 @@ def test_text_without_timestamps_of_a_long_clip_a_prompt_and_a_translation_equal
     ({"temperature": 3.0}, "temperature"),
     ({"audio": b"not audio"}, "audio"),
 ])
-def test_bad_options_are_refused_by_name_and_the_next_transcription_works(tiny, llm, kwargs, named) -> None:
+def test_bad_options_are_refused_by_name_and_the_next_transcription_works(timed_whisper, llm, kwargs, named) -> None:
     audio = kwargs.pop("audio", SHORT)
     with pytest.raises(InvalidRequestError) as refused:
         llm.transcribe(audio, **kwargs)
     assert refused.value.param == named
-    assert llm.transcribe(SHORT).text == reference_text(tiny, SHORT)
+    assert llm.transcribe(SHORT).text == reference_text(timed_whisper, SHORT)
 
 
 def test_a_model_that_is_not_whisper_is_refused_by_name(tmp_path) -> None:

@@ -19,6 +19,8 @@ from transformers import (
     WhisperTokenizerFast,
 )
 
+from llmplug.testing.whisper import tiny_whisper_tokenizer
+
 RATE = 16000
 LANGUAGES = ["<|en|>", "<|de|>"]
 SPECIAL = ["<|endoftext|>", "<|startoftranscript|>", *LANGUAGES, "<|translate|>", "<|transcribe|>", "<|startoflm|>",
@@ -83,23 +85,6 @@ class TinyWhisper:
         return tokens, [Segment(float(s["start"]), float(s["end"]), s["tokens"].tolist()) for s in found]
 
 
-def _tokenizer() -> WhisperTokenizerFast:
-    """A byte-level BPE of a few hundred tokens, Whisper's special tokens, then its 1501 timestamp tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    bpe.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 4, trainer)
-    eot = SPECIAL[0]
-    tokenizer = WhisperTokenizerFast(tokenizer_object=bpe, unk_token=eot, bos_token=eot, eos_token=eot, pad_token=eot)
-    tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL[1:]})
-    tokenizer.add_tokens(TIMESTAMPS)  # not special, as in the real tokenizer: decoding keeps them unless asked not to
-    return tokenizer
-
-
 def _generation_config(tokenizer: WhisperTokenizerFast, suppress: list[int]) -> GenerationConfig:
     """Whisper's generation fields, as the real checkpoints' generation_config.json holds them."""
     ids = tokenizer.convert_tokens_to_ids
@@ -117,7 +102,7 @@ def _generation_config(tokenizer: WhisperTokenizerFast, suppress: list[int]) -> 
 def build_tiny_whisper(path: Path, suppress: list[str]) -> TinyWhisper:
     """Write a tiny random Whisper (d_model 64, 2 + 2 layers) whose generation_config suppresses `suppress` (tokens
     of its BPE) into `path`."""
-    tokenizer = _tokenizer()
+    tokenizer = tiny_whisper_tokenizer(SPECIAL, TIMESTAMPS)  # timestamps plain, as in Whisper's
     processor = WhisperProcessor(feature_extractor=WhisperFeatureExtractor(feature_size=80), tokenizer=tokenizer)
     eot, sot = tokenizer.convert_tokens_to_ids(SPECIAL[:2])
     config = WhisperConfig(

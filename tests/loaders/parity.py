@@ -37,12 +37,20 @@ def hf_logits(hf_model: torch.nn.Module, tokens: list[int] = PROMPT) -> torch.Te
         return hf_model(torch.tensor([tokens])).logits[0].float()
 
 
+def greedy(path: Path | str, dtype: str = "float32", **engine: Any) -> list[list[int]]:
+    """Greedy tokens of GREEDY_PROMPTS from the whole engine (LLM) in `dtype`, shut down after."""
+    llm = LLM(str(path), dtype=dtype, skip_tokenizer_init=True, block_size=4, **engine)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in GREEDY_PROMPTS], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
 def our_greedy(path: Path | str, fmt: str, **load_fields: Any) -> list[list[int]]:
     """Greedy tokens of GREEDY_PROMPTS from the whole engine (LLM) with load format `fmt`."""
-    llm = LLM(str(path), dtype="float32", skip_tokenizer_init=True, block_size=4, load={"format": fmt, **load_fields})
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in GREEDY_PROMPTS], params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outputs]
+    return greedy(path, load={"format": fmt, **load_fields})
 
 
 def hf_greedy(hf_model: torch.nn.Module) -> list[list[int]]:

@@ -25,7 +25,7 @@ from llmplug.layers.quantization import LinearOptions
 from llmplug.quantization.context import building_with
 from llmplug.quantization.fp8 import Fp8Config, Fp8LinearMethod, _decode_tile, compressed_tensors_fp8_method
 from llmplug.testing.tiny import TinyCheckpoint, save_tiny_checkpoint, tiny_config
-from tests.loaders.parity import GREEDY_PROMPTS, MAX_TOKENS, hf_greedy, hf_logits, load_model, our_logits
+from tests.loaders.parity import GREEDY_PROMPTS, greedy, hf_greedy, hf_logits, load_model, our_logits
 
 FP8_MAX = 448.0
 BLOCKED = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
@@ -157,18 +157,6 @@ def save_fp8(dense: TinyCheckpoint, path: Path, config: dict, quantize, skip: tu
 
 def fp8_layers(model: torch.nn.Module) -> list[LinearBase]:
     return [m for m in model.modules() if isinstance(m, LinearBase) and isinstance(m.quant_method, Fp8LinearMethod)]
-
-
-def greedy(path: Path, dtype: str) -> list[list[int]]:
-    from llmplug import LLM, SamplingParams
-
-    llm = LLM(str(path), dtype=dtype, skip_tokenizer_init=True, block_size=4)
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-        outputs = llm.generate([{"prompt_token_ids": p} for p in GREEDY_PROMPTS], params, use_tqdm=False)
-    finally:
-        llm.shutdown()
-    return [list(o.outputs[0].token_ids) for o in outputs]
 
 
 @pytest.fixture(scope="module")
@@ -400,14 +388,6 @@ def test_compressed_tensors_settings_not_implemented_are_refused_by_name(weights
 def test_tensor_parallel_fp8_gives_transformers_greedy_tokens(tmp_path):
     """TP=2 on whole blocks: q/k/v and gate/up split by rows (k and v: 64 rows a rank, inside a 128-row scale block,
     which the per-row scales allow), o/down by 128-column blocks (256 and 512 inputs over 2 ranks)."""
-    from llmplug import LLM, SamplingParams
-
     checkpoint = save_fp8(tiny(tmp_path / "dense", dict(ODD, intermediate_size=512), seed=8), tmp_path / "fp8",
                           BLOCKED, blocked)
-    llm = LLM(str(checkpoint.path), dtype="float32", skip_tokenizer_init=True, block_size=4, tensor_parallel_size=2)
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-        outputs = llm.generate([{"prompt_token_ids": p} for p in GREEDY_PROMPTS], params, use_tqdm=False)
-    finally:
-        llm.shutdown()
-    assert [list(o.outputs[0].token_ids) for o in outputs] == hf_greedy(checkpoint.hf_model)
+    assert greedy(checkpoint.path, tensor_parallel_size=2) == hf_greedy(checkpoint.hf_model)

@@ -10,7 +10,6 @@ compressed-tensors' own decompressor. A format whose experts no method holds sta
 
 from __future__ import annotations
 
-import gc
 import json
 import shutil
 from pathlib import Path
@@ -37,7 +36,7 @@ from llmplug.quantization.context import building_with
 from llmplug.quantization.fp8 import Fp8Config
 from llmplug.quantization.gptq import GPTQConfig
 from llmplug.testing.tiny import save_tiny_checkpoint, tiny_config
-from tests.loaders.parity import GREEDY_PROMPTS, MAX_TOKENS, hf_greedy, hf_logits, load_model, our_logits
+from tests.loaders.parity import greedy, hf_greedy, hf_logits, load_model, our_logits
 from tests.quantization.test_fp8 import FP8_MAX, per_block_cast_to_fp8, weight_dequant
 
 FP8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
@@ -45,16 +44,6 @@ EXPERTS = "model.layers.0.mlp.experts"
 # hidden 128 and expert intermediate 128: whole 128x128 blocks, what transformers' fp8 dequantizer takes
 FP8_SIZES = dict(hidden_size=128, moe_intermediate_size=128, head_dim=32, num_experts=4, num_experts_per_tok=2)
 CT_SIZES = dict(hidden_size=64, moe_intermediate_size=64, head_dim=16, num_experts=4, num_experts_per_tok=2)
-
-
-def greedy(path: Path, dtype: str = "float32") -> list[list[int]]:
-    llm = LLM(str(path), dtype=dtype, skip_tokenizer_init=True, block_size=4)
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-        outputs = llm.generate([{"prompt_token_ids": p} for p in GREEDY_PROMPTS], params, use_tqdm=False)
-    finally:
-        llm.shutdown()
-    return [list(o.outputs[0].token_ids) for o in outputs]
 
 
 def generates(path: Path) -> None:
@@ -65,6 +54,14 @@ def generates(path: Path) -> None:
         assert len(out[0].outputs[0].token_ids) == 2
     finally:
         llm.shutdown()
+
+
+def assert_packed_and_greedy_equal(model: torch.nn.Module, path: Path, theirs: torch.nn.Module) -> None:
+    """The loaded `model` holds at most 1.3x the checkpoint's expert bytes, and the engine's greedy tokens on `path`
+    equal transformers' `theirs`."""
+    checkpoint, held = experts_bytes(path), held_experts_bytes(model)
+    assert held <= 1.3 * checkpoint, (held, checkpoint)
+    assert greedy(path) == hf_greedy(theirs)
 
 
 def quantized_folder(dense: Path, path: Path, quantize, quantization_config: dict) -> Path:
@@ -393,11 +390,7 @@ def test_ct_w4a16_moe_logits_and_greedy_tokens_equal_transformers_loading_the_fo
     # the int4 kernel sums in another order (and rounds its scales and zeros once): ulps per weight, as for the
     # linear layers (test_compressed_tensors.py), against > 0.05 for a wrong group, zero or packing
     torch.testing.assert_close(our_logits(model), hf_logits(theirs), atol=1e-3, rtol=0)
-    checkpoint, held = experts_bytes(path), held_experts_bytes(model)
-    assert held <= 1.3 * checkpoint, (held, checkpoint)
-    del model
-    gc.collect()
-    assert greedy(path) == hf_greedy(theirs)
+    assert_packed_and_greedy_equal(model, path, theirs)
 
 
 @needs_int4
@@ -517,11 +510,7 @@ def test_gptq_moe_experts_are_int4_planes_and_match_transformers_on_the_decoded_
         torch.testing.assert_close(experts.quant_method.dequantize(experts, e, "down_proj"),
                                    their_experts.down_proj[e].detach(), atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(our_logits(model), hf_logits(theirs), atol=1e-3, rtol=0)
-    checkpoint, held = experts_bytes(path), held_experts_bytes(model)
-    assert held <= 1.3 * checkpoint, (held, checkpoint)
-    del model
-    gc.collect()
-    assert greedy(path) == hf_greedy(theirs)
+    assert_packed_and_greedy_equal(model, path, theirs)
 
 
 @needs_int4
@@ -561,11 +550,7 @@ def test_awq_moe_experts_match_transformers_on_autoawqs_decoded_weights_and_spli
     experts = model.get_submodule(EXPERTS)
     assert not list(experts.parameters()) and "AWQ" in repr(experts.quant_method)
     torch.testing.assert_close(our_logits(model), hf_logits(theirs), atol=1e-3, rtol=0)
-    checkpoint, held = experts_bytes(path), held_experts_bytes(model)
-    assert held <= 1.3 * checkpoint, (held, checkpoint)
-    del model
-    gc.collect()
-    assert greedy(path) == hf_greedy(theirs)
+    assert_packed_and_greedy_equal(model, path, theirs)
     decode_one = lambda stored: decode({f"w.{k}": v for k, v in stored.items()}, "w")  # noqa: E731
     two_ranks_sum_to_the_experts(AWQConfig.from_config(awq_config(64)), leaves, decode_one, monkeypatch)
 
