@@ -4,8 +4,9 @@ batch-invariant mode), and row plans that keep a row's bits independent of the n
 `F.linear` on a bf16 CPU tensor goes through oneDNN, which re-lays-out ("reorders") the weight into its
 blocked format on every call. For decode-sized inputs that reorder costs as much as the matmul itself:
 on SmolLM2's projections (2 AVX-512 cores) the 30 layers take ~28 ms at 1 token and ~32 ms at 32 tokens
-with `F.linear`, ~12.5 and ~23 ms with the weight packed once after loading. The results are bitwise
-equal to `F.linear` (same kernel, same accumulation order), row by row whatever the batch.
+with `F.linear`, ~12.5 and ~23 ms with the weight packed once after loading. Where oneDNN computes bf16 natively
+the results are bitwise equal to `F.linear` (same kernel, same accumulation order); where it emulates bf16 (an
+ISA cap below AVX512_CORE_BF16) its packed and plain kernels sum in different orders, so bf16 is not packed.
 
 The packed copy sits next to the layer's dense weight, which stays the parameter that loaders, weight
 updates and the tied embedding use; `ModelConfig.prepack_weights=false` turns packing off to save that
@@ -27,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmplug.core.cpuinfo import has_native_bf16
 from llmplug.layers.row_invariance import RowPlan, cached_row_plan, cancelling_weight, find_row_plan
 
 __all__ = [
@@ -40,18 +42,29 @@ log = logging.getLogger(__name__)
 _PACKABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+# the probe of prepack_supported: a projection of SmolLM2's shape at row counts where oneDNN's emulated bf16 kernels
+# (an ISA cap below AVX512_CORE_BF16) sum in another order than F.linear's
+_PROBE_SHAPE, _PROBE_ROWS = (1536, 576), (1, 3, 9, 33)
+
+
 @functools.lru_cache(maxsize=None)
 def prepack_supported(device_type: str, dtype: torch.dtype) -> bool:
-    """True when oneDNN's packed linear runs here for `dtype` and equals F.linear (probed on a tiny weight;
-    float32, where F.linear is MKL's and sums in another order: equal to rounding)."""
+    """True when oneDNN's packed linear runs here for `dtype` and equals F.linear: bf16 only where oneDNN computes
+    it natively (emulated, the packed and the plain kernels sum in different orders), probed on a real projection
+    at several row counts (float32, where F.linear is MKL's and sums in another order: equal to rounding)."""
     if device_type != "cpu" or dtype not in _PACKABLE_DTYPES or not torch.backends.mkldnn.is_available():
         return False
+    if dtype == torch.bfloat16 and not has_native_bf16():
+        return False
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(_PROBE_SHAPE, generator=generator).to(dtype)
     try:
-        weight = torch.randn(16, 32).to(dtype)
-        x = torch.randn(3, 32).to(dtype)
         packed = torch.ops.mkldnn._reorder_linear_weight(weight)
-        got, expected = _packed_linear(x, packed, None), F.linear(x, weight)
-        same = torch.equal(got, expected) if dtype != torch.float32 else torch.allclose(got, expected, atol=1e-5)
+        same = True
+        for rows in _PROBE_ROWS:
+            x = torch.randn(rows, _PROBE_SHAPE[1], generator=generator).to(dtype)
+            got, expected = _packed_linear(x, packed, None), F.linear(x, weight)
+            same &= torch.equal(got, expected) if dtype != torch.float32 else torch.allclose(got, expected, atol=1e-4)
     except (RuntimeError, NotImplementedError, AttributeError) as error:
         log.info("oneDNN packed linear unavailable for %s: %s", dtype, error)
         return False

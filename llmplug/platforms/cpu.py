@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from llmplug.core.cpuinfo import cpu_flags
+from llmplug.core.cpuinfo import has_native_bf16
 from llmplug.core.errors import ConfigError
 from llmplug.platforms.base import BasePlatform
 from llmplug.platforms.cpu_threads import threads_per_process
@@ -17,36 +17,7 @@ if TYPE_CHECKING:
 
 __all__ = ["CpuPlatform"]
 
-# CPU flags of native bf16 arithmetic: x86 AVX512-BF16 / AMX-BF16, Arm's BF16 extension
-_NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 _UNLIMITED_CGROUP_MEMORY = 1 << 60  # cgroup v1 reports "no limit" as a number near 2**63
-
-
-def _torch_cpu_flags() -> set[str]:
-    """The CPU capabilities torch detected (torch.cpu.get_capabilities, recent torch only), as a set of names."""
-    import torch
-
-    get_capabilities = getattr(torch.cpu, "get_capabilities", None)
-    if get_capabilities is None:
-        return set()
-    return {name for name, present in get_capabilities().items() if present is True}
-
-
-# oneDNN ISA caps (ONEDNN_MAX_CPU_ISA) under which its kernels may use the CPU's bf16 instructions
-_BF16_ISA_CAPS = frozenset({
-    "AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX10_1_512", "AVX512_CORE_AMX", "AVX10_1_512_AMX",
-    "AVX512_CORE_AMX_FP16", "AVX10_1_512_AMX_FP16", "AVX10_2_512", "AVX10_2_512_AMX_2", "ALL", "DEFAULT",
-})
-
-
-def has_native_bf16() -> bool:
-    """Whether bf16 is computed in hardware here (else it is emulated and slower than float32): the CPU has the
-    instructions and oneDNN's ISA cap (`ONEDNN_MAX_CPU_ISA`, if set) lets its kernels use them."""
-    cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
-    if cap and cap.upper() not in _BF16_ISA_CAPS:
-        return False
-    # /proc/cpuinfo first: it answers on Linux without importing torch
-    return bool(_NATIVE_BF16_FLAGS & cpu_flags()) or bool(_NATIVE_BF16_FLAGS & _torch_cpu_flags())
 
 
 def _meminfo() -> dict[str, int]:
