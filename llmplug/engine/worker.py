@@ -112,8 +112,10 @@ class Worker:
         self.model_runner.load_model()
 
     def determine_num_blocks(self) -> int:
-        """How many KV blocks this worker can hold: explicit count, memory budget, or free memory, less the
-        recurrent-state slots (allocated first: every request that runs needs one)."""
+        """How many KV blocks this worker can hold: the explicit count; else a byte budget (cache.kv_cache_memory,
+        which the CPU platform sets by default) less the recurrent-state slots (allocated first: every request
+        that runs needs one), turned into no more blocks than the engine can use; else what a memory profile or
+        the free memory leaves (the engine caps those)."""
         cache = self.config.cache
         spec = self.model_runner.kv_cache_spec()
         if cache.num_blocks is not None:
@@ -127,9 +129,24 @@ class Worker:
         budget -= self._state_bytes(spec, budget)
         if not spec.block_bytes:  # no attention layer: blocks hold nothing and only count tokens
             return self._max_useful_blocks()
+        if cache.kv_cache_memory is not None:
+            return self._blocks_within_budget(spec, budget)
         num_blocks = max(budget // spec.block_bytes, 0)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, spec.block_size,
                     num_blocks * spec.block_bytes / 2**20)
+        return int(num_blocks)
+
+    def _blocks_within_budget(self, spec: KVCacheSpec, budget: int) -> int:
+        """The blocks `budget` bytes hold, at most what max_num_seqs requests of max_model_len tokens can touch: a
+        byte budget is a ceiling (every block is allocated zero-filled, so resident, at start). Logs which bound
+        held."""
+        useful = self._max_useful_blocks()
+        num_blocks = min(max(budget // spec.block_bytes, 0), useful)
+        mib = 2**-20
+        demand = f"max_num_seqs {self.config.scheduler.max_num_seqs} x {self._request_shape()} = {useful} blocks"
+        bound = "under" if num_blocks == useful else f"({useful * spec.block_bytes * mib:.0f} MiB) capped by"
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB): %s %s the budget of %.0f MiB (cache.kv_cache_memory)",
+                    num_blocks, spec.block_size, num_blocks * spec.block_bytes * mib, demand, bound, budget * mib)
         return int(num_blocks)
 
     def _state_bytes(self, spec: KVCacheSpec, budget: int) -> int:
@@ -146,9 +163,27 @@ class Worker:
         return spec.state_bytes
 
     def _max_useful_blocks(self) -> int:
-        """Blocks for max_num_seqs requests of max_model_len tokens (the engine uses no more)."""
-        max_model_len = self.config.model.max_model_len or context_length_of(self.model_runner.hf_config)
-        return self.config.scheduler.max_num_seqs * -(-max_model_len // self.config.cache.block_size)
+        """Blocks for max_num_seqs requests of max_model_len tokens, each with its cross blocks (an encoder-decoder
+        model's encoder states, kv_cache.py): the engine uses no more (EngineCore caps the pool there too)."""
+        block_size = self.config.cache.block_size
+        blocks_per_seq = -(-self._max_model_len() // block_size) + -(-self._num_encoder_tokens() // block_size)
+        return self.config.scheduler.max_num_seqs * blocks_per_seq
+
+    def _max_model_len(self) -> int:
+        """model.max_model_len, else the model's own limit (its position table, else its config's context length)."""
+        runner = self.model_runner
+        return (self.config.model.max_model_len or getattr(runner.model, "max_positions", None)
+                or context_length_of(runner.hf_config))
+
+    def _num_encoder_tokens(self) -> int:
+        """The encoder states each request of an encoder-decoder model keeps in cross blocks (0 for any other)."""
+        return getattr(self.model_runner.model, "num_encoder_tokens", 0)
+
+    def _request_shape(self) -> str:
+        """One request's most tokens, in words: "max_model_len N" (+ its encoder tokens where it has any)."""
+        encoder = self._num_encoder_tokens()
+        shape = f"max_model_len {self._max_model_len()}"
+        return f"({shape} + {encoder} encoder tokens)" if encoder else shape
 
     def profile_memory(self) -> MemoryProfile:
         """Run a dummy step at the engine's limits and measure the device memory around it.

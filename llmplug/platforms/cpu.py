@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import TYPE_CHECKING
 
@@ -16,6 +17,8 @@ if TYPE_CHECKING:
     from llmplug.core.config import EngineConfig
 
 __all__ = ["CpuPlatform"]
+
+logger = logging.getLogger(__name__)
 
 _UNLIMITED_CGROUP_MEMORY = 1 << 60  # cgroup v1 reports "no limit" as a number near 2**63
 
@@ -61,7 +64,22 @@ def _sysconf_bytes(pages_name: str) -> int:
         ) from error
 
 
+# vLLM's CPU default (VLLM_CPU_KVCACHE_SPACE=4): at most this much KV cache when nothing sizes it
 DEFAULT_KV_CACHE_BYTES = 4 * 2**30
+
+
+def default_kv_cache_memory(available: int) -> int:
+    """The CPU's default KV-cache budget: a quarter of the `available` bytes, at most DEFAULT_KV_CACHE_BYTES; logged
+    with the bound that held. The worker turns it into no more blocks than the engine can use."""
+    quarter, mib = available // 4, 2**-20
+    budget = min(DEFAULT_KV_CACHE_BYTES, quarter)
+    if quarter < DEFAULT_KV_CACHE_BYTES:
+        bound = f"a quarter of the {available * mib:.0f} MiB free (at most {DEFAULT_KV_CACHE_BYTES * mib:.0f} MiB)"
+    else:
+        bound = f"the CPU default (a quarter of the {available * mib:.0f} MiB free is more)"
+    logger.info("KV-cache budget: %.0f MiB, %s; set cache.kv_cache_memory or cache.num_blocks to choose",
+                budget * mib, bound)
+    return budget
 
 
 class CpuPlatform(BasePlatform):
@@ -91,13 +109,15 @@ class CpuPlatform(BasePlatform):
     def check_and_update_config(cls, config: EngineConfig) -> None:
         """Base checks, the default `device.num_threads` (the CPUs split among the engine's workers) and
         a default KV-cache budget: the model shares host memory with everything else, so the cache takes
-        a quarter of what is free, at most `DEFAULT_KV_CACHE_BYTES`, rather than a fraction of all RAM."""
+        a quarter of what is free, at most `DEFAULT_KV_CACHE_BYTES`, rather than a fraction of all RAM
+        (`memory_fraction` is not used on the CPU); the worker allocates no more blocks than
+        max_num_seqs requests of max_model_len tokens can use."""
         super().check_and_update_config(config)
         if config.device.num_threads is None:
             config.device.num_threads = threads_per_process(cls.num_cpu_processes(config))
         cache = config.cache
         if cache.num_blocks is None and cache.kv_cache_memory is None:
-            cache.kv_cache_memory = min(DEFAULT_KV_CACHE_BYTES, cls.available_memory() // 4)
+            cache.kv_cache_memory = default_kv_cache_memory(cls.available_memory())
 
     @staticmethod
     def num_cpu_processes(config: EngineConfig) -> int:

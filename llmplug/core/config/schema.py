@@ -176,9 +176,16 @@ class CacheConfig(_Section):
 
     block_size: int = Field(16, gt=0, description="Tokens per KV-cache block.")
     num_blocks: int | None = Field(None, gt=0, description="Exact number of KV blocks (overrides the memory budget).")
-    kv_cache_memory: int | None = Field(None, gt=0, description="KV-cache memory budget in bytes.")
+    kv_cache_memory: int | None = Field(
+        None, gt=0,
+        description="KV-cache memory budget in bytes (recurrent state included), allocated at start; never turned "
+        "into more blocks than max_num_seqs requests of max_model_len tokens can use. Default on the CPU: a quarter "
+        "of the free memory, at most 4 GiB (vLLM's VLLM_CPU_KVCACHE_SPACE).",
+    )
     memory_fraction: float = Field(
-        0.9, gt=0, le=1, description="Fraction of device memory for weights + KV cache when no budget is given."
+        0.9, gt=0, le=1,
+        description="Fraction of device memory for weights + KV cache when no budget is given (accelerators; unused "
+        "on the CPU, which always sets kv_cache_memory).",
     )
     enable_prefix_caching: bool = Field(
         True,
