@@ -29,10 +29,10 @@ from throughput import load_tokenizer, make_prompts  # noqa: E402 - benchmarks/ 
 # batch-invariant mode int4 serves calls of at most 8 rows, so that mode is measured one stream at a time
 MODES = [
     ("none, float32 (reference)", {"dtype": "float32", "quantization": "none"}),
-    ("none, bf16 (the default)", {"dtype": "bfloat16", "quantization": "none"}),
-    ("auto, one stream (dense prompt, int4 decode)", {"dtype": "bfloat16", "quantization": "auto", "max_num_seqs": 1}),
-    ("auto + batch_invariant (int4 at every size)", {"dtype": "bfloat16", "quantization": "auto",
-                                                     "batch_invariant": True}),
+    ("none, bf16 (dense)", {"dtype": "bfloat16", "quantization": "none"}),
+    ("auto, bf16 (the default: dense prompt, int4 generated tokens)", {"dtype": "bfloat16"}),
+    ("auto, no batch invariance, one stream (int4 for calls of <= 8 tokens)",
+     {"dtype": "bfloat16", "quantization": "auto", "batch_invariant": False, "max_num_seqs": 1}),
     ("int4 + batch_invariant (LM head requantized)", {"dtype": "bfloat16", "quantization": "int4",
                                                       "batch_invariant": True}),
     ("int8 (w8a8: per-channel weights, per-token activations)", {"dtype": "bfloat16", "quantization": "int8"}),

@@ -9,9 +9,9 @@ C clients each send `--requests-per-client` streaming chat requests back to back
 tokens at most). Reported per engine and C: requests/s, output tokens/s, time to first token (TTFT) and
 inter-token latency (ITL, the gaps between streamed chunks), median and p99, and llmplug/transformers
 ratios (throughput: higher is better for llmplug when > 1; latency: lower is better when < 1).
-Three llmplug rows: `llmplug` (the default, dense weights), `llmplug-int8` (`--quantization int8`) and, on
-request, `llmplug-int4` (`--quantization auto` on the GGUF itself: its own 4-bit blocks for decode, as
-llama-server reads them). Data parallelism, on request: `llmplug-dp2` (`--data-parallel-size 2`: two replicas,
+Three llmplug rows: `llmplug` (the default engine on the dense export), `llmplug-int8` (`--quantization int8`)
+and, on request, `llmplug-int4` (the GGUF itself with the defaults, `--quantization auto`: its own 4-bit blocks
+for generated tokens, prompts dense, as llama-server reads them). Data parallelism, on request: `llmplug-dp2` (`--data-parallel-size 2`: two replicas,
 each pinned to half of the cores with one thread per core) against `llmplug` (one engine, all cores), with the
 ratio table and whether their greedy answers are identical:
 
@@ -119,8 +119,8 @@ def llama_server_binary() -> str | None:
     return str(beside) if beside.is_file() else shutil.which("llama-server")
 
 
-# llmplug's rows: the default (dense) engine, the opt-in int8 weights and activations, and the GGUF's own int4
-# blocks for decode (docs/quantization.md)
+# llmplug's rows: the default engine on the dense export, int8 weights and activations, and the GGUF itself with
+# the defaults: its own int4 blocks for generated tokens (docs/quantization.md)
 LLMPLUG_ENGINES: dict[str, list[str]] = {
     "llmplug": [], "llmplug-int8": ["--quantization", "int8"], "llmplug-int4": ["--quantization", "auto"],
     "llmplug-dp2": ["--data-parallel-size", "2"],

@@ -5,8 +5,9 @@
     python benchmarks/throughput.py --model DIR --num-prompts 32 --output-len 128
 
 Reports output tokens/s of each engine for a batch of prompts and for one stream, prefill tokens/s
-(the batch's prompt tokens, one output token each; prefix cache off), and the ratios; llmplug both with
-its default dense weights and with `quantization: int8` (docs/quantization.md). With --compile
+(the batch's prompt tokens, one output token each; prefix cache off), and the ratios; llmplug with its
+defaults (for a GGUF of exact int4 blocks, as the default model: generated tokens in int4, prompts dense), with
+dense weights (`quantization: none`, GGUF only) and with `quantization: int8` (docs/quantization.md). With --compile
 also llmplug with `device.compile` (compiled in the warm-up, not timed); with --cpu-clock every row is
 timed in CPU seconds of the process, steadier when other jobs share the machine.
 
@@ -48,7 +49,7 @@ def make_prompts(tokenizer, num_prompts: int) -> list[list[int]]:
 
 
 def bench_llmplug(model: str, prompts: list[list[int]], output_len: int, dtype: str,
-                  quantization: str = "none", clock=time.perf_counter, **engine) -> float:
+                  quantization: str = "auto", clock=time.perf_counter, **engine) -> float:
     from llmplug import LLM, SamplingParams
 
     llm = LLM(model=model, dtype=dtype, max_num_seqs=max(len(prompts), 1), quantization=quantization, **engine)
@@ -196,6 +197,8 @@ def main() -> int:
 
     clock = time.process_time if args.cpu_clock else time.perf_counter
     variants = {"llmplug": {}, "llmplug int8": {"quantization": "int8"}}
+    if model.endswith(".gguf"):  # the default decodes the GGUF's own 4-bit blocks: dense beside it
+        variants["llmplug dense"] = {"quantization": "none"}
     variants |= {"llmplug compiled": {"device.compile": True}} if args.compile else {}
     for name, engine in variants.items():
         engine = {**engine, "enable_prefix_caching": False, "clock": clock}  # the aims are stated cache off
@@ -203,8 +206,6 @@ def main() -> int:
         record(f"{name} prefill", bench_llmplug(model, batch, 1, args.dtype, **engine))
         record(f"{name} batch", bench_llmplug(model, batch, args.output_len, args.dtype, **engine))
         record(f"{name} single", bench_llmplug(model, single, args.output_len, args.dtype, **engine))
-    if model.endswith(".gguf"):  # the GGUF's own 4-bit blocks, as llama.cpp runs them
-        record("llmplug single int4", bench_llmplug(model, single, args.output_len, args.dtype, "auto", clock=clock))
     llama_cpp = load_llama_cpp(model) if model.endswith(".gguf") else None
     if llama_cpp is not None:
         record("llama.cpp prefill", bench_llama_cpp(llama_cpp, batch, 1, clock=clock))
@@ -227,7 +228,8 @@ def main() -> int:
         ratios["single int8: llmplug / llama.cpp"] = rows["llmplug int8 single"] / rows["llama.cpp single"]
         ratios["prefill int8: llmplug / llama.cpp"] = rows["llmplug int8 prefill"] / rows["llama.cpp prefill"]
         ratios["single: llmplug / llama.cpp"] = rows["llmplug single"] / rows["llama.cpp single"]
-        ratios["single int4: llmplug / llama.cpp"] = rows["llmplug single int4"] / rows["llama.cpp single"]
+        if "llmplug dense single" in rows:
+            ratios["single dense: llmplug / llama.cpp"] = rows["llmplug dense single"] / rows["llama.cpp single"]
         ratios["prefill: llmplug / llama.cpp"] = rows["llmplug prefill"] / rows["llama.cpp prefill"]
     if args.compile:
         for kind in ("prefill", "batch", "single"):

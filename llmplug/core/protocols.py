@@ -50,7 +50,9 @@ if TYPE_CHECKING:  # no heavy imports at run time
 #      optional `hf_config_class` (its config for a model_type transformers does not know) and
 #      `build_hf_processor(model_path, hf_config)` (its own prompt processing); an encoder-decoder model's
 #      `num_encoder_tokens` (the encoder states its requests keep in cross blocks); llmplug.testing.check_attention_backend
-PLUGIN_API_VERSION = "1.12"
+# 1.13: Int4LinearMethod's rows="generated" (int4 for generated tokens, prompts dense: the default for exact int4
+#      checkpoints, batch invariant) and the step's `GeneratedRows` in the forward context (current_generated_rows)
+PLUGIN_API_VERSION = "1.13"
 
 
 @runtime_checkable

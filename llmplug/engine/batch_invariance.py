@@ -15,11 +15,12 @@ def resolve_batch_invariant(config: EngineConfig, platform: type, registry: Plug
     """Turn `model.batch_invariant: auto` into True or False; refuse True where it cannot hold.
 
     auto is on where the platform's kernels, the attention backend and the model implement the mode and nothing
-    in the config asks for a kernel chosen per batch (int4 copies, the compiled forward) or runs without a KV
-    cache (pooling). int8 weights (an exact integer matmul, per-token activation scales) keep it. With int4 copies the mode holds when asked for (True): each int4 layer then computes every
-    token count with the int4 kernel (probed row invariant per shape; a layer that fails stays dense). auto
-    leaves it off there, because int4 prefill answers less well than the dense prefill of the default switch
-    (docs/quantization.md, "Accuracy"). `config.device.attention_backend` must already be resolved by the platform.
+    in the config asks for a kernel chosen per batch (the compiled forward, quantization=int4's quantized prompts)
+    or runs without a KV cache (pooling). int8 weights (an exact integer matmul, per-token activation scales) keep
+    it, and so do quantization=auto's int4 copies: an int4 layer then computes the generated tokens with its int4
+    copy and the prompts densely, a kernel chosen by a token's position, never by its batch (both kernels probed row
+    invariant per shape; a layer that fails stays dense). quantization=int4 holds the mode when asked for (True):
+    every token count in int4. `config.device.attention_backend` must already be resolved by the platform.
     """
     model = config.model
     backend = registry.load("llmplug.attention", config.device.attention_backend or "torch_sdpa")
@@ -30,7 +31,7 @@ def resolve_batch_invariant(config: EngineConfig, platform: type, registry: Plug
             f"platform {platform.name!r}": not getattr(platform, "batch_invariant_kernels", False),
             f"attention backend {backend.name!r}": not backend_invariant,
             f"quantization={model.quantization!r} (int4 at every size only when asked: batch_invariant=true)":
-                model.quantization in ("auto", "int4"),
+                model.quantization == "int4",
             "device.compile": config.device.compile,
             "runner 'pooling'": model.runner == "pooling",
             f"this model ({model_gap})": model_gap is not None,

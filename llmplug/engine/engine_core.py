@@ -66,7 +66,7 @@ class EngineCore:
             if self.pooling
             else KVCacheManager(
                 num_blocks, cache.block_size, cache.enable_prefix_caching, self.model_info["num_state_slots"],
-                self.model_info.get("bidirectional_spans"),
+                self.model_info.get("bidirectional_spans"), self.model_info.get("splits_generated_rows", False),
             )
         )
         sched = config.scheduler

@@ -6,7 +6,8 @@ so equal hashes mean equal prefixes. What the tokens alone do not say enters as 
 (`block_extra_keys`): the LoRA adapter's id and load; for a prompt given as embeddings, the digest of its rows in
 the block; for a multimodal prompt, the content hash of each image whose placeholders fall in the block — never
 only placeholder tokens. A model with bidirectional spans (multimodal.bidirectional_spans) never gets a hit that ends
-inside one, and a prompt block of one whose whole prompt is a span is named with the prompt's length. Freed
+inside one, and a prompt block of one whose whole prompt is a span is named with the prompt's length; so is a block
+holding generated tokens of a model that computes them with other kernels than prompts (int4 decode). Freed
 blocks keep their hash and stay reusable until the pool needs them again; the least recently freed is
 evicted first.
 
@@ -254,7 +255,7 @@ class KVCacheManager:
 
     def __init__(
         self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_state_slots: int = 0,
-        bidirectional_spans: str | None = None,
+        bidirectional_spans: str | None = None, splits_generated_rows: bool = False,
     ) -> None:
         if block_size <= 0:
             raise ConfigError(f"block_size={block_size} must be positive")
@@ -264,6 +265,8 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.span_kind = bidirectional_spans  # the model's (multimodal.bidirectional_spans): no hit ends inside one
+        # the model computes generated tokens with other kernels than prompts (int4 decode): see _generated_key
+        self.splits_generated_rows = splits_generated_rows
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.state_pool = StateSlotPool(num_state_slots)
         self.state_slots: dict[str, int] = {}  # request id -> its state slot (models with recurrent mixers)
@@ -453,6 +456,7 @@ class KVCacheManager:
         parent = hashes[-1] if hashes else None
         for i in range(len(hashes), num_full_blocks):
             extra = block_extra_keys(request, i, size) + self._prompt_span_key(request, i)
+            extra += self._generated_key(request, i)
             parent = hash_block(parent, tuple(tokens[i * size : (i + 1) * size]), extra)
             hashes.append(parent)
         return hashes
@@ -463,6 +467,14 @@ class KVCacheManager:
         if self.span_kind != "prompt" or block * self.block_size >= request.num_prompt_tokens:
             return ()
         return (("prompt", request.num_prompt_tokens),)
+
+    def _generated_key(self, request: Request, block: int) -> tuple:
+        """A model whose generated tokens take other kernels than its prompts (int4 decode, prompts dense): the K/V of
+        a block holding generated positions depend on where its request's prompt ended, so its name (and the names
+        chained after it) holds the prompt's length; blocks wholly inside a prompt stay shared with any prompt."""
+        if not self.splits_generated_rows or (block + 1) * self.block_size <= request.num_prompt_tokens:
+            return ()
+        return (("generated after", request.num_prompt_tokens),)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, cross blocks and state slot; cached blocks stay reusable until evicted."""

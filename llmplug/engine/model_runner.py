@@ -29,7 +29,8 @@ from llmplug.layers.attention import bind_kv_cache
 from llmplug.layers.attention.cross_attention import CrossAttentionBatch, CrossBlocks
 from llmplug.layers.compiled_forward import CompiledForward
 from llmplug.layers.attention.spans import check_spans_supported
-from llmplug.layers.forward_context import BidirectionalSpan, CommonAttentionMetadata, forward_context
+from llmplug.layers.forward_context import BidirectionalSpan, CommonAttentionMetadata, GeneratedRows, forward_context
+from llmplug.layers.quantization import splits_generated_rows
 from llmplug.layers.recurrent import (
     RecurrentMetadata,
     allocate_state_cache,
@@ -75,6 +76,9 @@ class KVCacheSpec:
         return self.num_state_slots * self.state_slot_bytes
 
 
+_NO_PROMPT = np.iinfo(np.int64).max  # the prompt length of a request the runner holds no prompt for
+
+
 @dataclass(slots=True)
 class BatchInputs:
     """The flattened inputs of one step."""
@@ -85,6 +89,7 @@ class BatchInputs:
     sample_indices: torch.Tensor  # [S] positions in T whose hidden states produce logits
     sample_req_ids: list[str]
     recurrent: RecurrentMetadata | None = None  # models with recurrent mixers: each request's state slot
+    generated_rows: GeneratedRows | None = None  # models whose layers pick a kernel per position: which rows
 
 
 class ModelRunner:
@@ -119,6 +124,7 @@ class ModelRunner:
         # M-RoPE models (layers/mrope.py): each running request's prompt positions [3, P] and decode delta
         self.mrope_positions: dict[str, tuple[np.ndarray, int]] = {}
         self.span_kind: str | None = None  # the model's bidirectional_spans, set by load_model
+        self.splits_generated_rows = False  # int4 copies for generated tokens only: steps name those rows
 
     # ---- set-up -------------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -143,6 +149,7 @@ class ModelRunner:
         self.deepstack_layers = getattr(self.model, "deepstack_layers", 0)  # its image rows are wider (encoder_cache)
         # prompt spans attending both ways (multimodal.bidirectional_spans): Gemma 3's images, PaliGemma's prompt
         self.span_kind = getattr(self.model, "bidirectional_spans", None)
+        self.splits_generated_rows = splits_generated_rows(self.model)
         if self.span_kind is not None:
             check_spans_supported(type(self.model).__name__, self.attn_backend, self._attention_layers())
         # what a step calls: the model, or its forward captured by torch.compile (device.compile)
@@ -371,9 +378,15 @@ class ModelRunner:
         if self.num_state_slots:
             slots = np.fromiter((r.state_slot for r in reqs), dtype=np.int64, count=len(reqs))
             recurrent = build_recurrent_metadata(query_lens, computed, slots, self.device)
+        generated = None
+        if self.splits_generated_rows:  # a row is a generated token where its position is past its prompt
+            prompts = (self.prompt_token_ids.get(r.req_id) for r in reqs)  # none for the profile run's: all prompt
+            prompt_lens = np.fromiter((_NO_PROMPT if p is None else len(p) for p in prompts), dtype=np.int64,
+                                      count=len(reqs))
+            generated = GeneratedRows.from_mask(positions >= prompt_lens[req_index])
         return BatchInputs(
             on_device["input_ids"], on_device["positions"], common, on_device["sample_indices"], sample_req_ids,
-            recurrent,
+            recurrent, generated,
         )
 
     def _step_spans(self, reqs: list[ScheduledRequest], query_start_loc: np.ndarray) -> tuple[BidirectionalSpan, ...]:
@@ -422,7 +435,7 @@ class ModelRunner:
             model_kwargs["cross_attention"], encoder_failed = self._cross_attention(requests)
             mm_failed.update(encoder_failed)
         try:
-            with forward_context(attn_metadata, batch.recurrent, lora_mapping):
+            with forward_context(attn_metadata, batch.recurrent, lora_mapping, batch.generated_rows):
                 embeds_chunks = self._prompt_embeds_chunks(requests) + mm_chunks
                 if embeds_chunks:  # (embedding lookups may be LoRA-adapted: inside the step's context)
                     model_kwargs["inputs_embeds"] = step_inputs_embeds(
@@ -443,7 +456,7 @@ class ModelRunner:
         if not batch.sample_req_ids:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], prompt_logprobs=prompt_logprobs,
                                      failed=mm_failed)
-        logits = self._compute_logits(hidden_states, batch.sample_indices, lora_mapping)
+        logits = self._compute_logits(hidden_states, batch.sample_indices, lora_mapping, batch.generated_rows)
         req_ids = batch.sample_req_ids
         drafts = {r.req_id: r for r in scheduler_output.requests if r.spec_token_ids}
         if drafts:  # speculative decoding: verify the drafts, sample the other requests as usual
@@ -578,13 +591,15 @@ class ModelRunner:
         return self.lora_manager.mapping(loras, np.asarray(batch.common.query_lens_list, dtype=np.int64))
 
     def _compute_logits(
-        self, hidden_states: torch.Tensor, rows: torch.Tensor | slice, lora_mapping: LoRAMapping | None
+        self, hidden_states: torch.Tensor, rows: torch.Tensor | slice, lora_mapping: LoRAMapping | None,
+        generated: GeneratedRows | None = None,
     ) -> torch.Tensor:
         """The logits of `rows` of the step's hidden states; an LM head adapted by a LoRA adapter sees
-        which adapter each row's request uses."""
-        if lora_mapping is None:
+        which adapter each row's request uses, one with int4 rows for generated tokens which rows those are."""
+        if lora_mapping is None and generated is None:
             return self.model.compute_logits(hidden_states[rows])
-        with forward_context(None, lora_mapping=lora_mapping.rows(rows)):
+        with forward_context(None, lora_mapping=None if lora_mapping is None else lora_mapping.rows(rows),
+                             generated_rows=None if generated is None else generated.rows(rows)):
             return self.model.compute_logits(hidden_states[rows])
 
     def _prompt_logprobs(

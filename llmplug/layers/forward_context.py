@@ -7,6 +7,7 @@ import contextvars
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+import numpy as np
 import torch
 
 
@@ -48,6 +49,38 @@ class CommonAttentionMetadata:
     bidirectional_spans: tuple[BidirectionalSpan, ...] = ()
 
 
+@dataclass(slots=True, frozen=True)
+class GeneratedRows:
+    """Which rows of a call are generated tokens: positions at or past their request's prompt. A layer whose kernel
+    is chosen per position (int4 decode with dense prompts, layers/quantization.py) computes these rows with one
+    kernel and the others with another, so a token's bits depend on its position only, never on its batch."""
+
+    mask: np.ndarray  # [M] bool, host side: True where the row is a generated token
+    index: torch.Tensor  # [count] int64, the generated rows
+    prompt_index: torch.Tensor  # [M - count] int64, the other rows
+
+    @classmethod
+    def from_mask(cls, mask: np.ndarray) -> "GeneratedRows":
+        """The split of `mask`'s rows (host-side bools)."""
+        mask = np.asarray(mask, dtype=bool)
+        return cls(mask, torch.from_numpy(np.flatnonzero(mask)), torch.from_numpy(np.flatnonzero(~mask)))
+
+    @property
+    def num_rows(self) -> int:
+        """M: the rows of the call this split describes."""
+        return len(self.mask)
+
+    @property
+    def count(self) -> int:
+        """How many rows are generated tokens."""
+        return len(self.index)
+
+    def rows(self, rows: torch.Tensor | slice) -> "GeneratedRows":
+        """The split of `rows` of this call (the LM head's sampled rows, a prompt-logprobs slice)."""
+        picked = self.mask[rows] if isinstance(rows, slice) else self.mask[rows.cpu().numpy()]
+        return GeneratedRows.from_mask(picked)
+
+
 @dataclass(slots=True)
 class ForwardContext:
     """What the layers of one forward pass see: the attention backend's metadata for this step; for
@@ -58,6 +91,7 @@ class ForwardContext:
     virtual_engine: int = 0
     recurrent_metadata: Any = None  # RecurrentMetadata; None for models without recurrent mixers
     lora_mapping: Any = None  # llmplug.lora.layers.LoRAMapping; None: no token uses an adapter
+    generated_rows: GeneratedRows | None = None  # set where a layer picks its kernel per position; else None
 
 
 # A context variable, not a module global: engines stepping in different threads (AsyncLLM runs its
@@ -67,11 +101,14 @@ _current: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar
 
 @contextlib.contextmanager
 def forward_context(
-    attn_metadata: Any, recurrent_metadata: Any = None, lora_mapping: Any = None
+    attn_metadata: Any, recurrent_metadata: Any = None, lora_mapping: Any = None,
+    generated_rows: GeneratedRows | None = None,
 ) -> Iterator[ForwardContext]:
-    """Make `attn_metadata` (and `recurrent_metadata`, the LoRA mapping) visible to the layers for the duration
-    of one forward pass."""
-    context = ForwardContext(attn_metadata, recurrent_metadata=recurrent_metadata, lora_mapping=lora_mapping)
+    """Make `attn_metadata` (and `recurrent_metadata`, the LoRA mapping, the generated rows) visible to the layers
+    for the duration of one forward pass."""
+    context = ForwardContext(
+        attn_metadata, recurrent_metadata=recurrent_metadata, lora_mapping=lora_mapping, generated_rows=generated_rows
+    )
     token = _current.set(context)
     try:
         yield context
@@ -84,6 +121,13 @@ def current_lora_mapping() -> Any:
     uses an adapter, or outside one (logits computed without a context: the base model's)."""
     context = _current.get()
     return None if context is None else context.lora_mapping
+
+
+def current_generated_rows() -> GeneratedRows | None:
+    """Which rows of the running call are generated tokens; None outside a step that says so (every row a prompt
+    row: a model called directly computes as its prompts do)."""
+    context = _current.get()
+    return None if context is None else context.generated_rows
 
 
 def get_forward_context() -> ForwardContext:

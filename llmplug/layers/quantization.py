@@ -34,8 +34,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmplug.core.errors import ModelLoadError
+from llmplug.layers.forward_context import GeneratedRows, current_generated_rows
 from llmplug.layers.int8_linear import Int8LinearMethod, int8_matmul_exact
 from llmplug.layers.packed_linear import cpu_dense_method
+from llmplug.layers.row_invariance import remembered_probe
 
 __all__ = [
     "DENSE",
@@ -54,6 +56,7 @@ __all__ = [
     "linear_method_for",
     "process_weights_after_loading",
     "quantize_int4",
+    "splits_generated_rows",
     "stage_int4",
 ]
 
@@ -63,6 +66,7 @@ INT4_GROUP_SIZE = 32  # GGUF's block size, so Q4_0/Q4_1/Q8_0 blocks map onto gro
 # The most tokens per call that take the int4 kernel; more take the dense matmul. Measured on SmolLM2's
 # shapes (bf16, AVX-512, 2 threads): see docs/quantization.md.
 INT4_MAX_TOKENS = 8
+INT4_ROWS = ("small", "all", "generated")  # which rows an int4 layer computes in int4 (Int4LinearMethod)
 _INNER_K_TILES = 2  # an argument of the packing op that the CPU kernel does not use
 _N_MULTIPLE = 16  # the CPU packing op needs whole blocks of 16 output rows
 
@@ -230,12 +234,19 @@ def int4_rows_invariant(
     out_features: int, in_features: int, num_planes: int, dtype: torch.dtype, num_threads: int
 ) -> bool:
     """Whether the int4 kernel gives each row of x the same bits whatever the number of rows (1 to 257, on a
-    random weight of this shape; `num_threads`, torch's thread count, is part of the cache key).
+    random weight of this shape; `num_threads`, torch's thread count, is part of the cache key). Remembered on
+    disk per machine (`remembered_probe`): the LM head's probe takes seconds.
 
     The rows are built to show any change of summation order: each holds +2^10 and -2^10 at two columns
     with (before quantization) equal weights, so those products nearly cancel while the small terms summed
     between them lose low bits to the large running sum, by how many depending on the order.
     """
+    dtype_name = str(dtype).removeprefix("torch.")
+    name = f"int4-{out_features}x{in_features}x{num_planes}-{dtype_name}"
+    return bool(remembered_probe(name, lambda: _probe_int4_rows(out_features, in_features, num_planes, dtype)))
+
+
+def _probe_int4_rows(out_features: int, in_features: int, num_planes: int, dtype: torch.dtype) -> bool:
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(out_features, in_features, generator=generator)
     x = torch.randn(_PROBED_ROWS, in_features, generator=generator)
@@ -311,26 +322,61 @@ DENSE = DenseLinearMethod()
 
 
 class Int4LinearMethod:
-    """The int4 kernel for at most `max_tokens` rows of x (None: for any number), the `dense` method for more."""
+    """The int4 kernel for some rows of x, the `dense` method for the others. Which rows, by `rows` (default: "all"
+    when `max_tokens` is None, else "small"):
+
+    - "small": every row of a call of at most `max_tokens` rows (decode of a few streams), none of a larger one:
+      the fastest at every batch size, but a row's bits depend on its batch;
+    - "all": every row (the kernel probed row invariant for the shape: batch invariant);
+    - "generated": the rows of generated tokens (`GeneratedRows` of the step: positions at or past their request's
+      prompt), prompt rows dense. Batch invariant with both kernels row invariant: a token's kernel follows from
+      its position, and a call outside a step that names its rows computes every row densely, as a prompt.
+    """
 
     def __init__(
-        self, packed: PackedInt4, max_tokens: int | None, exact: bool, dense: LinearMethod = DENSE
+        self, packed: PackedInt4, max_tokens: int | None, exact: bool, dense: LinearMethod = DENSE,
+        rows: str | None = None,
     ) -> None:
-        self.packed, self.max_tokens, self.exact, self.dense = packed, max_tokens, exact, dense
+        rows = rows or ("all" if max_tokens is None else "small")
+        if rows not in INT4_ROWS:
+            raise ValueError(f"int4 rows must be one of {INT4_ROWS}, got {rows!r}")
+        self.packed, self.max_tokens, self.exact, self.dense, self.rows = packed, max_tokens, exact, dense, rows
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # called ~120 times per decode step: the common case (2-D x) does no reshaping
         rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # [M, K]
-        if self.max_tokens is not None and rows.shape[0] > self.max_tokens:
+        if self.rows == "small" and rows.shape[0] > self.max_tokens:
             return self.dense.apply(layer, x, bias)
+        if self.rows == "generated":
+            generated = current_generated_rows()
+            if generated is None or generated.num_rows != rows.shape[0] or generated.count == 0:
+                return self.dense.apply(layer, x, bias)
+            if generated.count < rows.shape[0]:
+                y = self._split(layer, rows, bias, generated)
+                return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
+        y = self._int4(rows, bias)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
+
+    def _int4(self, rows: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         y = self.packed.matmul(rows)  # [M, N]
         if bias is not None:
             y += bias
-        return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
+        return y
+
+    def _split(
+        self, layer: nn.Module, rows: torch.Tensor, bias: torch.Tensor | None, generated: GeneratedRows
+    ) -> torch.Tensor:
+        """A step of prompt and generated rows: each part through its kernel, scattered back in place."""
+        decoded = self._int4(rows.index_select(0, generated.index), bias)
+        prompted = self.dense.apply(layer, rows.index_select(0, generated.prompt_index), bias)
+        y = decoded.new_empty(rows.shape[0], decoded.shape[1])
+        y.index_copy_(0, generated.index, decoded)
+        y.index_copy_(0, generated.prompt_index, prompted)
+        return y
 
     def __repr__(self) -> str:
         source = "exact" if self.exact else "quantized"
-        rows = "any m" if self.max_tokens is None else f"m<={self.max_tokens}"
+        rows = f"m<={self.max_tokens}" if self.rows == "small" else f"{self.rows} rows"
         return f"int4({rows}, {source}, planes={self.packed.num_planes})"
 
 
@@ -341,19 +387,22 @@ class Int4LinearMethod:
 class LinearOptions:
     """What `process_weights_after_loading` does.
 
-    int4: use the int4 kernel where the checkpoint holds exact int4 groups (quantization=auto).
+    int4: use the int4 kernel where the checkpoint holds exact int4 groups (quantization=auto); int4_rows: for
+    which rows (Int4LinearMethod: "small", "all" or "generated"; the last two need the kernel row invariant;
+    None: "all" in the batch-invariant mode, else "small").
     int8: every layer computes through int8 weights and per-token int8 activations (quantization=int8,
     layers/int8_linear.py); overrides int4.
     quantize_dense: also quantize weights (or groups of them) that have no exact int4 form; False keeps
     such layers dense. required: fail when the int4 kernel is missing instead of staying dense.
     prepack: pack dense weights for oneDNN where that is supported (see layers/packed_linear.py).
     row_invariant: no layer's result rows may depend on the number of rows (batch-invariant mode): float32
-    weights are packed for oneDNN too, whose kernel keeps that (MKL's float32 matmul does not), and an int4
-    copy serves every number of rows (`max_tokens` is ignored) where the kernel is probed row invariant for
-    the weight's shape; a layer whose probe fails stays dense.
+    weights are packed for oneDNN too, whose kernel keeps that (MKL's float32 matmul does not), dense weights
+    are called by their row plans, and an int4 copy is used only where the kernel is probed row invariant for
+    the weight's shape ("small" rows are then refused); a layer whose probe fails stays dense.
     """
 
     int4: bool = True
+    int4_rows: str | None = None
     int8: bool = False
     quantize_dense: bool = False
     required: bool = False
@@ -381,6 +430,9 @@ def linear_method_for(weight: torch.Tensor, options: LinearOptions) -> LinearMet
     else:
         groups, exact = _fill_by_quantizing(weight, staging, options.group_size), False
     reason = packable(groups)
+    rows = options.int4_rows or ("all" if options.row_invariant else "small")
+    if options.row_invariant and rows == "small":
+        raise ValueError("int4 rows 'small' depend on their batch: the batch-invariant mode takes 'all' or 'generated'")
     if reason is None and options.row_invariant and not int4_rows_invariant(
         *weight.shape, groups.num_planes, weight.dtype, torch.get_num_threads()
     ):
@@ -390,9 +442,9 @@ def linear_method_for(weight: torch.Tensor, options: LinearOptions) -> LinearMet
             log.warning("weight of shape %s stays dense: %s", tuple(weight.shape), reason)
         return _dense_method_for(weight, options)
     packed = PackedInt4.pack(groups, weight.dtype, weight.device)
-    if options.row_invariant:  # one kernel for every row count: no dense fallback to pack
+    if rows == "all":  # one kernel for every row count: no dense fallback to pack
         return Int4LinearMethod(packed, None, exact)
-    return Int4LinearMethod(packed, options.max_tokens, exact, _dense_method_for(weight, options))
+    return Int4LinearMethod(packed, options.max_tokens, exact, _dense_method_for(weight, options), rows=rows)
 
 
 def _dense_method_for(weight: torch.Tensor, options: LinearOptions) -> LinearMethod:
@@ -444,12 +496,21 @@ def process_weights_after_loading(model: nn.Module, options: LinearOptions, only
     _log_summary(model)
 
 
+def splits_generated_rows(model: nn.Module) -> bool:
+    """Whether some layer of `model` picks its kernel by a token's position (int4 rows "generated"): the engine then
+    tells each step which rows are generated tokens, and names the KV blocks those rows computed apart."""
+    return any(
+        isinstance(getattr(module, "quant_method", None), Int4LinearMethod) and module.quant_method.rows == "generated"
+        for module in model.modules()
+    )
+
+
 def _log_summary(model: nn.Module) -> None:
     methods = [m.quant_method for m in model.modules() if hasattr(m, "quant_method")]
     int4 = [m for m in methods if isinstance(m, Int4LinearMethod)]
     if int4:
         exact = sum(m.exact for m in int4)
-        log.info(
-            "int4 weight-only path for up to %d tokens: %d of %d linear layers (%d exact from the checkpoint)",
-            int4[0].max_tokens, len(int4), len(methods), exact,
-        )
+        rows = {"small": f"calls of up to {int4[0].max_tokens} tokens", "all": "every token",
+                "generated": "generated tokens (prompts dense)"}[int4[0].rows]
+        log.info("int4 weight-only path for %s: %d of %d linear layers (%d exact from the checkpoint)",
+                 rows, len(int4), len(methods), exact)

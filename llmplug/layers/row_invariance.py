@@ -21,6 +21,7 @@ import os
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -29,6 +30,7 @@ from llmplug.core.cpuinfo import cpu_flags, cpu_model_name
 
 __all__ = [
     "PROBED_ROW_COUNTS", "RowPlan", "cached_row_plan", "cancelling_weight", "find_row_plan", "order_sensitive_rows",
+    "remembered_probe",
 ]
 
 log = logging.getLogger(__name__)
@@ -147,21 +149,33 @@ def _kernel_fingerprint() -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
-def cached_row_plan(name: str, probe: Callable[[], RowPlan | None]) -> RowPlan | None:
-    """`probe()`'s plan for the kernel `name`, remembered on disk for this machine's kernel fingerprint: a probe
-    of a large shape costs seconds, and every engine start (every worker) would pay it again."""
+def remembered_probe(name: str, probe: Callable[[], Any]) -> Any:
+    """`probe()`'s answer (a JSON value), remembered on disk for this machine's kernel fingerprint: a probe of a
+    large shape costs seconds, and every engine start (every worker) would pay it again."""
     path = cache_dir() / "row_plans" / _kernel_fingerprint() / f"{name}.json"
     try:
-        stored = json.loads(path.read_text())
-        return None if stored is None else RowPlan(**stored)
-    except (OSError, ValueError, TypeError):
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
         pass  # not probed here yet, or an unreadable entry: probe again
-    plan = probe()
+    answer = probe()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
-            json.dump(None if plan is None else {"min_rows": plan.min_rows, "tile": plan.tile}, f)
+            json.dump(answer, f)
         os.replace(f.name, path)  # atomic: a concurrent reader sees the old file or the whole new one
     except OSError as error:
-        log.info("row plan of %s not remembered (%s): it is probed again next start", name, error)
-    return plan
+        log.info("probe %s not remembered (%s): it runs again next start", name, error)
+    return answer
+
+
+def cached_row_plan(name: str, probe: Callable[[], RowPlan | None]) -> RowPlan | None:
+    """`probe()`'s plan for the kernel `name`, remembered on disk (`remembered_probe`)."""
+    def plan_as_json() -> dict[str, Any] | None:
+        plan = probe()
+        return None if plan is None else {"min_rows": plan.min_rows, "tile": plan.tile}
+
+    stored = remembered_probe(name, plan_as_json)
+    try:
+        return None if stored is None else RowPlan(**stored)
+    except TypeError:  # an entry of another form: probe again, unremembered
+        return probe()

@@ -308,10 +308,17 @@ def finish_loading(model: torch.nn.Module, model_config: ModelConfig, only_dense
 
     quantization = model_config.quantization
     forced = quantization == "int4"
-    invariant = model_config.batch_invariant_on  # an int4 copy then serves every token count
+    invariant = model_config.batch_invariant_on
+    param = next(model.parameters(), None)
+    # auto's int4 copies only where torch's int4 kernel beats the dense weight: in bf16 (in float32 it has no fast
+    # path: ~20x slower than dense for one row of SmolLM2's projections on AVX-512, docs/quantization.md)
+    auto_int4 = quantization == "auto" and param is not None and param.dtype == torch.bfloat16
+    # batch invariant, an int4 copy computes the generated tokens (auto: prompts stay dense) or every token (int4);
+    # else the calls of a few tokens, whatever they are
+    int4_rows = ("all" if forced else "generated") if invariant else "small"
     options = LinearOptions(
-        int4=quantization in ("auto", "int4"), int8=quantization == "int8", quantize_dense=forced, required=forced,
-        prepack=model_config.prepack_weights, row_invariant=invariant,
+        int4=forced or auto_int4, int4_rows=int4_rows, int8=quantization == "int8",
+        quantize_dense=forced, required=forced, prepack=model_config.prepack_weights, row_invariant=invariant,
     )
     process_weights_after_loading(model, options, only_dense=only_dense)
 

@@ -6,7 +6,7 @@ and each tensor is dequantized to the model dtype only when the model asks for i
 
 Q4_0, Q4_1 and Q8_0 tensors can also carry their exact int4 form (`int4_groups_of_tensor`, read from
 the raw blocks) to the layers, which keep a packed int4 copy for small batches (docs/quantization.md).
-With `quantization` none (the default), auto or gguf, the linear weights of K-quant files stay in their blocks
+With `quantization` auto (the default), none or gguf, the linear weights of K-quant files stay in their blocks
 instead (`gguf_packed`, computed by the `gguf` quantization method): no dense copy is made of them, and
 such a file gets no int4 copies. Its token embedding and output tables stay in their blocks too (`packed_tables`),
 as llama.cpp keeps them: the vocabulary layers look rows up and compute the logits from the blocks; its other

@@ -7,7 +7,7 @@ the kernel implements their type, else dense (logged). Whole modules, because a 
 takes all its shards one way. Linear weights are those of the transformers model's `nn.Linear` modules, less
 its output embedding (llmplug's head is not a linear layer); only architectures whose llmplug module names
 are transformers' (`PACKED_ARCHES`) are packed, so the names the loader yields are those the model's layers
-hold. `quantization`: none (the default) and auto pack the types the int4 path has no exact form of (K-quants,
+hold. `quantization`: auto (the default) and none pack the types the int4 path has no exact form of (K-quants,
 Q5_0/Q5_1, the IQ types, and the Q4_0/Q4_1/Q8_0 tensors beside them), and a file with packed modules gets no
 int4 copies; a file of only Q4_0/Q4_1/Q8_0 is dense (none) or keeps the exact int4 path (auto) as before; gguf
 packs every type the kernel implements; int4 and int8 (llmplug's own copies of dense weights) dequantize every tensor.

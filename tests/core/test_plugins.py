@@ -362,7 +362,7 @@ def _info_for(name: str) -> PluginInfo:
 
 
 @pytest.mark.parametrize("declared, compatible", [
-    ("1.0", True), ("1.9", True), ("1.10", True), ("1.11", True), ("1.12", True), (None, True), ("1.13", False), ("2.0", False),
+    ("1.0", True), ("1.9", True), ("1.10", True), ("1.11", True), ("1.12", True), ("1.13", True), (None, True), ("1.14", False), ("2.0", False),
     ("0.9", False), ("one", False),
 ])
 def test_api_version_rule_same_major_and_not_newer_minor(declared, compatible):

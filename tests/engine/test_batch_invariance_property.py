@@ -171,7 +171,8 @@ def test_quantized_layers_keep_one_kernel_for_every_token_count_in_the_mode(runn
     ("settings", "expected"),
     [
         ({}, True),  # the default: on
-        ({"quantization": "auto"}, False),  # int4 at every size only when asked for (batch_invariant: true)
+        ({"quantization": "auto"}, True),  # int4 copies for generated tokens, prompts dense: by position
+        ({"quantization": "int4"}, False),  # int4 prompts only when asked for (batch_invariant: true)
         ({"quantization": "int8"}, True),  # an exact integer matmul, per-token scales
         ({"device.compile": True}, False),  # the compiled forward is not checked for invariance
         ({"runner": "pooling"}, False),  # no KV cache: prompts run whole

@@ -3,11 +3,13 @@ and the per-call choice between the int4 copy and the dense weight."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from llmplug.core.errors import ModelLoadError
+from llmplug.layers.forward_context import GeneratedRows, forward_context
 from llmplug.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from llmplug.layers.quantization import (
     DENSE,
@@ -102,6 +104,39 @@ def test_in_batch_invariant_mode_every_token_count_uses_the_int4_copy() -> None:
     large = torch.randn(300, 64)
     torch.testing.assert_close(layer(large), F.linear(large, groups.dequantize()), rtol=1e-5, atol=1e-5)
     assert torch.equal(layer(large[:1]), layer(large)[:1]) and torch.equal(layer(large[:33]), layer(large)[:33])
+
+
+def test_generated_rows_take_the_int4_copy_and_prompt_rows_the_dense_weight() -> None:
+    """int4 rows "generated" (quantization=auto's default): in a step that names its generated tokens, those rows
+    are the int4 copy's and the others the dense weight's, each as computed alone (bitwise); a call outside such a
+    step (or of other rows, or none generated) is dense."""
+    layer = ReplicatedLinear(64, 32, bias=True)
+    groups = random_groups(32, 64)
+    dense = torch.randn(32, 64)  # another weight than the groups': the output shows which one ran
+    loaded_linear(layer, dense, groups)
+    layer.weight_loader(layer.bias, torch.arange(32.0))
+    process_weights_after_loading(layer, LinearOptions(int4_rows="generated", prepack=False))
+    assert isinstance(layer.quant_method, Int4LinearMethod) and layer.quant_method.rows == "generated"
+    x = torch.randn(7, 64)
+    mask = np.array([True, False, True, True, False, False, True])
+    with forward_context(None, generated_rows=GeneratedRows.from_mask(mask)):
+        mixed = layer(x)
+        assert torch.equal(layer(x[:6]), F.linear(x[:6], dense, layer.bias))  # not the step's 7 rows: dense
+    packed = PackedInt4.pack(groups, torch.float32, torch.device("cpu"))
+    assert torch.equal(mixed[mask], packed.matmul(x[mask]) + layer.bias)
+    assert torch.equal(mixed[~mask], F.linear(x[~mask], dense, layer.bias))
+    assert torch.equal(layer(x), F.linear(x, dense, layer.bias))  # no step: every row dense
+    with forward_context(None, generated_rows=GeneratedRows.from_mask(np.zeros(7, dtype=bool))):
+        assert torch.equal(layer(x), F.linear(x, dense, layer.bias))
+    with forward_context(None, generated_rows=GeneratedRows.from_mask(np.ones(7, dtype=bool))):
+        assert torch.equal(layer(x), packed.matmul(x) + layer.bias)
+
+
+def test_small_rows_are_refused_in_batch_invariant_mode() -> None:
+    layer = ReplicatedLinear(64, 32, bias=False)
+    loaded_linear(layer, torch.zeros(32, 64), random_groups(32, 64))
+    with pytest.raises(ValueError, match="depend on their batch"):
+        process_weights_after_loading(layer, LinearOptions(int4_rows="small", row_invariant=True))
 
 
 @pytest.mark.parametrize("shape", [(960, 576, 1), (576, 1536, 1), (49152 // 64, 576, 2)])

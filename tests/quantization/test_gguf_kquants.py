@@ -95,8 +95,8 @@ def test_unpermute_is_the_inverse_of_the_converters_permute() -> None:
     assert np.array_equal(unpermute_qk(permute_qk(weight, 4, 4), 4), weight)
 
 
-def load(path: Path, quantization: str = "none") -> torch.nn.Module:
-    config = EngineConfig(model=ModelConfig(model=str(path), dtype="float32", quantization=quantization))
+def load(path: Path, quantization: str = "none", dtype: str = "float32") -> torch.nn.Module:
+    config = EngineConfig(model=ModelConfig(model=str(path), dtype=dtype, quantization=quantization))
     return GGUFLoader(config.load).load_model(config, device="cpu", model_class=LlamaForCausalLM)
 
 
@@ -119,7 +119,7 @@ def test_every_linear_layer_keeps_its_blocks_and_computes_gguf_pys_weights(kquan
     # q and k are Q4_K, v Q6_K: one fused layer, two kernel calls
     assert repr(model.model.layers[0].self_attn.qkv_proj.quant_method) == "GGUFLinearMethod(Q4_K,Q6_K)"
     # a file with packed layers gets no int4 copy of its Q8_0 head (quantization=auto would give one otherwise)
-    assert not isinstance(load(path, "auto").lm_head.quant_method, Int4LinearMethod)
+    assert not isinstance(load(path, "auto", "bfloat16").lm_head.quant_method, Int4LinearMethod)
 
 
 def test_the_token_and_output_tables_stay_in_their_blocks_and_compute_gguf_pys_weights(kquant_llama) -> None:

@@ -63,20 +63,21 @@ class ModelConfig(_Section):
         "(--mm-processor-kwargs; Gemma 3's pan-and-scan crops); a request's own `mm_processor_kwargs` override them. "
         "A name the processor does not take is an error at start.",
     )
-    # "none" by default: dense weights are what the parity tests hold against transformers; int4 trades
-    # prefill and large-batch speed for single-stream speed (docs/quantization.md)
+    # "auto" by default: a file whose tensors are exactly int4 decodes through int4 copies (prompts dense, batch
+    # invariant); any other checkpoint stays dense, what the parity tests hold against transformers
     quantization: str = Field(
-        "none",
+        "auto",
         description=(
             "A quantized checkpoint (config.json's quantization_config.quant_method: gptq, awq, "
             "compressed-tensors, fp8, ...) is computed with its method, found in the llmplug.quantization plugin "
             "group; naming one here insists on it (a name that is neither a mode nor an installed method is an "
             "error listing both). For dense and GGUF weights, weight-only int4 copies next to the "
-            "dense weights: auto: where the checkpoint's own blocks are "
-            "exactly int4 (GGUF Q4_0, Q4_1, Q8_0) and the platform runs the kernel; int4: every linear layer, "
-            "quantizing the rest (group 32); none: dense only. An int4 layer computes at most 8 tokens per call "
-            "with its int4 copy (decode) and more densely, unless batch_invariant is true: then every token "
-            "count in int4. int8: every linear layer and the LM head with int8 weights (per output channel) "
+            "dense weights: auto (default): where the checkpoint's own blocks are "
+            "exactly int4 (GGUF Q4_0, Q4_1, Q8_0), the model runs in bfloat16 (torch's int4 kernel has no fast "
+            "float32 path) and the platform runs the kernel; int4: every linear layer, "
+            "quantizing the rest (group 32); none: dense only. In the batch-invariant mode an auto int4 layer "
+            "computes the generated tokens with its int4 copy and the prompts densely (int4: every token); "
+            "without it, at most 8 tokens per call in int4 (decode) and more densely. int8: every linear layer and the LM head with int8 weights (per output channel) "
             "and int8 activations (per token), an exact int32 matmul: faster for batches and prefill where the "
             "CPU's bf16 is slow, for one stream everywhere measured; batch invariant. See docs/quantization.md."
         ),
@@ -108,9 +109,10 @@ class ModelConfig(_Section):
         description=(
             "A request's logits are bitwise the same alone, in any batch, in any prefill chunks and with or "
             "without a prefix-cache hit (fixed-order float32 attention, oneDNN row-invariant linear layers also in "
-            "float32, int4 copies for every token count). Same engine config, platform and thread count; see "
-            "docs/determinism.md. auto: on where the platform, attention backend and model implement it and "
-            "nothing asked for a per-batch kernel (quantization none, no device.compile, generate runner)."
+            "float32, int4 copies chosen by a token's position: generated tokens int4, prompts dense). Same engine "
+            "config, platform and thread count; see docs/determinism.md. auto: on where the platform, attention "
+            "backend and model implement it and nothing asked for a per-batch kernel (quantization other than "
+            "int4, no device.compile, generate runner)."
         ),
     )
     prepack_weights: bool = Field(
