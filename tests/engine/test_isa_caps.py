@@ -63,7 +63,8 @@ def test_the_generic_build_of_llmplugs_cpu_kernels_passes_their_tests() -> None:
     env = {**os.environ, MARCH_ENV: "x86-64-v2"}
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
                "tests/layers/kernels/test_native_kernels.py", "tests/layers/kernels/test_paged_attention.py",
-               "tests/layers/kernels/test_gguf_matmul.py", "tests/layers/kernels/test_fp8_matmul.py"]
+               "tests/layers/kernels/test_gguf_matmul.py", "tests/layers/kernels/test_fp8_matmul.py",
+               "tests/layers/kernels/test_int4_matmul.py"]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     tail = done.stdout[-3000:] + done.stderr[-2000:]
     assert done.returncode == 0, tail

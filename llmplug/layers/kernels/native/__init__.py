@@ -1,6 +1,7 @@
 """llmplug's CPU kernels (`ops.cpp`): RMSNorm with its residual add, SiLU-and-mul, rotary, the KV write, paged
 attention, and the matmul of GGUF-quantized weights from their raw blocks (llmplug.quantization.gguf); (`fp8.cpp`)
-the matmul of fp8 weights with their scales (llmplug.quantization.fp8).
+the matmul of fp8 weights with their scales (llmplug.quantization.fp8); (`int4.cpp`) the matmul of weight-only int4
+groups (llmplug.layers.kernels.int4_matmul).
 
 Eager PyTorch runs each of these as 5–40 small ops, each a Python-level dispatch of a few microseconds,
 which at one decode token is most of their cost (docs/benchmarks.md). Here each is one call, with every
@@ -35,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 KERNELS_ENV = "LLMPLUG_CPU_KERNELS"  # "auto" (default): on CPU tensors when the kernels build; "0": never
 NAME = "llmplug_cpu_ops"
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("ops.cpp", "fp8.cpp"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("ops.cpp", "fp8.cpp", "int4.cpp"))
 MARCH_ENV = "LLMPLUG_CPU_MARCH"  # the target CPU of the build: "native" (default) or a generic one, e.g. x86-64-v2
 
 
@@ -111,6 +112,7 @@ def _register_fakes() -> None:
         "row_bmm": lambda a, b: a.new_empty(a.shape[0], a.shape[1], b.shape[2]),
         "gguf_matmul": lambda x, w, type_id, tables: x.new_empty(x.shape[0], w.shape[0]),
         "fp8_matmul": lambda x, w, scale: x.new_empty(x.shape[0], w.shape[0]),
+        "int4_matmul": lambda x, qweight, scales, zeros, group_size: x.new_empty(x.shape[0], qweight.shape[0]),
         "gguf_get_rows": lambda w, ids, type_id, tables, out: None,
     }
     for name, fake in fakes.items():

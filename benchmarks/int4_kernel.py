@@ -1,0 +1,115 @@
+"""llmplug's native int4 matmul vs torch's int4 kernel vs dense packed bf16, on SmolLM2-135M's linear layers.
+
+    python benchmarks/int4_kernel.py [--rows 1,2,4,8,16,32] [--rounds 5] [--steps 3] [--layers 30] [--threads N]
+
+A step is every linear layer of the model once (qkv [960, 576], o [576, 576], gate_up [3072, 576], down [576, 1536]
+for each of `--layers` layers, each with its own random weight, then the LM head [49152, 576]) on M rows of bf16
+activations. Compared, in one process, the kernels alternating within each round: `native` (NativeInt4,
+llmplug_cpu::int4_matmul, float32 scales and zeros: the exact weights), `native bf16 groups` (the same with scales
+and zeros rounded to bfloat16, `exact=False`: 0.625 bytes a weight instead of 0.75), `torch int4` (PackedInt4,
+`_weight_int4pack_mm_for_cpu`, bf16 scales and zeros) and `dense` (the bf16 weight packed for oneDNN,
+`mkldnn._linear_pointwise`, what a dense layer runs). Reported: ms per step, the best round of
+each (a round times `--steps` steps), and the ratios. Timings are noisy on a shared machine: compare the ratios, and
+note the load (`uptime`) printed with them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import time
+from datetime import datetime, timezone
+from typing import Callable
+
+import torch
+
+from llmplug.layers.kernels.int4_matmul import NativeInt4, native_int4_available
+from llmplug.layers.quantization import PackedInt4, quantize_int4
+
+HIDDEN, INTERMEDIATE, VOCAB = 576, 1536, 49152
+LAYER_SHAPES = [(960, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]  # [N, K]
+HEAD_SHAPE = (VOCAB, HIDDEN)
+DTYPE = torch.bfloat16
+KERNELS = ("native", "native bf16 groups", "torch int4", "dense")
+
+Matmul = Callable[[torch.Tensor], torch.Tensor]
+
+
+def kernels_for(weight: torch.Tensor) -> dict[str, Matmul]:
+    """The ways (KERNELS) to compute x @ weight^T for one [N, K] weight."""
+    groups = quantize_int4(weight)
+    native = NativeInt4.pack(groups, DTYPE)
+    native_bf16_groups = NativeInt4.pack(groups, DTYPE, exact=False)
+    packed_int4 = PackedInt4.pack(groups, DTYPE, torch.device("cpu"))
+    dense = torch.ops.mkldnn._reorder_linear_weight(weight.to(DTYPE))
+    return {
+        "native": native.matmul,
+        "native bf16 groups": native_bf16_groups.matmul,
+        "torch int4": packed_int4.matmul,
+        "dense": lambda x: torch.ops.mkldnn._linear_pointwise(x, dense, None, "none", [], ""),
+    }
+
+
+def model_weights(layers: int, generator: torch.Generator) -> list[tuple[dict[str, Matmul], int]]:
+    """Every linear layer of the model (`layers` decoder layers, then the head), each with its own weight: its
+    kernels and its input width K."""
+    shapes = LAYER_SHAPES * layers + [HEAD_SHAPE]
+    return [(kernels_for(torch.randn(shape, generator=generator) * 0.02), shape[1]) for shape in shapes]
+
+
+def step_seconds(plan: list[tuple[Matmul, int]], inputs: dict[int, torch.Tensor], steps: int) -> float:
+    """Seconds per step: every layer (its matmul, its input width) once, `steps` times."""
+    start = time.perf_counter()
+    for _ in range(steps):
+        for matmul, k in plan:
+            matmul(inputs[k])
+    return (time.perf_counter() - start) / steps
+
+
+def measure(
+    rows: int, layers: list[tuple[dict[str, Matmul], int]], rounds: int, steps: int
+) -> dict[str, float]:
+    """Best ms per step of each kernel at `rows` rows, the kernels alternating (order rotated) in each round."""
+    inputs = {k: torch.randn(rows, k).to(DTYPE) for k in (HIDDEN, INTERMEDIATE)}
+    names = list(KERNELS)
+    plans = {name: [(kernels[name], k) for kernels, k in layers] for name in names}
+    best = {name: float("inf") for name in names}
+    for name in names:  # warm-up: first-touch, thread pool
+        step_seconds(plans[name], inputs, 1)
+    for round_ in range(rounds):
+        for name in names[round_ % len(names):] + names[: round_ % len(names)]:
+            best[name] = min(best[name], step_seconds(plans[name], inputs, steps) * 1e3)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="1,2,4,8,16,32", help="comma-separated M values")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=3, help="steps per timed round")
+    parser.add_argument("--layers", type=int, default=30, help="decoder layers (SmolLM2-135M has 30)")
+    parser.add_argument("--threads", type=int, default=None, help="torch's threads (default: torch's own)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not native_int4_available():
+        raise SystemExit("llmplug's CPU kernels are not built here (see the log)")
+    layers = model_weights(args.layers, torch.Generator().manual_seed(0))
+    uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    print(f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {torch.get_num_threads()} threads, "
+          f"{args.layers} layers + head, bf16, best of {args.rounds} rounds x {args.steps} steps")
+    print(f"load before: {uptime}")
+    print("| M | native ms | native bf16 groups ms | torch int4 ms | dense bf16 ms | native / torch int4 | "
+          "native / dense | bf16 groups / torch int4 | bf16 groups / dense |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for rows in (int(m) for m in args.rows.split(",")):
+        best = measure(rows, layers, args.rounds, args.steps)
+        native, groups16, torch_int4, dense = (best[name] for name in KERNELS)
+        print(f"| {rows} | {native:.2f} | {groups16:.2f} | {torch_int4:.2f} | {dense:.2f} | "
+              f"{native / torch_int4:.2f} | {native / dense:.2f} | {groups16 / torch_int4:.2f} | "
+              f"{groups16 / dense:.2f} |", flush=True)
+    print(f"load after: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,458 @@
+// int4_matmul: x [M, K] times W^T for W [N, K] held as 4-bit groups (llmplug.layers.quantization.Int4Groups),
+// w[n, k] = sum_p (q[n, p, k] - 8) * scale[n, p, g] + zero[n, p, g], g = k / group_size, q in 0..15.
+//
+// A thread takes 4 output columns at a time and decodes their weights once, as Int4Groups.dequantize rounds them
+// (in float32 the product, then the zero added, the planes added in order), rounded once more to bfloat16 for
+// bfloat16 activations; every row of x then reads those weights (decoded in registers for up to 4 rows of a one-
+// or two-plane weight, from a small per-thread buffer otherwise). Output (m, n) is one dot product in float32 over 16 lanes (k in order per lane;
+// with AVX512-BF16, vdpbf16ps, k in pairs), the lanes summed in a fixed tree: the same instructions whatever M, the
+// tile or the thread that computes it, so a row's bits never depend on the batch (docs/determinism.md).
+//
+// Layout (llmplug.layers.kernels.int4_matmul.NativeInt4.pack): qweight [N, P, K / 2] uint8, each run of 32 k in
+// 16 bytes, byte b holding k = b in its low nibble and k = b + 16 in its high one; scales and zeros [N, P, G]
+// float32 (or bfloat16, read exactly), G = K / group_size, group_size a multiple of 32.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define LLMPLUG_INT4_AVX512 1
+#if defined(__AVX512BF16__)
+#define LLMPLUG_INT4_AVX512_BF16 1
+#endif
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 32;      // k per 16 bytes of codes
+constexpr int kColumns = 4;         // output columns a tile computes together (their weights decoded once)
+constexpr int kRows = 6;            // rows of x a tile of decoded weights computes together
+constexpr int kFusedRows = 4;       // up to this many rows, weights are decoded in registers where they are used;
+                                    // beyond, once per tile of columns into a buffer the rows then share
+// (The loops over a tile's rows, columns and planes carry `#pragma GCC unroll`: unrolled, the accumulators live in
+// registers; GCC otherwise keeps them in memory, which measured 2-3x slower.)
+
+// Where column n's codes and group parameters (Param: float, or c10::BFloat16, read exactly as float) are.
+template <typename Param>
+struct Int4Weight {
+  const uint8_t* codes;  // [N, P, K / 2]
+  const Param* scales;   // [N, P, G]
+  const Param* zeros;    // [N, P, G]
+  int64_t planes, K, groups, group_size;
+  const uint8_t* code_row(int64_t n, int64_t p) const { return codes + (n * planes + p) * (K / 2); }
+  int64_t group(int64_t n, int64_t p, int64_t k) const { return (n * planes + p) * groups + k / group_size; }
+  float scale(int64_t g) const { return static_cast<float>(scales[g]); }
+  float zero(int64_t g) const { return static_cast<float>(zeros[g]); }
+};
+
+#ifdef LLMPLUG_INT4_AVX512
+
+constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+
+// The 16 weights a group's codes stand for, (q - 8) * scale + zero for q = 0..15: the product rounded, then the
+// zero added (the _round forms are never contracted into one fused multiply-add, which would round once).
+inline __m512 group_values(float scale, float zero) {
+  const __m512 steps = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm512_add_round_ps(_mm512_mul_round_ps(steps, _mm512_set1_ps(scale), kRound), _mm512_set1_ps(zero),
+                             kRound);
+}
+
+// One plane's 32 weights of a block (16 bytes of codes) from its group's values: lo k..k+15, hi k+16..k+31.
+inline void plane_block(const uint8_t* codes, __m512 values, __m512& lo, __m512& hi) {
+  const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+  lo = _mm512_permutexvar_ps(q, values);  // vpermps reads an index's low 4 bits: the low nibble
+  hi = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), values);
+}
+
+// A block's weights as Int4Groups.dequantize gives them: the planes added in order, each add rounded.
+inline void add_plane(__m512& lo, __m512& hi, __m512 plane_lo, __m512 plane_hi) {
+  lo = _mm512_add_round_ps(lo, plane_lo, kRound);
+  hi = _mm512_add_round_ps(hi, plane_hi, kRound);
+}
+
+// Activations for the float32-FMA path: 16 k a load, weights float32 already rounded to the activation dtype.
+struct F32Act {
+  using raw = float;
+  static inline __m512 load(const float* p) { return _mm512_loadu_ps(p); }
+  static inline __m512 round(__m512 w) { return w; }
+};
+struct BF16Act {  // without AVX512-BF16: round to nearest even in integers (weights are finite)
+  using raw = c10::BFloat16;
+  static inline __m512 load(const c10::BFloat16* p) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  static inline __m512 round(__m512 w) {
+    const __m512i u = _mm512_castps_si512(w);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd);
+    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
+  }
+};
+
+// float32 FMAs, a block of 32 k as two steps of 16 lanes into the same accumulator
+template <typename Act>
+struct FmaDot {
+  using raw = typename Act::raw;
+  struct W {
+    __m512 lo, hi;
+  };
+  using X = W;
+  using Stored = float;  // a decoded weight in the buffer
+  using Table = __m512;   // a one-plane group's 16 weights, rounded to the activation dtype
+  static inline W pack(__m512 lo, __m512 hi) { return {Act::round(lo), Act::round(hi)}; }
+  static inline Table table(__m512 values) { return Act::round(values); }
+  static inline W lookup(const uint8_t* codes, Table t) {
+    W w;
+    plane_block(codes, t, w.lo, w.hi);
+    return w;
+  }
+  static inline void store(Stored* p, const W& w) {
+    _mm512_storeu_ps(p, w.lo);
+    _mm512_storeu_ps(p + 16, w.hi);
+  }
+  static inline W load(const Stored* p) { return {_mm512_loadu_ps(p), _mm512_loadu_ps(p + 16)}; }
+  static inline X load_x(const raw* p) { return {Act::load(p), Act::load(p + 16)}; }
+  static inline __m512 dot(__m512 acc, const X& x, const W& w) {
+    return _mm512_fmadd_ps(x.hi, w.hi, _mm512_fmadd_ps(x.lo, w.lo, acc));
+  }
+};
+
+#ifdef LLMPLUG_INT4_AVX512_BF16
+// bf16 activations on AVX512-BF16: a block of 32 k in one vdpbf16ps, each lane adding its pair of products
+struct Bf16Dot {
+  using raw = c10::BFloat16;
+  using W = __m512bh;
+  using X = __m512bh;
+  using Stored = uint16_t;
+  using Table = __m512i;  // a one-plane group's 16 weights in bf16, twice (vpermw reads 5 bits of an index)
+  static inline W pack(__m512 lo, __m512 hi) { return _mm512_cvtne2ps_pbh(hi, lo); }  // nearest even, k in order
+  static inline Table table(__m512 values) { return (__m512i)_mm512_cvtne2ps_pbh(values, values); }
+  static inline W lookup(const uint8_t* codes, Table t) {  // the bits pack gives, without converting 32 floats
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
+    // words 0..15: the bytes (low nibble, then bits vpermw ignores or the duplicate table absorbs); 16..31: >> 4
+    const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(bytes), _mm_srli_epi16(bytes, 4), 1);
+    return (W)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(both), t);
+  }
+  static inline void store(Stored* p, W w) { _mm512_storeu_si512(p, (__m512i)w); }
+  static inline W load(const Stored* p) { return (W)_mm512_loadu_si512(p); }
+  static inline X load_x(const raw* p) { return (X)_mm512_loadu_si512(p); }
+  static inline __m512 dot(__m512 acc, X x, W w) { return _mm512_dpbf16_ps(acc, x, w); }
+};
+#endif
+
+// acc[r][c] += x[r] . w[c] over one block of 32 k (R rows of x at `x`, rows ldx apart)
+template <typename D, int R, int C>
+inline void dot_block(__m512 (&acc)[R][C], const typename D::raw* x, int64_t ldx, const typename D::W (&w)[C]) {
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    const typename D::X xv = D::load_x(x + r * ldx);
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) acc[r][c] = D::dot(acc[r][c], xv, w[c]);
+  }
+}
+
+template <typename D, int R, int C>
+inline void store_tile(__m512 (&acc)[R][C], typename D::raw* y, int64_t ldy) {
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) y[r * ldy + c] = typename D::raw(_mm512_reduce_add_ps(acc[r][c]));
+}
+
+// y[r, c] = x[r] . w[c] for R rows and C columns n0.., each column's weights decoded in registers block by block.
+// P planes (1 or 2: the fused path's); every element is the same arithmetic as in buffered_tile.
+template <typename D, int P, int R, int C, typename Param>
+inline void fused_tile(const typename D::raw* x, int64_t ldx, const Int4Weight<Param>& w, int64_t n0,
+                       typename D::raw* y, int64_t ldy) {
+  const uint8_t* codes[C][P];
+  int64_t groups[C][P];  // where column c's plane p's group parameters start
+#pragma GCC unroll 8
+  for (int c = 0; c < C; ++c)
+#pragma GCC unroll 8
+    for (int p = 0; p < P; ++p) {
+      codes[c][p] = w.code_row(n0 + c, p);
+      groups[c][p] = w.group(n0 + c, p, 0);
+    }
+  __m512 acc[R][C];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  const int64_t blocks = w.group_size / kBlock;
+  // the next tile's codes and group parameters, asked for one cache line at a time while this tile computes:
+  // decoding reads each weight once, from memory, in short runs per column that the hardware prefetcher misses
+  const int64_t next_codes = kColumns * w.planes * (w.K / 2), next_groups = kColumns * w.planes * w.groups;
+  for (int64_t g = 0, k = 0; g < w.groups; ++g) {
+    __m512 values[C][P];
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c)
+#pragma GCC unroll 8
+      for (int p = 0; p < P; ++p) {
+        if (k % 128 == 0) _mm_prefetch(reinterpret_cast<const char*>(codes[c][p] + k / 2 + next_codes), _MM_HINT_T0);
+        if (g % 16 == 0) {
+          _mm_prefetch(reinterpret_cast<const char*>(w.scales + groups[c][p] + g + next_groups), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(w.zeros + groups[c][p] + g + next_groups), _MM_HINT_T0);
+        }
+        values[c][p] = group_values(w.scale(groups[c][p] + g), w.zero(groups[c][p] + g));
+      }
+    if constexpr (P == 1) {  // one plane: each weight straight from its group's table in the activation dtype
+      typename D::Table tables[C];
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) tables[c] = D::table(values[c][0]);
+      for (int64_t b = 0; b < blocks; ++b, k += kBlock) {
+        typename D::W wv[C];
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) wv[c] = D::lookup(codes[c][0] + k / 2, tables[c]);
+        dot_block<D, R, C>(acc, x + k, ldx, wv);
+      }
+      continue;
+    }
+    for (int64_t b = 0; b < blocks; ++b, k += kBlock) {
+      typename D::W wv[C];
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) {
+        __m512 lo, hi;
+        plane_block(codes[c][0] + k / 2, values[c][0], lo, hi);
+#pragma GCC unroll 8
+        for (int p = 1; p < P; ++p) {
+          __m512 plane_lo, plane_hi;
+          plane_block(codes[c][p] + k / 2, values[c][p], plane_lo, plane_hi);
+          add_plane(lo, hi, plane_lo, plane_hi);
+        }
+        wv[c] = D::pack(lo, hi);
+      }
+      dot_block<D, R, C>(acc, x + k, ldx, wv);
+    }
+  }
+  store_tile<D, R, C>(acc, y, ldy);
+}
+
+// Column n's K weights into `out` (D::Stored), any number of planes: the bits fused_tile decodes.
+template <typename D, typename Param>
+void decode_column(const Int4Weight<Param>& w, int64_t n, typename D::Stored* out) {
+  for (int64_t k = 0; k < w.K; k += kBlock) {
+    __m512 lo, hi;
+    for (int64_t p = 0; p < w.planes; ++p) {
+      const int64_t g = w.group(n, p, k);
+      __m512 plane_lo, plane_hi;
+      plane_block(w.code_row(n, p) + k / 2, group_values(w.scale(g), w.zero(g)), plane_lo, plane_hi);
+      if (p == 0) {
+        lo = plane_lo, hi = plane_hi;
+      } else {
+        add_plane(lo, hi, plane_lo, plane_hi);
+      }
+    }
+    D::store(out + k, D::pack(lo, hi));
+  }
+}
+
+// y[r, c] = x[r] . w[c] for R rows and C columns whose weights are decoded already (`weights`, columns K apart).
+template <typename D, int R, int C>
+inline void buffered_tile(const typename D::raw* x, int64_t ldx, int64_t K, const typename D::Stored* weights,
+                          typename D::raw* y, int64_t ldy) {
+  __m512 acc[R][C];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += kBlock) {
+    typename D::W wv[C];
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) wv[c] = D::load(weights + c * K + k);
+    dot_block<D, R, C>(acc, x + k, ldx, wv);
+  }
+  store_tile<D, R, C>(acc, y, ldy);
+}
+
+// fn.template operator()<value>() for value in 1..V (the tiles at the edges are smaller).
+template <int V, typename Fn>
+inline void with_count(int64_t value, Fn&& fn) {
+  if constexpr (V > 0) {
+    if (value == V) return fn.template operator()<V>();
+    with_count<V - 1>(value, fn);
+  }
+}
+
+template <typename D, typename Param>
+void int4_matmul_impl(const at::Tensor& x, const Int4Weight<Param>& w, at::Tensor& y) {
+  using raw = typename D::raw;
+  const int64_t M = x.size(0), K = w.K, N = y.size(1), ldx = x.stride(0);
+  const raw* xp = reinterpret_cast<const raw*>(x.data_ptr());
+  raw* yp = reinterpret_cast<raw*>(y.data_ptr());
+  const int64_t tiles = (N + kColumns - 1) / kColumns;
+  const int64_t work = K * kColumns * (w.planes + std::min<int64_t>(M, kRows));
+  const bool fused = M <= kFusedRows && w.planes <= 2;
+  at::parallel_for(0, tiles, std::max<int64_t>(1, (1 << 16) / work), [&](int64_t begin, int64_t end) {
+    std::vector<typename D::Stored> buffer(fused ? 0 : kColumns * K);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * kColumns, count = std::min<int64_t>(kColumns, N - n0);
+      if (fused) {  // one tile of rows: x [M, K] against `count` columns
+        with_count<kFusedRows>(M, [&]<int R>() {
+          with_count<kColumns>(count, [&]<int C>() {
+            if (w.planes == 1) {
+              fused_tile<D, 1, R, C>(xp, ldx, w, n0, yp + n0, N);
+            } else {
+              fused_tile<D, 2, R, C>(xp, ldx, w, n0, yp + n0, N);
+            }
+          });
+        });
+        continue;
+      }
+      for (int64_t c = 0; c < count; ++c) decode_column<D>(w, n0 + c, buffer.data() + c * K);
+      for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+        with_count<kRows>(std::min<int64_t>(kRows, M - m0), [&]<int R>() {
+          with_count<kColumns>(count, [&]<int C>() {
+            buffered_tile<D, R, C>(xp + m0 * ldx, ldx, K, buffer.data(), yp + m0 * N + n0, N);
+          });
+        });
+      }
+    }
+  });
+}
+
+#else  // generic: each column's weights decoded into a float buffer, then 16 float lanes per dot product
+
+inline float mul_add(float a, float b, float c) {
+#if defined(__FMA__)
+  return std::fma(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
+// Column n's K weights as Int4Groups.dequantize rounds them, then rounded to raw (float32: as they are).
+template <typename raw, typename Param>
+void decode_column(const Int4Weight<Param>& w, int64_t n, float* out) {
+  float values[16];
+  for (int64_t p = 0; p < w.planes; ++p) {
+    const uint8_t* codes = w.code_row(n, p);
+    for (int64_t k0 = 0; k0 < w.K; k0 += w.group_size) {
+      const int64_t g = w.group(n, p, k0);
+      for (int q = 0; q < 16; ++q) {
+        volatile float product = float(q - 8) * w.scale(g);  // rounded on its own: never fused with the add
+        values[q] = product + w.zero(g);
+      }
+      for (int64_t k = k0; k < k0 + w.group_size; ++k) {
+        const int64_t b = k % kBlock;
+        const uint8_t byte = codes[(k - b) / 2 + b % 16];
+        const float v = values[b < 16 ? byte & 15 : byte >> 4];
+        out[k] = p == 0 ? v : out[k] + v;
+      }
+    }
+  }
+  for (int64_t k = 0; k < w.K; ++k) out[k] = static_cast<float>(raw(out[k]));
+}
+
+template <typename raw, typename Param>
+void int4_matmul_impl(const at::Tensor& x, const Int4Weight<Param>& w, at::Tensor& y) {
+  constexpr int kLanes = 16;
+  const int64_t M = x.size(0), K = w.K, N = y.size(1), ldx = x.stride(0);
+  const raw* xp = reinterpret_cast<const raw*>(x.data_ptr());
+  raw* yp = reinterpret_cast<raw*>(y.data_ptr());
+  const int64_t tiles = (N + kColumns - 1) / kColumns;
+  const int64_t work = K * kColumns * (w.planes + std::min<int64_t>(M, kRows));
+  at::parallel_for(0, tiles, std::max<int64_t>(1, (1 << 16) / work), [&](int64_t begin, int64_t end) {
+    std::vector<float> weights(kColumns * K), xr(K);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * kColumns, count = std::min<int64_t>(kColumns, N - n0);
+      for (int64_t c = 0; c < count; ++c) decode_column<raw>(w, n0 + c, weights.data() + c * K);
+      for (int64_t m = 0; m < M; ++m) {
+        for (int64_t k = 0; k < K; ++k) xr[k] = static_cast<float>(xp[m * ldx + k]);
+        for (int64_t c = 0; c < count; ++c) {
+          float lanes[kLanes] = {};
+          const float* wc = weights.data() + c * K;
+          for (int64_t k = 0; k < K; k += kLanes) {  // K is a multiple of 32
+#pragma omp simd
+            for (int j = 0; j < kLanes; ++j) lanes[j] = mul_add(xr[k + j], wc[k + j], lanes[j]);
+          }
+          for (int width = kLanes / 2; width > 0; width /= 2)
+            for (int j = 0; j < width; ++j) lanes[j] += lanes[j + width];
+          yp[m * N + n0 + c] = raw(lanes[0]);
+        }
+      }
+    }
+  });
+}
+
+#endif
+
+// A group parameter tensor: contiguous [N, P, G], float32 or bfloat16.
+void check_groups(const at::Tensor& t, const char* name, int64_t N, int64_t P, int64_t G) {
+  TORCH_CHECK((t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16) && t.is_contiguous(),
+              "llmplug_cpu::int4_matmul: ", name, " must be contiguous float32 or bfloat16, got ", t.scalar_type(),
+              t.is_contiguous() ? "" : " (not contiguous)");
+  TORCH_CHECK(t.dim() == 3 && t.size(0) == N && t.size(1) == P && t.size(2) == G, "llmplug_cpu::int4_matmul: ", name,
+              " must be [N, P, K / group_size] = [", N, ", ", P, ", ", G, "], got ", t.sizes());
+}
+
+// x [M, K] (float32 or bfloat16; columns contiguous) . W^T -> [M, N] in x's dtype, W the weight of qweight
+// [N, P, K / 2] uint8 (two codes a byte, see the layout above), scales and zeros [N, P, K / group_size] float32
+// (or bfloat16: half the bytes, which a decode step's time is).
+at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       const at::Tensor& zeros, int64_t group_size) {
+  TORCH_CHECK(x.dim() == 2, "llmplug_cpu::int4_matmul: x must be [M, K], got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "llmplug_cpu::int4_matmul: x must be float32 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(qweight.dim() == 3 && qweight.scalar_type() == at::kByte && qweight.is_contiguous(),
+              "llmplug_cpu::int4_matmul: qweight must be contiguous uint8 [N, P, K / 2], got ", qweight.sizes(), " ",
+              qweight.scalar_type());
+  const int64_t N = qweight.size(0), P = qweight.size(1), K = x.size(1);
+  TORCH_CHECK(P >= 1, "llmplug_cpu::int4_matmul: qweight has no planes");
+  TORCH_CHECK(qweight.size(2) * 2 == K, "llmplug_cpu::int4_matmul: x has ", K, " columns, qweight's rows hold ",
+              qweight.size(2) * 2);
+  TORCH_CHECK(group_size > 0 && group_size % kBlock == 0 && K % group_size == 0,
+              "llmplug_cpu::int4_matmul: group_size must be a positive multiple of 32 dividing K=", K, ", got ",
+              group_size);
+  check_groups(scales, "scales", N, P, K / group_size);
+  check_groups(zeros, "zeros", N, P, K / group_size);
+  TORCH_CHECK(scales.scalar_type() == zeros.scalar_type(), "llmplug_cpu::int4_matmul: scales are ",
+              scales.scalar_type(), ", zeros ", zeros.scalar_type(), "; both must have one dtype");
+  const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
+  at::Tensor y = at::empty({x.size(0), N}, x.options());
+  if (y.numel() == 0) return y;
+  auto run = [&](const auto& w) {
+#ifdef LLMPLUG_INT4_AVX512
+    if (x.scalar_type() == at::kFloat) {
+      int4_matmul_impl<FmaDot<F32Act>>(xc, w, y);
+    } else {
+#ifdef LLMPLUG_INT4_AVX512_BF16
+      int4_matmul_impl<Bf16Dot>(xc, w, y);
+#else
+      int4_matmul_impl<FmaDot<BF16Act>>(xc, w, y);
+#endif
+    }
+#else
+    if (x.scalar_type() == at::kFloat) {
+      int4_matmul_impl<float>(xc, w, y);
+    } else {
+      int4_matmul_impl<c10::BFloat16>(xc, w, y);
+    }
+#endif
+  };
+  const uint8_t* codes = qweight.data_ptr<uint8_t>();
+  if (scales.scalar_type() == at::kFloat) {
+    run(Int4Weight<float>{codes, scales.data_ptr<float>(), zeros.data_ptr<float>(), P, K, K / group_size, group_size});
+  } else {
+    run(Int4Weight<c10::BFloat16>{codes, scales.data_ptr<c10::BFloat16>(), zeros.data_ptr<c10::BFloat16>(), P, K,
+                                  K / group_size, group_size});
+  }
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(llmplug_cpu, m) {
+  m.def("int4_matmul(Tensor x, Tensor qweight, Tensor scales, Tensor zeros, int group_size) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(llmplug_cpu, CPU, m) { m.impl("int4_matmul", int4_matmul); }
