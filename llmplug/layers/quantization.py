@@ -1,4 +1,4 @@
-"""Weight-only int4: a packed 4-bit copy of a layer's weight, used for small batches (decode).
+"""Weight-only int4: a packed 4-bit copy of a layer's weight, used for decode.
 
 Decoding one token reads every weight once, so its cost is the bytes of the weights; torch's CPU
 int4 kernel (`_weight_int4pack_mm_for_cpu`) reads a quarter of bf16's bytes but does more work per
@@ -14,7 +14,9 @@ The seam (after vLLM's quant_method):
   dense weight (fused projections and tensor-parallel shards included) in a staging area on the
   parameter (`stage_int4`);
 - after loading, `process_weights_after_loading(model, options)` lets each layer pack its staged (or,
-  when asked, freshly quantized) groups and switch to `Int4LinearMethod`; staging is then dropped.
+  when asked, freshly quantized) groups and switch to `Int4LinearMethod`; staging is then dropped. The copy is
+  llmplug's own kernel (`NativeInt4`, row invariant by construction) where rows must not depend on their batch,
+  else torch's (`PackedInt4`, the fastest for a few rows).
   Layers that stay dense get their weight packed for oneDNN where that is faster (layers/packed_linear.py).
 
 The int4 form: `Int4Groups` with planes p, w[n, k] = sum_p (q_p[n, k] - 8) * scale_p[n, g] + zero_p[n, g],
@@ -35,6 +37,7 @@ from torch import nn
 
 from llmplug.core.errors import ModelLoadError
 from llmplug.layers.forward_context import GeneratedRows, current_generated_rows
+from llmplug.layers.kernels.int4_matmul import NATIVE_INT4_DTYPES, NativeInt4, native_int4_available
 from llmplug.layers.int8_linear import Int8LinearMethod, int8_matmul_exact
 from llmplug.layers.packed_linear import cpu_dense_method
 from llmplug.layers.row_invariance import remembered_probe
@@ -334,7 +337,7 @@ class Int4LinearMethod:
     """
 
     def __init__(
-        self, packed: PackedInt4, max_tokens: int | None, exact: bool, dense: LinearMethod = DENSE,
+        self, packed: PackedInt4 | NativeInt4, max_tokens: int | None, exact: bool, dense: LinearMethod = DENSE,
         rows: str | None = None,
     ) -> None:
         rows = rows or ("all" if max_tokens is None else "small")
@@ -429,10 +432,27 @@ def linear_method_for(weight: torch.Tensor, options: LinearOptions) -> LinearMet
         return _dense_method_for(weight, options)
     else:
         groups, exact = _fill_by_quantizing(weight, staging, options.group_size), False
-    reason = packable(groups)
     rows = options.int4_rows or ("all" if options.row_invariant else "small")
     if options.row_invariant and rows == "small":
         raise ValueError("int4 rows 'small' depend on their batch: the batch-invariant mode takes 'all' or 'generated'")
+    packed = _pack_int4(weight, groups, options, rows)
+    if packed is None:
+        return _dense_method_for(weight, options)
+    if rows == "all":  # one kernel for every row count: no dense fallback to pack
+        return Int4LinearMethod(packed, None, exact)
+    return Int4LinearMethod(packed, options.max_tokens, exact, _dense_method_for(weight, options), rows=rows)
+
+
+def _pack_int4(
+    weight: torch.Tensor, groups: Int4Groups, options: LinearOptions, rows: str
+) -> PackedInt4 | NativeInt4 | None:
+    """The int4 copy's kernel: llmplug's own (row invariant by construction, faster from ~16 rows) wherever a row's
+    bits must not depend on its batch and it is built; else torch's (the fastest for a few rows), probed row
+    invariant for the shape in the batch-invariant mode; None where neither can take the weight (logged)."""
+    if rows != "small" and weight.device.type == "cpu" and weight.dtype in NATIVE_INT4_DTYPES \
+            and native_int4_available():
+        return NativeInt4.pack(groups, weight.dtype)
+    reason = packable(groups)
     if reason is None and options.row_invariant and not int4_rows_invariant(
         *weight.shape, groups.num_planes, weight.dtype, torch.get_num_threads()
     ):
@@ -440,11 +460,8 @@ def linear_method_for(weight: torch.Tensor, options: LinearOptions) -> LinearMet
     if reason is not None:
         if options.quantize_dense or options.row_invariant:
             log.warning("weight of shape %s stays dense: %s", tuple(weight.shape), reason)
-        return _dense_method_for(weight, options)
-    packed = PackedInt4.pack(groups, weight.dtype, weight.device)
-    if rows == "all":  # one kernel for every row count: no dense fallback to pack
-        return Int4LinearMethod(packed, None, exact)
-    return Int4LinearMethod(packed, options.max_tokens, exact, _dense_method_for(weight, options), rows=rows)
+        return None
+    return PackedInt4.pack(groups, weight.dtype, weight.device)
 
 
 def _dense_method_for(weight: torch.Tensor, options: LinearOptions) -> LinearMethod:

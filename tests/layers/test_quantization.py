@@ -122,7 +122,8 @@ def test_generated_rows_take_the_int4_copy_and_prompt_rows_the_dense_weight() ->
     with forward_context(None, generated_rows=GeneratedRows.from_mask(mask)):
         mixed = layer(x)
         assert torch.equal(layer(x[:6]), F.linear(x[:6], dense, layer.bias))  # not the step's 7 rows: dense
-    packed = PackedInt4.pack(groups, torch.float32, torch.device("cpu"))
+    packed = layer.quant_method.packed  # its kernel (tested against the dequantized weights on its own)
+    torch.testing.assert_close(packed.matmul(x), F.linear(x, groups.dequantize()), rtol=1e-5, atol=1e-5)
     assert torch.equal(mixed[mask], packed.matmul(x[mask]) + layer.bias)
     assert torch.equal(mixed[~mask], F.linear(x[~mask], dense, layer.bias))
     assert torch.equal(layer(x), F.linear(x, dense, layer.bias))  # no step: every row dense
@@ -150,6 +151,7 @@ def test_a_layer_whose_int4_rows_vary_stays_dense_in_batch_invariant_mode(monkey
     import llmplug.layers.quantization as quantization
 
     monkeypatch.setattr(quantization, "int4_rows_invariant", lambda *shape: False)
+    monkeypatch.setattr(quantization, "native_int4_available", lambda: False)  # torch's kernel: the one probed
     groups = random_groups(32, 64)
     methods = {}
     for mode, options in {"invariant": LinearOptions(row_invariant=True), "default": AUTO}.items():
