@@ -304,18 +304,22 @@ def finish_loading(model: torch.nn.Module, model_config: ModelConfig, only_dense
     `only_dense`: after a weight update, only the layers computing densely now (those whose weights
     changed, or that were dense anyway) are redone; the others keep their packed copies.
     """
+    from llmplug.layers.kernels.int4_matmul import native_int4_available
     from llmplug.layers.quantization import LinearOptions, process_weights_after_loading
 
     quantization = model_config.quantization
     forced = quantization == "int4"
     invariant = model_config.batch_invariant_on
-    param = next(model.parameters(), None)
-    # auto's int4 copies only where torch's int4 kernel beats the dense weight: in bf16 (in float32 it has no fast
-    # path: ~20x slower than dense for one row of SmolLM2's projections on AVX-512, docs/quantization.md)
-    auto_int4 = quantization == "auto" and param is not None and param.dtype == torch.bfloat16
     # batch invariant, an int4 copy computes the generated tokens (auto: prompts stay dense) or every token (int4);
     # else the calls of a few tokens, whatever they are
     int4_rows = ("all" if forced else "generated") if invariant else "small"
+    param = next(model.parameters(), None)
+    dtype = None if param is None else param.dtype
+    # auto's int4 copies only where their kernel beats the dense weight: bf16, and float32 with llmplug's int4
+    # kernel (the batch-invariant mode's); torch's has no fast float32 path (~20x slower than dense for one row)
+    auto_int4 = quantization == "auto" and (
+        dtype == torch.bfloat16 or (dtype == torch.float32 and int4_rows != "small" and native_int4_available())
+    )
     options = LinearOptions(
         int4=forced or auto_int4, int4_rows=int4_rows, int8=quantization == "int8",
         quantize_dense=forced, required=forced, prepack=model_config.prepack_weights, row_invariant=invariant,

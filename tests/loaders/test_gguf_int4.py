@@ -18,6 +18,7 @@ import torch
 
 from llmplug import LLM, SamplingParams
 from llmplug.core.config import EngineConfig, ModelConfig
+from llmplug.layers.kernels.int4_matmul import NativeInt4
 from llmplug.layers.quantization import DENSE, Int4Groups, Int4LinearMethod, PackedInt4, int4_kernel_supported
 from llmplug.loaders.gguf import GGUFLoader, dequantize_tensor, int4_groups_of_tensor, iter_gguf_weights
 from llmplug.plugins.models.llama import LlamaForCausalLM
@@ -85,8 +86,9 @@ def tiny_files(tmp_path_factory: pytest.TempPathFactory) -> dict[Q, Path]:
     return {q: write_model_gguf(folder / f"{q.name}.gguf", model, q, tokenizer=False) for q in (Q.Q4_1, Q.Q8_0, Q.F32)}
 
 
-def load(path: Path, quantization: str, dtype: str = "float32") -> torch.nn.Module:
-    config = EngineConfig(model=ModelConfig(model=str(path), dtype=dtype, quantization=quantization))
+def load(path: Path, quantization: str, dtype: str = "float32", invariant: bool = False) -> torch.nn.Module:
+    model = ModelConfig(model=str(path), dtype=dtype, quantization=quantization, batch_invariant=invariant or "auto")
+    config = EngineConfig(model=model)
     return GGUFLoader(config.load).load_model(config, device="cpu", model_class=LlamaForCausalLM)
 
 
@@ -111,12 +113,15 @@ def test_auto_packs_every_layer_exactly_in_the_rows_of_its_dense_weight(tiny_fil
 
 
 def test_none_keeps_every_layer_dense_and_int4_quantizes_a_dense_file(tiny_files: dict[Q, Path]) -> None:
-    def int4_layers(path: Path, quantization: str, dtype: str = "bfloat16") -> list[object]:
-        return [m for m in layer_methods(load(path, quantization, dtype)).values() if isinstance(m, Int4LinearMethod)]
+    def int4_layers(path: Path, quantization: str, dtype: str = "bfloat16", invariant: bool = False) -> list:
+        methods = layer_methods(load(path, quantization, dtype, invariant)).values()
+        return [m for m in methods if isinstance(m, Int4LinearMethod)]
 
     assert not int4_layers(tiny_files[Q.Q4_1], "none") and not int4_layers(tiny_files[Q.F32], "auto")
-    # float32: torch's int4 kernel is far slower than the dense weight, so auto keeps exact int4 files dense
+    # float32 outside the batch-invariant mode: torch's int4 kernel is far slower than the dense weight, so auto
+    # keeps exact int4 files dense; in the mode llmplug's own kernel serves, fast in float32 too
     assert set(map(id, layer_methods(load(tiny_files[Q.Q4_1], "auto")).values())) == {id(DENSE)}
+    assert all(isinstance(m.packed, NativeInt4) for m in int4_layers(tiny_files[Q.Q4_1], "auto", "float32", True))
     assert int4_layers(tiny_files[Q.Q4_1], "auto")  # the twin: in bf16 it packs them
     forced = layer_methods(load(tiny_files[Q.F32], "int4"))
     assert all(isinstance(m, Int4LinearMethod) and not m.exact for m in forced.values())
