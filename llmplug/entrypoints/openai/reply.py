@@ -52,6 +52,11 @@ class ReplyReader:
         self.tool_parser = tool_parser
         self.max_calls = max_calls  # 1 with parallel_tool_calls false: later calls are dropped, as vLLM does
 
+    @property
+    def plain(self) -> bool:
+        """True when an answer is all content: no reasoning to take apart, no calls to look for."""
+        return self.reasoning is None and self.tool_parser is None
+
     def whole(self, text: str) -> Reply:
         """The parts of a whole answer."""
         reasoning, content = None, text

@@ -65,6 +65,7 @@ from llmplug.entrypoints.openai.serving_completion import (
     format_prompt_logprobs,
 )
 from llmplug.entrypoints.openai.serving_lora import ServedAdapters
+from llmplug.entrypoints.openai.stream_chunks import TextChunks
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -165,10 +166,23 @@ class OpenAIServingChat(OpenAIServing):
         streams = [reader.stream() for _ in range(body.n)]
         cached = first.num_cached_tokens
 
-        def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
+        def chunk_json(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
             message = ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=choices,
                                                    usage=usage)
-            return sse(message.model_dump_json(exclude=None if include_usage else {"usage"}))
+            return message.model_dump_json(exclude=None if include_usage else {"usage"})
+
+        def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
+            return sse(chunk_json(choices, usage))
+
+        # most chunks are one choice's next text and nothing else: those are filled into a template
+        plain = reader.plain and top_logprobs is None and not continuous_usage
+        text_chunks: dict[int, TextChunks] = {}
+
+        def text_chunk(index: int, text: str) -> str:
+            if index not in text_chunks:
+                text_chunks[index] = TextChunks(lambda content: chunk_json(
+                    [ChatCompletionStreamChoice(index=index, delta=DeltaMessage(content=content))]))
+            return text_chunks[index](text)
 
         try:
             for index in range(body.n):
@@ -177,6 +191,10 @@ class OpenAIServingChat(OpenAIServing):
             while output is not None:
                 for completion in output.outputs:
                     num_generated[completion.index] += len(completion.token_ids)
+                    if plain and completion.finish_reason is None and completion.stop_reason is None:
+                        if completion.text:
+                            yield text_chunk(completion.index, completion.text)
+                        continue
                     choice = _stream_choice(completion, top_logprobs, streams[completion.index])
                     if choice is not None:
                         usage = usage_info(num_prompt_tokens, sum(num_generated), cached) if continuous_usage else None
