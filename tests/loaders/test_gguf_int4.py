@@ -18,6 +18,7 @@ import torch
 
 from llmplug import LLM, SamplingParams
 from llmplug.core.config import EngineConfig, ModelConfig
+from llmplug.layers.decoder.native_stack import NativeDecoderStack
 from llmplug.layers.kernels.int4_matmul import NativeInt4
 from llmplug.layers.quantization import DENSE, Int4Groups, Int4LinearMethod, PackedInt4, int4_kernel_supported
 from llmplug.loaders.gguf import GGUFLoader, dequantize_tensor, int4_groups_of_tensor, iter_gguf_weights
@@ -229,12 +230,24 @@ def test_by_default_generated_tokens_decode_in_int4_and_prompts_stay_dense(
     assert all(isinstance(m, Int4LinearMethod) and m.rows == "generated" for m in methods.values())
     kernel = type(next(iter(methods.values())).packed)
     llm.shutdown()
-    rows_seen: list[int] = []
+    rows_seen: list[int] = []  # each int4 call from Python: its rows
     matmul = kernel.matmul
     monkeypatch.setattr(kernel, "matmul", lambda self, x: rows_seen.append(x.shape[0]) or matmul(self, x))
+    stacked: list[int] = []  # each step whose layers the C++ stack ran (4 int4 calls a layer): its rows
+    stack_run = NativeDecoderStack.run
+
+    def counted(self, hidden, *args):
+        out = stack_run(self, hidden, *args)
+        if out is not None:
+            stacked.append(hidden.shape[0])
+        return out
+
+    monkeypatch.setattr(NativeDecoderStack, "run", counted)
     default = run(tiny_files[Q.Q4_1], PROMPTS, one_at_a_time=True)
-    assert rows_seen and set(rows_seen) == {1}
-    assert len(rows_seen) == len(PROMPTS) * (TOKENS - 1) * len(methods)  # every layer at every decode step
+    assert stacked and set(rows_seen + stacked) == {1}
+    stack_calls = 4 * tiny_llama_config().num_hidden_layers
+    # every layer and the LM head at every decode step
+    assert len(rows_seen) + stack_calls * len(stacked) == len(PROMPTS) * (TOKENS - 1) * len(methods)
     monkeypatch.undo()
     dense = run(tiny_files[Q.Q4_1], PROMPTS, one_at_a_time=True, quantization="none")
     for (tokens, logprobs), (dense_tokens, dense_logprobs) in zip(default, dense):

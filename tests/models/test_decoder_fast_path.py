@@ -1,6 +1,8 @@
 """The decoder's CPU fast path (llmplug/layers/decoder/fast_path.py) gives its modules' outputs bit for bit, on
 the tiny Llama, Mistral, Qwen2 (biases) and Qwen3 (q/k norms, scaled rope) models: flattened prefill, a chunk
-between decodes, batched decodes; a hooked layer runs its modules (the hook fires) while the others stay fast."""
+between decodes, batched decodes; a hooked layer runs its modules (the hook fires) while the others stay fast.
+With int4 layers, the C++ stack of all layers (decoder/native_stack.py) gives the straight-line run's bits, and
+follows a replaced weight."""
 
 from __future__ import annotations
 
@@ -9,7 +11,10 @@ import torch
 
 from llmplug.layers.decoder import fast_path
 from llmplug.layers.decoder.fast_path import DecoderFastPath
+from llmplug.layers.decoder.native_stack import NativeDecoderStack
+from llmplug.layers.kernels.int4_matmul import NativeInt4
 from llmplug.layers.kernels.native import native_available
+from llmplug.layers.quantization import Int4LinearMethod, quantize_int4
 from llmplug.testing.paged import PagedHarness
 
 from .test_llama_parity import prompts
@@ -103,3 +108,86 @@ def test_other_layer_shapes_run_their_modules(tiny: TinyModel) -> None:
     assert DecoderFastPath([other], [0]).plain != [None]
     other.__class__ = type("FamilyLayer", (type(other),), {})  # a subclass may compute otherwise
     assert DecoderFastPath([other], [0]).plain == [None]
+
+
+def int4_layers(model: torch.nn.Module, scale: float = 1.0) -> None:
+    """Every linear of the model's layers computes through llmplug's int4 kernel, for all rows (its weight, times
+    `scale`, quantized)."""
+    for plain in model.model.run_layers.plain:
+        for linear in plain.linears:
+            linear.quant_method = int4_method(linear.weight * scale)
+
+
+def int4_method(weight: torch.Tensor) -> Int4LinearMethod:
+    return Int4LinearMethod(NativeInt4.pack(quantize_int4(weight), weight.dtype), None, exact=True, rows="all")
+
+
+@pytest.fixture
+def stack_runs(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether each C++ stack call ran the layers (False: it left them to the straight-line run)."""
+    runs: list[bool] = []
+    run = NativeDecoderStack.run
+
+    def counted(self, *args):
+        out = run(self, *args)
+        runs.append(out is not None)
+        return out
+
+    monkeypatch.setattr(NativeDecoderStack, "run", counted)
+    return runs
+
+
+def straight_line_steps(model: torch.nn.Module, vocab: int) -> list[torch.Tensor]:
+    """run_steps without the C++ stack."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(NativeDecoderStack, "run", lambda *args: None)
+        return run_steps(model, vocab)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_native_stack_gives_the_straight_line_bits(
+    tiny: TinyModel, dtype: str, layer_runs: list[int], stack_runs: list[bool]
+) -> None:
+    model = tiny.load(dtype)
+    int4_layers(model)
+    vocab = tiny.hf_model.config.vocab_size
+    fast_layers = model.model.run_layers
+    if any(plain.attention.q_norm is not None for plain in fast_layers.plain):
+        assert fast_layers.stack is None  # q/k norms (Qwen3): the straight-line run
+        return
+    expected = straight_line_steps(model, vocab)
+    assert len(layer_runs) == len(expected) * len(fast_layers.layers)
+    layer_runs.clear()
+    got = run_steps(model, vocab)
+    assert stack_runs == [True] * len(got) and layer_runs == []  # every step, prefills and chunks included
+    for step, (a, b) in enumerate(zip(got, expected)):
+        assert torch.equal(a, b), f"step {step}: max diff {(a - b).abs().max().item():.3e}"
+
+
+def test_the_native_stack_follows_a_replaced_weight_and_leaves_a_hooked_layer_to_python(
+    tiny: TinyModel, layer_runs: list[int], stack_runs: list[bool]
+) -> None:
+    model = tiny.load("bfloat16")
+    int4_layers(model)
+    fast_layers = model.model.run_layers
+    if fast_layers.stack is None:
+        pytest.skip("no stack for this model's layers (q/k norms)")
+    vocab = tiny.hf_model.config.vocab_size
+    before = run_steps(model, vocab)
+    down = fast_layers.plain[-1].down
+    down.quant_method = int4_method(down.weight * 1.5)  # as a weight update replaces the packed copy
+    expected = straight_line_steps(model, vocab)
+    stack_runs.clear()
+    got = run_steps(model, vocab)
+    assert all(stack_runs) and not all(torch.equal(a, b) for a, b in zip(got, before))
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    seen: list[int] = []
+    handle = down.register_forward_hook(lambda module, args, out: seen.append(out.shape[0]))
+    try:
+        stack_runs.clear()
+        layer_runs.clear()
+        hooked = run_steps(model, vocab)
+    finally:
+        handle.remove()
+    assert stack_runs == [False] * len(hooked) and len(seen) == len(hooked)  # the hook fires: its layer's modules
+    assert all(torch.equal(a, b) for a, b in zip(hooked, expected))

@@ -10,7 +10,8 @@ would make, with the same arguments in the same order, so its outputs are theirs
 The checks are made once each at the level where they can change: the layer's shape when the path is built,
 the step's (llmplug's CPU kernels in use, the activations' dtype, the torch_sdpa metadata, no global hooks)
 once a forward, and per layer what can change after loading (a module hook such as EAGLE's capture, LoRA
-slots, an unbound cache). A layer that fails them runs its modules.
+slots, an unbound cache). A layer that fails them runs its modules. Where every layer's linears are int4 copies
+the step computes in int4, the whole run is one C++ call instead (decoder/native_stack.py), with the same bits.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from llmplug.layers.attention.torch_sdpa import TorchSDPAMetadata, native_attent
 from llmplug.layers.decoder.attention import DecoderAttention
 from llmplug.layers.decoder.layer import DecoderLayer
 from llmplug.layers.decoder.mlp import DecoderMLP
+from llmplug.layers.decoder.native_stack import NativeDecoderStack
 from llmplug.layers.forward_context import get_forward_context
 from llmplug.layers.kernels.native import ops, use_native
 from llmplug.layers.layernorm import RMSNorm
@@ -72,6 +74,7 @@ class DecoderFastPath:
     def __init__(self, layers: list[nn.Module], rope_of_layer: list[int | None]) -> None:
         self.layers, self.rope_of_layer = layers, rope_of_layer
         self.plain = [_plain(layer) for layer in layers]
+        self.stack = NativeDecoderStack.for_layers(self.plain, rope_of_layer)  # all layers in one C++ call
 
     def __call__(
         self,
@@ -84,6 +87,10 @@ class DecoderFastPath:
         """The layers' (output, residual stream) for the first layer's input, as `DecoderLayer.forward` chains, with
         `added`'s rows added to the stream after their layers (counted from this stage's first)."""
         metadata = self._step_metadata(hidden, ropes, query_scale)
+        if metadata is not None and added is None and self.stack is not None:
+            stacked = self.stack.run(hidden, residual, ropes, metadata)
+            if stacked is not None:
+                return stacked
         for i, (layer, plain, rope_index) in enumerate(zip(self.layers, self.plain, self.rope_of_layer)):
             rope = None if rope_index is None else ropes[rope_index]
             if metadata is not None and plain is not None and _layer_allows(plain, hidden, residual):

@@ -1,7 +1,8 @@
 """llmplug's CPU kernels (`ops.cpp`): RMSNorm with its residual add, SiLU-and-mul, rotary, the KV write, paged
 attention, and the matmul of GGUF-quantized weights from their raw blocks (llmplug.quantization.gguf); (`fp8.cpp`)
 the matmul of fp8 weights with their scales (llmplug.quantization.fp8); (`int4.cpp`) the matmul of weight-only int4
-groups (llmplug.layers.kernels.int4_matmul).
+groups (llmplug.layers.kernels.int4_matmul); (`decoder_stack.cpp`) `torch.classes.llmplug_cpu.DecoderStack`, a
+model's plain int4 layers run as one call a step (llmplug.layers.decoder.native_stack).
 
 Eager PyTorch runs each of these as 5–40 small ops, each a Python-level dispatch of a few microseconds,
 which at one decode token is most of their cost (docs/benchmarks.md). Here each is one call, with every
@@ -36,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 KERNELS_ENV = "LLMPLUG_CPU_KERNELS"  # "auto" (default): on CPU tensors when the kernels build; "0": never
 NAME = "llmplug_cpu_ops"
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("ops.cpp", "fp8.cpp", "int4.cpp"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("ops.cpp", "fp8.cpp", "int4.cpp", "decoder_stack.cpp"))
 MARCH_ENV = "LLMPLUG_CPU_MARCH"  # the target CPU of the build: "native" (default) or a generic one, e.g. x86-64-v2
 
 
