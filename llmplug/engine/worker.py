@@ -22,6 +22,7 @@ from llmplug.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from llmplug.engine.sleep_mode import SleepingWeights, sleep_weights, wake_weights
 from llmplug.engine.weight_update import WeightBatch, load_weight_batch
 from llmplug.layers.attention import attention_layers, bind_kv_cache
+from llmplug.layers.decoder.native_stack import release_native_stacks
 from llmplug.layers.packed_linear import row_variant_weights
 from llmplug.layers.recurrent import bind_state_cache
 from llmplug.loaders.base import finish_loading
@@ -294,6 +295,7 @@ class Worker:
         bind_kv_cache(runner.model, None, runner.attn_backend)  # the layers held the only references
         bind_state_cache(runner.model, None)
         runner.drop_compiled_forward("sleep")
+        release_native_stacks(runner.model)  # they held the weights and the caches too
         self.sleeping_weights = sleep_weights(runner.model, level)
         self.platform.empty_cache()
 

@@ -19,6 +19,7 @@ import torch
 from llmplug import LLM, SamplingParams
 from llmplug.core.config import EngineConfig, ModelConfig
 from llmplug.layers.decoder.native_stack import NativeDecoderStack
+from llmplug.layers.forward_context import current_generated_rows
 from llmplug.layers.kernels.int4_matmul import NativeInt4
 from llmplug.layers.quantization import DENSE, Int4Groups, Int4LinearMethod, PackedInt4, int4_kernel_supported
 from llmplug.loaders.gguf import GGUFLoader, dequantize_tensor, int4_groups_of_tensor, iter_gguf_weights
@@ -233,13 +234,14 @@ def test_by_default_generated_tokens_decode_in_int4_and_prompts_stay_dense(
     rows_seen: list[int] = []  # each int4 call from Python: its rows
     matmul = kernel.matmul
     monkeypatch.setattr(kernel, "matmul", lambda self, x: rows_seen.append(x.shape[0]) or matmul(self, x))
-    stacked: list[int] = []  # each step whose layers the C++ stack ran (4 int4 calls a layer): its rows
+    stacked: list[int] = []  # each step of generated rows whose layers the C++ stack ran (4 int4 calls a layer)
     stack_run = NativeDecoderStack.run
 
     def counted(self, hidden, *args):
         out = stack_run(self, hidden, *args)
-        if out is not None:
-            stacked.append(hidden.shape[0])
+        generated = current_generated_rows()
+        if out is not None and generated is not None and generated.count:  # else a prompt step: dense
+            stacked.append(generated.count)
         return out
 
     monkeypatch.setattr(NativeDecoderStack, "run", counted)

@@ -1,8 +1,8 @@
 """The decoder's CPU fast path (llmplug/layers/decoder/fast_path.py) gives its modules' outputs bit for bit, on
 the tiny Llama, Mistral, Qwen2 (biases) and Qwen3 (q/k norms, scaled rope) models: flattened prefill, a chunk
 between decodes, batched decodes; a hooked layer runs its modules (the hook fires) while the others stay fast.
-With int4 layers, the C++ stack of all layers (decoder/native_stack.py) gives the straight-line run's bits, and
-follows a replaced weight."""
+With dense or int4 layers, the C++ stack of all layers (decoder/native_stack.py) gives the straight-line run's bits,
+and follows a replaced weight."""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ from llmplug.layers.decoder.fast_path import DecoderFastPath
 from llmplug.layers.decoder.native_stack import NativeDecoderStack
 from llmplug.layers.kernels.int4_matmul import NativeInt4
 from llmplug.layers.kernels.native import native_available
+from llmplug.layers.packed_linear import PrepackedLinearMethod, RowPlannedDenseMethod
 from llmplug.layers.quantization import Int4LinearMethod, quantize_int4
+from llmplug.layers.row_invariance import RowPlan
 from llmplug.testing.paged import PagedHarness
 
 from .test_llama_parity import prompts
@@ -54,6 +56,12 @@ def layer_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return runs
 
 
+@pytest.fixture
+def no_stack(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The layers take the straight-line run, never the C++ stack of all layers (tested below)."""
+    monkeypatch.setattr(NativeDecoderStack, "run", lambda *args: None)
+
+
 def module_path_steps(model: torch.nn.Module, vocab: int) -> list[torch.Tensor]:
     """run_steps with every layer through its modules."""
     with pytest.MonkeyPatch.context() as patch:
@@ -62,7 +70,9 @@ def module_path_steps(model: torch.nn.Module, vocab: int) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fast_path_gives_the_module_path_bits(tiny: TinyModel, dtype: str, layer_runs: list[int]) -> None:
+def test_fast_path_gives_the_module_path_bits(
+    tiny: TinyModel, dtype: str, layer_runs: list[int], no_stack: None
+) -> None:
     model = tiny.load(dtype)
     vocab = tiny.hf_model.config.vocab_size
     fast_layers = model.model.run_layers
@@ -75,7 +85,9 @@ def test_fast_path_gives_the_module_path_bits(tiny: TinyModel, dtype: str, layer
         assert torch.equal(a, b), f"step {step}: max diff {(a - b).abs().max().item():.3e}"
 
 
-def test_a_hooked_layer_runs_its_modules_and_the_others_stay_fast(tiny: TinyModel, layer_runs: list[int]) -> None:
+def test_a_hooked_layer_runs_its_modules_and_the_others_stay_fast(
+    tiny: TinyModel, layer_runs: list[int], no_stack: None
+) -> None:
     model = tiny.load("bfloat16")
     vocab = tiny.hf_model.config.vocab_size
     expected = module_path_steps(model, vocab)
@@ -144,12 +156,27 @@ def straight_line_steps(model: torch.nn.Module, vocab: int) -> list[torch.Tensor
         return run_steps(model, vocab)
 
 
+def padded_dense_layers(model: torch.nn.Module) -> None:
+    """Every linear of the layers computes densely by a row plan that pads calls of fewer than 5 rows (as oneDNN's
+    one-row kernel needs on some CPUs): oneDNN packed in bf16, F.linear in float32."""
+    for plain in model.model.run_layers.plain:
+        for linear in plain.linears:
+            method = linear.quant_method
+            if not isinstance(method, PrepackedLinearMethod):
+                method = linear.quant_method = RowPlannedDenseMethod(linear.weight, row_invariant=False)
+            method.row_plan = RowPlan(min_rows=5)
+
+
+@pytest.mark.parametrize("weights", ["dense", "padded dense", "int4"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_native_stack_gives_the_straight_line_bits(
-    tiny: TinyModel, dtype: str, layer_runs: list[int], stack_runs: list[bool]
+    tiny: TinyModel, dtype: str, weights: str, layer_runs: list[int], stack_runs: list[bool]
 ) -> None:
     model = tiny.load(dtype)
-    int4_layers(model)
+    if weights == "int4":
+        int4_layers(model)
+    elif weights == "padded dense":
+        padded_dense_layers(model)
     vocab = tiny.hf_model.config.vocab_size
     fast_layers = model.model.run_layers
     if any(plain.attention.q_norm is not None for plain in fast_layers.plain):

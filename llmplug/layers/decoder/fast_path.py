@@ -10,8 +10,9 @@ would make, with the same arguments in the same order, so its outputs are theirs
 The checks are made once each at the level where they can change: the layer's shape when the path is built,
 the step's (llmplug's CPU kernels in use, the activations' dtype, the torch_sdpa metadata, no global hooks)
 once a forward, and per layer what can change after loading (a module hook such as EAGLE's capture, LoRA
-slots, an unbound cache). A layer that fails them runs its modules. Where every layer's linears are int4 copies
-the step computes in int4, the whole run is one C++ call instead (decoder/native_stack.py), with the same bits.
+slots, an unbound cache). A layer that fails them runs its modules. Where every layer's linears compute the step with
+kernels the C++ stack knows (int4, oneDNN packed, F.linear), the run is one C++ call instead (decoder/native_stack.py),
+with the same bits.
 """
 
 from __future__ import annotations

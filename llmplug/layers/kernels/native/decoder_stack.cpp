@@ -1,19 +1,25 @@
 // DecoderStack: a model's plain decoder layers (llmplug.layers.decoder.fast_path) run in C++, one call a step for
-// every layer, with int4 weights (llmplug_cpu::int4_matmul). At one decode token the kernels of a layer take ~100 us
-// and its Python (the straight-line run's calls, views and checks) ~60 us more; here a step pays ~1 us of dispatch
-// a kernel. Each layer calls the same kernels as fast_path._run, with the same arguments in the same order, so its
-// outputs are that run's bit for bit (tests/models/test_decoder_fast_path.py checks it).
+// every layer. At one decode token the kernels of a layer take ~100 us and its Python (the straight-line run's calls,
+// views and checks) ~60 us more; here a step pays ~1 us of dispatch a kernel. Each layer calls the same kernels as
+// fast_path._run, with the same arguments in the same order, so its outputs are that run's bit for bit
+// (tests/models/test_decoder_fast_path.py checks it).
 //
-// The kernels are reached through the dispatcher (they live in ops.cpp and int4.cpp): a typed handle, looked up
-// once, called with the exact C++ signature each kernel registered.
+// A linear is one of the methods the layers compute with (llmplug.layers.decoder.native_stack): llmplug's int4
+// matmul (then its bias added), oneDNN's packed linear (mkldnn::_linear_pointwise) or F.linear (at::linear), the
+// last two with their row plan's padding (a call of fewer rows than `min_rows` padded with zero rows). The kernels
+// are reached through the dispatcher (ops.cpp, int4.cpp, oneDNN): a typed handle where llmplug registered the
+// kernel, a boxed call for oneDNN's, looked up once.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/linear.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -44,6 +50,7 @@ struct Kernels {
           kernel<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor, const at::Tensor&,
                             const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t, int64_t)>(
               "llmplug_cpu::cache_and_attend");
+  c10::OperatorHandle packed_linear = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
 
   static const Kernels& get() {
     static const Kernels kernels;  // after the library's registrations: the first run, never at load
@@ -51,43 +58,66 @@ struct Kernels {
   }
 };
 
-// An [N, K] weight in NativeInt4's layout, and its bias (undefined: none)
-struct Int4Linear {
-  at::Tensor qweight, scales, zeros, bias;
-  int64_t group_size;
+enum class LinearKind : int64_t { kInt4 = 0, kPacked = 1, kDense = 2 };  // native_stack.py's numbering
+
+// One linear: int4 (weights: qweight, scales, zeros in NativeInt4's layout), oneDNN packed (weights: the packed
+// weight) or dense (weights: the weight); its bias (undefined: none); a row plan's min_rows (dense kinds)
+struct Linear {
+  LinearKind kind;
+  at::Tensor w0, w1, w2, bias;
+  int64_t group_size, min_rows;
 
   at::Tensor operator()(const Kernels& k, const at::Tensor& x) const {
-    at::Tensor y = k.int4_matmul.call(x, qweight, scales, zeros, group_size);
-    if (bias.defined()) y.add_(bias);  // as Int4LinearMethod: y += bias
-    return y;
+    if (kind == LinearKind::kInt4) {
+      at::Tensor y = k.int4_matmul.call(x, w0, w1, w2, group_size);
+      if (bias.defined()) y.add_(bias);  // as Int4LinearMethod: y += bias
+      return y;
+    }
+    const int64_t rows = x.size(0);  // RowPlan: fewer rows than min_rows are padded with zero rows
+    const at::Tensor padded = rows < min_rows ? at::cat({x, x.new_zeros({min_rows - rows, x.size(1)})}) : x;
+    at::Tensor y = kind == LinearKind::kDense ? at::linear(padded, w0, bias_or_none()) : packed(k, padded);
+    return rows < min_rows ? y.narrow(0, 0, rows) : y;
+  }
+
+ private:
+  std::optional<at::Tensor> bias_or_none() const { return bias.defined() ? std::optional(bias) : std::nullopt; }
+
+  at::Tensor packed(const Kernels& k, const at::Tensor& x) const {  // packed_linear.py's _packed_linear
+    torch::jit::Stack stack{x, w0, bias_or_none(), std::string("none"), c10::List<std::optional<at::Scalar>>(),
+                            std::optional<std::string>("")};
+    k.packed_linear.callBoxed(&stack);
+    return stack[0].toTensor();
   }
 };
 
 struct Layer {
   at::Tensor input_norm, mlp_norm, kv_cache;
   double input_eps, mlp_eps, scale;
-  Int4Linear qkv, o, gate_up, down;
+  Linear qkv, o, gate_up, down;
   int64_t q_size, kv_size, head_dim, rotary_heads, rope, window, chunk;  // rope: index into the step's ropes, -1: none
 };
 
 class DecoderStack : public torch::CustomClassHolder {
  public:
-  // One layer's parts, in run order. linears: qweight, scales, zeros of qkv, o, gate_up and down (12 tensors);
-  // biases: theirs (4), an empty tensor for none; group_sizes: theirs (4). ints: q_size, kv_size, head_dim,
-  // rotary_heads, rope, window, chunk; floats: input_eps, mlp_eps, the attention's scale.
+  // One layer's parts, in run order. linears: qkv's, o's, gate_up's and down's three weight tensors each (unused
+  // ones empty); biases: theirs (4), an empty tensor for none; linear_ints: each linear's kind, group size (int4)
+  // and min_rows (dense kinds), 12 in all; ints: q_size, kv_size, head_dim, rotary_heads, rope, window, chunk;
+  // floats: input_eps, mlp_eps, the attention's scale.
   void add_layer(at::Tensor input_norm, at::Tensor mlp_norm, at::Tensor kv_cache, std::vector<at::Tensor> linears,
-                 std::vector<at::Tensor> biases, std::vector<int64_t> group_sizes, std::vector<int64_t> ints,
+                 std::vector<at::Tensor> biases, std::vector<int64_t> linear_ints, std::vector<int64_t> ints,
                  std::vector<double> floats) {
-    TORCH_CHECK(linears.size() == 12 && biases.size() == 4 && group_sizes.size() == 4 && ints.size() == 7 &&
+    TORCH_CHECK(linears.size() == 12 && biases.size() == 4 && linear_ints.size() == 12 && ints.size() == 7 &&
                     floats.size() == 3,
-                "llmplug_cpu::DecoderStack.add_layer: 12 linear tensors, 4 biases, 4 group sizes, 7 ints and 3 "
+                "llmplug_cpu::DecoderStack.add_layer: 12 linear tensors, 4 biases, 12 linear ints, 7 ints and 3 "
                 "floats expected");
     TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2,
                 "llmplug_cpu::DecoderStack.add_layer: a two-plane kv_cache [2, Hkv, blocks, block_size, D] expected");
     auto linear = [&](int i) {
+      const int64_t kind = linear_ints[3 * i];
+      TORCH_CHECK(kind >= 0 && kind <= 2, "llmplug_cpu::DecoderStack.add_layer: unknown linear kind ", kind);
       const at::Tensor& bias = biases[i];
-      return Int4Linear{linears[3 * i], linears[3 * i + 1], linears[3 * i + 2],
-                        bias.numel() ? bias : at::Tensor(), group_sizes[i]};
+      return Linear{static_cast<LinearKind>(kind), linears[3 * i], linears[3 * i + 1], linears[3 * i + 2],
+                    bias.numel() ? bias : at::Tensor(), linear_ints[3 * i + 1], linear_ints[3 * i + 2]};
     };
     layers_.push_back(Layer{input_norm, mlp_norm, kv_cache, floats[0], floats[1], floats[2], linear(0), linear(1),
                             linear(2), linear(3), ints[0], ints[1], ints[2], ints[3], ints[4], ints[5], ints[6]});
