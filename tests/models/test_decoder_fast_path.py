@@ -156,18 +156,18 @@ def straight_line_steps(model: torch.nn.Module, vocab: int) -> list[torch.Tensor
         return run_steps(model, vocab)
 
 
-def padded_dense_layers(model: torch.nn.Module) -> None:
-    """Every linear of the layers computes densely by a row plan that pads calls of fewer than 5 rows (as oneDNN's
-    one-row kernel needs on some CPUs): oneDNN packed in bf16, F.linear in float32."""
+def planned_dense_layers(model: torch.nn.Module, plan: RowPlan) -> None:
+    """Every linear of the layers computes densely by the row plan `plan` (padding, as oneDNN's one-row kernel needs
+    on some CPUs; tiles, as AMX's blocking does): oneDNN packed in bf16, F.linear in float32."""
     for plain in model.model.run_layers.plain:
         for linear in plain.linears:
             method = linear.quant_method
             if not isinstance(method, PrepackedLinearMethod):
                 method = linear.quant_method = RowPlannedDenseMethod(linear.weight, row_invariant=False)
-            method.row_plan = RowPlan(min_rows=5)
+            method.row_plan = plan
 
 
-@pytest.mark.parametrize("weights", ["dense", "padded dense", "int4"])
+@pytest.mark.parametrize("weights", ["dense", "padded dense", "tiled dense", "int4"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_native_stack_gives_the_straight_line_bits(
     tiny: TinyModel, dtype: str, weights: str, layer_runs: list[int], stack_runs: list[bool]
@@ -175,8 +175,8 @@ def test_the_native_stack_gives_the_straight_line_bits(
     model = tiny.load(dtype)
     if weights == "int4":
         int4_layers(model)
-    elif weights == "padded dense":
-        padded_dense_layers(model)
+    elif weights != "dense":
+        planned_dense_layers(model, RowPlan(min_rows=5) if weights == "padded dense" else RowPlan(tile=4))
     vocab = tiny.hf_model.config.vocab_size
     fast_layers = model.model.run_layers
     if any(plain.attention.q_norm is not None for plain in fast_layers.plain):

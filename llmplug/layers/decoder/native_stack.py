@@ -3,8 +3,8 @@
 The straight-line run (fast_path.py) still pays Python for each layer: its calls, views and per-layer checks cost
 ~60 us a layer at one decode token, beside ~100 us of kernels (a third of the default model's decode step). When
 every layer is plain (no q/k norms) and each linear's method computes the step's rows with one kernel the stack
-knows -- llmplug's int4 matmul (`NativeInt4`), oneDNN's packed linear or F.linear, the last two by a row plan that
-at most pads -- the C++ stack (native/decoder_stack.cpp) makes the same kernel calls with the same arguments in the
+knows -- llmplug's int4 matmul (`NativeInt4`), oneDNN's packed linear or F.linear, the last two by their row plan
+-- the C++ stack (native/decoder_stack.cpp) makes the same kernel calls with the same arguments in the
 same order, so its outputs are the straight-line run's bit for bit. An int4 copy of rows "generated" computes a
 step of generated tokens only with its int4 kernel and a prompt-only step with its dense method: each step of the
 default model but the mixed ones (prompt chunks beside decodes) takes the stack. Any other step, and any layer with
@@ -153,20 +153,19 @@ def _step_method(method: LinearMethod, step: str, rows: int) -> LinearMethod | N
         return None
     if method is DENSE:
         return method
-    if type(method) in (PrepackedLinearMethod, RowPlannedDenseMethod) and (
-        method.row_plan is None or method.row_plan.tile is None
-    ):
+    if type(method) in (PrepackedLinearMethod, RowPlannedDenseMethod):
         return method
     return None
 
 
 def _linear_spec(linear: nn.Module, method: LinearMethod) -> tuple[list[torch.Tensor], list[int]]:
-    """A linear's three weight tensors and (kind, group size, min_rows) for DecoderStack.add_layer."""
+    """A linear's three weight tensors and (kind, group size, min_rows, tile) for DecoderStack.add_layer."""
     if type(method) is Int4LinearMethod:
         packed = method.packed
-        return [packed.qweight, packed.scales, packed.zeros], [_INT4, packed.group_size, 0]
-    min_rows = 0 if method is DENSE or method.row_plan is None else method.row_plan.min_rows
+        return [packed.qweight, packed.scales, packed.zeros], [_INT4, packed.group_size, 0, 0]
+    plan = None if method is DENSE else method.row_plan
+    plan_ints = [0, 0] if plan is None else [plan.min_rows, plan.tile or 0]
     if type(method) is PrepackedLinearMethod:
-        return [method.packed, _EMPTY, _EMPTY], [_PACKED, 0, min_rows]
+        return [method.packed, _EMPTY, _EMPTY], [_PACKED, 0, *plan_ints]
     weight = linear.weight if method is DENSE else method.weight
-    return [weight, _EMPTY, _EMPTY], [_DENSE, 0, min_rows]
+    return [weight, _EMPTY, _EMPTY], [_DENSE, 0, *plan_ints]

@@ -6,7 +6,8 @@
 //
 // A linear is one of the methods the layers compute with (llmplug.layers.decoder.native_stack): llmplug's int4
 // matmul (then its bias added), oneDNN's packed linear (mkldnn::_linear_pointwise) or F.linear (at::linear), the
-// last two with their row plan's padding (a call of fewer rows than `min_rows` padded with zero rows). The kernels
+// last two called by their row plan (layers/row_invariance.py RowPlan: fewer rows than `min_rows` padded with zero
+// rows, or the rows in calls of exactly `tile`, the last padded). The kernels
 // are reached through the dispatcher (ops.cpp, int4.cpp, oneDNN): a typed handle where llmplug registered the
 // kernel, a boxed call for oneDNN's, looked up once.
 
@@ -61,11 +62,12 @@ struct Kernels {
 enum class LinearKind : int64_t { kInt4 = 0, kPacked = 1, kDense = 2 };  // native_stack.py's numbering
 
 // One linear: int4 (weights: qweight, scales, zeros in NativeInt4's layout), oneDNN packed (weights: the packed
-// weight) or dense (weights: the weight); its bias (undefined: none); a row plan's min_rows (dense kinds)
+// weight) or dense (weights: the weight); its bias (undefined: none); its row plan's min_rows and tile (dense
+// kinds; tile 0: none)
 struct Linear {
   LinearKind kind;
   at::Tensor w0, w1, w2, bias;
-  int64_t group_size, min_rows;
+  int64_t group_size, min_rows, tile;
 
   at::Tensor operator()(const Kernels& k, const at::Tensor& x) const {
     if (kind == LinearKind::kInt4) {
@@ -73,13 +75,26 @@ struct Linear {
       if (bias.defined()) y.add_(bias);  // as Int4LinearMethod: y += bias
       return y;
     }
-    const int64_t rows = x.size(0);  // RowPlan: fewer rows than min_rows are padded with zero rows
-    const at::Tensor padded = rows < min_rows ? at::cat({x, x.new_zeros({min_rows - rows, x.size(1)})}) : x;
-    at::Tensor y = kind == LinearKind::kDense ? at::linear(padded, w0, bias_or_none()) : packed(k, padded);
-    return rows < min_rows ? y.narrow(0, 0, rows) : y;
+    const int64_t rows = x.size(0);  // as RowPlan calls the matmul
+    if (tile > 0) {  // calls of exactly `tile` rows, the last one padded with zero rows
+      const at::Tensor padded = pad(x, (rows + tile - 1) / tile * tile);
+      std::vector<at::Tensor> parts;
+      for (const at::Tensor& part : padded.split(tile)) parts.push_back(dense(k, part));
+      return at::cat(parts).narrow(0, 0, rows);
+    }
+    if (rows < min_rows) return dense(k, pad(x, min_rows)).narrow(0, 0, rows);  // fewer rows padded
+    return dense(k, x);
   }
 
  private:
+  static at::Tensor pad(const at::Tensor& x, int64_t rows) {  // row_invariance._pad_rows
+    return x.size(0) == rows ? x : at::cat({x, x.new_zeros({rows - x.size(0), x.size(1)})});
+  }
+
+  at::Tensor dense(const Kernels& k, const at::Tensor& x) const {
+    return kind == LinearKind::kDense ? at::linear(x, w0, bias_or_none()) : packed(k, x);
+  }
+
   std::optional<at::Tensor> bias_or_none() const { return bias.defined() ? std::optional(bias) : std::nullopt; }
 
   at::Tensor packed(const Kernels& k, const at::Tensor& x) const {  // packed_linear.py's _packed_linear
@@ -100,24 +115,25 @@ struct Layer {
 class DecoderStack : public torch::CustomClassHolder {
  public:
   // One layer's parts, in run order. linears: qkv's, o's, gate_up's and down's three weight tensors each (unused
-  // ones empty); biases: theirs (4), an empty tensor for none; linear_ints: each linear's kind, group size (int4)
-  // and min_rows (dense kinds), 12 in all; ints: q_size, kv_size, head_dim, rotary_heads, rope, window, chunk;
+  // ones empty); biases: theirs (4), an empty tensor for none; linear_ints: each linear's kind, group size (int4),
+  // min_rows and tile (dense kinds), 16 in all; ints: q_size, kv_size, head_dim, rotary_heads, rope, window, chunk;
   // floats: input_eps, mlp_eps, the attention's scale.
   void add_layer(at::Tensor input_norm, at::Tensor mlp_norm, at::Tensor kv_cache, std::vector<at::Tensor> linears,
                  std::vector<at::Tensor> biases, std::vector<int64_t> linear_ints, std::vector<int64_t> ints,
                  std::vector<double> floats) {
-    TORCH_CHECK(linears.size() == 12 && biases.size() == 4 && linear_ints.size() == 12 && ints.size() == 7 &&
+    TORCH_CHECK(linears.size() == 12 && biases.size() == 4 && linear_ints.size() == 16 && ints.size() == 7 &&
                     floats.size() == 3,
-                "llmplug_cpu::DecoderStack.add_layer: 12 linear tensors, 4 biases, 12 linear ints, 7 ints and 3 "
+                "llmplug_cpu::DecoderStack.add_layer: 12 linear tensors, 4 biases, 16 linear ints, 7 ints and 3 "
                 "floats expected");
     TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2,
                 "llmplug_cpu::DecoderStack.add_layer: a two-plane kv_cache [2, Hkv, blocks, block_size, D] expected");
     auto linear = [&](int i) {
-      const int64_t kind = linear_ints[3 * i];
+      const int64_t kind = linear_ints[4 * i];
       TORCH_CHECK(kind >= 0 && kind <= 2, "llmplug_cpu::DecoderStack.add_layer: unknown linear kind ", kind);
       const at::Tensor& bias = biases[i];
       return Linear{static_cast<LinearKind>(kind), linears[3 * i], linears[3 * i + 1], linears[3 * i + 2],
-                    bias.numel() ? bias : at::Tensor(), linear_ints[3 * i + 1], linear_ints[3 * i + 2]};
+                    bias.numel() ? bias : at::Tensor(), linear_ints[4 * i + 1], linear_ints[4 * i + 2],
+                    linear_ints[4 * i + 3]};
     };
     layers_.push_back(Layer{input_norm, mlp_norm, kv_cache, floats[0], floats[1], floats[2], linear(0), linear(1),
                             linear(2), linear(3), ints[0], ints[1], ints[2], ints[3], ints[4], ints[5], ints[6]});
