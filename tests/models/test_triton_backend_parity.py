@@ -4,6 +4,9 @@ and (variant "all_kernels") with every layer on its Triton kernel too."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, BloomConfig, Gemma2Config
@@ -17,6 +20,7 @@ from .tiny_models import make_tiny, randomize_
 MAX_TOKENS = 12
 PROMPT_LENS = (3, 15, 16, 17, 33, 1, 24, 9)  # 8 prompts, around and across block boundaries
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
 
 
 def prompts(vocab: int) -> list[list[int]]:
@@ -35,6 +39,21 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory):
     return make_tiny("llama", tmp_path_factory.mktemp("llama_triton"))
 
 
+@pytest.fixture(scope="module")
+def sdpa_greedy(tiny_llama) -> Callable[..., list[list[int]]]:
+    """torch_sdpa's greedy tokens of the tiny Llama's prompts (llmplug's kernels off) under some engine settings,
+    run once per settings: "attention" and "all_kernels" compare with the same reference."""
+    token_prompts = prompts(tiny_llama.hf_model.config.vocab_size)
+
+    @functools.cache
+    def run(engine: frozenset) -> list[list[int]]:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv(KERNELS_ENV, "0")
+            return greedy(tiny_llama.path, "torch_sdpa", token_prompts, **dict(engine))
+
+    return lambda **engine: run(frozenset(engine.items()))
+
+
 @pytest.mark.parametrize(
     "engine,kernels",
     [
@@ -43,10 +62,11 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory):
         pytest.param({}, "1", id="all_kernels", marks=pytest.mark.slow),
     ],
 )
-def test_llama_greedy_tokens_equal_torch_sdpa(tiny_llama, monkeypatch, engine: dict, kernels: str) -> None:
+def test_llama_greedy_tokens_equal_torch_sdpa(
+    tiny_llama, sdpa_greedy, monkeypatch, engine: dict, kernels: str
+) -> None:
     token_prompts = prompts(tiny_llama.hf_model.config.vocab_size)
-    monkeypatch.setenv(KERNELS_ENV, "0")
-    expected = greedy(tiny_llama.path, "torch_sdpa", token_prompts, **engine)
+    expected = sdpa_greedy(**engine)
     monkeypatch.setenv(KERNELS_ENV, kernels)
     assert greedy(tiny_llama.path, "triton", token_prompts, **engine) == expected
 

@@ -30,6 +30,7 @@ from tests.loaders.gguf_writer_utils import make_tiny_model, permute_qk, tiny_ll
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="llmplug's CPU kernels cannot be built here")
 
+
 Q = gguf.GGMLQuantizationType
 
 
@@ -257,7 +258,7 @@ def gemma3_270m(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_real_gemma3_q4_k_m_packed_generates_transformers_greedy_tokens(gemma3_270m: Path, capsys) -> None:
     """The real llama.cpp file end to end (its config, tokenizer and weights read by llmplug's GGUF loader; the
     linear layers packed, as by default) against transformers' own load of the same file."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from llmplug import LLM, SamplingParams
 
@@ -282,7 +283,10 @@ def test_real_gemma3_q4_k_m_packed_generates_transformers_greedy_tokens(gemma3_2
     llm.shutdown()
     del llm, model, layers, methods, table
     gc.collect()
-    theirs = AutoModelForCausalLM.from_pretrained(gemma3_270m.parent, gguf_file=gemma3_270m.name,
+    # transformers' own config of the file, read once and handed over: from_pretrained alone reads it twice (each a
+    # parse of the whole file's metadata by gguf-py, its 262k-token vocabulary many seconds) before the weights
+    where = {"pretrained_model_name_or_path": gemma3_270m.parent, "gguf_file": gemma3_270m.name}
+    theirs = AutoModelForCausalLM.from_pretrained(**where, config=AutoConfig.from_pretrained(**where),
                                                   dtype=torch.float32).eval()
     for prompt, output in zip(prompts, outputs):
         ids = tokenizer(prompt, return_tensors="pt").input_ids
