@@ -1,16 +1,19 @@
-"""llmplug's native int4 matmul vs torch's int4 kernel vs dense packed bf16, on SmolLM2-135M's linear layers.
+"""llmplug's native int4 matmul vs its float32-parameter layout vs torch's int4 kernel vs dense packed bf16, on
+SmolLM2-135M's linear layers.
 
     python benchmarks/int4_kernel.py [--rows 1,2,4,8,16,32] [--rounds 5] [--steps 3] [--layers 30] [--threads N]
 
 A step is every linear layer of the model once (qkv [960, 576], o [576, 576], gate_up [3072, 576], down [576, 1536]
 for each of `--layers` layers, each with its own random weight, then the LM head [49152, 576]) on M rows of bf16
-activations. Compared, in one process, the kernels alternating within each round: `native` (NativeInt4,
-llmplug_cpu::int4_matmul, float32 scales and zeros: the exact weights), `native bf16 groups` (the same with scales
-and zeros rounded to bfloat16, `exact=False`: 0.625 bytes a weight instead of 0.75), `torch int4` (PackedInt4,
+activations; `--layers 0` times the head alone. The weights are quantized as the default GGUF's are: the layers
+Q4_1 (float16 d and m, one int4 plane), the head Q8_0 (float16 d, two planes). Compared, in one process, the kernels
+alternating within each round: `native` (NativeInt4.pack, llmplug_cpu::int4_matmul: float16 scales and minimums,
+0.625 bytes a weight; the head as int8 codes, 1.0625), `native f32 groups` (the same kernel on the layout before
+those: float32 scales and zeros, 0.75 bytes a weight a plane, the head 1.5), `torch int4` (PackedInt4,
 `_weight_int4pack_mm_for_cpu`, bf16 scales and zeros) and `dense` (the bf16 weight packed for oneDNN,
-`mkldnn._linear_pointwise`, what a dense layer runs). Reported: ms per step, the best round of
-each (a round times `--steps` steps), and the ratios. Timings are noisy on a shared machine: compare the ratios, and
-note the load (`uptime`) printed with them.
+`mkldnn._linear_pointwise`, what a dense layer runs). All but torch int4 and dense compute the same weights.
+Reported: ms per step, the best round of each (a round times `--steps` steps), and the ratios. Timings are noisy on
+a shared machine: compare the ratios, and note the load (`uptime`) printed with them.
 """
 
 from __future__ import annotations
@@ -24,27 +27,56 @@ from typing import Callable
 import torch
 
 from llmplug.layers.kernels.int4_matmul import NativeInt4, native_int4_available
-from llmplug.layers.quantization import PackedInt4, quantize_int4
+from llmplug.layers.quantization import Int4Groups, PackedInt4
 
 HIDDEN, INTERMEDIATE, VOCAB = 576, 1536, 49152
 LAYER_SHAPES = [(960, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]  # [N, K]
 HEAD_SHAPE = (VOCAB, HIDDEN)
 DTYPE = torch.bfloat16
-KERNELS = ("native", "native bf16 groups", "torch int4", "dense")
+KERNELS = ("native", "native f32 groups", "torch int4", "dense")
+GROUP = 32
 
 Matmul = Callable[[torch.Tensor], torch.Tensor]
 
 
-def kernels_for(weight: torch.Tensor) -> dict[str, Matmul]:
-    """The ways (KERNELS) to compute x @ weight^T for one [N, K] weight."""
-    groups = quantize_int4(weight)
+def q4_1(weight: torch.Tensor) -> Int4Groups:
+    """GGUF Q4_1 groups of a [N, K] weight, as the loader decodes them: w = d (q - 8) + (m + 8 d), d and m float16."""
+    n, k = weight.shape
+    blocks = weight.float().reshape(n, k // GROUP, GROUP)
+    low, high = blocks.amin(-1), blocks.amax(-1)
+    d, m = ((high - low) / 15).half().float(), low.half().float()
+    q = ((blocks - m[..., None]) / torch.where(d > 0, d, 1)[..., None]).round().clamp(0, 15).to(torch.uint8)
+    return Int4Groups(q.reshape(1, n, k), d[None], (m + 8 * d)[None], GROUP)
+
+
+def q8_0(weight: torch.Tensor) -> Int4Groups:
+    """GGUF Q8_0 groups of a [N, K] weight as the loader decodes them: w = d q8 as two int4 planes."""
+    n, k = weight.shape
+    blocks = weight.float().reshape(n, k // GROUP, GROUP)
+    d = (blocks.abs().amax(-1) / 127).half().float()
+    biased = ((blocks / torch.where(d > 0, d, 1)[..., None]).round().clamp(-127, 127) + 128).to(torch.uint8)
+    q = torch.stack([biased >> 4, biased & 15]).reshape(2, n, k)
+    return Int4Groups(q, torch.stack([16 * d, d]), torch.stack([torch.zeros_like(d), 8 * d]), GROUP)
+
+
+def float32_groups(groups: Int4Groups) -> NativeInt4:
+    """The kernel's layout before float16 parameters and int8 codes: int4 planes, float32 scales and zeros."""
+    planes, n, k = groups.q.shape
+    q = groups.q.permute(1, 0, 2).reshape(n, planes, k // 32, 2, 16)  # [N, P, blocks, half, 16]
+    codes = (q[..., 0, :] | (q[..., 1, :] << 4)).reshape(n, planes, k // 2).contiguous()
+    scales, zeros = (t.permute(1, 0, 2).contiguous() for t in (groups.scale, groups.zero))  # [N, P, G]
+    return NativeInt4(codes, scales, zeros, groups.group_size, DTYPE)
+
+
+def kernels_for(weight: torch.Tensor, head: bool) -> dict[str, Matmul]:
+    """The ways (KERNELS) to compute x @ weight^T for one [N, K] weight (Q8_0 for the head, else Q4_1)."""
+    groups = q8_0(weight) if head else q4_1(weight)
     native = NativeInt4.pack(groups, DTYPE)
-    native_bf16_groups = NativeInt4.pack(groups, DTYPE, exact=False)
     packed_int4 = PackedInt4.pack(groups, DTYPE, torch.device("cpu"))
     dense = torch.ops.mkldnn._reorder_linear_weight(weight.to(DTYPE))
     return {
         "native": native.matmul,
-        "native bf16 groups": native_bf16_groups.matmul,
+        "native f32 groups": float32_groups(groups).matmul,
         "torch int4": packed_int4.matmul,
         "dense": lambda x: torch.ops.mkldnn._linear_pointwise(x, dense, None, "none", [], ""),
     }
@@ -54,7 +86,8 @@ def model_weights(layers: int, generator: torch.Generator) -> list[tuple[dict[st
     """Every linear layer of the model (`layers` decoder layers, then the head), each with its own weight: its
     kernels and its input width K."""
     shapes = LAYER_SHAPES * layers + [HEAD_SHAPE]
-    return [(kernels_for(torch.randn(shape, generator=generator) * 0.02), shape[1]) for shape in shapes]
+    return [(kernels_for(torch.randn(shape, generator=generator) * 0.02, shape == HEAD_SHAPE), shape[1])
+            for shape in shapes]
 
 
 def step_seconds(plan: list[tuple[Matmul, int]], inputs: dict[int, torch.Tensor], steps: int) -> float:
@@ -99,15 +132,14 @@ def main() -> None:
     print(f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {torch.get_num_threads()} threads, "
           f"{args.layers} layers + head, bf16, best of {args.rounds} rounds x {args.steps} steps")
     print(f"load before: {uptime}")
-    print("| M | native ms | native bf16 groups ms | torch int4 ms | dense bf16 ms | native / torch int4 | "
-          "native / dense | bf16 groups / torch int4 | bf16 groups / dense |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| M | native ms | native f32 groups ms | torch int4 ms | dense bf16 ms | native / f32 groups | "
+          "native / torch int4 | native / dense |")
+    print("|---|---|---|---|---|---|---|---|")
     for rows in (int(m) for m in args.rows.split(",")):
         best = measure(rows, layers, args.rounds, args.steps)
-        native, groups16, torch_int4, dense = (best[name] for name in KERNELS)
-        print(f"| {rows} | {native:.2f} | {groups16:.2f} | {torch_int4:.2f} | {dense:.2f} | "
-              f"{native / torch_int4:.2f} | {native / dense:.2f} | {groups16 / torch_int4:.2f} | "
-              f"{groups16 / dense:.2f} |", flush=True)
+        native, float32, torch_int4, dense = (best[name] for name in KERNELS)
+        print(f"| {rows} | {native:.2f} | {float32:.2f} | {torch_int4:.2f} | {dense:.2f} | {native / float32:.2f} | "
+              f"{native / torch_int4:.2f} | {native / dense:.2f} |", flush=True)
     print(f"load after: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
 
 

@@ -4,23 +4,29 @@
 // A thread takes 4 output columns at a time and decodes their weights once, as Int4Groups.dequantize rounds them
 // (in float32 the product, then the zero added, the planes added in order), rounded once more to bfloat16 for
 // bfloat16 activations; every row of x then reads those weights (decoded in registers for up to 4 rows of a one-
-// or two-plane weight, from a small per-thread buffer otherwise). Output (m, n) is one dot product in float32 over 16 lanes (k in order per lane;
-// with AVX512-BF16, vdpbf16ps, k in pairs), the lanes summed in a fixed tree: the same instructions whatever M, the
-// tile or the thread that computes it, so a row's bits never depend on the batch (docs/determinism.md).
+// or two-plane weight or int8 codes, from a small per-thread buffer otherwise). Output (m, n) is one dot product in
+// float32 over 16 lanes (k in order per lane; with AVX512-BF16, vdpbf16ps, k in pairs), the lanes summed in a fixed
+// tree: the same instructions whatever M, the tile or the thread that computes it, so a row's bits never depend on
+// the batch (docs/determinism.md).
 //
 // Layout (llmplug.layers.kernels.int4_matmul.NativeInt4.pack): qweight [N, P, K / 2] uint8, each run of 32 k in
 // 16 bytes, byte b holding k = b in its low nibble and k = b + 16 in its high one; scales and zeros [N, P, G]
-// float32 (or bfloat16, read exactly), G = K / group_size, group_size a multiple of 32.
+// float32 or bfloat16 (read exactly), or float16 scales with float16 minimums m in `zeros` (GGUF Q4_1's own pair,
+// Q4_0's m = 0), zero = m + 8 * scale in float32; G = K / group_size, group_size a multiple of 32.
+// Or Q8_0's two planes as one: qweight [N, K] int8, w[n, k] = q8[n, k] * scale[n, g] in float32 (one rounding, the
+// planes' sum exactly where NativeInt4.pack uses this form), scales [N, G] float32, float16 or bfloat16, zeros [N, 0].
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -41,7 +47,8 @@ constexpr int kFusedRows = 4;       // up to this many rows, weights are decoded
 // (The loops over a tile's rows, columns and planes carry `#pragma GCC unroll`: unrolled, the accumulators live in
 // registers; GCC otherwise keeps them in memory, which measured 2-3x slower.)
 
-// Where column n's codes and group parameters (Param: float, or c10::BFloat16, read exactly as float) are.
+// Where column n's codes and group parameters (Param: float, c10::BFloat16 or c10::Half, read exactly as float)
+// are. float16 `zeros` hold minimums m: the zero is m + 8 * scale, rounded once in float32 (8 * scale is exact).
 template <typename Param>
 struct Int4Weight {
   const uint8_t* codes;  // [N, P, K / 2]
@@ -51,7 +58,24 @@ struct Int4Weight {
   const uint8_t* code_row(int64_t n, int64_t p) const { return codes + (n * planes + p) * (K / 2); }
   int64_t group(int64_t n, int64_t p, int64_t k) const { return (n * planes + p) * groups + k / group_size; }
   float scale(int64_t g) const { return static_cast<float>(scales[g]); }
-  float zero(int64_t g) const { return static_cast<float>(zeros[g]); }
+  float zero(int64_t g) const {
+    if constexpr (std::is_same_v<Param, c10::Half>) {
+      return static_cast<float>(zeros[g]) + 8.0f * scale(g);  // one rounding, fused or not: 8 * scale is exact
+    } else {
+      return static_cast<float>(zeros[g]);
+    }
+  }
+};
+
+// Q8_0 as int8 codes: w[n, k] = codes[n, k] * scales[n, k / group_size], the product rounded once in float32.
+template <typename Param>
+struct Int8Weight {
+  static constexpr int64_t planes = 2;  // the two int4 planes it stands for: the decoding work of two
+  const int8_t* codes;                  // [N, K]
+  const Param* scales;                  // [N, G]
+  int64_t K, groups, group_size;
+  const int8_t* code_row(int64_t n) const { return codes + n * K; }
+  float scale(int64_t g) const { return static_cast<float>(scales[g]); }
 };
 
 #ifdef LLMPLUG_INT4_AVX512
@@ -66,6 +90,30 @@ inline __m512 group_values(float scale, float zero) {
                              kRound);
 }
 
+// Up to 16 group parameters (count of them, the rest 0) as float32, exactly.
+inline __mmask16 first(int64_t count) { return count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1); }
+inline __m512 load16(const float* p, int64_t count) { return _mm512_maskz_loadu_ps(first(count), p); }
+inline __m512 load16(const c10::BFloat16* p, int64_t count) {
+  const __m256i h = _mm256_maskz_loadu_epi16(first(count), p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16(const c10::Half* p, int64_t count) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(first(count), p));
+}
+
+// Groups at..at+count-1 (count <= 16) of w's flat group index: their scales and zeros as float32, as
+// Int4Weight::scale and zero give them one at a time.
+template <typename Param>
+inline void params16(const Int4Weight<Param>& w, int64_t at, int64_t count, float* scales, float* zeros) {
+  const __m512 s = load16(w.scales + at, count);
+  __m512 z = load16(w.zeros + at, count);
+  if constexpr (std::is_same_v<Param, c10::Half>) {
+    z = _mm512_add_round_ps(z, _mm512_mul_round_ps(_mm512_set1_ps(8.0f), s, kRound), kRound);
+  }
+  _mm512_storeu_ps(scales, s);
+  _mm512_storeu_ps(zeros, z);
+}
+
 // One plane's 32 weights of a block (16 bytes of codes) from its group's values: lo k..k+15, hi k+16..k+31.
 inline void plane_block(const uint8_t* codes, __m512 values, __m512& lo, __m512& hi) {
   const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
@@ -77,6 +125,13 @@ inline void plane_block(const uint8_t* codes, __m512 values, __m512& lo, __m512&
 inline void add_plane(__m512& lo, __m512& hi, __m512 plane_lo, __m512 plane_hi) {
   lo = _mm512_add_round_ps(lo, plane_lo, kRound);
   hi = _mm512_add_round_ps(hi, plane_hi, kRound);
+}
+
+// An int8 block's 32 weights (32 bytes of codes), each code times its group's scale: lo k..k+15, hi k+16..k+31.
+inline void int8_block(const int8_t* codes, __m512 scale, __m512& lo, __m512& hi) {
+  const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes));
+  lo = _mm512_mul_round_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))), scale, kRound);
+  hi = _mm512_mul_round_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))), scale, kRound);
 }
 
 // Activations for the float32-FMA path: 16 k a load, weights float32 already rounded to the activation dtype.
@@ -138,10 +193,12 @@ struct Bf16Dot {
   static inline W pack(__m512 lo, __m512 hi) { return _mm512_cvtne2ps_pbh(hi, lo); }  // nearest even, k in order
   static inline Table table(__m512 values) { return (__m512i)_mm512_cvtne2ps_pbh(values, values); }
   static inline W lookup(const uint8_t* codes, Table t) {  // the bits pack gives, without converting 32 floats
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
-    // words 0..15: the bytes (low nibble, then bits vpermw ignores or the duplicate table absorbs); 16..31: >> 4
-    const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(bytes), _mm_srli_epi16(bytes, 4), 1);
-    return (W)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(both), t);
+    // the 16 bytes twice (a broadcast load, no shuffle), as words: 0..15 the bytes (low nibble, then the bit
+    // the duplicate table absorbs), 16..31 shifted right by 4 (high nibble); two shuffles a block, not three
+    const __m256i twice = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+    const __m512i shifts = _mm512_set_epi64(0x0004000400040004, 0x0004000400040004, 0x0004000400040004,
+                                            0x0004000400040004, 0, 0, 0, 0);
+    return (W)_mm512_permutexvar_epi16(_mm512_srlv_epi16(_mm512_cvtepu8_epi16(twice), shifts), t);
   }
   static inline void store(Stored* p, W w) { _mm512_storeu_si512(p, (__m512i)w); }
   static inline W load(const Stored* p) { return (W)_mm512_loadu_si512(p); }
@@ -192,6 +249,7 @@ inline void fused_tile(const typename D::raw* x, int64_t ldx, const Int4Weight<P
   // the next tile's codes and group parameters, asked for one cache line at a time while this tile computes:
   // decoding reads each weight once, from memory, in short runs per column that the hardware prefetcher misses
   const int64_t next_codes = kColumns * w.planes * (w.K / 2), next_groups = kColumns * w.planes * w.groups;
+  float scales[C][P][16], zeros[C][P][16];  // 16 groups' parameters at a time, converted together
   for (int64_t g = 0, k = 0; g < w.groups; ++g) {
     __m512 values[C][P];
 #pragma GCC unroll 8
@@ -202,8 +260,9 @@ inline void fused_tile(const typename D::raw* x, int64_t ldx, const Int4Weight<P
         if (g % 16 == 0) {
           _mm_prefetch(reinterpret_cast<const char*>(w.scales + groups[c][p] + g + next_groups), _MM_HINT_T0);
           _mm_prefetch(reinterpret_cast<const char*>(w.zeros + groups[c][p] + g + next_groups), _MM_HINT_T0);
+          params16(w, groups[c][p] + g, std::min<int64_t>(16, w.groups - g), scales[c][p], zeros[c][p]);
         }
-        values[c][p] = group_values(w.scale(groups[c][p] + g), w.zero(groups[c][p] + g));
+        values[c][p] = group_values(scales[c][p][g % 16], zeros[c][p][g % 16]);
       }
     if constexpr (P == 1) {  // one plane: each weight straight from its group's table in the activation dtype
       typename D::Table tables[C];
@@ -256,6 +315,69 @@ void decode_column(const Int4Weight<Param>& w, int64_t n, typename D::Stored* ou
   }
 }
 
+// fused_tile for int8 codes: each column's weights decoded in registers block by block, as decode_column does.
+template <typename D, int R, int C, typename Param>
+inline void fused_tile(const typename D::raw* x, int64_t ldx, const Int8Weight<Param>& w, int64_t n0,
+                       typename D::raw* y, int64_t ldy) {
+  __m512 acc[R][C];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  const int64_t blocks = w.group_size / kBlock, next_codes = kColumns * w.K, next_groups = kColumns * w.groups;
+  float scales[C][16];  // 16 groups' scales at a time, converted together
+  for (int64_t g = 0, k = 0; g < w.groups; ++g) {
+    __m512 scale[C];
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      const int64_t at = (n0 + c) * w.groups + g;
+      if (g % 16 == 0) {
+        _mm_prefetch(reinterpret_cast<const char*>(w.scales + at + next_groups), _MM_HINT_T0);
+        _mm512_storeu_ps(scales[c], load16(w.scales + at, std::min<int64_t>(16, w.groups - g)));
+      }
+      scale[c] = _mm512_set1_ps(scales[c][g % 16]);
+    }
+    for (int64_t b = 0; b < blocks; ++b, k += kBlock) {
+      typename D::W wv[C];
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) {
+        const int8_t* codes = w.code_row(n0 + c) + k;
+        if (k % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(codes + next_codes), _MM_HINT_T0);
+        __m512 lo, hi;
+        int8_block(codes, scale[c], lo, hi);
+        wv[c] = D::pack(lo, hi);
+      }
+      dot_block<D, R, C>(acc, x + k, ldx, wv);
+    }
+  }
+  store_tile<D, R, C>(acc, y, ldy);
+}
+
+template <typename D, typename Param>
+void decode_column(const Int8Weight<Param>& w, int64_t n, typename D::Stored* out) {
+  for (int64_t k = 0; k < w.K; k += kBlock) {
+    __m512 lo, hi;
+    int8_block(w.code_row(n) + k, _mm512_set1_ps(w.scale(n * w.groups + k / w.group_size)), lo, hi);
+    D::store(out + k, D::pack(lo, hi));
+  }
+}
+
+// A tile of C columns' weights decoded in registers for R rows: an int4 weight of 1 or 2 planes, or int8 codes.
+template <typename D, int R, int C, typename Param>
+inline void fused_columns(const typename D::raw* x, int64_t ldx, const Int4Weight<Param>& w, int64_t n0,
+                          typename D::raw* y, int64_t ldy) {
+  if (w.planes == 1) {
+    fused_tile<D, 1, R, C>(x, ldx, w, n0, y, ldy);
+  } else {
+    fused_tile<D, 2, R, C>(x, ldx, w, n0, y, ldy);
+  }
+}
+template <typename D, int R, int C, typename Param>
+inline void fused_columns(const typename D::raw* x, int64_t ldx, const Int8Weight<Param>& w, int64_t n0,
+                          typename D::raw* y, int64_t ldy) {
+  fused_tile<D, R, C>(x, ldx, w, n0, y, ldy);
+}
+
 // y[r, c] = x[r] . w[c] for R rows and C columns whose weights are decoded already (`weights`, columns K apart).
 template <typename D, int R, int C>
 inline void buffered_tile(const typename D::raw* x, int64_t ldx, int64_t K, const typename D::Stored* weights,
@@ -283,8 +405,8 @@ inline void with_count(int64_t value, Fn&& fn) {
   }
 }
 
-template <typename D, typename Param>
-void int4_matmul_impl(const at::Tensor& x, const Int4Weight<Param>& w, at::Tensor& y) {
+template <typename D, typename Weight>
+void int4_matmul_impl(const at::Tensor& x, const Weight& w, at::Tensor& y) {
   using raw = typename D::raw;
   const int64_t M = x.size(0), K = w.K, N = y.size(1), ldx = x.stride(0);
   const raw* xp = reinterpret_cast<const raw*>(x.data_ptr());
@@ -298,13 +420,7 @@ void int4_matmul_impl(const at::Tensor& x, const Int4Weight<Param>& w, at::Tenso
       const int64_t n0 = t * kColumns, count = std::min<int64_t>(kColumns, N - n0);
       if (fused) {  // one tile of rows: x [M, K] against `count` columns
         with_count<kFusedRows>(M, [&]<int R>() {
-          with_count<kColumns>(count, [&]<int C>() {
-            if (w.planes == 1) {
-              fused_tile<D, 1, R, C>(xp, ldx, w, n0, yp + n0, N);
-            } else {
-              fused_tile<D, 2, R, C>(xp, ldx, w, n0, yp + n0, N);
-            }
-          });
+          with_count<kColumns>(count, [&]<int C>() { fused_columns<D, R, C>(xp, ldx, w, n0, yp + n0, N); });
         });
         continue;
       }
@@ -354,7 +470,15 @@ void decode_column(const Int4Weight<Param>& w, int64_t n, float* out) {
 }
 
 template <typename raw, typename Param>
-void int4_matmul_impl(const at::Tensor& x, const Int4Weight<Param>& w, at::Tensor& y) {
+void decode_column(const Int8Weight<Param>& w, int64_t n, float* out) {
+  const int8_t* codes = w.code_row(n);
+  for (int64_t k = 0; k < w.K; ++k) {
+    out[k] = static_cast<float>(raw(float(codes[k]) * w.scale(n * w.groups + k / w.group_size)));
+  }
+}
+
+template <typename raw, typename Weight>
+void int4_matmul_impl(const at::Tensor& x, const Weight& w, at::Tensor& y) {
   constexpr int kLanes = 16;
   const int64_t M = x.size(0), K = w.K, N = y.size(1), ldx = x.stride(0);
   const raw* xp = reinterpret_cast<const raw*>(x.data_ptr());
@@ -386,41 +510,73 @@ void int4_matmul_impl(const at::Tensor& x, const Int4Weight<Param>& w, at::Tenso
 
 #endif
 
-// A group parameter tensor: contiguous [N, P, G], float32 or bfloat16.
-void check_groups(const at::Tensor& t, const char* name, int64_t N, int64_t P, int64_t G) {
-  TORCH_CHECK((t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16) && t.is_contiguous(),
-              "llmplug_cpu::int4_matmul: ", name, " must be contiguous float32 or bfloat16, got ", t.scalar_type(),
+// A group parameter tensor: contiguous `shape`, float32, float16 or bfloat16.
+void check_groups(const at::Tensor& t, const char* name, at::IntArrayRef shape, const char* expected) {
+  const auto dtype = t.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16) && t.is_contiguous(),
+              "llmplug_cpu::int4_matmul: ", name, " must be contiguous float32, float16 or bfloat16, got ", dtype,
               t.is_contiguous() ? "" : " (not contiguous)");
-  TORCH_CHECK(t.dim() == 3 && t.size(0) == N && t.size(1) == P && t.size(2) == G, "llmplug_cpu::int4_matmul: ", name,
-              " must be [N, P, K / group_size] = [", N, ", ", P, ", ", G, "], got ", t.sizes());
+  TORCH_CHECK(t.sizes() == shape, "llmplug_cpu::int4_matmul: ", name, " must be ", expected, " = ", shape, ", got ",
+              t.sizes());
+}
+
+// Calls fn with the weight of these tensors (Int4Weight or Int8Weight, after checking them) as its group
+// parameters' type.
+template <typename Fn>
+void with_weight(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& zeros, int64_t K,
+                 int64_t group_size, Fn&& fn) {
+  const int64_t N = qweight.size(0), G = K / group_size;
+  const bool int8 = qweight.scalar_type() == at::kChar;
+  if (int8) {
+    check_groups(scales, "scales", {N, G}, "[N, K / group_size] (int8 codes)");
+    check_groups(zeros, "zeros", {N, 0}, "[N, 0] (int8 codes have no zeros)");
+  } else {
+    check_groups(scales, "scales", {N, qweight.size(1), G}, "[N, P, K / group_size]");
+    check_groups(zeros, "zeros", {N, qweight.size(1), G}, "[N, P, K / group_size]");
+  }
+  TORCH_CHECK(scales.scalar_type() == zeros.scalar_type(), "llmplug_cpu::int4_matmul: scales are ",
+              scales.scalar_type(), ", zeros ", zeros.scalar_type(), "; both must have one dtype");
+  auto typed = [&]<typename Param>(Param*) {
+    const Param* s = reinterpret_cast<const Param*>(scales.data_ptr());
+    if (int8) {
+      fn(Int8Weight<Param>{qweight.data_ptr<int8_t>(), s, K, G, group_size});
+    } else {
+      fn(Int4Weight<Param>{qweight.data_ptr<uint8_t>(), s, reinterpret_cast<const Param*>(zeros.data_ptr()),
+                           qweight.size(1), K, G, group_size});
+    }
+  };
+  if (scales.scalar_type() == at::kFloat) {
+    typed(static_cast<float*>(nullptr));
+  } else if (scales.scalar_type() == at::kHalf) {
+    typed(static_cast<c10::Half*>(nullptr));
+  } else {
+    typed(static_cast<c10::BFloat16*>(nullptr));
+  }
 }
 
 // x [M, K] (float32 or bfloat16; columns contiguous) . W^T -> [M, N] in x's dtype, W the weight of qweight
-// [N, P, K / 2] uint8 (two codes a byte, see the layout above), scales and zeros [N, P, K / group_size] float32
-// (or bfloat16: half the bytes, which a decode step's time is).
+// [N, P, K / 2] uint8 (two codes a byte, see the layout above) with scales and zeros [N, P, K / group_size], or of
+// qweight [N, K] int8 with scales [N, K / group_size] and zeros [N, 0]. Fewer bytes of group parameters
+// (float16, bfloat16) are fewer bytes to read, which a decode step's time is.
 at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const at::Tensor& zeros, int64_t group_size) {
   TORCH_CHECK(x.dim() == 2, "llmplug_cpu::int4_matmul: x must be [M, K], got ", x.sizes());
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "llmplug_cpu::int4_matmul: x must be float32 or bfloat16, got ", x.scalar_type());
-  TORCH_CHECK(qweight.dim() == 3 && qweight.scalar_type() == at::kByte && qweight.is_contiguous(),
-              "llmplug_cpu::int4_matmul: qweight must be contiguous uint8 [N, P, K / 2], got ", qweight.sizes(), " ",
-              qweight.scalar_type());
-  const int64_t N = qweight.size(0), P = qweight.size(1), K = x.size(1);
-  TORCH_CHECK(P >= 1, "llmplug_cpu::int4_matmul: qweight has no planes");
-  TORCH_CHECK(qweight.size(2) * 2 == K, "llmplug_cpu::int4_matmul: x has ", K, " columns, qweight's rows hold ",
-              qweight.size(2) * 2);
+  const bool int8 = qweight.dim() == 2 && qweight.scalar_type() == at::kChar;
+  TORCH_CHECK((int8 || (qweight.dim() == 3 && qweight.scalar_type() == at::kByte)) && qweight.is_contiguous(),
+              "llmplug_cpu::int4_matmul: qweight must be contiguous uint8 [N, P, K / 2] or int8 [N, K], got ",
+              qweight.sizes(), " ", qweight.scalar_type());
+  const int64_t K = x.size(1), row_codes = int8 ? qweight.size(1) : qweight.size(2) * 2;
+  TORCH_CHECK(int8 || qweight.size(1) >= 1, "llmplug_cpu::int4_matmul: qweight has no planes");
+  TORCH_CHECK(row_codes == K, "llmplug_cpu::int4_matmul: x has ", K, " columns, qweight's rows hold ", row_codes);
   TORCH_CHECK(group_size > 0 && group_size % kBlock == 0 && K % group_size == 0,
               "llmplug_cpu::int4_matmul: group_size must be a positive multiple of 32 dividing K=", K, ", got ",
               group_size);
-  check_groups(scales, "scales", N, P, K / group_size);
-  check_groups(zeros, "zeros", N, P, K / group_size);
-  TORCH_CHECK(scales.scalar_type() == zeros.scalar_type(), "llmplug_cpu::int4_matmul: scales are ",
-              scales.scalar_type(), ", zeros ", zeros.scalar_type(), "; both must have one dtype");
   const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
-  at::Tensor y = at::empty({x.size(0), N}, x.options());
-  if (y.numel() == 0) return y;
-  auto run = [&](const auto& w) {
+  at::Tensor y = at::empty({x.size(0), qweight.size(0)}, x.options());
+  with_weight(qweight, scales, zeros, K, group_size, [&](const auto& w) {
+    if (y.numel() == 0) return;
 #ifdef LLMPLUG_INT4_AVX512
     if (x.scalar_type() == at::kFloat) {
       int4_matmul_impl<FmaDot<F32Act>>(xc, w, y);
@@ -438,14 +594,7 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& qweight, const at:
       int4_matmul_impl<c10::BFloat16>(xc, w, y);
     }
 #endif
-  };
-  const uint8_t* codes = qweight.data_ptr<uint8_t>();
-  if (scales.scalar_type() == at::kFloat) {
-    run(Int4Weight<float>{codes, scales.data_ptr<float>(), zeros.data_ptr<float>(), P, K, K / group_size, group_size});
-  } else {
-    run(Int4Weight<c10::BFloat16>{codes, scales.data_ptr<c10::BFloat16>(), zeros.data_ptr<c10::BFloat16>(), P, K,
-                                  K / group_size, group_size});
-  }
+  });
   return y;
 }
 
