@@ -2,11 +2,12 @@
 
     python benchmarks/one_client.py                          # the default model (SmolLM2-135M GGUF), 256 tokens, 5 rounds
     python benchmarks/one_client.py --rounds 8 --max-tokens 128 --json out.json
+    python benchmarks/one_client.py --serve-args "--num-threads 1"  # the server with engine flags of its own
 
 Each round runs, in a rotating order, the same greedy chat answer (EOS ignored) three ways:
 - `offline`: `LLM.chat` in this process (the default `LLM()`);
-- `stream`: one client of `llmplug serve` (a process of its own, started with no engine flags) through the real
-  `openai` client, chat completions with `stream=True`;
+- `stream`: one client of `llmplug serve` (a process of its own, with the `--serve-args` flags, none by default)
+  through the real `openai` client, chat completions with `stream=True`;
 - `whole`: the same request with `stream=False`.
 Reported per way: median output tokens/s (tokens over the request's wall time, prefill included, as a client sees
 it), ms per token and, for the stream, the median gap between chunks (ITL); then each served way's ratio to
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import socket
 import statistics
@@ -100,6 +102,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--json", help="write the per-round results here")
+    parser.add_argument("--serve-args", default="",
+                        help="flags for `llmplug serve`, one string (e.g. \"--num-threads 1\")")
     args = parser.parse_args()
 
     import openai
@@ -108,7 +112,7 @@ def main() -> int:
     from llmplug.core.config import DEFAULT_MODEL
 
     port = free_port()
-    server = start_server(port, [])
+    server = start_server(port, shlex.split(args.serve_args))
     try:
         llm = LLM()
         params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)

@@ -163,22 +163,23 @@ class RequestTracker:
         """Count an output's tokens (added when `delta`, else the totals so far); close on the final one."""
         if output.prompt_token_ids:  # the engine's count, image placeholders expanded
             self.num_prompt_tokens = len(output.prompt_token_ids)
-        before = sum(self.num_generated.values())
+        generated, new_tokens = self.num_generated, 0  # runs once per streamed token: no sums over the completions
         for completion in output.outputs:
-            seen = self.num_generated.get(completion.index, 0) if delta else 0
-            self.num_generated[completion.index] = seen + len(completion.token_ids)
+            count, seen = len(completion.token_ids), generated.get(completion.index, 0)
+            generated[completion.index] = seen + count if delta else count
+            new_tokens += count if delta else count - seen
         self.num_cached_tokens = output.num_cached_tokens
-        new_tokens = sum(self.num_generated.values()) - before
-        if output.metrics is not None:
-            self.engine = str(output.metrics.engine_index)
+        engine_metrics = output.metrics
+        if engine_metrics is not None:
+            self.engine = str(engine_metrics.engine_index)
         if new_tokens > 0:  # counted as they come, so rate() shows throughput while requests run
             prompt_tokens = 0 if self.prompt_counted else self.num_prompt_tokens
             self.prompt_counted = True
             self.metrics.vllm.count_tokens(self.engine, prompt_tokens, new_tokens)
-        if output.metrics is not None:
-            self.engine_metrics = output.metrics
-            self.arrival_time = output.metrics.arrival_time
-            self.first_token_time = output.metrics.first_token_time or self.first_token_time
+        if engine_metrics is not None:
+            self.engine_metrics = engine_metrics
+            self.arrival_time = engine_metrics.arrival_time
+            self.first_token_time = engine_metrics.first_token_time or self.first_token_time
         if output.finished:
             reasons = {c.finish_reason for c in output.outputs}
             outcome = "abort" if "abort" in reasons else "length" if "length" in reasons else "stop"

@@ -43,6 +43,7 @@ from llmplug.entrypoints.openai.serving_engine import (
     until_disconnected,
     usage_info,
 )
+from llmplug.entrypoints.openai.stream_chunks import TextChunks
 
 
 @dataclass(slots=True)
@@ -188,9 +189,22 @@ class OpenAIServingCompletion(OpenAIServing):
         created = now()
         states = [_RequestState(num_prompt_tokens=len(p.token_ids)) for p in prompts]
 
-        def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
+        def chunk_json(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
             message = CompletionResponse(id=request_id, created=created, model=model, choices=choices, usage=usage)
-            return sse(message.model_dump_json(exclude=None if include_usage else {"usage"}))
+            return message.model_dump_json(exclude=None if include_usage else {"usage"})
+
+        def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
+            return sse(chunk_json(choices, usage))
+
+        # most chunks are one choice's next text and nothing else: those are filled into a template
+        plain = not (include_usage and options.continuous_usage_stats)
+        text_chunks: dict[int, TextChunks] = {}
+
+        def text_chunk(index: int, text: str) -> str:
+            if index not in text_chunks:
+                text_chunks[index] = TextChunks(lambda content: chunk_json([CompletionChoice(index=index,
+                                                                                             text=content)]))
+            return text_chunks[index](text)
 
         try:
             item: tuple[int, RequestOutput] | None = first
@@ -201,7 +215,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 state.prompt_logprobs += output.prompt_logprobs or []
                 for completion in output.outputs:
                     choice = self._stream_choice(prompt_index, prompts[prompt_index], state, completion, body)
-                    if choice is not None:
+                    if choice is not None and plain and _text_only(choice):
+                        yield text_chunk(choice.index, choice.text)
+                    elif choice is not None:
                         yield chunk([choice], self._chunk_usage(body, state, completion.index))
                 item = await anext(outputs, None)
             for prompt_index, state in enumerate(states):  # held back for prompt logprobs that never came
@@ -252,6 +268,12 @@ class OpenAIServingCompletion(OpenAIServing):
             return None
         return CompletionChoice(index=prompt_index * body.n + completion.index, text=text, logprobs=logprobs,
                                 finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)
+
+
+def _text_only(choice: CompletionChoice) -> bool:
+    """True when the choice says nothing but its text: its chunk is a TextChunks one."""
+    return choice.logprobs is None and choice.finish_reason is None and choice.stop_reason is None and \
+        choice.prompt_logprobs is None
 
 
 def _check_supported(body: CompletionRequest) -> None:

@@ -109,6 +109,8 @@ class VllmMetrics:
             info = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", [*cache_info, "engine"],
                          registry=r)
             info.labels(*cache_info.values(), ENGINE).set(1)
+        # each engine's (prompt, generation) token counter series, looked up once: they grow at every streamed token
+        self._token_counters: dict[str, tuple[Any, Any]] = {}
         engines = engines or (lambda: [(ENGINE, engine_stats())])
         for engine, _ in engines():  # every engine's per-request series from the start, at 0
             self._create_series(engine)
@@ -128,10 +130,14 @@ class VllmMetrics:
 
     def count_tokens(self, engine: str, prompt_tokens: int, generation_tokens: int) -> None:
         """Add to vllm:prompt_tokens and vllm:generation_tokens of `engine` (as tokens come, not when requests end)."""
-        labels = (self.model_name, engine)
+        counters = self._token_counters.get(engine)
+        if counters is None:
+            labels = (self.model_name, engine)
+            counters = self._token_counters[engine] = (self.prompt_tokens.labels(*labels),
+                                                       self.generation_tokens.labels(*labels))
         if prompt_tokens:
-            self.prompt_tokens.labels(*labels).inc(prompt_tokens)
-        self.generation_tokens.labels(*labels).inc(generation_tokens)
+            counters[0].inc(prompt_tokens)
+        counters[1].inc(generation_tokens)
 
     def record_finished(self, tracker: RequestTracker, outcome: str, end_time: float) -> None:
         """Record a request that ended (`outcome`: a finish reason, or "error", which is no success) under the
@@ -171,9 +177,11 @@ class VllmMetrics:
             self.ttft.labels(*labels).observe(max(m.first_token_time - m.arrival_time, 0.0))
         if m.finished_time is None:  # not the engine's final output: its inter-token latencies may be incomplete
             return
+        inter_token, per_output_token = (self.inter_token_latency.labels(*labels),
+                                         self.time_per_output_token.labels(*labels))
         for latency in m.inter_token_latencies:
-            self.inter_token_latency.labels(*labels).observe(latency)
-            self.time_per_output_token.labels(*labels).observe(latency)
+            inter_token.observe(latency)
+            per_output_token.observe(latency)
         if longest > 1 and m.first_token_time is not None and m.last_token_time is not None:
             self.request_time_per_output_token.labels(*labels).observe(
                 (m.last_token_time - m.first_token_time) / (longest - 1))

@@ -59,6 +59,8 @@ def test_greedy_completions_equal_one_engine_streamed_or_not(dp_server, offline_
         per_engine(dp_server, "vllm:time_to_first_token_seconds_count")
     assert set(e2e) == {"0", "1"} and all(count > 0 for count in e2e.values()) and sum(e2e.values()) == 7
     assert ttft == e2e
+    generated = per_engine(dp_server, "vllm:generation_tokens_total")  # counted as tokens come, per replica too
+    assert {engine for engine, count in generated.items() if count > 0} == {"0", "1"}
 
 
 def per_engine(server, sample_name: str) -> dict[str, float]:

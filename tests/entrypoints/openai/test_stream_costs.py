@@ -1,6 +1,7 @@
-"""Streamed chat answers, whose plain text chunks are filled into a template (stream_chunks.TextChunks) rather than
-built as pydantic models: over the real openai client they equal the whole answer and the offline one, byte for
-byte they are what the models would write, and the chunks that leave the template (logprobs, n > 1) agree."""
+"""Streamed chat and completion answers, whose plain text chunks are filled into a template (stream_chunks.TextChunks)
+rather than built as pydantic models: over the real openai client they equal the whole answer and the offline one,
+byte for byte they are what the models would write, and the chunks that leave the template (logprobs, n > 1)
+agree."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import openai
 import pytest
 
 from llmplug import SamplingParams
-from llmplug.entrypoints.openai.protocol import ChatCompletionStreamResponse
+from llmplug.entrypoints.openai.protocol import ChatCompletionStreamResponse, CompletionResponse
 from llmplug.entrypoints.openai.stream_chunks import TextChunks
 
 MESSAGES = [{"role": "user", "content": "Tell me about the sea."}]
@@ -87,3 +88,29 @@ def test_several_choices_stream_what_they_answer_whole(server):
     texts, _ = streamed(client, server.model, **sampled)
     assert texts == {c.index: c.message.content for c in whole.choices}
     assert len(set(texts.values())) == 2
+
+
+def test_streamed_completion_chunks_are_the_bytes_the_models_write(server, offline):
+    """/v1/completions fills its plain text chunks into a template too: the bytes are the models' and the text,
+    joined, is the offline answer; the finishing chunk (and a chunk with logprobs) leaves the template."""
+    expected = offline.generate(["The sea is"], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+                                use_tqdm=False)[0].outputs[0].text
+    body = {"model": server.model, "prompt": "The sea is", "stream": True, "temperature": 0, "max_tokens": 30,
+            "ignore_eos": True}
+    request = urllib.request.Request(f"{server.base_url}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        datas = [line.removeprefix("data: ") for line in response.read().decode().split("\n") if line]
+    assert datas[-1] == "[DONE]"
+    chunks = [CompletionResponse.model_validate_json(data) for data in datas[:-1]]
+    assert all(chunk.model_dump_json(exclude={"usage"}) == data for chunk, data in zip(chunks, datas))
+    assert "".join(chunk.choices[0].text for chunk in chunks) == expected
+    assert [chunk.choices[0].finish_reason for chunk in chunks].count("length") == 1
+    assert sum(chunk.choices[0].finish_reason is None and chunk.choices[0].text != "" for chunk in chunks) > 10
+
+    stream = server.client().completions.create(model=server.model, prompt="The sea is", temperature=0,
+                                                max_tokens=30, logprobs=1, extra_body={"ignore_eos": True},
+                                                stream=True)
+    with_logprobs = list(stream)
+    assert "".join(chunk.choices[0].text for chunk in with_logprobs) == expected
+    assert sum(len(chunk.choices[0].logprobs.tokens) for chunk in with_logprobs) == 30
