@@ -16,6 +16,7 @@ import torch
 from llmplug import LLM, SamplingParams
 from llmplug.core.errors import ConfigError
 from llmplug.layers import packed_linear
+from llmplug.layers.decoder.native_stack import NativeDecoderStack
 from llmplug.testing import ParityRunner
 from llmplug.testing.parity import BASE_ENGINE_KWARGS
 from tests.models.cases import CASES
@@ -50,8 +51,12 @@ def otherwise_at_odd_positions(x, packed, bias):
 
 @pytest.fixture
 def kernel(monkeypatch, tmp_path):
-    """Install a kernel double for this test, probed afresh (no remembered plans)."""
+    """Install a kernel double for this test, probed afresh (no remembered plans). The doubles replace the Python
+    call of oneDNN's kernel, which the C++ stack of all layers does not make (it calls the kernel itself, by the same
+    row plans: tests/models/test_decoder_fast_path.py checks its bits against the Python path's), so the layers take
+    the Python path here."""
     monkeypatch.setenv("LLMPLUG_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(NativeDecoderStack, "run", lambda *args: None)
     packed_linear.row_plan_for.cache_clear()
     yield lambda double: monkeypatch.setattr(packed_linear, "_packed_linear", double)
     packed_linear.row_plan_for.cache_clear()
