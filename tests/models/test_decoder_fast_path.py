@@ -2,7 +2,7 @@
 the tiny Llama, Mistral, Qwen2 (biases) and Qwen3 (q/k norms, scaled rope) models: flattened prefill, a chunk
 between decodes, batched decodes; a hooked layer runs its modules (the hook fires) while the others stay fast.
 With dense or int4 layers, the C++ stack of all layers (decoder/native_stack.py) gives the straight-line run's bits,
-and follows a replaced weight."""
+and follows a replaced weight, norm weight, bias or cache."""
 
 from __future__ import annotations
 
@@ -218,3 +218,33 @@ def test_the_native_stack_follows_a_replaced_weight_and_leaves_a_hooked_layer_to
         handle.remove()
     assert stack_runs == [False] * len(hooked) and len(seen) == len(hooked)  # the hook fires: its layer's modules
     assert all(torch.equal(a, b) for a, b in zip(hooked, expected))
+
+
+@pytest.mark.parametrize("change", ["norm weight", "dense weight", "bias"])
+def test_the_native_stack_follows_each_value_it_was_built_from(
+    tiny: TinyModel, stack_runs: list[bool], change: str
+) -> None:
+    """A replaced parameter the stack holds rebuilds it: the built stacks stop holding, the outputs change and are
+    the straight-line run's (each run_steps also binds new caches, which rebuilds it too)."""
+    model = tiny.load("float32")  # dense float32 linears: F.linear of their own weight
+    fast_layers = model.model.run_layers
+    if fast_layers.stack is None:
+        pytest.skip("no stack for this model's layers (q/k norms)")
+    vocab = tiny.hf_model.config.vocab_size
+    before = run_steps(model, vocab)
+    built = list(fast_layers.stack._stacks.values())
+    hidden = torch.zeros(1, tiny.hf_model.config.hidden_size)
+    assert built and all(stack.holds(hidden) for stack in built)
+    plain = fast_layers.plain[-1]
+    if change == "norm weight":
+        plain.mlp_norm.weight = torch.nn.Parameter(plain.mlp_norm.weight * 1.5)
+    elif change == "dense weight":
+        plain.down.weight = torch.nn.Parameter(plain.down.weight * 1.5)
+    else:
+        plain.o.bias = torch.nn.Parameter(torch.full((plain.o.weight.shape[0],), 0.25))
+    assert not any(stack.holds(hidden) for stack in built)
+    expected = straight_line_steps(model, vocab)
+    stack_runs.clear()
+    got = run_steps(model, vocab)
+    assert all(stack_runs) and not all(torch.equal(a, b) for a, b in zip(got, before))
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
