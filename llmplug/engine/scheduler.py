@@ -38,14 +38,12 @@ asked again for it), never answered from it.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import logging
 import time
 from bisect import insort
-from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Literal
+from typing import TYPE_CHECKING, Iterable, Literal
 
 from llmplug.core.errors import ConfigError, InvalidRequestError
 from llmplug.engine.encoder_cache import EncoderCacheManager
@@ -53,6 +51,7 @@ from llmplug.engine.kv_cache import KVCacheManager, PrefixCacheStats
 from llmplug.engine.kv_transfer import invalidated_blocks
 from llmplug.engine.multimodal import bidirectional_spans, span_safe
 from llmplug.engine.request import Request, RequestStatus
+from llmplug.engine.request_queue import FcfsQueue, PriorityQueue, SortKey
 from llmplug.engine.scheduler_output import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 from llmplug.engine.spec_decode.draft import NO_DRAFT, Draft
 
@@ -62,76 +61,6 @@ if TYPE_CHECKING:
     from llmplug.plugins.kv_connectors.base import KVConnector, KVConnectorOutput
 
 logger = logging.getLogger(__name__)
-
-SortKey = tuple
-
-
-class FcfsQueue:
-    """Waiting requests in arrival order; preempted ones go back to the front."""
-
-    def __init__(self) -> None:
-        self._queue: deque[Request] = deque()
-
-    def push(self, request: Request) -> None:
-        """Queue a newly arrived request."""
-        self._queue.append(request)
-
-    def push_front(self, request: Request) -> None:
-        """Queue a preempted request ahead of every other."""
-        self._queue.appendleft(request)
-
-    def peek(self) -> Request:
-        """The next request to admit."""
-        return self._queue[0]
-
-    def pop(self) -> Request:
-        """Remove and return the next request to admit."""
-        return self._queue.popleft()
-
-    def remove(self, request: Request) -> None:
-        """Take out an aborted request."""
-        self._queue.remove(request)
-
-    def __len__(self) -> int:
-        return len(self._queue)
-
-    def __iter__(self) -> Iterator[Request]:
-        return iter(self._queue)
-
-
-class PriorityQueue:
-    """Waiting requests by sort key (lower priority value first, then arrival)."""
-
-    def __init__(self, key: Callable[[Request], SortKey]) -> None:
-        self._key = key
-        self._heap: list[tuple[SortKey, Request]] = []  # keys are unique, so Requests are never compared
-
-    def push(self, request: Request) -> None:
-        """Queue a request by its key."""
-        heapq.heappush(self._heap, (self._key(request), request))
-
-    # A preempted request's "front" is its own place in priority order.
-    push_front = push
-
-    def peek(self) -> Request:
-        """The next request to admit."""
-        return self._heap[0][1]
-
-    def pop(self) -> Request:
-        """Remove and return the next request to admit."""
-        return heapq.heappop(self._heap)[1]
-
-    def remove(self, request: Request) -> None:
-        """Take out an aborted request (O(n); aborts are rare)."""
-        self._heap = [entry for entry in self._heap if entry[1] is not request]
-        heapq.heapify(self._heap)
-
-    def __len__(self) -> int:
-        return len(self._heap)
-
-    def __iter__(self) -> Iterator[Request]:
-        return (request for _, request in self._heap)
-
 
 @dataclass(slots=True, frozen=True)
 class SchedulerStats:
@@ -346,8 +275,9 @@ class Scheduler:
             draft = NO_DRAFT
             if num_new_tokens == 1:
                 draft = all_drafts.get(request.request_id, NO_DRAFT).truncated(budget - 1)
+            # speculation never preempts: without free blocks for its drafts the request decodes one
             if draft.token_ids and not self.kv_cache_manager.allocate_slots(request, 1 + len(draft.token_ids)):
-                draft = NO_DRAFT  # speculation never preempts: without free blocks for its drafts the request decodes one
+                draft = NO_DRAFT
             num_drafts = len(draft.token_ids)
             if num_new_tokens > 0 and self._allocate_or_preempt(request, num_new_tokens + num_drafts, preempted):
                 self._use_encoder_inputs(request, request.num_computed_tokens, num_new_tokens, to_encode,
