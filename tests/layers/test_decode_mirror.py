@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from llmplug.layers.attention import Attention, bind_kv_cache
-from llmplug.layers.attention import decode_mirror, torch_sdpa
+from llmplug.layers.attention import decode_mirror, kv_store
 from llmplug.layers.attention.decode_mirror import DecodeMirror
 from llmplug.layers.attention.key_layout import DecodeKeys
 from llmplug.layers.attention.torch_sdpa import TorchSDPABackend
@@ -193,12 +193,12 @@ def test_k_and_v_views_of_one_projection_are_stored_by_one_copy(inference: bool)
     with torch.inference_mode(inference):
         qkv = torch.randn(5, (HEADS + 2 * KV_HEADS) * D)
         q, k, v = qkv.split([HEADS * D, KV_HEADS * D, KV_HEADS * D], dim=1)
-    both = torch_sdpa._adjacent_kv(k, v)
+    both = kv_store.adjacent_kv(k, v)
     assert both is not None and torch.equal(both[:, 0], k) and torch.equal(both[:, 1], v)
-    assert torch_sdpa._adjacent_kv(v, k) is None  # v before k
-    assert torch_sdpa._adjacent_kv(k.clone(), v.clone()) is None  # separate tensors
+    assert kv_store.adjacent_kv(v, k) is None  # v before k
+    assert kv_store.adjacent_kv(k.clone(), v.clone()) is None  # separate tensors
     fused, separate = make_layer(), make_layer()
     slots = torch.tensor([7, 3, 12, 0, 30])
-    torch_sdpa._write_kv(fused.kv_cache, k, v, slots)
-    torch_sdpa._write_kv(separate.kv_cache, k.clone(), v.clone(), slots)
+    kv_store.write_kv(fused.kv_cache, k, v, slots)
+    kv_store.write_kv(separate.kv_cache, k.clone(), v.clone(), slots)
     assert torch.equal(fused.kv_cache, separate.kv_cache)

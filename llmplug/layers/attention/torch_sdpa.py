@@ -54,6 +54,7 @@ from llmplug.layers.attention.decode_mirror import DecodeMirror, DecodeRows, mir
 from llmplug.layers.attention.features import softcap_, softmax_with_sinks
 from llmplug.layers.attention.fixed_order import key_tile, round_up, scores_fp32, softmax_weighted_sum
 from llmplug.layers.attention.key_layout import DecodeKeys, PrefillKeys, additive, decode_keys, prefill_keys
+from llmplug.layers.attention.kv_store import converted_kv, scatter_kv, write_kv
 from llmplug.layers.attention.spans import attend_spans
 from llmplug.layers.forward_context import CommonAttentionMetadata
 from llmplug.layers.kernels.native import ops, use_native
@@ -286,50 +287,6 @@ def _padding_indexes(q_lens: torch.Tensor, max_query_len: int) -> tuple[torch.Te
     return q_pad_index, out_index
 
 
-def _adjacent_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
-    """k and v [T, W] as one [T, 2, W] view when v's columns follow k's in the same rows (a fused qkv
-    output), so that both are stored by one copy; None otherwise."""
-    num_tokens, width = k.shape
-    if v.shape != k.shape or v.stride() != k.stride() or k.stride(1) != 1:
-        return None
-    if v.data_ptr() != k.data_ptr() + width * k.element_size():
-        return None
-    # one storage, so the view below stays inside it (`_base` is not tracked under inference_mode)
-    if v.untyped_storage().data_ptr() != k.untyped_storage().data_ptr():
-        return None
-    return k.as_strided((num_tokens, 2, width), (k.stride(0), width, 1))
-
-
-def _converted(k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """k and v [T, W] in `dtype`; still side by side in one tensor when they were (one conversion, and
-    `_scatter_kv` then stores both with one copy)."""
-    kv = _adjacent_kv(k, v)
-    if kv is None:
-        return k.to(dtype), v.to(dtype)
-    kv = kv.to(dtype)
-    return kv[:, 0], kv[:, 1]
-
-
-def _scatter_kv(rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor) -> None:
-    """Store k, v [T, Hkv * D] at rows `index` [T] of rows [2 (K, V), Hkv, num_rows, D]; a one-plane
-    store [1, ...] holds the keys only (the values are inside them)."""
-    num_kv_heads, head_dim = rows.shape[1], rows.shape[-1]
-    if rows.shape[0] == 1:
-        rows[0].index_copy_(1, index, k.view(-1, num_kv_heads, head_dim).transpose(0, 1))
-        return
-    kv = _adjacent_kv(k, v)
-    if kv is not None:
-        rows.index_copy_(2, index, kv.view(-1, 2, num_kv_heads, head_dim).permute(1, 2, 0, 3))
-        return
-    rows[0].index_copy_(1, index, k.view(-1, num_kv_heads, head_dim).transpose(0, 1))
-    rows[1].index_copy_(1, index, v.view(-1, num_kv_heads, head_dim).transpose(0, 1))
-
-
-def _write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store this step's k, v [T, Hkv * D] at their slots of cache [2 (or 1), Hkv, num_blocks, block_size, D]."""
-    _scatter_kv(cache.view(cache.shape[0], cache.shape[1], -1, cache.shape[-1]), k, v, slot_mapping)
-
-
 def _decode_kv(
     layer: "Attention", k: torch.Tensor, v: torch.Tensor, part: DecodePart, keys: DecodeKeys, cache: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -356,8 +313,8 @@ def _decode_kv(
         and mirror.ring == keys.ring
     )
     if same_layout and part.rows.extends(mirror.rows):
-        k, v = _converted(k, v, dtype)
-        _scatter_kv(mirror.key_rows, k, v, keys.append_index)
+        k, v = converted_kv(k, v, dtype)
+        scatter_kv(mirror.key_rows, k, v, keys.append_index)
         if mirror.contiguous_keys:
             mirror.append_keys_t(k, keys.transposed_append_index(layer.num_kv_heads, layer.head_dim))
     else:
@@ -644,7 +601,7 @@ class TorchSDPABackend(AttentionBackend):
         if cache is not None and native_capable(layer) and use_native(q):
             return native_attention(layer, q, k, v, cache, metadata)
         if cache is not None:  # all of the step's k/v first: requests may read blocks others write now
-            _write_kv(cache, k, v, metadata.slot_mapping)
+            write_kv(cache, k, v, metadata.slot_mapping)
         if not layer.causal:
             return _bidirectional(layer, q, k, v, metadata)
         decode, prefill = metadata.decode, metadata.prefill
@@ -682,7 +639,7 @@ def native_attention(
             q, k, v, cache, common.slot_mapping, common.block_tables, common.query_start_loc, common.seq_lens,
             layer.scale, window, chunk,
         )
-    _write_kv(cache, k, v, common.slot_mapping)  # values inside the keys: one plane
+    write_kv(cache, k, v, common.slot_mapping)  # values inside the keys: one plane
     return ops().paged_attention(
         q.view(q.shape[0], layer.num_heads, layer.head_dim), cache[0], cache[0][..., : layer.v_head_dim],
         common.block_tables, common.query_start_loc, common.seq_lens, layer.scale, window, chunk,
