@@ -171,8 +171,6 @@ class DecoderStack : public torch::CustomClassHolder {
     return {hidden, residual};
   }
 
-  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
-
  private:
   std::vector<Layer> layers_;
 };
@@ -183,6 +181,5 @@ TORCH_LIBRARY_FRAGMENT(llmplug_cpu, m) {
   m.class_<DecoderStack>("DecoderStack")
       .def(torch::init<>())
       .def("add_layer", &DecoderStack::add_layer)
-      .def("run", &DecoderStack::run)
-      .def("num_layers", &DecoderStack::num_layers);
+      .def("run", &DecoderStack::run);
 }
