@@ -246,6 +246,33 @@ def test_each_output_row_is_bitwise_the_same_whatever_the_number_of_rows_or_thre
         torch.set_num_threads(threads)
 
 
+def lanes_tree_sum(v: torch.Tensor) -> torch.Tensor:
+    """The kernel's sum of 16 float32 lanes (the last dim), in float32: lanes j and j + 8, then 4, 2 and 1 apart."""
+    while v.shape[-1] > 1:
+        half = v.shape[-1] // 2
+        v = v[..., :half] + v[..., half:]
+    return v[..., 0]
+
+
+def test_float32_outputs_are_the_16_lanes_summed_in_the_kernels_tree_for_every_tile_shape():
+    """float32 activations: lane j holds the products of k = j mod 16, the lanes summed in a fixed tree, whatever
+    rows and columns the tile that computes them has. Each lane here holds one exact product (integer weights,
+    x a signed power of two at k < 16, 0 beyond), of magnitudes far apart, so another order of the adds shows."""
+    n, k = 7, 32  # a tile of 4 columns and one of 3
+    generator = torch.Generator().manual_seed(11)
+    q = torch.randint(0, 16, (1, n, k), generator=generator, dtype=torch.uint8)
+    groups = Int4Groups(q, torch.ones(1, n, 1), torch.zeros(1, n, 1), k)  # w = q - 8 exactly
+    packed = NativeInt4.pack(groups, torch.float32)
+    signs = torch.randint(0, 2, (40, 16), generator=generator) * 2 - 1
+    x = torch.zeros(40, k)
+    x[:, :16] = signs * torch.exp2(torch.randint(-20, 21, (40, 16), generator=generator).float())
+    products = x[:, None, :16] * (q[0, :, :16].float() - 8)  # [M, N, 16], each exact
+    expected = lanes_tree_sum(products)
+    assert (expected != products.sum(-1)).any() and (expected != products.flip(-1).cumsum(-1)[..., -1]).any()
+    for m in range(1, 41):  # every row count of a fused tile (1..4) and of the buffered tiles after it
+        assert torch.equal(packed.matmul(x[:m]).view(torch.int32), expected[:m].view(torch.int32)), m
+
+
 def test_strided_rows_and_an_empty_batch():
     packed = NativeInt4.pack(random_groups(9, 64, 1, seed=5), torch.float32)
     x = torch.randn(5, 128)[:, ::2]  # rows 128 apart, columns 2 apart

@@ -4,10 +4,11 @@
 // A thread takes 4 output columns at a time and decodes their weights once, as Int4Groups.dequantize rounds them
 // (in float32 the product, then the zero added, the planes added in order), rounded once more to bfloat16 for
 // bfloat16 activations; every row of x then reads those weights (decoded in registers for up to 4 rows of a one-
-// or two-plane weight or int8 codes, from a small per-thread buffer otherwise). Output (m, n) is one dot product in
-// float32 over 16 lanes (k in order per lane; with AVX512-BF16, vdpbf16ps, k in pairs), the lanes summed in a fixed
-// tree: the same instructions whatever M, the tile or the thread that computes it, so a row's bits never depend on
-// the batch (docs/determinism.md).
+// or two-plane weight or int8 codes; beyond, from a small per-thread buffer, which the first 4 rows' tile fills as
+// it decodes a one-plane weight, and which is filled first otherwise). Output (m, n) is one dot product in float32
+// over 16 lanes (k in order per lane; with AVX512-BF16, vdpbf16ps, k in pairs), the lanes summed in a fixed tree
+// (_mm512_reduce_add_ps's, computed for 16 outputs at once with AVX-512): the same arithmetic whatever M, the tile
+// or the thread that computes it, so a row's bits never depend on the batch (docs/determinism.md).
 //
 // Layout (llmplug.layers.kernels.int4_matmul.NativeInt4.pack): qweight [N, P, K / 2] uint8, each run of 32 k in
 // 16 bytes, byte b holding k = b in its low nibble and k = b + 16 in its high one; scales and zeros [N, P, G]
@@ -43,7 +44,7 @@ constexpr int64_t kBlock = 32;      // k per 16 bytes of codes
 constexpr int kColumns = 4;         // output columns a tile computes together (their weights decoded once)
 constexpr int kRows = 6;            // rows of x a tile of decoded weights computes together
 constexpr int kFusedRows = 4;       // up to this many rows, weights are decoded in registers where they are used;
-                                    // beyond, once per tile of columns into a buffer the rows then share
+                                    // beyond, once per tile of columns into a buffer the other rows then share
 // (The loops over a tile's rows, columns and planes carry `#pragma GCC unroll`: unrolled, the accumulators live in
 // registers; GCC otherwise keeps them in memory, which measured 2-3x slower.)
 
@@ -218,19 +219,114 @@ inline void dot_block(__m512 (&acc)[R][C], const typename D::raw* x, int64_t ldx
   }
 }
 
-template <typename D, int R, int C>
-inline void store_tile(__m512 (&acc)[R][C], typename D::raw* y, int64_t ldy) {
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) y[r * ldy + c] = typename D::raw(_mm512_reduce_add_ps(acc[r][c]));
+// a + b, a the instruction's first source: of two NaNs the sum keeps the first source's payload, and GCC, for which
+// float addition commutes, would choose the order itself.
+inline __m512 add_in_order(__m512 a, __m512 b) {
+  __m512 sum;
+  asm("vaddps %2, %1, %0" : "=v"(sum) : "v"(a), "v"(b));
+  return sum;
 }
 
-// y[r, c] = x[r] . w[c] for R rows and C columns n0.., each column's weights decoded in registers block by block.
-// P planes (1 or 2: the fused path's); every element is the same arithmetic as in buffered_tile.
-template <typename D, int P, int R, int C, typename Param>
-inline void fused_tile(const typename D::raw* x, int64_t ldx, const Int4Weight<Param>& w, int64_t n0,
-                       typename D::raw* y, int64_t ldy) {
+// Whether any of a[width i .. width i + width - 1] is live (bit j of `live`: a[j] holds sums, else it is zero).
+constexpr bool any_live(uint32_t live, int i, int width) { return (live >> (width * i)) & ((1u << width) - 1); }
+
+// The lane sums of 16 accumulators at once, lane 4 i + j of the result a[4 j + i]'s, in _mm512_reduce_add_ps's
+// tree (GCC's avx512fintrin.h: lane j + 8 + lane j, then (j + 4) + j, (j + 2) + j, 0 + 1), each add's operands in
+// the order GCC 12 compiled that to (which of two NaNs' payloads a float32 output keeps). Each step's two shuffles
+// line up the halves that step adds for several accumulators, so one add does the step for 2, 4, 8 and 16 of them:
+// 45 instructions for 16 sums, where one sum alone takes 8. The accumulators not in Live are zero: steps that would
+// add only zeros (+0, exactly) are skipped.
+template <uint32_t Live>
+inline __m512 reduce16(const __m512 (&a)[16]) {
+  __m512 halves[8], quarters[4], eighths[2];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) {  // lanes 0..7: a[2 i]'s 8 + 8 lanes, 8..15: a[2 i + 1]'s
+    halves[i] = any_live(Live, i, 2) ? add_in_order(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE),
+                                                    _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44))
+                                     : _mm512_setzero_ps();
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {  // 128-bit lane l: a[4 i + l]'s 4 + 4
+    quarters[i] = any_live(Live, i, 4) ? add_in_order(_mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], 0xDD),
+                                                      _mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], 0x88))
+                                       : _mm512_setzero_ps();
+  }
+#pragma GCC unroll 2
+  for (int i = 0; i < 2; ++i) {  // 128-bit lane l: a[8 i + l]'s 2 + 2, then a[8 i + 4 + l]'s
+    const __m512d lo = _mm512_castps_pd(quarters[2 * i]), hi = _mm512_castps_pd(quarters[2 * i + 1]);
+    eighths[i] = any_live(Live, i, 8) ? add_in_order(_mm512_castpd_ps(_mm512_unpackhi_pd(lo, hi)),
+                                                     _mm512_castpd_ps(_mm512_unpacklo_pd(lo, hi)))
+                                      : _mm512_setzero_ps();
+  }
+  return add_in_order(_mm512_shuffle_ps(eighths[0], eighths[1], 0x88),  // 1 + 1
+                      _mm512_shuffle_ps(eighths[0], eighths[1], 0xDD));
+}
+
+// 16 sums as the output's dtype: float32 as they are; bfloat16 rounded as c10::BFloat16(float) rounds (to nearest
+// even, any NaN 0x7FC0), in integers: vcvtneps2bf16 would flush denormals.
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(c10::BFloat16* p, __m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd), 16);
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(rounded));
+}
+
+// y[r0 + i, c] = the sum of acc[r0 + i][c]'s lanes for i < Rows <= 4 (one reduce16), rounded once to raw. 3 or 4
+// rows: a[4 c + i], its sum at lane 4 i + c; 1 or 2: a[c + 4 i] at lane 4 c + i, the live ones together.
+template <typename D, int Rows, int R, int C>
+inline void store_rows(__m512 (&acc)[R][C], int r0, typename D::raw* y, int64_t ldy) {
+  constexpr bool by_column = Rows <= 2;
+  constexpr uint32_t live = [] {
+    uint32_t bits = 0;
+    for (int i = 0; i < Rows; ++i)
+      for (int c = 0; c < C; ++c) bits |= 1u << (by_column ? c + 4 * i : 4 * c + i);
+    return bits;
+  }();
+  __m512 a[16];
+#pragma GCC unroll 16
+  for (int j = 0; j < 16; ++j) {
+    const int i = by_column ? j / 4 : j % 4, c = by_column ? j % 4 : j / 4;
+    a[j] = i < Rows && c < C ? acc[r0 + i][c] : _mm512_setzero_ps();
+  }
+  typename D::raw sums[16];
+  store16(sums, reduce16<live>(a));
+#pragma GCC unroll 4
+  for (int i = 0; i < Rows; ++i)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) y[(r0 + i) * ldy + c] = sums[by_column ? 4 * c + i : 4 * i + c];
+}
+
+// y[r, c] = the sum of acc[r][c]'s lanes (as _mm512_reduce_add_ps sums them), 4 rows at a time.
+template <typename D, int R, int C>
+inline void store_tile(__m512 (&acc)[R][C], typename D::raw* y, int64_t ldy) {
+  static_assert(C <= 4 && R <= 8, "two reduce16 hold 4 columns of up to 8 rows");
+  if constexpr (R > 4) {
+    store_rows<D, 4>(acc, 0, y, ldy);
+    store_rows<D, R - 4>(acc, 4, y, ldy);
+  } else {
+    store_rows<D, R>(acc, 0, y, ldy);
+  }
+}
+
+// With Keep, a block's decoded weights of C columns also into `kept` (columns K apart), for the other rows to read.
+template <typename D, bool Keep, int C>
+inline void keep(typename D::Stored* kept, int64_t K, int64_t k, const typename D::W (&w)[C]) {
+  if constexpr (Keep) {
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) D::store(kept + c * K + k, w[c]);
+  }
+}
+
+// y[r, c] = x[r] . w[c] for R rows and C columns n0.., each column's weights decoded in registers block by block
+// (with Keep, one plane's also stored to `kept` for buffered_tile). P planes (1 or 2: the fused path's); every
+// element is the same arithmetic as in buffered_tile. Not inlined: inlined into int4_matmul_impl's loop, the kept
+// tile measured 1.35x slower.
+template <typename D, int P, int R, int C, bool Keep, typename Param>
+[[gnu::noinline]] void fused_tile(const typename D::raw* x, int64_t ldx, const Int4Weight<Param>& w, int64_t n0,
+                                  typename D::raw* y, int64_t ldy, typename D::Stored* kept) {
+  static_assert(!Keep || P == 1, "only one plane's weights are kept");
   const uint8_t* codes[C][P];
   int64_t groups[C][P];  // where column c's plane p's group parameters start
 #pragma GCC unroll 8
@@ -272,6 +368,7 @@ inline void fused_tile(const typename D::raw* x, int64_t ldx, const Int4Weight<P
         typename D::W wv[C];
 #pragma GCC unroll 8
         for (int c = 0; c < C; ++c) wv[c] = D::lookup(codes[c][0] + k / 2, tables[c]);
+        keep<D, Keep, C>(kept, w.K, k, wv);
         dot_block<D, R, C>(acc, x + k, ldx, wv);
       }
       continue;
@@ -353,12 +450,21 @@ inline void fused_tile(const typename D::raw* x, int64_t ldx, const Int8Weight<P
   store_tile<D, R, C>(acc, y, ldy);
 }
 
+// Column n's K weights into `out`, as fused_tile decodes them (16 groups' scales converted together).
 template <typename D, typename Param>
 void decode_column(const Int8Weight<Param>& w, int64_t n, typename D::Stored* out) {
-  for (int64_t k = 0; k < w.K; k += kBlock) {
-    __m512 lo, hi;
-    int8_block(w.code_row(n) + k, _mm512_set1_ps(w.scale(n * w.groups + k / w.group_size)), lo, hi);
-    D::store(out + k, D::pack(lo, hi));
+  const int64_t blocks = w.group_size / kBlock;
+  float scales[16];
+  for (int64_t g = 0, k = 0; g < w.groups; ++g) {
+    if (g % 16 == 0) {
+      _mm512_storeu_ps(scales, load16(w.scales + n * w.groups + g, std::min<int64_t>(16, w.groups - g)));
+    }
+    const __m512 scale = _mm512_set1_ps(scales[g % 16]);
+    for (int64_t b = 0; b < blocks; ++b, k += kBlock) {
+      __m512 lo, hi;
+      int8_block(w.code_row(n) + k, scale, lo, hi);
+      D::store(out + k, D::pack(lo, hi));
+    }
   }
 }
 
@@ -367,9 +473,9 @@ template <typename D, int R, int C, typename Param>
 inline void fused_columns(const typename D::raw* x, int64_t ldx, const Int4Weight<Param>& w, int64_t n0,
                           typename D::raw* y, int64_t ldy) {
   if (w.planes == 1) {
-    fused_tile<D, 1, R, C>(x, ldx, w, n0, y, ldy);
+    fused_tile<D, 1, R, C, false>(x, ldx, w, n0, y, ldy, nullptr);
   } else {
-    fused_tile<D, 2, R, C>(x, ldx, w, n0, y, ldy);
+    fused_tile<D, 2, R, C, false>(x, ldx, w, n0, y, ldy, nullptr);
   }
 }
 template <typename D, int R, int C, typename Param>
@@ -395,6 +501,12 @@ inline void buffered_tile(const typename D::raw* x, int64_t ldx, int64_t K, cons
   }
   store_tile<D, R, C>(acc, y, ldy);
 }
+
+// Whether a weight is int4 planes (Int4Weight), which a fused tile that keeps its weights can decode when it has one.
+template <typename Weight>
+constexpr bool kInt4Planes = false;
+template <typename Param>
+constexpr bool kInt4Planes<Int4Weight<Param>> = true;
 
 // fn.template operator()<value>() for value in 1..V (the tiles at the edges are smaller).
 template <int V, typename Fn>
@@ -424,8 +536,20 @@ void int4_matmul_impl(const at::Tensor& x, const Weight& w, at::Tensor& y) {
         });
         continue;
       }
-      for (int64_t c = 0; c < count; ++c) decode_column<D>(w, n0 + c, buffer.data() + c * K);
-      for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+      int64_t m0 = 0;
+      if constexpr (kInt4Planes<Weight>) {
+        if (w.planes == 1) {  // the first rows as a fused tile that keeps the weights it decodes: decoding (a
+                              // lookup a block), memory reads and dot products overlap
+          with_count<kColumns>(count, [&]<int C>() {
+            fused_tile<D, 1, kFusedRows, C, true>(xp, ldx, w, n0, yp + n0, N, buffer.data());
+          });
+          m0 = kFusedRows;
+        }
+      }
+      if (m0 == 0) {  // int8 codes, planes added: heavier decoding, measured faster on its own
+        for (int64_t c = 0; c < count; ++c) decode_column<D>(w, n0 + c, buffer.data() + c * K);
+      }
+      for (; m0 < M; m0 += kRows) {
         with_count<kRows>(std::min<int64_t>(kRows, M - m0), [&]<int R>() {
           with_count<kColumns>(count, [&]<int C>() {
             buffered_tile<D, R, C>(xp + m0 * ldx, ldx, K, buffer.data(), yp + m0 * N + n0, N);
