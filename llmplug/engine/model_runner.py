@@ -88,6 +88,7 @@ class BatchInputs:
     common: CommonAttentionMetadata
     sample_indices: torch.Tensor  # [S] positions in T whose hidden states produce logits
     sample_req_ids: list[str]
+    samples_every_row: bool  # sample_indices is 0..T-1 (a decode step): the logits take the hidden states as they are
     recurrent: RecurrentMetadata | None = None  # models with recurrent mixers: each request's state slot
     generated_rows: GeneratedRows | None = None  # models whose layers pick a kernel per position: which rows
 
@@ -350,7 +351,8 @@ class ModelRunner:
         num_samples = np.fromiter((r.samples * (1 + len(r.spec_token_ids)) for r in reqs), dtype=np.int64,
                                   count=len(reqs))
         # row j of a request's n sample rows (ending at cumulative row C) is n..1 positions before the request's end
-        rows_to_end = np.repeat(np.cumsum(num_samples), num_samples) - np.arange(num_samples.sum())
+        num_sample_rows = int(num_samples.sum())
+        rows_to_end = np.repeat(np.cumsum(num_samples), num_samples) - np.arange(num_sample_rows)
         sample_indices = np.repeat(query_start_loc[1:], num_samples) - rows_to_end
         on_device = _one_copy(self.device, input_ids=input_ids, positions=positions, query_start_loc=query_start_loc,
                               seq_lens=seq_lens, computed=computed, block_tables=block_tables,
@@ -384,9 +386,11 @@ class ModelRunner:
             prompt_lens = np.fromiter((_NO_PROMPT if p is None else len(p) for p in prompts), dtype=np.int64,
                                       count=len(reqs))
             generated = GeneratedRows.from_mask(positions >= prompt_lens[req_index])
+        # every token samples (a request samples at most its chunk's tokens): the sample rows are 0..T-1, in order
+        samples_every_row = num_sample_rows == num_tokens
         return BatchInputs(
             on_device["input_ids"], on_device["positions"], common, on_device["sample_indices"], sample_req_ids,
-            recurrent, generated,
+            samples_every_row, recurrent, generated,
         )
 
     def _step_spans(self, reqs: list[ScheduledRequest], query_start_loc: np.ndarray) -> tuple[BidirectionalSpan, ...]:
@@ -456,7 +460,8 @@ class ModelRunner:
         if not batch.sample_req_ids:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], prompt_logprobs=prompt_logprobs,
                                      failed=mm_failed)
-        logits = self._compute_logits(hidden_states, batch.sample_indices, lora_mapping, batch.generated_rows)
+        rows = None if batch.samples_every_row else batch.sample_indices
+        logits = self._compute_logits(hidden_states, rows, lora_mapping, batch.generated_rows)
         req_ids = batch.sample_req_ids
         drafts = {r.req_id: r for r in scheduler_output.requests if r.spec_token_ids}
         if drafts:  # speculative decoding: verify the drafts, sample the other requests as usual
@@ -480,19 +485,22 @@ class ModelRunner:
         out = self.sampler(logits, self.sampling_state.metadata(req_ids), bitmask)
         # one device-to-host copy for the tokens and the rows that could not be sampled
         sampled, unsampleable = torch.stack((out.sampled_token_ids, out.unsampleable.long())).tolist()
-        for req_id, token in zip(req_ids, sampled):
-            self.sampling_state.append_output(req_id, [token])
+        sampled_token_ids = [[token] for token in sampled]
+        for req_id, token_ids in zip(req_ids, sampled_token_ids):
+            self.sampling_state.append_output(req_id, token_ids)
         failed = {}
         if any(unsampleable):
             failed = {req_ids[row]: UNSAMPLEABLE for row, bad in enumerate(unsampleable) if bad}
         corrupted = set(failed)
         failed.update((req_ids[row], why) for row, why in out.failed_rows.items())
         corrupted.difference_update(req_ids[row] for row in out.failed_rows)  # a raising processor is its own reason
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[t] for t in sampled], logprobs=out.logprobs,
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled_token_ids, logprobs=out.logprobs,
                                  failed=failed, corrupted=corrupted)
 
     def _prompt_embeds_chunks(self, requests: list[ScheduledRequest]) -> list[tuple[int, torch.Tensor]]:
         """(first row in the step, rows) of the prompt embeddings that the step's positions of each request take."""
+        if not self.prompt_embeds:
+            return []
         chunks, row = [], 0
         for r in requests:
             embeds = self.prompt_embeds.get(r.req_id)
@@ -591,16 +599,20 @@ class ModelRunner:
         return self.lora_manager.mapping(loras, np.asarray(batch.common.query_lens_list, dtype=np.int64))
 
     def _compute_logits(
-        self, hidden_states: torch.Tensor, rows: torch.Tensor | slice, lora_mapping: LoRAMapping | None,
+        self, hidden_states: torch.Tensor, rows: torch.Tensor | slice | None, lora_mapping: LoRAMapping | None,
         generated: GeneratedRows | None = None,
     ) -> torch.Tensor:
-        """The logits of `rows` of the step's hidden states; an LM head adapted by a LoRA adapter sees
-        which adapter each row's request uses, one with int4 rows for generated tokens which rows those are."""
+        """The logits of `rows` of the step's hidden states (None: all of them, as they are); an LM head adapted by
+        a LoRA adapter sees which adapter each row's request uses, one with int4 rows for generated tokens which
+        rows those are."""
+        if rows is not None:
+            hidden_states = hidden_states[rows]
+            lora_mapping = None if lora_mapping is None else lora_mapping.rows(rows)
+            generated = None if generated is None else generated.rows(rows)
         if lora_mapping is None and generated is None:
-            return self.model.compute_logits(hidden_states[rows])
-        with forward_context(None, lora_mapping=None if lora_mapping is None else lora_mapping.rows(rows),
-                             generated_rows=None if generated is None else generated.rows(rows)):
-            return self.model.compute_logits(hidden_states[rows])
+            return self.model.compute_logits(hidden_states)
+        with forward_context(None, lora_mapping=lora_mapping, generated_rows=generated):
+            return self.model.compute_logits(hidden_states)
 
     def _prompt_logprobs(
         self, scheduler_output: SchedulerOutput, batch: BatchInputs, hidden_states: torch.Tensor,
@@ -612,9 +624,11 @@ class ModelRunner:
         result: dict[str, object] = {}
         starts = [0, *itertools.accumulate(batch.common.query_lens_list)]  # host copies: no device read
         for i, req in enumerate(scheduler_output.requests):
-            k = self.sampling_state.params(req.req_id).prompt_logprobs
             prompt = self.prompt_token_ids.get(req.req_id)
-            if k is None or prompt is None or req.num_computed_tokens >= len(prompt):
+            if prompt is None or req.num_computed_tokens >= len(prompt):
+                continue
+            k = self.sampling_state.params(req.req_id).prompt_logprobs
+            if k is None:
                 continue
             # position p predicts token p + 1; only positions whose next token is a prompt token, not sent before
             start_pos = max(req.num_computed_tokens, self.prompt_logprobs_sent.get(req.req_id, 0))
@@ -633,5 +647,5 @@ class ModelRunner:
 def _one_copy(device: torch.device, **arrays: np.ndarray) -> dict[str, torch.Tensor]:
     """The int64 arrays on `device` through a single host-to-device copy: packed, copied, viewed apart."""
     packed = torch.from_numpy(np.concatenate([a.ravel() for a in arrays.values()])).to(device, non_blocking=True)
-    views = torch.split(packed, [a.size for a in arrays.values()])
-    return {name: view.view(a.shape) for (name, a), view in zip(arrays.items(), views)}
+    views = packed.split([a.size for a in arrays.values()])
+    return {name: view if a.ndim == 1 else view.view(a.shape) for (name, a), view in zip(arrays.items(), views)}

@@ -17,8 +17,9 @@ that request alone, with finish reason "abort" and the reason in `error`, as a f
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import logging
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -81,7 +82,11 @@ class RequestState:
     @property
     def finished(self) -> bool:
         """True once every completion finished."""
-        return all(c.finished for c in self.children.values())
+        # read each step, several times per request: a plain loop, without a property call per completion
+        for completion in self.children.values():
+            if completion.finish_reason is None:
+                return False
+        return True
 
 
 class OutputProcessor:
@@ -273,7 +278,9 @@ class OutputProcessor:
             return None
         delta = kind == RequestOutputKind.DELTA
         completions = changed if delta else list(request.children.values())
-        outputs = [self._completion_output(c, delta) for c in sorted(set(completions), key=lambda c: c.index)]
+        if len(completions) > 1:  # each once, in index order
+            completions = sorted(set(completions), key=lambda c: c.index)
+        outputs = [self._completion_output(c, delta) for c in completions]
         if delta:
             outputs = [o for o in outputs if o.text or o.token_ids or o.finish_reason is not None]
             if not outputs:
@@ -285,7 +292,7 @@ class OutputProcessor:
             outputs=outputs,
             finished=request.finished,
             prompt_logprobs=self._prompt_logprobs(request, delta),
-            metrics=copy.copy(request.metrics),  # a snapshot: later steps must not change it
+            metrics=_snapshot(request.metrics),  # later steps must not change it
             num_cached_tokens=request.num_cached_tokens,
         )
 
@@ -341,6 +348,14 @@ def _stamp(metrics: RequestMetrics, update: EngineCoreOutput, now: float) -> Non
     else:
         metrics.inter_token_latencies.append(now - metrics.last_token_time)
     metrics.last_token_time = now
+
+
+_metrics_fields = operator.attrgetter(*(f.name for f in dataclasses.fields(RequestMetrics)))
+
+
+def _snapshot(metrics: RequestMetrics) -> RequestMetrics:
+    """A shallow copy of `metrics` (as copy.copy makes it, several times faster: one per output and step)."""
+    return RequestMetrics(*_metrics_fields(metrics))
 
 
 def _fail(completion: CompletionState, why: str) -> None:
