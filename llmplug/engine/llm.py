@@ -19,7 +19,7 @@ from llmplug.core.outputs import (
     ScoringOutput,
     ScoringRequestOutput,
 )
-from llmplug.core.params import BeamSearchParams, PoolingParams, SamplingParams
+from llmplug.core.params import BeamSearchParams, PoolingParams, RequestOutputKind, SamplingParams
 from llmplug.engine.beam_search import next_token_logprobs, start_search, step_params
 from llmplug.engine.data_parallel import DataParallelEngine, build_engine
 from llmplug.engine.input_processor import PromptType
@@ -405,8 +405,11 @@ class LLM:
         loras: list[LoRARequest | None] | None = None,
     ) -> list[str]:
         ids = []
+        finals: dict[int, SamplingParams] = {}  # one final-only copy of each params object given
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
+                if isinstance(p, SamplingParams) and p.output_kind != RequestOutputKind.FINAL_ONLY:
+                    p = finals.get(id(p)) or finals.setdefault(id(p), _final_only(p))
                 request_id = str(next(self._ids))
                 self.llm_engine.add_request(
                     request_id, prompt, p, priority=priority[i] if priority else 0,
@@ -437,6 +440,14 @@ class LLM:
             self.llm_engine.abort_request(sorted(pending))
             raise
         return [finished[i] for i in request_ids]
+
+
+def _final_only(params: SamplingParams) -> SamplingParams:
+    """A copy of `params` whose request answers once, when it finished (`_run` reads nothing else): the engine then
+    builds no output a step for it, as vLLM's LLM asks."""
+    final = params.clone()
+    final.output_kind = RequestOutputKind.FINAL_ONLY
+    return final
 
 
 def _pooling_params_per_prompt(

@@ -7,6 +7,7 @@ import torch
 
 from llmplug import LLM, SamplingParams
 from llmplug.core.errors import ConfigError, InvalidRequestError
+from llmplug.core.params import RequestOutputKind
 from tests.models.tiny_models import ARCHS, make_tiny
 
 MAX_TOKENS = 32
@@ -125,6 +126,28 @@ def test_n_completions_share_the_prompt(tiny_llama):
     assert all(len(c.token_ids) == 8 for c in out.outputs)
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # distinct seeds per completion
     assert llm.llm_engine.engine_core.kv_cache_manager.prefix_cache_stats.hits > 0
+    assert_no_leak(llm)
+
+
+def test_generate_asks_the_engine_for_final_outputs_only_and_leaves_the_params_given_alone(tiny_llama):
+    """As vLLM's LLM: the engine answers each request once, finished (no output built a step); the caller's
+    SamplingParams keep their output kind; one params object for several prompts and n completions still work."""
+    llm = make_llm(tiny_llama)
+    stepped = []
+    step = llm.llm_engine.step
+
+    def recorded_step():
+        outs = step()
+        stepped.extend(outs)
+        return outs
+
+    llm.llm_engine.step = recorded_step
+    params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=6, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts(2, (5, 9, 4))], params, use_tqdm=False)
+    assert params.output_kind == RequestOutputKind.CUMULATIVE
+    assert len(stepped) == 3 and all(o.finished for o in stepped)
+    assert all(len(o.outputs) == 2 and all(len(c.token_ids) == 6 for c in o.outputs) for o in outs)
+    assert generate_ids(llm, prompts(), GREEDY) == [hf_greedy(tiny_llama.hf_model, p) for p in prompts()]
     assert_no_leak(llm)
 
 
