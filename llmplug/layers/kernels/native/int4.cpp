@@ -208,6 +208,15 @@ struct Bf16Dot {
 };
 #endif
 
+// acc[r][c] = 0 for every row and column of a tile (unrolled: the accumulators stay in registers)
+template <int R, int C>
+inline void zero_tile(__m512 (&acc)[R][C]) {
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+}
+
 // acc[r][c] += x[r] . w[c] over one block of 32 k (R rows of x at `x`, rows ldx apart)
 template <typename D, int R, int C>
 inline void dot_block(__m512 (&acc)[R][C], const typename D::raw* x, int64_t ldx, const typename D::W (&w)[C]) {
@@ -337,10 +346,7 @@ template <typename D, int P, int R, int C, bool Keep, typename Param>
       groups[c][p] = w.group(n0 + c, p, 0);
     }
   __m512 acc[R][C];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  zero_tile(acc);
   const int64_t blocks = w.group_size / kBlock;
   // the next tile's codes and group parameters, asked for one cache line at a time while this tile computes:
   // decoding reads each weight once, from memory, in short runs per column that the hardware prefetcher misses
@@ -417,10 +423,7 @@ template <typename D, int R, int C, typename Param>
 inline void fused_tile(const typename D::raw* x, int64_t ldx, const Int8Weight<Param>& w, int64_t n0,
                        typename D::raw* y, int64_t ldy) {
   __m512 acc[R][C];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  zero_tile(acc);
   const int64_t blocks = w.group_size / kBlock, next_codes = kColumns * w.K, next_groups = kColumns * w.groups;
   float scales[C][16];  // 16 groups' scales at a time, converted together
   for (int64_t g = 0, k = 0; g < w.groups; ++g) {
@@ -489,10 +492,7 @@ template <typename D, int R, int C>
 inline void buffered_tile(const typename D::raw* x, int64_t ldx, int64_t K, const typename D::Stored* weights,
                           typename D::raw* y, int64_t ldy) {
   __m512 acc[R][C];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  zero_tile(acc);
   for (int64_t k = 0; k < K; k += kBlock) {
     typename D::W wv[C];
 #pragma GCC unroll 8
