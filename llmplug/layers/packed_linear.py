@@ -29,11 +29,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmplug.core.cpuinfo import has_native_bf16
+from llmplug.layers.kernels import amx_linear
 from llmplug.layers.row_invariance import RowPlan, cached_row_plan, cancelling_weight, find_row_plan
 
 __all__ = [
-    "PrepackedLinearMethod", "RowPlannedDenseMethod", "cpu_dense_method", "prepack_supported", "row_plan_for", "row_planned_methods",
-    "row_variant_weights",
+    "AmxLinearMethod", "PrepackedLinearMethod", "RowPlannedDenseMethod", "cpu_dense_method", "prepack_supported",
+    "row_plan_for", "row_planned_methods", "row_variant_weights",
 ]
 
 log = logging.getLogger(__name__)
@@ -175,9 +176,30 @@ class RowPlannedDenseMethod(_RowPlannedLinear):
         return "dense" if self.row_plan is None else f"dense({self.row_plan})"
 
 
+class AmxLinearMethod(_RowPlannedLinear):
+    """x W^T + b with llmplug's AMX kernel (layers/kernels/amx_linear.py), W packed once into its tiles: each row's
+    sum in one fixed order, so batch invariant without a row plan (oneDNN's AMX kernels need tiles of 32 rows)."""
+
+    kernel = "llmplug AMX"
+
+    def __init__(self, weight: torch.Tensor) -> None:  # no probe: invariant by construction (its tests check)
+        self.weight = weight.detach()
+        self.row_variant, self.row_plan = False, None
+        self.packed = amx_linear.pack_weight(self.weight)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return amx_linear.amx_linear(x, self.packed, bias, self.weight.shape[0])
+
+    def __repr__(self) -> str:
+        return "dense(AMX)"
+
+
 def cpu_dense_method(weight: torch.Tensor, pack: bool, row_invariant: bool) -> _RowPlannedLinear | None:
-    """The method a dense 2-D weight computes with: packed for oneDNN where `pack` asks for it and oneDNN packs
-    its dtype here; else, in batch-invariant mode on the CPU, F.linear by its row plan; None: plain F.linear."""
+    """The method a dense 2-D weight computes with: in batch-invariant mode, bf16 packed for llmplug's AMX kernel
+    where AMX runs; packed for oneDNN where `pack` asks for it and oneDNN packs its dtype here; else, in
+    batch-invariant mode on the CPU, F.linear by its row plan; None: plain F.linear."""
+    if pack and row_invariant and amx_linear.packable(weight) and amx_linear.amx_linear_enabled():
+        return AmxLinearMethod(weight)
     if pack and prepack_supported(weight.device.type, weight.dtype):
         return PrepackedLinearMethod(weight, row_invariant)
     if row_invariant and weight.device.type == "cpu":

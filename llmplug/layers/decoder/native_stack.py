@@ -3,8 +3,8 @@
 The straight-line run (fast_path.py) still pays Python for each layer: its calls, views and per-layer checks cost
 ~60 us a layer at one decode token, beside ~100 us of kernels (a third of the default model's decode step). When
 every layer is plain (no q/k norms) and each linear's method computes the step's rows with one kernel the stack
-knows -- llmplug's int4 matmul (`NativeInt4`), oneDNN's packed linear or F.linear, the last two by their row plan
--- the C++ stack (native/decoder_stack.cpp) makes the same kernel calls with the same arguments in the
+knows -- llmplug's int4 matmul (`NativeInt4`), its AMX matmul, oneDNN's packed linear or F.linear, the last two by
+their row plan -- the C++ stack (native/decoder_stack.cpp) makes the same kernel calls with the same arguments in the
 same order, so its outputs are the straight-line run's bit for bit. An int4 copy of rows "generated" computes a
 step of generated tokens only with its int4 kernel and a prompt-only step with its dense method: each step of the
 default model but the mixed ones (prompt chunks beside decodes) takes the stack. Any other step, and any layer with
@@ -28,7 +28,7 @@ from llmplug.layers.attention.torch_sdpa import TorchSDPAMetadata
 from llmplug.layers.decoder.plain_layer import PlainLayer, layer_allows
 from llmplug.layers.forward_context import current_generated_rows
 from llmplug.layers.kernels.int4_matmul import NativeInt4
-from llmplug.layers.packed_linear import PrepackedLinearMethod, RowPlannedDenseMethod
+from llmplug.layers.packed_linear import AmxLinearMethod, PrepackedLinearMethod, RowPlannedDenseMethod
 from llmplug.layers.quantization import DENSE, Int4LinearMethod, LinearMethod
 from llmplug.layers.rotary import RotaryCosSin
 
@@ -156,7 +156,7 @@ def release_native_stacks(model: nn.Module) -> None:
 _PROMPT, _GENERATED = "prompt", "generated"  # the kinds of step a stack is built for
 _EMPTY = torch.empty(0)
 _MISSING = object()  # a watched value no longer where it was
-_INT4, _PACKED, _DENSE = 0, 1, 2  # decoder_stack.cpp's LinearKind
+_INT4, _PACKED, _DENSE, _AMX = 0, 1, 2, 3  # decoder_stack.cpp's LinearKind
 
 
 def _step_method(method: LinearMethod, step: str, rows: int) -> LinearMethod | None:
@@ -169,7 +169,7 @@ def _step_method(method: LinearMethod, step: str, rows: int) -> LinearMethod | N
         return None
     if method is DENSE:
         return method
-    if type(method) in (PrepackedLinearMethod, RowPlannedDenseMethod):
+    if type(method) in (PrepackedLinearMethod, RowPlannedDenseMethod, AmxLinearMethod):
         return method
     return None
 
@@ -179,6 +179,8 @@ def _linear_spec(linear: nn.Module, method: LinearMethod) -> tuple[list[torch.Te
     if type(method) is Int4LinearMethod:
         packed = method.packed
         return [packed.qweight, packed.scales, packed.zeros], [_INT4, packed.group_size, 0, 0]
+    if type(method) is AmxLinearMethod:
+        return [method.packed, _EMPTY, _EMPTY], [_AMX, method.weight.shape[0], 0, 0]
     plan = None if method is DENSE else method.row_plan
     plan_ints = [0, 0] if plan is None else [plan.min_rows, plan.tile or 0]
     if type(method) is PrepackedLinearMethod:

@@ -1,7 +1,8 @@
 """llmplug's CPU kernels (`ops.cpp`): RMSNorm with its residual add, SiLU-and-mul, rotary, the KV write, paged
 attention, and the matmul of GGUF-quantized weights from their raw blocks (llmplug.quantization.gguf); (`fp8.cpp`)
 the matmul of fp8 weights with their scales (llmplug.quantization.fp8); (`int4.cpp`) the matmul of weight-only int4
-groups (llmplug.layers.kernels.int4_matmul); (`decoder_stack.cpp`) `torch.classes.llmplug_cpu.DecoderStack`, a
+groups (llmplug.layers.kernels.int4_matmul); (`amx_linear.cpp`) the bf16 matmul on Intel AMX tiles
+(llmplug.layers.kernels.amx_linear); (`decoder_stack.cpp`) `torch.classes.llmplug_cpu.DecoderStack`, a
 model's plain int4 layers run as one call a step (llmplug.layers.decoder.native_stack).
 
 Eager PyTorch runs each of these as 5–40 small ops, each a Python-level dispatch of a few microseconds,
@@ -37,7 +38,10 @@ logger = logging.getLogger(__name__)
 
 KERNELS_ENV = "LLMPLUG_CPU_KERNELS"  # "auto" (default): on CPU tensors when the kernels build; "0": never
 NAME = "llmplug_cpu_ops"
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("ops.cpp", "fp8.cpp", "int4.cpp", "decoder_stack.cpp"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in (
+    "ops.cpp", "fp8.cpp", "int4.cpp", "amx_linear.cpp", "decoder_stack.cpp"
+))
+HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))  # included by the sources: part of the build's key
 MARCH_ENV = "LLMPLUG_CPU_MARCH"  # the target CPU of the build: "native" (default) or a generic one, e.g. x86-64-v2
 
 
@@ -51,13 +55,14 @@ LDFLAGS = ["-fopenmp", "-lmvec"]  # libmvec: glibc's vectorized expf
 
 
 def build_directory() -> Path:
-    """Where the kernels are built: one directory per set of sources, flags, torch version and CPU (`-march=native`)."""
+    """Where the kernels are built: one directory per set of sources (and headers), flags, torch version and CPU
+    (`-march=native`)."""
     from torch.utils.cpp_extension import get_default_build_root
 
     cpuinfo = Path("/proc/cpuinfo")
     lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
     flags = next((line for line in lines if line.startswith("flags")), "")
-    sources = [source.read_text() for source in SOURCES]
+    sources = [source.read_text() for source in (*SOURCES, *HEADERS)]
     key = "\n".join([*sources, *cflags(), *LDFLAGS, torch.__version__, platform.machine(), flags])
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()  # as torch's own extensions
     return Path(root) / f"{NAME}_{hashlib.sha256(key.encode()).hexdigest()[:16]}"
@@ -114,6 +119,7 @@ def _register_fakes() -> None:
         "gguf_matmul": lambda x, w, type_id, tables: x.new_empty(x.shape[0], w.shape[0]),
         "fp8_matmul": lambda x, w, scale: x.new_empty(x.shape[0], w.shape[0]),
         "int4_matmul": lambda x, qweight, scales, zeros, group_size: x.new_empty(x.shape[0], qweight.shape[0]),
+        "amx_linear": lambda x, packed, bias, out_features: x.new_empty(x.shape[0], out_features),
         "gguf_get_rows": lambda w, ids, type_id, tables, out: None,
     }
     for name, fake in fakes.items():

@@ -52,6 +52,10 @@ struct Kernels {
                             const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t, int64_t)>(
               "llmplug_cpu::cache_and_attend");
   c10::OperatorHandle packed_linear = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                      int64_t)>
+      amx_linear = kernel<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                     int64_t)>("llmplug_cpu::amx_linear");
 
   static const Kernels& get() {
     static const Kernels kernels;  // after the library's registrations: the first run, never at load
@@ -59,11 +63,11 @@ struct Kernels {
   }
 };
 
-enum class LinearKind : int64_t { kInt4 = 0, kPacked = 1, kDense = 2 };  // native_stack.py's numbering
+enum class LinearKind : int64_t { kInt4 = 0, kPacked = 1, kDense = 2, kAmx = 3 };  // native_stack.py's numbering
 
 // One linear: int4 (weights: qweight, scales, zeros in NativeInt4's layout), oneDNN packed (weights: the packed
-// weight) or dense (weights: the weight); its bias (undefined: none); its row plan's min_rows and tile (dense
-// kinds; tile 0: none)
+// weight), dense (weights: the weight) or AMX (weights: amx_linear's packed tiles; group_size: its out_features);
+// its bias (undefined: none); its row plan's min_rows and tile (oneDNN and dense kinds; tile 0: none)
 struct Linear {
   LinearKind kind;
   at::Tensor w0, w1, w2, bias;
@@ -75,6 +79,7 @@ struct Linear {
       if (bias.defined()) y.add_(bias);  // as Int4LinearMethod: y += bias
       return y;
     }
+    if (kind == LinearKind::kAmx) return k.amx_linear.call(x, w0, bias_or_none(), group_size);  // no plan needed
     const int64_t rows = x.size(0);  // as RowPlan calls the matmul
     if (tile > 0) {  // calls of exactly `tile` rows, the last one padded with zero rows
       const at::Tensor padded = pad(x, (rows + tile - 1) / tile * tile);
@@ -129,7 +134,7 @@ class DecoderStack : public torch::CustomClassHolder {
                 "llmplug_cpu::DecoderStack.add_layer: a two-plane kv_cache [2, Hkv, blocks, block_size, D] expected");
     auto linear = [&](int i) {
       const int64_t kind = linear_ints[4 * i];
-      TORCH_CHECK(kind >= 0 && kind <= 2, "llmplug_cpu::DecoderStack.add_layer: unknown linear kind ", kind);
+      TORCH_CHECK(kind >= 0 && kind <= 3, "llmplug_cpu::DecoderStack.add_layer: unknown linear kind ", kind);
       const at::Tensor& bias = biases[i];
       return Linear{static_cast<LinearKind>(kind), linears[3 * i], linears[3 * i + 1], linears[3 * i + 2],
                     bias.numel() ? bias : at::Tensor(), linear_ints[4 * i + 1], linear_ints[4 * i + 2],

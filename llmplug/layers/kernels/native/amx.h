@@ -1,0 +1,21 @@
+// What llmplug's AMX kernels (amx_linear.cpp, int4.cpp) share: whether this process uses AMX, and the tile
+// configuration's layout (palette 1).
+#pragma once
+
+#include <cstdint>
+
+namespace llmplug {
+
+// Whether llmplug's kernels compute with AMX here (decided once per process, amx_linear.cpp): the build has
+// AMX-BF16, Linux lends the process the tile state (arch_prctl(ARCH_REQ_XCOMP_PERM), as oneDNN asks), and neither
+// LLMPLUG_CPU_AMX=0 nor a oneDNN ISA cap below AMX (ONEDNN_MAX_CPU_ISA, DNNL_MAX_CPU_ISA) says otherwise.
+bool amx_enabled();
+
+// _tile_loadconfig's 64 bytes: each tile's rows and bytes a row (0: unused).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+}  // namespace llmplug

@@ -1,0 +1,217 @@
+// amx_linear: y = x W^T (+ bias) for bfloat16 x [M, K] and a bfloat16 weight packed into AMX tiles
+// (llmplug.layers.kernels.amx_linear.pack_weight), with Intel AMX's TDPBF16PS.
+//
+// Output (m, n) is one float32 sum over k in order: 32 k a tile product, and within it the 16 pairs in the order
+// TDPBF16PS adds them; then the bias added, and one rounding to bfloat16 (to nearest even, any NaN 0x7FC0, as
+// c10::BFloat16(float)). A tile product computes each output from its own row of x and column of W only, so every
+// element is the same arithmetic whatever M, the tile or the thread that computes it: batch invariant by
+// construction (docs/determinism.md). oneDNN's AMX kernels sum in an order that depends on M, and the row plans
+// that fix them there are tiles of 32 rows, 4-27x slower than one call at prefill sizes (docs/kernels.md).
+//
+// Layout: packed [N' / 16, K / 32, 16, 32] bfloat16, N' = N rounded up to 32 (zero rows): tile (j, t) holds outputs
+// 16 j.. and k = 32 t..; its row p holds the pair k = 32 t + 2 p, + 1 of each of the 16 outputs (AMX's "VNNI"
+// layout of a B tile). x's rows are A tiles as they are (columns contiguous); K a multiple of 32.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define LLMPLUG_AMX 1
+#endif
+
+#include "amx.h"
+
+namespace llmplug {
+
+bool amx_enabled() {
+  static const bool enabled = [] {
+#ifdef LLMPLUG_AMX
+    const char* choice = std::getenv("LLMPLUG_CPU_AMX");
+    if (choice != nullptr && std::string_view(choice) == "0") return false;
+    for (const char* name : {"ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"}) {
+      const char* cap = std::getenv(name);
+      if (cap == nullptr || *cap == '\0') continue;
+      std::string upper(cap);
+      for (char& c : upper) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+      if (upper.find("AMX") == std::string::npos && upper != "ALL" && upper != "DEFAULT") return false;  // no AMX
+      break;  // the first one set is the cap, as oneDNN reads them
+    }
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;  // Linux lends the tile state on request
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+    return false;
+#endif
+  }();
+  return enabled;
+}
+
+}  // namespace llmplug
+
+namespace {
+
+constexpr int64_t kTileRows = 16;   // rows of x (and outputs) a tile
+constexpr int64_t kTileDepth = 32;  // k a tile product sums
+constexpr int64_t kOutputs = 32;    // outputs a task computes: two B tiles
+
+#ifdef LLMPLUG_AMX
+
+void configure_tiles() {
+  llmplug::TileConfig config;
+  for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = kTileRows;
+  _tile_loadconfig(&config);
+}
+
+// out[i] = c10::BFloat16(in[i] + bias[i]) for the first `count` (<= 16) of 16 lanes: to nearest even in integers
+// (vcvtneps2bf16 would flush denormals), any NaN 0x7FC0.
+inline void round_store(c10::BFloat16* out, const float* in, const float* bias, int64_t count) {
+  const __mmask16 live = count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1);
+  __m512 v = _mm512_maskz_loadu_ps(live, in);
+  if (bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(live, bias));
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd), 16);
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  _mm256_mask_storeu_epi16(out, live, _mm512_cvtepi32_epi16(rounded));
+}
+
+// sums [Rows x 16 rows][32 outputs] of x's rows `a` (ldx apart) against the packed weight's two column tiles
+// `b0`, `b1` (K / 32 tiles each, 1 KB apart), over all of K.
+template <int Rows>
+void tile_sums(const c10::BFloat16* a, int64_t ldx, const c10::BFloat16* b0, const c10::BFloat16* b1,
+               int64_t depth_tiles, float* sums) {
+  constexpr int64_t kTileElements = kTileRows * kTileDepth;  // bf16 in a packed tile
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (Rows == 2) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t t = 0; t < depth_tiles; ++t) {
+    _tile_loadd(6, b0 + t * kTileElements, 64);
+    _tile_loadd(7, b1 + t * kTileElements, 64);
+    _tile_loadd(4, a + t * kTileDepth, ldx * 2);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (Rows == 2) {
+      _tile_loadd(5, a + kTileRows * ldx + t * kTileDepth, ldx * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  constexpr int64_t stride = kOutputs * sizeof(float);
+  _tile_stored(0, sums, stride);
+  _tile_stored(1, sums + kTileRows, stride);
+  if constexpr (Rows == 2) {
+    _tile_stored(2, sums + kTileRows * kOutputs, stride);
+    _tile_stored(3, sums + kTileRows * kOutputs + kTileRows, stride);
+  }
+}
+
+void amx_linear_impl(const at::Tensor& x, const at::Tensor& packed, const float* bias, at::Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1), N = y.size(1), ldx = x.stride(0);
+  const int64_t depth_tiles = K / kTileDepth, pairs = packed.size(0) / 2;
+  // a task: 32 outputs for 32 rows (16 where M is at most 16: a decode step computes no padding rows it need not)
+  const int64_t block_rows = M <= kTileRows ? kTileRows : 2 * kTileRows;
+  const int64_t blocks = (M + block_rows - 1) / block_rows;
+  const auto* xp = reinterpret_cast<const c10::BFloat16*>(x.data_ptr());
+  const auto* wp = reinterpret_cast<const c10::BFloat16*>(packed.data_ptr());
+  auto* yp = reinterpret_cast<c10::BFloat16*>(y.data_ptr());
+  const int64_t column_tile = depth_tiles * kTileRows * kTileDepth;  // bf16 per packed column of tiles
+  // a task is ~32 x 32 x K multiply-adds; a few hundred thousand of them per chunk keep the threads' set-up small
+  const int64_t grain = std::max<int64_t>(1, (1 << 18) / (block_rows * kOutputs * K));
+  at::parallel_for(0, pairs * blocks, grain, [&](int64_t begin, int64_t end) {
+    configure_tiles();  // per thread and chunk: oneDNN's kernels, on the same thread, configure their own
+    std::vector<c10::BFloat16> padded;  // the last block's rows, zero rows after them: whole tiles of x
+    alignas(64) float sums[2 * kTileRows * kOutputs];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t pair = task / blocks, m0 = task % blocks * block_rows;
+      const int64_t rows = std::min(block_rows, M - m0), n0 = pair * kOutputs;
+      const c10::BFloat16* a = xp + m0 * ldx;
+      int64_t lda = ldx;
+      if (rows < block_rows) {
+        padded.assign(block_rows * K, c10::BFloat16(0.0f));
+        for (int64_t r = 0; r < rows; ++r) std::memcpy(&padded[r * K], a + r * ldx, K * sizeof(c10::BFloat16));
+        a = padded.data(), lda = K;
+      }
+      const c10::BFloat16* b0 = wp + 2 * pair * column_tile;
+      if (block_rows == kTileRows) {
+        tile_sums<1>(a, lda, b0, b0 + column_tile, depth_tiles, sums);
+      } else {
+        tile_sums<2>(a, lda, b0, b0 + column_tile, depth_tiles, sums);
+      }
+      const int64_t outputs = std::min(kOutputs, N - n0);
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t c = 0; c < outputs; c += 16) {
+          round_store(yp + (m0 + r) * N + n0 + c, sums + r * kOutputs + c, bias ? bias + n0 + c : nullptr,
+                      std::min<int64_t>(16, outputs - c));
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+
+#endif
+
+// x [M, K] bfloat16 (columns contiguous) times the packed weight of `out_features` outputs, plus bias [N] (bfloat16
+// or float32) where given -> [M, N] bfloat16.
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                      int64_t out_features) {
+  TORCH_CHECK(llmplug::amx_enabled(), "llmplug_cpu::amx_linear: AMX is not available here (",
+#ifdef LLMPLUG_AMX
+              "LLMPLUG_CPU_AMX=0, an ISA cap below AMX, or the OS refused the tile state)"
+#else
+              "built without AMX-BF16)"
+#endif
+  );
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "llmplug_cpu::amx_linear: x must be bfloat16 [M, K], "
+              "got ", x.scalar_type(), " ", x.sizes());
+  const int64_t K = x.size(1);
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
+                  packed.size(0) % 2 == 0 && packed.size(2) == kTileRows && packed.size(3) == kTileDepth,
+              "llmplug_cpu::amx_linear: packed must be contiguous bfloat16 [N' / 16, K / 32, 16, 32] (N' even tiles), "
+              "got ", packed.scalar_type(), " ", packed.sizes());
+  TORCH_CHECK(packed.size(1) * kTileDepth == K, "llmplug_cpu::amx_linear: x has ", K, " columns, the packed weight ",
+              packed.size(1) * kTileDepth);
+  TORCH_CHECK(out_features > 0 && out_features <= packed.size(0) * kTileRows &&
+                  out_features > (packed.size(0) - 2) * kTileRows,
+              "llmplug_cpu::amx_linear: out_features ", out_features, " does not fit the packed weight's ",
+              packed.size(0) * kTileRows, " rows");
+  at::Tensor bias_f32;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features, "llmplug_cpu::amx_linear: bias must be [",
+                out_features, "], got ", bias->sizes());
+    bias_f32 = bias->to(at::kFloat).contiguous();
+  }
+  const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
+  at::Tensor y = at::empty({x.size(0), out_features}, x.options());
+#ifdef LLMPLUG_AMX
+  if (y.numel() > 0) amx_linear_impl(xc, packed, bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr, y);
+#endif
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(llmplug_cpu, m) {
+  m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+  m.def("amx_enabled() -> bool", [] { return llmplug::amx_enabled(); });
+}
+
+TORCH_LIBRARY_IMPL(llmplug_cpu, CPU, m) { m.impl("amx_linear", amx_linear); }

@@ -1,0 +1,149 @@
+"""llmplug's AMX bf16 matmul (native/amx_linear.cpp): x W^T + b against float64, each row's bits the same for any
+number of rows, position or thread count, its packed layout AMX's B tiles, and the layers using it in batch-invariant
+mode only where AMX runs. On a CPU without AMX, the kernel refuses by name and the layers keep oneDNN."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from llmplug.layers.kernels.amx_linear import amx_linear_enabled, pack_weight
+from llmplug.layers.kernels.native import native_available, ops
+from llmplug.layers.linear import ReplicatedLinear
+from llmplug.layers.packed_linear import AmxLinearMethod
+from llmplug.layers.quantization import LinearOptions, process_weights_after_loading
+from llmplug.layers.row_invariance import cancelling_weight, order_sensitive_rows
+
+pytestmark = pytest.mark.skipif(not native_available(), reason="llmplug's CPU kernels are not built here")
+needs_amx = pytest.mark.skipif(not native_available() or not amx_linear_enabled(), reason="no AMX-BF16 here")
+
+
+def integer_case(m: int, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """bf16 x, weight and bias of small integers: every product and partial sum is exact in float32, so the kernel's
+    output must be the exact sum rounded once to bf16, whatever order it adds in."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-8, 9, (m, k), generator=g).bfloat16()
+    w = torch.randint(-8, 9, (n, k), generator=g).bfloat16()
+    bias = torch.randint(-64, 65, (n,), generator=g).bfloat16()
+    return x, w, bias
+
+
+def test_packed_tiles_are_amxs_b_tile_layout() -> None:
+    """Tile (j, t) row p holds (k = 32 t + 2 p, k + 1) of outputs 16 j .. 16 j + 15; the outputs padded to 32."""
+    w = torch.arange(40 * 64, dtype=torch.float32).view(40, 64).bfloat16()
+    packed = pack_weight(w)
+    assert packed.shape == (4, 2, 16, 32)  # 40 outputs -> 64 (two pairs of tiles), K 64 -> 2 tiles
+    for j, t, p, c in [(0, 0, 0, 0), (1, 1, 5, 7), (2, 0, 15, 13), (0, 1, 3, 16)]:
+        n, k = 16 * j + c // 2, 32 * t + 2 * p + c % 2
+        assert packed[j, t, p, c] == w[n, k]
+    assert not packed[2, :, :, 16:].any() and not packed[3].any()  # outputs 40..63: zero rows
+
+
+@needs_amx
+@pytest.mark.parametrize("m, n, k", [(1, 64, 64), (5, 40, 96), (16, 576, 576), (17, 192, 576), (70, 1536, 576),
+                                     (33, 576, 1536), (3, 7, 32)])
+def test_output_is_the_exact_sum_rounded_once_to_bf16(m: int, n: int, k: int) -> None:
+    x, w, bias = integer_case(m, n, k, seed=m)
+    expected = (x.double() @ w.double().T + bias.double()).bfloat16()
+    assert torch.equal(ops().amx_linear(x, pack_weight(w), bias, n), expected)
+    assert torch.equal(ops().amx_linear(x, pack_weight(w), None, n), (x.double() @ w.double().T).bfloat16())
+
+
+@needs_amx
+def test_random_inputs_match_float64_to_bf16_rounding() -> None:
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(45, 1536, generator=g).bfloat16(), torch.randn(200, 1536, generator=g).bfloat16()
+    got = ops().amx_linear(x, pack_weight(w), None, 200).double()
+    expected = x.double() @ w.double().T
+    scale = (x.double().abs() @ w.double().abs().T)
+    assert ((got - expected).abs() <= expected.abs() * 2.0**-8 + scale * 2.0**-20).all()
+
+
+@needs_amx
+@pytest.mark.parametrize("n, k", [(1536, 576), (576, 1536), (40, 64)])
+def test_each_row_is_bitwise_the_same_for_any_rows_position_or_threads(n: int, k: int) -> None:
+    """Inputs whose rows change bits with any change of summation order (row_invariance.py's probe inputs)."""
+    x = order_sensitive_rows(100, k, torch.bfloat16)
+    packed = pack_weight(cancelling_weight(n, k).bfloat16())
+    everything = ops().amx_linear(x, packed, None, n)
+    for rows in (*range(1, 40), 47, 64, 65, 96):
+        for start in (0, 3, 100 - rows):
+            assert torch.equal(ops().amx_linear(x[start:start + rows], packed, None, n), everything[start:start + rows])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(ops().amx_linear(x, packed, None, n), everything)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_amx
+def test_strided_rows_bias_dtypes_and_an_empty_batch() -> None:
+    x, w, bias = integer_case(6, 48, 64)
+    packed = pack_weight(w)
+    wide = torch.cat([x, x], dim=1)[:, :64]  # rows 128 apart
+    assert torch.equal(ops().amx_linear(wide, packed, bias, 48), ops().amx_linear(x, packed, bias, 48))
+    assert torch.equal(ops().amx_linear(x, packed, bias.float(), 48), ops().amx_linear(x, packed, bias, 48))
+    assert ops().amx_linear(x[:0], packed, None, 48).shape == (0, 48)
+
+
+@needs_amx
+@pytest.mark.parametrize("args, named", [
+    (lambda x, p: (x.float(), p, None, 48), "x must be bfloat16 \\[M, K\\]"),
+    (lambda x, p: (x[0], p, None, 48), "x must be bfloat16 \\[M, K\\]"),
+    (lambda x, p: (x, p.float(), None, 48), "packed must be contiguous bfloat16"),
+    (lambda x, p: (x[:, :32], p, None, 48), "x has 32 columns, the packed weight 64"),
+    (lambda x, p: (x, p, None, 80), "out_features 80 does not fit the packed weight's 64 rows"),
+    (lambda x, p: (x, p, None, 16), "out_features 16 does not fit"),
+    (lambda x, p: (x, p, torch.zeros(47), 48), "bias must be \\[48\\]"),
+])
+def test_bad_arguments_are_refused_by_name_then_a_good_call_works(args, named) -> None:
+    x, w, bias = integer_case(3, 48, 64)
+    packed = pack_weight(w)
+    with pytest.raises(RuntimeError, match=named):
+        ops().amx_linear(*args(x, packed))
+    assert torch.equal(ops().amx_linear(x, packed, bias, 48), (x.double() @ w.double().T + bias.double()).bfloat16())
+
+
+@needs_amx
+def test_the_op_passes_torchs_opcheck_its_fake_included() -> None:
+    x, w, bias = integer_case(3, 48, 64)
+    checks = torch.library.opcheck(ops().amx_linear.default, (x, pack_weight(w), bias, 48))
+    assert set(checks.values()) == {"SUCCESS"}, checks
+
+
+@pytest.mark.skipif(not native_available() or amx_linear_enabled(), reason="AMX runs here")
+def test_without_amx_the_kernel_refuses_by_name() -> None:
+    x, w, _ = integer_case(3, 48, 64)
+    with pytest.raises(RuntimeError, match="AMX is not available here"):
+        ops().amx_linear(x, pack_weight(w), None, 48)
+
+
+def _method(options: LinearOptions) -> object:
+    layer = ReplicatedLinear(64, 96, bias=True).bfloat16()
+    for param in layer.parameters():
+        param.weight_loader(param, torch.randn(param.shape).bfloat16())
+    process_weights_after_loading(layer, options)
+    return layer.quant_method
+
+
+@needs_amx
+def test_batch_invariant_bf16_layers_use_it_and_others_keep_onednn() -> None:
+    method = _method(LinearOptions(int4=False, row_invariant=True))
+    assert isinstance(method, AmxLinearMethod) and method.row_plan is None and not method.row_variant
+    assert not isinstance(_method(LinearOptions(int4=False)), AmxLinearMethod)  # the mode off: oneDNN's one call
+
+
+@needs_amx
+@pytest.mark.parametrize("env", [{"LLMPLUG_CPU_AMX": "0"}, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}])
+def test_the_switch_and_an_isa_cap_below_amx_turn_it_off(env: dict[str, str]) -> None:
+    """Read once per process (by the kernels, for the int4 kernel's AMX path too): checked in a fresh one."""
+    probe = ("from llmplug.layers.kernels.amx_linear import amx_linear_enabled; "
+             "print(amx_linear_enabled())")
+    done = subprocess.run([sys.executable, "-c", probe], env={**os.environ, **env}, capture_output=True, text=True,
+                          timeout=300)
+    assert done.stdout.split() == ["False"], done.stderr[-2000:]
