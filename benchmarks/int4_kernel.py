@@ -14,11 +14,16 @@ those: float32 scales and zeros, 0.75 bytes a weight a plane, the head 1.5), `to
 `mkldnn._linear_pointwise`, what a dense layer runs). All but torch int4 and dense compute the same weights.
 Reported: ms per step, the best round of each (a round times `--steps` steps), and the ratios. Timings are noisy on
 a shared machine: compare the ratios, and note the load (`uptime`) printed with them.
+
+On a CPU with AMX the native kernels take their AMX path; `LLMPLUG_CPU_AMX=0 python benchmarks/int4_kernel.py ...`
+times their AVX-512 path (read once per process, so AMX against AVX-512 is two runs, alternated; the header line
+says which ran).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import time
 from datetime import datetime, timezone
@@ -130,7 +135,8 @@ def main() -> None:
     layers = model_weights(args.layers, torch.Generator().manual_seed(0))
     uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     print(f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {torch.get_num_threads()} threads, "
-          f"{args.layers} layers + head, bf16, best of {args.rounds} rounds x {args.steps} steps")
+          f"{args.layers} layers + head, bf16, best of {args.rounds} rounds x {args.steps} steps, "
+          f"LLMPLUG_CPU_AMX={os.environ.get('LLMPLUG_CPU_AMX', '')!r}")
     print(f"load before: {uptime}")
     print("| M | native ms | native f32 groups ms | torch int4 ms | dense bf16 ms | native / f32 groups | "
           "native / torch int4 | native / dense |")

@@ -9,6 +9,11 @@ the generic code path; under skylake-avx512, the AVX-512 path without AVX512-BF1
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -21,6 +26,7 @@ from llmplug.loaders.gguf import int4_groups_of_tensor, open_gguf
 
 pytestmark = pytest.mark.skipif(not native_int4_available(), reason="llmplug's CPU kernels cannot be built here")
 
+ROOT = Path(__file__).resolve().parents[3]
 DTYPES = [torch.float32, torch.bfloat16]
 EPS = {torch.float32: 0.0, torch.bfloat16: 2.0**-8}  # the output's rounding
 
@@ -337,3 +343,122 @@ def test_the_op_passes_torchs_opcheck_its_fake_included(good):
     x, qweight, scales, zeros = good()
     checks = torch.library.opcheck(ops().int4_matmul.default, (x, qweight, scales, zeros, 32))
     assert set(checks.values()) == {"SUCCESS"}, checks
+
+
+# The AMX path (bfloat16 activations where AMX runs; LLMPLUG_CPU_AMX=0 turns it off, read once per process, so
+# each switch is computed in a subprocess and checked here): TDPBF16PS sums each output over the K blocks in order,
+# its own order, not the AVX-512 lanes'.
+AMX_ENV = "LLMPLUG_CPU_AMX"
+AMX_CASES = [  # (form, planes, n, k): one and two planes, int8 codes, 3 planes; partial column tiles (n % 16)
+    ("float16 groups", 1, 200, 576), ("float16 groups", 2, 70, 608), ("Q4_0", 1, 70, 608),
+    ("float32 groups", 1, 37, 96), ("float32 groups", 2, 13, 160), ("bfloat16 groups", 3, 33, 96),
+]
+AMX_ROWS = (1, 5, 16, 17, 33, 64, 70)  # one B tile, several, a second pass over the decoded weights (65+)
+AMX_INVARIANCE = [(1, "float16 groups"), (2, "float16 groups"), (2, "float32 groups"), (3, "float32 groups")]
+AMX_INVARIANCE_ROWS = [*range(1, 41), 64, 65, 130]
+
+
+def amx_capable() -> bool:
+    """Whether the kernels here are built with AMX code (this CPU's flags, `-march=native`)."""
+    from llmplug.core.cpuinfo import cpu_flags
+    from llmplug.layers.kernels.native import MARCH_ENV
+
+    return {"amx_tile", "amx_bf16", "avx512_bf16"} <= cpu_flags() and os.environ.get(MARCH_ENV, "native") in (
+        "", "native")
+
+
+def cancelling(k: int = 64) -> NativeInt4:
+    """16 columns of 2^24, 31 ones, -2^24 (at k = 32), 31 ones: each float32 summation order loses its own ones."""
+    q = torch.full((2, 16, k), 8, dtype=torch.uint8)
+    q[0, :, 0] = q[0, :, 32] = 9
+    q[1, :, 0] = 7
+    scale, zero = torch.ones(2, 16, k // 32), torch.zeros(2, 16, k // 32)
+    scale[0, :, 0], scale[0, :, 1], zero[1] = 2.0**24, -(2.0**24), 1
+    return NativeInt4.pack(Int4Groups(q, scale, zero, 32), torch.bfloat16)
+
+
+def invariance_case(planes: int, form: str) -> tuple[NativeInt4, torch.Tensor]:
+    make, exact = FORMS[form]
+    x = rows(130, 608, torch.bfloat16, seed=4)
+    x[:, 0], x[:, -1] = 2.0**10, -(2.0**10)  # large values that cancel: any change of order shows in the bits
+    return NativeInt4.pack(make(70, 608, planes, 3), torch.bfloat16, exact), x
+
+
+def amx_outputs(path: str, cases: bool = True) -> None:
+    """The AMX cases' outputs (`cases`, else the cancelling sum's alone), saved to `path` (run under
+    LLMPLUG_CPU_AMX=1, and =0, by the `amx` fixture)."""
+    results: dict = {"cancelling": cancelling().matmul(torch.ones(1, 64, dtype=torch.bfloat16))}
+    if not cases:
+        return torch.save(results, path)
+    packed, x = invariance_case(1, "float16 groups")
+    strided = torch.cat([x, x[:, :1]], dim=1)[:, :-1]  # rows 609 apart: pairs of x not 4-byte aligned
+    results["strided"] = packed.matmul(strided[:33]), packed.matmul(x[:33])
+    for form, planes, n, k in AMX_CASES:
+        make, exact = FORMS[form]
+        packed = NativeInt4.pack(make(n, k, planes, n), torch.bfloat16, exact=exact)
+        results[form, planes] = [packed.matmul(rows(m, k, torch.bfloat16, seed=m)) for m in AMX_ROWS]
+    for planes, form in AMX_INVARIANCE:
+        packed, x = invariance_case(planes, form)
+        by_rows = {m: packed.matmul(x[:m]) for m in AMX_INVARIANCE_ROWS}
+        by_rows["alone"] = torch.cat([packed.matmul(x[i : i + 1]) for i in range(x.shape[0])])
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            by_rows[f"{threads} threads"] = packed.matmul(x)
+        results["rows", planes, form] = by_rows
+    torch.save(results, path)
+
+
+@pytest.fixture(scope="module")
+def amx(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    if not amx_capable():
+        pytest.skip("no AMX here (CPU flags, or a build for another -march)")
+    directory = tmp_path_factory.mktemp("amx")
+    outputs = {}
+    for switch in ("1", "0"):
+        path = directory / f"{switch}.pt"
+        code = (f"from tests.layers.kernels.test_int4_matmul import amx_outputs; "
+                f"amx_outputs({str(path)!r}, cases={switch == '1'})")
+        done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, AMX_ENV: switch},
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        outputs[switch] = torch.load(path)
+    return {**outputs["1"], "cancelling off": outputs["0"]["cancelling"]}
+
+
+def test_the_amx_switch_changes_the_summation_order(amx: dict):
+    """Under LLMPLUG_CPU_AMX=1 the kernel sums in TDPBF16PS's order (the ones the cancelling weights lose differ),
+    within float32's bound of the exact 62 either way; under =0, the AVX-512 lanes' order."""
+    bound = 64 * 2.0**-24 * (2.0**25 + 62)  # k roundings of float32 sums of |x| |w|
+    for y in (amx["cancelling"], amx["cancelling off"]):
+        assert ((y.double() - 62).abs() <= bound).all()
+    assert not torch.equal(amx["cancelling"], amx["cancelling off"])
+
+
+@pytest.mark.parametrize("form, planes, n, k", AMX_CASES)
+def test_the_amx_path_equals_x_times_the_dequantized_weight(amx: dict, form: str, planes: int, n: int, k: int):
+    make, exact = FORMS[form]
+    groups = make(n, k, planes, n)
+    weight = reference_weight(groups, torch.bfloat16, exact).double()
+    assert (NativeInt4.pack(groups, torch.bfloat16, exact).qweight.dtype == torch.int8) == (form == "float16 groups"
+                                                                                             and planes == 2)
+    for m, y in zip(AMX_ROWS, amx[form, planes]):
+        assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+        x = rows(m, k, torch.bfloat16, seed=m).double()
+        expected = x @ weight.T
+        # k float32 adds in order (each rounding within 2^-24 of the running sum), then the output's rounding
+        bound = k * 2.0**-24 * (x.abs() @ weight.abs().T) + EPS[torch.bfloat16] * expected.abs()
+        assert ((y.double() - expected).abs() <= bound).all(), (m, (y.double() - expected).abs().max())
+
+
+def test_amx_strided_rows_are_the_contiguous_rows_bits(amx: dict):
+    strided, contiguous = amx["strided"]
+    assert torch.equal(strided, contiguous)
+
+
+@pytest.mark.parametrize("planes, form", AMX_INVARIANCE)
+def test_amx_rows_are_bitwise_the_same_whatever_the_number_of_rows_or_threads(amx: dict, planes: int, form: str):
+    by_rows = amx["rows", planes, form]
+    alone = by_rows["alone"]
+    for m in AMX_INVARIANCE_ROWS:
+        assert torch.equal(by_rows[m], alone[:m]), m
+    assert torch.equal(by_rows["1 threads"], alone) and torch.equal(by_rows["2 threads"], alone)

@@ -9,6 +9,10 @@
 // over 16 lanes (k in order per lane; with AVX512-BF16, vdpbf16ps, k in pairs), the lanes summed in a fixed tree
 // (_mm512_reduce_add_ps's, computed for 16 outputs at once with AVX-512): the same arithmetic whatever M, the tile
 // or the thread that computes it, so a row's bits never depend on the batch (docs/determinism.md).
+// Where llmplug's kernels use AMX (amx.h: a CPU and build with AMX-BF16; LLMPLUG_CPU_AMX=0 turns it off), bfloat16
+// activations take an AMX path at every M instead: the same decoded weights, each output summed by TDPBF16PS block after block in k
+// order (another order than the lanes', so other bits; M-invariant as well). It is 1.0-1.8x faster at 4 rows, 2-5x
+// at 32, but 1.1-1.3x slower at one (docs/kernels.md): each block's decoded weights are stored for the tile load.
 //
 // Layout (llmplug.layers.kernels.int4_matmul.NativeInt4.pack): qweight [N, P, K / 2] uint8, each run of 32 k in
 // 16 bytes, byte b holding k = b in its low nibble and k = b + 16 in its high one; scales and zeros [N, P, G]
@@ -27,7 +31,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <memory>
+#include <span>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -35,6 +43,10 @@
 #define LLMPLUG_INT4_AVX512 1
 #if defined(__AVX512BF16__)
 #define LLMPLUG_INT4_AVX512_BF16 1
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include "amx.h"
+#define LLMPLUG_INT4_AMX 1
+#endif
 #endif
 #endif
 
@@ -560,6 +572,284 @@ void int4_matmul_impl(const at::Tensor& x, const Weight& w, at::Tensor& y) {
   });
 }
 
+#ifdef LLMPLUG_INT4_AMX
+// bfloat16 activations on AMX: TDPBF16PS with A = 16 output columns' decoded weights (a row: one column's 32 k of a
+// block, the bits Bf16Dot::lookup / pack give), B = up to 16 rows of x in VNNI pairs, C = [16 columns, rows] float32.
+// C[n][m] adds the K blocks in order, each TDPBF16PS computing each element on its own: the same arithmetic whatever
+// M, the tile or the thread (checked empirically: tests/layers/kernels/test_int4_matmul.py). Threads split the
+// output columns only. A thread takes a group of Tc column tiles (64, 32 or 16 columns) against 4 / Tc row tiles at a
+// time: the 4 C tiles' sums are independent chains, where one tile's chain of TDPBF16PS latencies would bound a row.
+constexpr int kAmxColumns = 16;  // columns a tile of decoded weights holds (A's rows)
+constexpr int kAmxRows = 16;     // rows of x a B / C tile holds
+constexpr int kAmxTiles = 4;     // C tiles, tmm0..3; A: tmm4, tmm5 in turn; B: tmm6, tmm7 for a pass's last row tile
+constexpr int kAmxAhead = 2;     // blocks decoded ahead of the one loaded into A: a tile load waits for the stores
+                                 // it reads to reach the cache (no store forwarding)
+constexpr int kAmxRing = 4;      // blocks of decoded weights a thread keeps when one pass of rows reads them
+
+using llmplug::TileConfig;
+
+// The tile shapes for a pass of Tc column tiles over `rows` rows of x (C tile of column tile ct, row tile rt:
+// ct * (4 / Tc) + rt).
+template <int Tc>
+TileConfig amx_config(int64_t rows) {
+  TileConfig config;
+  for (int ct = 0; ct < Tc; ++ct)
+    for (int rt = 0; rt < kAmxTiles / Tc && rt * kAmxRows < rows; ++rt) {
+      config.rows[ct * (kAmxTiles / Tc) + rt] = kAmxColumns;
+      config.colsb[ct * (kAmxTiles / Tc) + rt] = 4 * std::min<int64_t>(kAmxRows, rows - rt * kAmxRows);
+    }
+  for (int t = 4; t < 8; ++t) config.rows[t] = 16, config.colsb[t] = 64;
+  config.colsb[7] = 4 * (rows - (rows - 1) / kAmxRows * kAmxRows);
+  return config;
+}
+
+// GCC's tile intrinsics take literal register numbers: these pick them from template arguments.
+template <int T>
+inline void tile_load(const void* p, int64_t stride) {
+  if constexpr (T == 4) _tile_loadd(4, p, stride);
+  if constexpr (T == 5) _tile_loadd(5, p, stride);
+  if constexpr (T == 6) _tile_loadd(6, p, stride);
+  if constexpr (T == 7) _tile_loadd(7, p, stride);
+}
+template <int C>
+inline void tile_zero() {
+  if constexpr (C == 0) _tile_zero(0);
+  if constexpr (C == 1) _tile_zero(1);
+  if constexpr (C == 2) _tile_zero(2);
+  if constexpr (C == 3) _tile_zero(3);
+}
+template <int C>
+inline void tile_store(void* p) {
+  if constexpr (C == 0) _tile_stored(0, p, 64);
+  if constexpr (C == 1) _tile_stored(1, p, 64);
+  if constexpr (C == 2) _tile_stored(2, p, 64);
+  if constexpr (C == 3) _tile_stored(3, p, 64);
+}
+#define LLMPLUG_AMX_DOT(c, a, b) \
+  if constexpr (C == c && A == a && B == b) _tile_dpbf16ps(c, a, b);
+template <int C, int A, int B>
+inline void tile_dot() {
+  LLMPLUG_AMX_DOT(0, 4, 6) LLMPLUG_AMX_DOT(0, 4, 7) LLMPLUG_AMX_DOT(0, 5, 6) LLMPLUG_AMX_DOT(0, 5, 7)
+  LLMPLUG_AMX_DOT(1, 4, 6) LLMPLUG_AMX_DOT(1, 4, 7) LLMPLUG_AMX_DOT(1, 5, 6) LLMPLUG_AMX_DOT(1, 5, 7)
+  LLMPLUG_AMX_DOT(2, 4, 6) LLMPLUG_AMX_DOT(2, 4, 7) LLMPLUG_AMX_DOT(2, 5, 6) LLMPLUG_AMX_DOT(2, 5, 7)
+  LLMPLUG_AMX_DOT(3, 4, 6) LLMPLUG_AMX_DOT(3, 4, 7) LLMPLUG_AMX_DOT(3, 5, 6) LLMPLUG_AMX_DOT(3, 5, 7)
+}
+#undef LLMPLUG_AMX_DOT
+
+// fn.template operator()<i>() for i = 0..N-1, unrolled.
+template <int N, typename Fn>
+inline void unrolled(Fn&& fn) {
+  [&]<int... I>(std::integer_sequence<int, I...>) { (fn.template operator()<I>(), ...); }(
+      std::make_integer_sequence<int, N>{});
+}
+
+// C tile C's [column][row] for `rows` rows and `count` columns to y (rows ldy apart), transposed, rounded as store16.
+template <int C>
+inline void amx_store(int64_t rows, int64_t count, c10::BFloat16* y, int64_t ldy) {
+  alignas(64) float c[kAmxColumns][kAmxRows];
+  tile_store<C>(c);
+  const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(kAmxRows));
+  for (int64_t m = 0; m < rows; ++m) {
+    const __m512 v = _mm512_i32gather_ps(column, &c[0][m], 4);
+    if (count >= kAmxColumns) {
+      store16(y + m * ldy, v);
+    } else {
+      c10::BFloat16 sums[16];
+      store16(sums, v);
+      std::copy(sums, sums + count, y + m * ldy);
+    }
+  }
+}
+
+// A group of columns' parameters as float32 (params16's), for `count` columns from n0: [column, plane, groups padded].
+template <typename Param>
+inline void amx_params(const Int4Weight<Param>& w, int64_t n0, int64_t count, int64_t pad, float* scales,
+                       float* zeros) {
+  for (int64_t c = 0; c < count; ++c)
+    for (int64_t p = 0; p < w.planes; ++p)
+      for (int64_t g = 0; g < w.groups; g += 16) {
+        const int64_t at = (c * w.planes + p) * pad + g;
+        params16(w, w.group(n0 + c, p, 0) + g, std::min<int64_t>(16, w.groups - g), scales + at, zeros + at);
+      }
+}
+template <typename Param>
+inline void amx_params(const Int8Weight<Param>& w, int64_t n0, int64_t count, int64_t pad, float* scales, float*) {
+  for (int64_t c = 0; c < count; ++c)
+    for (int64_t g = 0; g < w.groups; g += 16) {
+      const __m512 s = load16(w.scales + (n0 + c) * w.groups + g, std::min<int64_t>(16, w.groups - g));
+      _mm512_storeu_ps(scales + c * pad + g, s);
+    }
+}
+
+// Block k's weights of `count` columns from n0 as bf16 rows of 32 into `out` (the bits fused_tile / decode_column
+// give): P planes (1, 2, or 0: w.planes of them). The codes `next` columns on are asked for meanwhile.
+template <int P, typename Param>
+inline void amx_decode(const Int4Weight<Param>& w, int64_t n0, int64_t count, int64_t next, int64_t k, int64_t pad,
+                       const float* scales, const float* zeros, uint16_t* out) {
+  const int64_t planes = P ? P : w.planes, g = k / w.group_size, stride = planes * (w.K / 2);
+  const uint8_t* codes = w.code_row(n0, 0) + k / 2;
+  const bool prefetch = k % 128 == 0;
+  for (int64_t c = 0; c < count; ++c, codes += stride, out += kBlock) {
+    const float* s = scales + c * planes * pad + g;
+    const float* z = zeros + c * planes * pad + g;
+    if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(codes + next * stride), _MM_HINT_T0);
+    if constexpr (P == 1) {
+      Bf16Dot::store(out, Bf16Dot::lookup(codes, Bf16Dot::table(group_values(*s, *z))));
+    } else {
+      __m512 lo, hi;
+      plane_block(codes, group_values(s[0], z[0]), lo, hi);
+      for (int64_t p = 1; p < planes; ++p) {
+        __m512 plane_lo, plane_hi;
+        plane_block(codes + p * (w.K / 2), group_values(s[p * pad], z[p * pad]), plane_lo, plane_hi);
+        add_plane(lo, hi, plane_lo, plane_hi);
+      }
+      Bf16Dot::store(out, Bf16Dot::pack(lo, hi));
+    }
+  }
+}
+template <int P, typename Param>
+inline void amx_decode(const Int8Weight<Param>& w, int64_t n0, int64_t count, int64_t next, int64_t k, int64_t pad,
+                       const float* scales, const float*, uint16_t* out) {
+  const int64_t g = k / w.group_size;
+  const int8_t* codes = w.code_row(n0) + k;
+  const bool prefetch = k % 64 == 0;
+  for (int64_t c = 0; c < count; ++c, codes += w.K, out += kBlock) {
+    if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(codes + next * w.K), _MM_HINT_T0);
+    __m512 lo, hi;
+    int8_block(codes, _mm512_set1_ps(scales[c * pad + g]), lo, hi);
+    Bf16Dot::store(out, Bf16Dot::pack(lo, hi));
+  }
+}
+
+// y's groups begin..end-1 of Tc * 16 columns: x as [K / 2, M] pairs at xp.
+template <int Tc, int P, typename Weight>
+void amx_groups(const Weight& w, const uint32_t* xp, int64_t M, int64_t N, int64_t begin, int64_t end,
+                c10::BFloat16* y) {
+  constexpr int64_t width = Tc * kAmxColumns;
+  constexpr int Tr = kAmxTiles / Tc;  // row tiles a pass holds
+  const int64_t blocks = w.K / kBlock, pad = (w.groups + 15) / 16 * 16, planes = P ? P : w.planes;
+  const bool keep = M > Tr * kAmxRows;  // more than one pass: every block's decoded weights kept for the others
+  // not zeroed (a small shape's call would spend a tenth of its time on it)
+  const auto scales = std::make_unique_for_overwrite<float[]>(width * planes * pad);
+  const auto zeros = std::make_unique_for_overwrite<float[]>(kInt4Planes<Weight> ? width * planes * pad : 0);
+  // [block, column, 32 k], each row a cache line (64-byte aligned: a split line costs stores and tile loads twice)
+  const int64_t size = width * kBlock * (keep ? blocks : kAmxRing);
+  const auto buffer = std::make_unique_for_overwrite<uint16_t[]>(size + 32);
+  const std::span<uint16_t> weights(buffer.get() + (-reinterpret_cast<uintptr_t>(buffer.get()) / 2 % 32), size);
+  int64_t configured = 0;  // the rows of the pass the tiles are configured for
+  for (int64_t t = begin; t < end; ++t) {
+    const int64_t n0 = t * width, count = std::min<int64_t>(width, N - n0);
+    if (count < width) std::fill(weights.begin(), weights.end(), 0);  // A's rows beyond N
+    amx_params(w, n0, count, pad, scales.get(), zeros.get());
+    for (int64_t m0 = 0; m0 < M; m0 += Tr * kAmxRows) {
+      const int64_t rows = std::min<int64_t>(Tr * kAmxRows, M - m0), last = (rows - 1) / kAmxRows;
+      if (rows != configured) {
+        const TileConfig config = amx_config<Tc>(rows);
+        _tile_loadconfig(&config);
+        configured = rows;
+      }
+      unrolled<Tc>([&]<int Ct>() {
+        unrolled<Tr>([&]<int Rt>() {
+          if (Rt <= last) tile_zero<Ct * Tr + Rt>();
+        });
+      });
+      auto block_weights = [&](int64_t b) { return weights.data() + (keep ? b : b % kAmxRing) * width * kBlock; };
+      auto decode = [&](int64_t b) {
+        if (m0 == 0 && b < blocks) {
+          amx_decode<P>(w, n0, count, width, b * kBlock, pad, scales.get(), zeros.get(), block_weights(b));
+        }
+      };
+      for (int64_t b = 0; b < kAmxAhead; ++b) decode(b);
+      for (int64_t b = 0; b < blocks; ++b) {
+        decode(b + kAmxAhead);
+        const uint16_t* a = block_weights(b);
+        const uint32_t* xb = xp + b * (kBlock / 2) * M + m0;
+        // C tile (Ct, Rt) += A (column tile Ct's weights) . B (row tile Rt's x)
+        auto column_tile = [&]<int Ct, int A>() {
+          if (Ct * kAmxColumns >= count) return;
+          tile_load<A>(a + Ct * kAmxColumns * kBlock, 64);
+          unrolled<Tr>([&]<int Rt>() {
+            if (Rt > last) return;
+            // B loaded once for the column tiles: with several of them (Tr <= 2), each row tile has its register
+            if (Rt == last) {
+              if (Ct == 0) tile_load<7>(xb + Rt * kAmxRows, 4 * M);
+              tile_dot<Ct * Tr + Rt, A, 7>();
+            } else {
+              if (Ct == 0) tile_load<6>(xb + Rt * kAmxRows, 4 * M);
+              tile_dot<Ct * Tr + Rt, A, 6>();
+            }
+          });
+        };
+        if constexpr (Tc == 1) {  // A in turn by block
+          if (b % 2 == 0) {
+            column_tile.template operator()<0, 4>();
+          } else {
+            column_tile.template operator()<0, 5>();
+          }
+        } else {  // by column tile
+          unrolled<Tc>([&]<int Ct>() { column_tile.template operator()<Ct, 4 + Ct % 2>(); });
+        }
+      }
+      unrolled<Tc>([&]<int Ct>() {
+        unrolled<Tr>([&]<int Rt>() {
+          if (Rt <= last && Ct * kAmxColumns < count) {
+            amx_store<Ct * Tr + Rt>(std::min<int64_t>(kAmxRows, rows - Rt * kAmxRows), count - Ct * kAmxColumns,
+                                    y + (m0 + Rt * kAmxRows) * N + n0 + Ct * kAmxColumns, N);
+          }
+        });
+      });
+    }
+  }
+  if (configured) _tile_release();
+}
+
+template <int P, typename Weight>
+void amx_matmul_impl(const at::Tensor& x, const Weight& w, at::Tensor& y) {
+  const int64_t M = x.size(0), K = w.K, N = y.size(1), ldx = x.stride(0);
+  auto* yp = reinterpret_cast<c10::BFloat16*>(y.data_ptr());
+  // x as B wants it: [K / 2, M] pairs (one row of x alone already is)
+  const auto* xp = reinterpret_cast<const uint32_t*>(x.data_ptr());
+  std::vector<uint32_t> pairs;
+  if (M > 1) {
+    pairs.resize(K / 2 * M);
+    const auto* rows = reinterpret_cast<const uint16_t*>(x.data_ptr());  // ldx may be odd
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t p = 0; p < K / 2; ++p) std::memcpy(&pairs[p * M + m], rows + m * ldx + 2 * p, 4);
+    xp = pairs.data();
+  }
+  // column tiles a group takes: as many as the C tiles the rows leave (4 / row tiles), fewer where that spreads the
+  // groups more evenly over the threads (the bits are the same either way)
+  const int64_t threads = at::get_num_threads(), row_tiles = std::min<int64_t>((M + kAmxRows - 1) / kAmxRows, 4);
+  int64_t tc = kAmxTiles / (row_tiles == 3 ? 4 : row_tiles), busiest = 0;
+  for (int64_t c = tc; c >= 1; c /= 2) {
+    const int64_t groups = (N + c * kAmxColumns - 1) / (c * kAmxColumns);
+    const int64_t columns = (groups + threads - 1) / threads * c;  // the busiest thread's column tiles
+    if (busiest == 0 || columns < busiest) tc = c, busiest = columns;
+  }
+  const int64_t planes = P ? P : w.planes, width = tc * kAmxColumns, groups = (N + width - 1) / width;
+  const int64_t work = K * width * (planes + std::min<int64_t>(M, 16));
+  at::parallel_for(0, groups, std::max<int64_t>(1, (1 << 16) / work), [&](int64_t begin, int64_t end) {
+    if (tc == 4) {
+      amx_groups<4, P>(w, xp, M, N, begin, end, yp);
+    } else if (tc == 2) {
+      amx_groups<2, P>(w, xp, M, N, begin, end, yp);
+    } else {
+      amx_groups<1, P>(w, xp, M, N, begin, end, yp);
+    }
+  });
+}
+
+template <typename Weight>
+void amx_matmul(const at::Tensor& x, const Weight& w, at::Tensor& y) {
+  if constexpr (kInt4Planes<Weight>) {
+    if (w.planes == 1) return amx_matmul_impl<1>(x, w, y);
+    if (w.planes == 2) return amx_matmul_impl<2>(x, w, y);
+  }
+  amx_matmul_impl<0>(x, w, y);
+}
+#endif
+
 #else  // generic: each column's weights decoded into a float buffer, then 16 float lanes per dot product
 
 inline float mul_add(float a, float b, float c) {
@@ -706,6 +996,9 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& qweight, const at:
       int4_matmul_impl<FmaDot<F32Act>>(xc, w, y);
     } else {
 #ifdef LLMPLUG_INT4_AVX512_BF16
+#ifdef LLMPLUG_INT4_AMX
+      if (llmplug::amx_enabled()) return amx_matmul(xc, w, y);
+#endif
       int4_matmul_impl<Bf16Dot>(xc, w, y);
 #else
       int4_matmul_impl<FmaDot<BF16Act>>(xc, w, y);
