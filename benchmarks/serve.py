@@ -128,6 +128,15 @@ LLMPLUG_ENGINES: dict[str, list[str]] = {
 GGUF_ENGINES = ("llama-server", "llmplug-int4")  # they serve the embedded GGUF itself, not the dense export
 
 
+def llama_server_cpu_args() -> list[str]:
+    """On a CPU with AMX, `--no-repack`: the llama.cpp that `make bench` builds (with `-march=native`, so its AMX
+    buffer type) segfaulted while repacking the GGUF's weights at load on an Intel Xeon with AMX, every time
+    (2026-12-07); without the repack it loads and serves, with its AVX-512 kernels."""
+    from llmplug.core.cpuinfo import cpu_flags
+
+    return ["--no-repack"] if "amx_int8" in cpu_flags() else []
+
+
 def server_command(engine: str, model: str, port: int, max_seqs: int, dtype: str) -> list[str]:
     if engine == "llama-server":  # `model` is the GGUF; each slot holds one client's 2,048-token context
         from llmplug.platforms.cpu_threads import available_cpu_count
@@ -135,7 +144,7 @@ def server_command(engine: str, model: str, port: int, max_seqs: int, dtype: str
         threads = str(available_cpu_count())
         return [llama_server_binary(), "-m", model, "--host", "127.0.0.1", "--port", str(port),
                 "--parallel", str(max_seqs), "--ctx-size", str(2048 * max_seqs), "--threads", threads,
-                "--threads-batch", threads, "--alias", "bench"]
+                "--threads-batch", threads, "--alias", "bench", *llama_server_cpu_args()]
     if engine in LLMPLUG_ENGINES:
         return [sys.executable, "-m", "llmplug.entrypoints.cli", "serve", model, "--port", str(port),
                 "--served-model-name", "bench", "--max-num-seqs", str(max_seqs), "--dtype", dtype,
