@@ -137,7 +137,8 @@ void amx_linear_impl(const at::Tensor& x, const at::Tensor& packed, const float*
   const int64_t grain = std::max<int64_t>(1, (1 << 18) / (block_rows * kOutputs * K));
   at::parallel_for(0, pairs * blocks, grain, [&](int64_t begin, int64_t end) {
     configure_tiles();  // per thread and chunk: oneDNN's kernels, on the same thread, configure their own
-    std::vector<c10::BFloat16> padded;  // the last block's rows, zero rows after them: whole tiles of x
+    // the last block's rows, zero rows after them (whole tiles of x), made once per chunk: only the last is short
+    std::vector<c10::BFloat16> padded;
     alignas(64) float sums[2 * kTileRows * kOutputs];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t pair = task / blocks, m0 = task % blocks * block_rows;
@@ -145,8 +146,10 @@ void amx_linear_impl(const at::Tensor& x, const at::Tensor& packed, const float*
       const c10::BFloat16* a = xp + m0 * ldx;
       int64_t lda = ldx;
       if (rows < block_rows) {
-        padded.assign(block_rows * K, c10::BFloat16(0.0f));
-        for (int64_t r = 0; r < rows; ++r) std::memcpy(&padded[r * K], a + r * ldx, K * sizeof(c10::BFloat16));
+        if (padded.empty()) {
+          padded.assign(block_rows * K, c10::BFloat16(0.0f));
+          for (int64_t r = 0; r < rows; ++r) std::memcpy(&padded[r * K], a + r * ldx, K * sizeof(c10::BFloat16));
+        }
         a = padded.data(), lda = K;
       }
       const c10::BFloat16* b0 = wp + 2 * pair * column_tile;
