@@ -32,6 +32,8 @@
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+
+#include "bf16.h"
 #define LLMPLUG_AMX 1
 #endif
 
@@ -77,17 +79,12 @@ void configure_tiles() {
   _tile_loadconfig(&config);
 }
 
-// out[i] = c10::BFloat16(in[i] + bias[i]) for the first `count` (<= 16) of 16 lanes: to nearest even in integers
-// (vcvtneps2bf16 would flush denormals), any NaN 0x7FC0.
+// out[i] = c10::BFloat16(in[i] + bias[i]) for the first `count` (<= 16) of 16 lanes (bf16.h).
 inline void round_store(c10::BFloat16* out, const float* in, const float* bias, int64_t count) {
   const __mmask16 live = count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1);
   __m512 v = _mm512_maskz_loadu_ps(live, in);
   if (bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(live, bias));
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd), 16);
-  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-  _mm256_mask_storeu_epi16(out, live, _mm512_cvtepi32_epi16(rounded));
+  _mm256_mask_storeu_epi16(out, live, llmplug::bf16_bits(v));
 }
 
 // sums [Rows x 16 rows][32 outputs] of x's rows `a` (ldx apart) against the packed weight's two column tiles

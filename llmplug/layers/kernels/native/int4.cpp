@@ -40,6 +40,8 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
+
+#include "bf16.h"
 #define LLMPLUG_INT4_AVX512 1
 #if defined(__AVX512BF16__)
 #define LLMPLUG_INT4_AVX512_BF16 1
@@ -287,11 +289,7 @@ inline __m512 reduce16(const __m512 (&a)[16]) {
 // even, any NaN 0x7FC0), in integers: vcvtneps2bf16 would flush denormals.
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 inline void store16(c10::BFloat16* p, __m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd), 16);
-  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(rounded));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), llmplug::bf16_bits(v));
 }
 
 // y[r0 + i, c] = the sum of acc[r0 + i][c]'s lanes for i < Rows <= 4 (one reduce16), rounded once to raw. 3 or 4
