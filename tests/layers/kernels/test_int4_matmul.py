@@ -252,6 +252,17 @@ def test_each_output_row_is_bitwise_the_same_whatever_the_number_of_rows_or_thre
         torch.set_num_threads(threads)
 
 
+def test_rows_read_in_place_give_the_contiguous_rows_bits():
+    """x's rows may lie apart (a slice of a fused output), an odd number of elements: the kernel reads them in place."""
+    n, k = 70, 608
+    packed = NativeInt4.pack(FORMS["float16 groups"][0](n, k, 1, 3), torch.bfloat16, True)
+    wide = rows(40, k + 3, torch.bfloat16, seed=5)
+    for m in (1, 5, 16, 17, 33, 40):
+        x = wide[:m, 1 : k + 1]
+        assert x.stride(0) == k + 3
+        assert torch.equal(packed.matmul(x), packed.matmul(x.contiguous())), m
+
+
 def lanes_tree_sum(v: torch.Tensor) -> torch.Tensor:
     """The kernel's sum of 16 float32 lanes (the last dim), in float32: lanes j and j + 8, then 4, 2 and 1 apart."""
     while v.shape[-1] > 1:

@@ -802,6 +802,46 @@ void amx_groups(const Weight& w, const uint32_t* xp, int64_t M, int64_t N, int64
   if (configured) _tile_release();
 }
 
+// r[i] = column i of the 16 x 16 matrix of 32-bit elements whose row j r[j] held.
+inline void transpose16(__m512i (&r)[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {  // elements 2 at a time: (r0 r1) -> lanes interleaved
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // then 64-bit pairs of those
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int h = 0; h < 16; h += 8)  // then 128-bit lanes, twice
+    for (int i = 0; i < 4; ++i) {
+      t[h + i] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0x88);
+      t[h + i + 4] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0xdd);
+    }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+
+// x's M rows of K bfloat16 (ldx apart, which may be odd) as B tiles want them: out[p * M + m] = x[m, 2p .. 2p + 1],
+// 16 x 16 blocks of pairs transposed in registers (a copy at a time took a tenth of a 32-row call, on one thread).
+inline void amx_pairs(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, uint32_t* out) {
+  __m512i r[16];
+  for (int64_t m0 = 0; m0 < M; m0 += 16) {
+    const int64_t rows = std::min<int64_t>(16, M - m0);
+    const __mmask16 live = static_cast<__mmask16>((1u << rows) - 1);
+    for (int64_t p0 = 0; p0 < K / 2; p0 += 16) {  // K / 2 is a multiple of 16
+      for (int64_t i = 0; i < 16; ++i)
+        r[i] = i < rows ? _mm512_loadu_si512(x + (m0 + i) * ldx + 2 * p0) : _mm512_setzero_si512();
+      transpose16(r);
+      for (int64_t i = 0; i < 16; ++i) _mm512_mask_storeu_epi32(out + (p0 + i) * M + m0, live, r[i]);
+    }
+  }
+}
+
 template <int P, typename Weight>
 void amx_matmul_impl(const at::Tensor& x, const Weight& w, at::Tensor& y) {
   const int64_t M = x.size(0), K = w.K, N = y.size(1), ldx = x.stride(0);
@@ -811,9 +851,7 @@ void amx_matmul_impl(const at::Tensor& x, const Weight& w, at::Tensor& y) {
   std::vector<uint32_t> pairs;
   if (M > 1) {
     pairs.resize(K / 2 * M);
-    const auto* rows = reinterpret_cast<const uint16_t*>(x.data_ptr());  // ldx may be odd
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t p = 0; p < K / 2; ++p) std::memcpy(&pairs[p * M + m], rows + m * ldx + 2 * p, 4);
+    amx_pairs(reinterpret_cast<const uint16_t*>(x.data_ptr()), M, K, ldx, pairs.data());
     xp = pairs.data();
   }
   // column tiles a group takes: as many as the C tiles the rows leave (4 / row tiles), fewer where that spreads the
