@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from llmplug.layers.kernels.amx_linear import amx_linear_enabled, pack_weight
+from llmplug.layers.kernels.int4_matmul import NativeInt4
 from llmplug.layers.kernels.native import native_available, ops
 from llmplug.layers.linear import ReplicatedLinear
 from llmplug.layers.packed_linear import AmxLinearMethod
-from llmplug.layers.quantization import LinearOptions, process_weights_after_loading
+from llmplug.layers.quantization import Int4Groups, LinearOptions, process_weights_after_loading
 from llmplug.layers.row_invariance import cancelling_weight, order_sensitive_rows
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="llmplug's CPU kernels are not built here")
@@ -114,6 +115,25 @@ def test_the_op_passes_torchs_opcheck_its_fake_included() -> None:
     x, w, bias = integer_case(3, 48, 64)
     checks = torch.library.opcheck(ops().amx_linear.default, (x, pack_weight(w), bias, 48))
     assert set(checks.values()) == {"SUCCESS"}, checks
+
+
+@needs_amx
+@pytest.mark.parametrize("planes", [1, 2])
+def test_int4s_amx_path_gives_this_kernels_bits_on_the_decoded_weight(planes: int) -> None:
+    """Both sum each output with TDPBF16PS over k in order, on the same bf16 weights (int4_matmul decodes them as
+    Int4Groups.dequantize rounds them): on AMX, int4 decode computes exactly the dense layer of its weights."""
+    g = torch.Generator().manual_seed(planes)
+    n, k, group = 200, 608, 32
+    q = torch.randint(0, 16, (planes, n, k), generator=g, dtype=torch.uint8)
+    scale = torch.rand(planes, n, k // group, generator=g) * 0.01
+    zero = torch.randn(planes, n, k // group, generator=g) * 0.01
+    groups = Int4Groups(q, scale, zero, group)
+    packed = pack_weight(groups.dequantize().bfloat16())
+    int4 = NativeInt4.pack(groups, torch.bfloat16)
+    x = torch.randn(64, k, generator=g).bfloat16()
+    x[:, 0], x[:, -1] = 2.0**10, -(2.0**10)  # cancelling: another summation order shows in the bits
+    for m in (1, 7, 16, 33, 64):
+        assert torch.equal(int4.matmul(x[:m]), ops().amx_linear(x[:m], packed, None, n)), m
 
 
 @pytest.mark.skipif(not native_available() or amx_linear_enabled(), reason="AMX runs here")
