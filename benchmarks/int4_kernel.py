@@ -31,6 +31,7 @@ from typing import Callable
 
 import torch
 
+from llmplug.layers.kernels.amx_linear import AMX_ENV
 from llmplug.layers.kernels.int4_matmul import NativeInt4, native_int4_available
 from llmplug.layers.quantization import Int4Groups, PackedInt4
 
@@ -136,7 +137,7 @@ def main() -> None:
     uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     print(f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {torch.get_num_threads()} threads, "
           f"{args.layers} layers + head, bf16, best of {args.rounds} rounds x {args.steps} steps, "
-          f"LLMPLUG_CPU_AMX={os.environ.get('LLMPLUG_CPU_AMX', '')!r}")
+          f"{AMX_ENV}={os.environ.get(AMX_ENV, '')!r}")
     print(f"load before: {uptime}")
     print("| M | native ms | native f32 groups ms | torch int4 ms | dense bf16 ms | native / f32 groups | "
           "native / torch int4 | native / dense |")

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from llmplug.layers.kernels.amx_linear import amx_linear_enabled, pack_weight
+from llmplug.layers.kernels.amx_linear import AMX_ENV, amx_linear_enabled, pack_weight
 from llmplug.layers.kernels.int4_matmul import NativeInt4
 from llmplug.layers.kernels.native import native_available, ops
 from llmplug.layers.linear import ReplicatedLinear
@@ -159,7 +159,7 @@ def test_batch_invariant_bf16_layers_use_it_and_others_keep_onednn() -> None:
 
 
 @needs_amx
-@pytest.mark.parametrize("env", [{"LLMPLUG_CPU_AMX": "0"}, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}])
+@pytest.mark.parametrize("env", [{AMX_ENV: "0"}, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}])
 def test_the_switch_and_an_isa_cap_below_amx_turn_it_off(env: dict[str, str]) -> None:
     """Read once per process (by the kernels, for the int4 kernel's AMX path too): checked in a fresh one."""
     probe = ("from llmplug.layers.kernels.amx_linear import amx_linear_enabled; "

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from llmplug.core.config import DEFAULT_MODEL
+from llmplug.layers.kernels.amx_linear import AMX_ENV
 from llmplug.layers.kernels.int4_matmul import NativeInt4, native_int4_available
 from llmplug.layers.kernels.native import ops
 from llmplug.layers.quantization import Int4Groups
@@ -359,7 +360,6 @@ def test_the_op_passes_torchs_opcheck_its_fake_included(good):
 # The AMX path (bfloat16 activations where AMX runs; LLMPLUG_CPU_AMX=0 turns it off, read once per process, so
 # each switch is computed in a subprocess and checked here): TDPBF16PS sums each output over the K blocks in order,
 # its own order, not the AVX-512 lanes'.
-AMX_ENV = "LLMPLUG_CPU_AMX"
 AMX_CASES = [  # (form, planes, n, k): one and two planes, int8 codes, 3 planes; partial column tiles (n % 16)
     ("float16 groups", 1, 200, 576), ("float16 groups", 2, 70, 608), ("Q4_0", 1, 70, 608),
     ("float32 groups", 1, 37, 96), ("float32 groups", 2, 13, 160), ("bfloat16 groups", 3, 33, 96),
