@@ -41,6 +41,18 @@ def test_silu_and_mul_matches_torch(dtype: torch.dtype) -> None:
         assert torch.equal(ops().silu_and_mul(x), expected)
 
 
+
+def test_bf16_silu_and_mul_gives_torchs_bits_for_every_gate() -> None:
+    """Every finite bf16 gate (16 a row: the AVX-512 path's lanes, where it runs) against torch's silu and product."""
+    gates = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    gates = gates[torch.isfinite(gates.float())][: 65280]
+    for up in (1.0, -3.5, 2.0**-7, 117.0):
+        ups = torch.full_like(gates, up)
+        got = ops().silu_and_mul(torch.cat([gates.view(-1, 16), ups.view(-1, 16)], 1)).view(-1)
+        expected = F.silu(gates) * ups
+        assert torch.equal(got.isnan(), expected.isnan())
+        assert torch.equal(got.nan_to_num(), expected.nan_to_num()), f"up = {up}"
+
 def test_layers_take_the_kernels_on_cpu_tensors_and_the_switch_turns_them_off(monkeypatch: pytest.MonkeyPatch) -> None:
     x = torch.randn(4, 64, dtype=torch.bfloat16)
     monkeypatch.delenv(KERNELS_ENV, raising=False)

@@ -20,6 +20,7 @@
 #include <cstring>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__F16C__)
@@ -27,6 +28,7 @@
 #endif
 #if defined(__AVX512F__)
 #define LLMPLUG_AVX512 1
+#include "bf16.h"
 #endif
 
 // glibc's vector variants of expf (libmvec): lets `#pragma omp simd` loops call them without -ffast-math
@@ -152,6 +154,22 @@ at::Tensor fused_add_rms_norm(at::Tensor x, const at::Tensor& residual, const at
   return rms_norm_impl(x, residual, weight, eps);
 }
 
+#ifdef LLMPLUG_AVX512
+// glibc's 16-lane expf (libmvec): what `#pragma omp simd` loops call where the compiler picks 512-bit vectors
+extern "C" __m512 _ZGVeN16v_expf(__m512) noexcept;
+
+// silu(gate) * up of 16 bf16 lanes with the scalar loop's roundings (silu to bf16, then the product to bf16): the
+// compiler's vectorization of that loop (8 lanes here) took ~3 cycles an element, this ~2.
+inline __m256i silu_and_mul16(const uint16_t* gate, const uint16_t* up) {
+  const __m512 g = BF16::load16(gate);
+  const __m512 minus_g = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), _mm512_set1_epi32(INT32_MIN)));
+  const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), _ZGVeN16v_expf(minus_g)));
+  const __m256i silu_bits = llmplug::bf16_bits(silu);
+  return llmplug::bf16_bits(_mm512_mul_ps(BF16::load16(reinterpret_cast<const uint16_t*>(&silu_bits)),
+                                          BF16::load16(up)));
+}
+#endif
+
 // x [N, 2d] = [gate | up] (rows may be strided) -> silu(gate) * up [N, d].
 at::Tensor silu_and_mul(const at::Tensor& x) {
   check_rows(x, "silu_and_mul", "x");
@@ -168,8 +186,15 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
         const raw* gate = xp + i * xs;
         const raw* up = gate + d;
         raw* o = op + i * d;
+        int64_t vectorized = 0;
+#ifdef LLMPLUG_AVX512
+        if constexpr (std::is_same_v<T, BF16>)
+          for (; vectorized + 16 <= d; vectorized += 16)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + vectorized),
+                                silu_and_mul16(gate + vectorized, up + vectorized));
+#endif
 #pragma omp simd
-        for (int64_t c = 0; c < d; ++c) {
+        for (int64_t c = vectorized; c < d; ++c) {
           const float g = T::load(gate[c]);
           o[c] = T::store(T::load(T::store(g / (1.f + expf(-g)))) * T::load(up[c]));
         }
