@@ -7,7 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import llmplug.layers.int8_linear as int8_linear
 from llmplug.layers.int8_linear import Int8LinearMethod, int8_matmul_exact, quantize_rows
+from llmplug.layers.kernels.amx_linear import amx_linear_enabled
 from llmplug.layers.linear import ReplicatedLinear
 from llmplug.layers.quantization import LinearOptions, process_weights_after_loading
 
@@ -34,7 +36,8 @@ def test_layer_output_is_the_exact_integer_product_scaled() -> None:
     assert isinstance(method, Int8LinearMethod)
     x = torch.randn(7, 96)
     q, scale = quantize_rows(x)
-    expected = (q.double() @ method.weight_t.double()) * scale.double() * method.scale.double() + layer.bias.double()
+    codes = (layer.weight.float() / method.scale[:, None]).round().clamp(-127, 127)  # the weight's int8 codes
+    expected = (q.double() @ codes.double().T) * scale.double() * method.scale.double() + layer.bias.double()
     torch.testing.assert_close(layer(x).double(), expected, rtol=1e-6, atol=1e-6)
     # and within int8's error of the dense layer
     dense = F.linear(x, layer.weight, layer.bias)
@@ -68,3 +71,24 @@ def test_without_an_exact_int8_matmul_int8_is_an_error(monkeypatch: pytest.Monke
     layer = ReplicatedLinear(64, 32, bias=False)
     with pytest.raises(ModelLoadError, match="quantization=int8 needs an exact int8 matmul"):
         process_weights_after_loading(layer, INT8)
+
+
+@pytest.mark.skipif(not amx_linear_enabled(), reason="llmplug's AMX kernels do not run here")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16], ids=str)
+def test_the_amx_int8_kernel_gives_the_torch_ops_bits(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
+    """On AMX the codes are packed for amx_int8_linear; its outputs equal torch._int_mm's path bit for bit (the same
+    per-token quantization, exact int32 sums, the same float32 steps), for any rows and with a bias."""
+    gen = torch.Generator().manual_seed(5)
+    for n, k in ((48, 64), (100, 576), (576, 1536)):
+        weight, bias = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen).to(dtype)
+        amx = Int8LinearMethod(weight)
+        monkeypatch.setattr(int8_linear, "amx_linear_enabled", lambda: False)
+        reference = Int8LinearMethod(weight)
+        monkeypatch.undo()
+        assert amx.packed is not None and reference.packed is None
+        x = (torch.randn(70, k, generator=gen) * 3).to(dtype)
+        x[1] = 0  # an all-zero row
+        for rows in (1, 2, 16, 17, 33, 70):
+            for b in (None, bias):
+                assert torch.equal(amx.apply(None, x[:rows], b), reference.apply(None, x[:rows], b)), (n, k, rows)
+    assert Int8LinearMethod(torch.randn(8, 96)).packed is None  # K not a multiple of 64: torch's int8 matmul

@@ -20,10 +20,10 @@ import torch.nn.functional as F
 
 from llmplug.layers.kernels.native import native_available, ops
 
-__all__ = ["AMX_ENV", "amx_linear", "amx_linear_enabled", "pack_weight", "packable"]
+__all__ = ["AMX_ENV", "amx_int8_linear", "amx_linear", "amx_linear_enabled", "pack_weight", "packable"]
 
 AMX_ENV = "LLMPLUG_CPU_AMX"  # "auto" (default): AMX where it runs; "0": never (read by the kernels, amx.h)
-_TILE_DEPTH, _COLUMN_TILES = 32, 32  # k a tile product sums; outputs a task computes (the packed rows' multiple)
+_TILE_BYTES, _COLUMN_TILES = 64, 32  # bytes of k a tile row holds; outputs a task computes (the packed rows' multiple)
 
 
 @functools.cache
@@ -32,23 +32,40 @@ def amx_linear_enabled() -> bool:
     return native_available() and bool(ops().amx_enabled())
 
 
+def _depth(weight: torch.Tensor) -> int:
+    """k a tile row holds: 32 bf16 (TDPBF16PS's pairs), 64 int8 (TDPBSSD's quads)."""
+    return _TILE_BYTES // weight.element_size()
+
+
 def packable(weight: torch.Tensor) -> bool:
-    """Whether the kernel takes this weight: 2-D bfloat16 on the CPU, K a multiple of 32."""
-    return (weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
-            and weight.shape[1] % _TILE_DEPTH == 0)
+    """Whether the kernels take this weight: 2-D bfloat16 (amx_linear) or int8 (amx_int8_linear) on the CPU, K a
+    multiple of a tile row's k (32, 64)."""
+    return (weight.dim() == 2 and weight.dtype in (torch.bfloat16, torch.int8) and weight.device.type == "cpu"
+            and weight.shape[1] % _depth(weight) == 0)
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> the kernel's tiles [N' / 16, K / 32, 16, 32], N' = N rounded up to 32 with zero rows: tile (j, t)
-    row p holds the pair k = 32 t + 2 p, + 1 of outputs 16 j .. 16 j + 15 (AMX's B-tile layout)."""
+    """[N, K] -> the kernels' tiles [N' / 16, K / D, 16, D], N' = N rounded up to 32 with zero rows, D = 32 (bf16) or
+    64 (int8): tile (j, t) row p holds k = D t + V p .. + V - 1 of outputs 16 j .. 16 j + 15, V = 2 (bf16) or 4
+    (int8) values of k to a 4-byte word (AMX's B-tile layout)."""
     out_features, in_features = weight.shape
+    depth, per_word = _depth(weight), 4 // weight.element_size()
     rows = -(-out_features // _COLUMN_TILES) * _COLUMN_TILES
     padded = F.pad(weight.detach(), (0, 0, 0, rows - out_features))
-    tiles = padded.view(rows // 16, 16, in_features // _TILE_DEPTH, 16, 2).permute(0, 2, 3, 1, 4)
-    return tiles.reshape(rows // 16, in_features // _TILE_DEPTH, 16, _TILE_DEPTH).contiguous()
+    tiles = padded.view(rows // 16, 16, in_features // depth, 16, per_word).permute(0, 2, 3, 1, 4)
+    return tiles.reshape(rows // 16, in_features // depth, 16, depth).contiguous()
 
 
 def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """x [..., K] bf16 times the packed weight, plus bias -> [..., out_features] bf16."""
     rows = x.reshape(-1, x.shape[-1])
     return ops().amx_linear(rows, packed, bias, out_features).view(*x.shape[:-1], out_features)
+
+
+def amx_int8_linear(x: torch.Tensor, packed: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                    out_features: int) -> torch.Tensor:
+    """x [..., K] (bf16 or float32) times int8 codes packed by `pack_weight`, scaled per output (float32 [N]), plus
+    bias -> [..., out_features] in x's dtype: the rows quantized per token and summed exactly in int32 with TDPBSSD
+    (Int8LinearMethod's W8A8 product, bit for bit)."""
+    rows = x.reshape(-1, x.shape[-1])
+    return ops().amx_int8_linear(rows, packed, weight_scale, bias, out_features).view(*x.shape[:-1], out_features)

@@ -110,6 +110,37 @@ def test_bad_arguments_are_refused_by_name_then_a_good_call_works(args, named) -
     assert torch.equal(ops().amx_linear(x, packed, bias, 48), (x.double() @ w.double().T + bias.double()).bfloat16())
 
 
+def test_int8_codes_pack_four_k_to_a_word() -> None:
+    """int8: tile (j, t) row p holds k = 64 t + 4 p .. + 3 of outputs 16 j .. 16 j + 15 (TDPBSSD's B layout)."""
+    w = torch.randint(-127, 128, (40, 128), dtype=torch.int8, generator=torch.Generator().manual_seed(2))
+    packed = pack_weight(w)
+    assert packed.shape == (4, 2, 16, 64) and packed.dtype == torch.int8
+    for j, t, p, c in [(0, 0, 0, 0), (1, 1, 5, 7), (2, 0, 15, 13), (0, 1, 3, 63)]:
+        assert packed[j, t, p, c] == w[16 * j + c // 4, 64 * t + 4 * p + c % 4]
+    assert not packed[2, :, :, 32:].any() and not packed[3].any()  # outputs 40..63: zero rows
+
+
+@needs_amx
+@pytest.mark.parametrize("args, named", [
+    (lambda x, p, s: (x.half(), p, s, None, 48), "x must be bfloat16 or float32 \\[M, K\\], K a multiple of 64"),
+    (lambda x, p, s: (x[:, :32], p, s, None, 48), "K a multiple of 64"),
+    (lambda x, p, s: (x, p.float(), s, None, 48), "packed must be contiguous int8"),
+    (lambda x, p, s: (x, p, s[:40], None, 48), "weight_scale must be contiguous float32 \\[48\\]"),
+    (lambda x, p, s: (x, p, s, torch.zeros(47), 48), "bias must be \\[48\\]"),
+])
+def test_the_int8_kernel_refuses_bad_arguments_by_name_then_a_good_call_works(args, named) -> None:
+    """Integer inputs whose per-row scale is 1 (each row's largest |x| is 127): the exact product, scaled."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(-127, 128, (3, 64), generator=g).float()
+    x[:, 0] = 127
+    w = torch.randint(-127, 128, (48, 64), dtype=torch.int8, generator=g)
+    packed, scale = pack_weight(w), torch.full((48,), 0.5)
+    with pytest.raises(RuntimeError, match=named):
+        ops().amx_int8_linear(*args(x, packed, scale))
+    expected = (x.double() @ w.double().T) * 0.5
+    assert torch.equal(ops().amx_int8_linear(x, packed, scale, None, 48), expected.float())
+
+
 @needs_amx
 def test_the_op_passes_torchs_opcheck_its_fake_included() -> None:
     x, w, bias = integer_case(3, 48, 64)

@@ -1,7 +1,7 @@
 """llmplug's CPU kernels (`ops.cpp`): RMSNorm with its residual add, SiLU-and-mul, rotary, the KV write, paged
 attention, and the matmul of GGUF-quantized weights from their raw blocks (llmplug.quantization.gguf); (`fp8.cpp`)
 the matmul of fp8 weights with their scales (llmplug.quantization.fp8); (`int4.cpp`) the matmul of weight-only int4
-groups (llmplug.layers.kernels.int4_matmul); (`amx_linear.cpp`) the bf16 matmul on Intel AMX tiles
+groups (llmplug.layers.kernels.int4_matmul); (`amx_linear.cpp`) the bf16 and int8 (W8A8) matmuls on Intel AMX tiles
 (llmplug.layers.kernels.amx_linear); (`decoder_stack.cpp`) `torch.classes.llmplug_cpu.DecoderStack`, a
 model's plain int4 layers run as one call a step (llmplug.layers.decoder.native_stack).
 
@@ -120,6 +120,7 @@ def _register_fakes() -> None:
         "fp8_matmul": lambda x, w, scale: x.new_empty(x.shape[0], w.shape[0]),
         "int4_matmul": lambda x, qweight, scales, zeros, group_size: x.new_empty(x.shape[0], qweight.shape[0]),
         "amx_linear": lambda x, packed, bias, out_features: x.new_empty(x.shape[0], out_features),
+        "amx_int8_linear": lambda x, packed, scale, bias, out_features: x.new_empty(x.shape[0], out_features),
         "gguf_get_rows": lambda w, ids, type_id, tables, out: None,
     }
     for name, fake in fakes.items():

@@ -26,6 +26,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
@@ -68,8 +69,9 @@ bool amx_enabled() {
 namespace {
 
 constexpr int64_t kTileRows = 16;   // rows of x (and outputs) a tile
-constexpr int64_t kTileDepth = 32;  // k a tile product sums
-constexpr int64_t kOutputs = 32;    // outputs a task computes: two B tiles
+constexpr int64_t kOutputs = 32;    // outputs a pair of B tiles holds
+constexpr int64_t kBf16Depth = 32;  // k a row of a tile holds (64 bytes): bf16
+constexpr int64_t kInt8Depth = 64;  // and int8
 
 #ifdef LLMPLUG_AMX
 
@@ -81,6 +83,30 @@ void configure_tiles() {
   _tile_loadconfig(&config);
 }
 
+// What a tile product multiplies: bf16 pairs summed into float32 (TDPBF16PS), or int8 quads into int32 (TDPBSSD,
+// exact). A tile row is 64 bytes: kDepth k of x, or of one output's weights.
+struct Bf16Tiles {
+  using Element = c10::BFloat16;
+  using Sum = float;
+  static constexpr int64_t kDepth = kBf16Depth;
+};
+
+struct Int8Tiles {
+  using Element = int8_t;
+  using Sum = int32_t;
+  static constexpr int64_t kDepth = kInt8Depth;
+};
+
+// C += A B for Tiles' kind (the intrinsics name their tiles in the instruction's text: numbers, not values)
+#define LLMPLUG_TILE_PRODUCT(C, A, B)                           \
+  do {                                                          \
+    if constexpr (std::is_same_v<Tiles, Int8Tiles>) {           \
+      _tile_dpbssd(C, A, B);                                    \
+    } else {                                                    \
+      _tile_dpbf16ps(C, A, B);                                  \
+    }                                                           \
+  } while (0)
+
 // out[i] = c10::BFloat16(in[i] + bias[i]) for the first `count` (<= 16) of 16 lanes (bf16.h).
 inline void round_store(c10::BFloat16* out, const float* in, const float* bias, int64_t count) {
   const __mmask16 live = count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1);
@@ -90,14 +116,15 @@ inline void round_store(c10::BFloat16* out, const float* in, const float* bias, 
 }
 
 // Adds k tiles [t0, t1) of x's rows `a` (ldx apart; Rows x 16 rows) against the packed weight's two column tiles
-// `b0`, `b1` (1 KB a k tile) to the float32 sums [Rows x 16][32 outputs] in `sums` (zeros first where t0 == 0). The
-// sums leave the tiles exactly as they are, so a sum made in chunks of k is the one a single pass makes.
-template <int Rows>
-void tile_sums(const c10::BFloat16* a, int64_t ldx, const c10::BFloat16* b0, const c10::BFloat16* b1, int64_t t0,
-               int64_t t1, float* sums) {
-  constexpr int64_t kTileElements = kTileRows * kTileDepth;  // bf16 in a packed tile
-  constexpr int64_t stride = kOutputs * sizeof(float);
-  float* const lower = sums + kTileRows * kOutputs;  // the second row tile's sums
+// `b0`, `b1` (1 KB a k tile) to the sums [Rows x 16][32 outputs] in `sums` (zeros first where t0 == 0). The sums
+// leave the tiles exactly as they are, so a sum made in chunks of k is the one a single pass makes.
+template <typename Tiles, int Rows>
+void tile_sums(const typename Tiles::Element* a, int64_t ldx, const typename Tiles::Element* b0,
+               const typename Tiles::Element* b1, int64_t t0, int64_t t1, typename Tiles::Sum* sums) {
+  constexpr int64_t kDepth = Tiles::kDepth, kTileElements = kTileRows * kDepth;  // elements of a packed tile
+  constexpr int64_t stride = kOutputs * 4;                                        // bytes a row of sums
+  const int64_t lda = ldx * int64_t(sizeof(typename Tiles::Element));
+  typename Tiles::Sum* const lower = sums + kTileRows * kOutputs;  // the second row tile's sums
   if (t0 == 0) {
     _tile_zero(0);
     _tile_zero(1);
@@ -116,13 +143,13 @@ void tile_sums(const c10::BFloat16* a, int64_t ldx, const c10::BFloat16* b0, con
   for (int64_t t = t0; t < t1; ++t) {
     _tile_loadd(6, b0 + t * kTileElements, 64);
     _tile_loadd(7, b1 + t * kTileElements, 64);
-    _tile_loadd(4, a + t * kTileDepth, ldx * 2);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(4, a + t * kDepth, lda);
+    LLMPLUG_TILE_PRODUCT(0, 4, 6);
+    LLMPLUG_TILE_PRODUCT(1, 4, 7);
     if constexpr (Rows == 2) {
-      _tile_loadd(5, a + kTileRows * ldx + t * kTileDepth, ldx * 2);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
+      _tile_loadd(5, a + kTileRows * ldx + t * kDepth, lda);
+      LLMPLUG_TILE_PRODUCT(2, 5, 6);
+      LLMPLUG_TILE_PRODUCT(3, 5, 7);
     }
   }
   _tile_stored(0, sums, stride);
@@ -135,64 +162,60 @@ void tile_sums(const c10::BFloat16* a, int64_t ldx, const c10::BFloat16* b0, con
 
 // Cache blocking. A tile load that misses L1 costs several times a tile product here (an L2 tile ~4x an L1 one), so
 // a task takes one block of x's rows against a group of column pairs, k in chunks: a block's chunk of x (32 rows x
-// 288 k, 18 KiB) stays in L1 while the group's pairs pass (18 KiB each), and a group's packed weight (<= ~1 MiB)
+// 576 bytes, 18 KiB) stays in L1 while the group's pairs pass (18 KiB each), and a group's packed weight (<= ~1 MiB)
 // stays in L2 while the blocks pass. 1.5-1.9 -> 2.6-3.3 TFLOP/s at prefill sizes on 2 cores (docs/kernels.md).
-constexpr int64_t kChunkTiles = 9;          // k tiles (32 k each) a chunk
-constexpr int64_t kGroupBytes = 1 << 20;    // a group's packed weight, at most (unless one pair is more)
+constexpr int64_t kChunkTiles = 9;        // k tiles a chunk
+constexpr int64_t kGroupBytes = 1 << 20;  // a group's packed weight, at most (unless one pair is more)
 
-void amx_linear_impl(const at::Tensor& x, const at::Tensor& packed, const float* bias, at::Tensor& y) {
-  const int64_t M = x.size(0), K = x.size(1), N = y.size(1), ldx = x.stride(0);
-  const int64_t depth_tiles = K / kTileDepth, pairs = packed.size(0) / 2;
+// x [M, K] (rows ldx apart) times the packed weight ([pairs * 2 tiles of 16 outputs, K / kDepth, 16, 64 bytes]):
+// calls store(m0, rows, pair, sums) once per block of rows and pair of column tiles with their finished sums, row r's
+// 32 outputs 32 pair.. at sums + 32 r. Every sum is its output's tile products over K in order, whatever M.
+template <typename Tiles, typename Store>
+void tile_product(const typename Tiles::Element* xp, int64_t M, int64_t K, int64_t ldx,
+                  const typename Tiles::Element* wp, int64_t pairs, const Store& store) {
+  using Element = typename Tiles::Element;
+  const int64_t depth_tiles = K / Tiles::kDepth;
   // a block: 32 rows (16 where M is at most 16: a decode step computes no padding rows it need not)
   const int64_t block_rows = M <= kTileRows ? kTileRows : 2 * kTileRows;
   const int64_t blocks = ceil_div(M, block_rows);
-  const int64_t column_tile = depth_tiles * kTileRows * kTileDepth;  // bf16 per packed column of tiles
+  const int64_t column_tile = depth_tiles * kTileRows * Tiles::kDepth;  // elements per packed column of tiles
   // groups of pairs: within kGroupBytes, and enough tasks (4 a thread) for the threads where blocks are few
-  const int64_t fit = std::max<int64_t>(1, kGroupBytes / (2 * column_tile * int64_t(sizeof(c10::BFloat16))));
+  const int64_t fit = std::max<int64_t>(1, kGroupBytes / (2 * column_tile * int64_t(sizeof(Element))));
   const int64_t wanted = std::max(ceil_div(pairs, fit), std::min(pairs, ceil_div(4 * at::get_num_threads(), blocks)));
   const int64_t per_group = ceil_div(pairs, wanted), groups = ceil_div(pairs, per_group);
-  const auto* xp = reinterpret_cast<const c10::BFloat16*>(x.data_ptr());
-  const auto* wp = reinterpret_cast<const c10::BFloat16*>(packed.data_ptr());
-  auto* yp = reinterpret_cast<c10::BFloat16*>(y.data_ptr());
   at::parallel_for(0, groups * blocks, 1, [&](int64_t begin, int64_t end) {
     configure_tiles();  // per thread and chunk: oneDNN's kernels, on the same thread, configure their own
     // the last block's rows, zero rows after them (whole tiles of x), made once per chunk: only the last is short
-    std::vector<c10::BFloat16> padded;
+    std::vector<Element> padded;
     // each pair's sums between k chunks, 64-byte aligned (a tile load or store across cache lines costs ~3x)
     constexpr int64_t kSums = 2 * kTileRows * kOutputs;
-    std::vector<float> storage(per_group * kSums + 16);
-    float* const sums = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t(63));
+    std::vector<typename Tiles::Sum> storage(per_group * kSums + 16);
+    auto* const sums = reinterpret_cast<typename Tiles::Sum*>(
+        (reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t(63));
     for (int64_t task = begin; task < end; ++task) {
       const int64_t group = task / blocks, m0 = task % blocks * block_rows;
       const int64_t rows = std::min(block_rows, M - m0);
       const int64_t first = group * per_group, last = std::min(pairs, first + per_group);
-      const c10::BFloat16* a = xp + m0 * ldx;
+      const Element* a = xp + m0 * ldx;
       int64_t lda = ldx;
       if (rows < block_rows) {
         if (padded.empty()) {
-          padded.assign(block_rows * K, c10::BFloat16(0.0f));
-          for (int64_t r = 0; r < rows; ++r) std::memcpy(&padded[r * K], a + r * ldx, K * sizeof(c10::BFloat16));
+          padded.assign(block_rows * K, Element{});
+          for (int64_t r = 0; r < rows; ++r) std::memcpy(&padded[r * K], a + r * ldx, K * sizeof(Element));
         }
         a = padded.data(), lda = K;
       }
       for (int64_t t0 = 0; t0 < depth_tiles; t0 += kChunkTiles) {
         const int64_t t1 = std::min(depth_tiles, t0 + kChunkTiles);
         for (int64_t pair = first; pair < last; ++pair) {
-          float* pair_sums = sums + (pair - first) * kSums;
-          const c10::BFloat16* b0 = wp + 2 * pair * column_tile;
+          auto* pair_sums = sums + (pair - first) * kSums;
+          const Element* b0 = wp + 2 * pair * column_tile;
           if (block_rows == kTileRows) {
-            tile_sums<1>(a, lda, b0, b0 + column_tile, t0, t1, pair_sums);
+            tile_sums<Tiles, 1>(a, lda, b0, b0 + column_tile, t0, t1, pair_sums);
           } else {
-            tile_sums<2>(a, lda, b0, b0 + column_tile, t0, t1, pair_sums);
+            tile_sums<Tiles, 2>(a, lda, b0, b0 + column_tile, t0, t1, pair_sums);
           }
-          if (t1 < depth_tiles) continue;
-          const int64_t n0 = pair * kOutputs, outputs = std::min(kOutputs, N - n0);
-          for (int64_t r = 0; r < rows; ++r) {
-            for (int64_t c = 0; c < outputs; c += 16) {
-              round_store(yp + (m0 + r) * N + n0 + c, pair_sums + r * kOutputs + c, bias ? bias + n0 + c : nullptr,
-                          std::min<int64_t>(16, outputs - c));
-            }
-          }
+          if (t1 == depth_tiles) store(m0, rows, pair, pair_sums);
         }
       }
     }
@@ -200,6 +223,81 @@ void amx_linear_impl(const at::Tensor& x, const at::Tensor& packed, const float*
   });
 }
 
+void amx_linear_impl(const at::Tensor& x, const at::Tensor& packed, const float* bias, at::Tensor& y) {
+  const int64_t N = y.size(1);
+  auto* yp = reinterpret_cast<c10::BFloat16*>(y.data_ptr());
+  tile_product<Bf16Tiles>(reinterpret_cast<const c10::BFloat16*>(x.data_ptr()), x.size(0), x.size(1), x.stride(0),
+                          reinterpret_cast<const c10::BFloat16*>(packed.data_ptr()), packed.size(0) / 2,
+                          [&](int64_t m0, int64_t rows, int64_t pair, const float* sums) {
+                            const int64_t n0 = pair * kOutputs, outputs = std::min(kOutputs, N - n0);
+                            for (int64_t r = 0; r < rows; ++r)
+                              for (int64_t c = 0; c < outputs; c += 16)
+                                round_store(yp + (m0 + r) * N + n0 + c, sums + r * kOutputs + c,
+                                            bias ? bias + n0 + c : nullptr, std::min<int64_t>(16, outputs - c));
+                          });
+}
+
+
+// 16 values of x as float32: bf16 widened, float32 as they are.
+inline __m512 load16(const c10::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
+      reinterpret_cast<const __m256i*>(p))), 16));
+}
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline void store16(c10::BFloat16* p, __m512 v, __mmask16 live) { _mm256_mask_storeu_epi16(p, live, llmplug::bf16_bits(v)); }
+inline void store16(float* p, __m512 v, __mmask16 live) { _mm512_mask_storeu_ps(p, live, v); }
+
+// Each row of x [M, K] (K a multiple of 16) as int8 codes and a float32 scale, int8_linear.quantize_rows's
+// arithmetic: scale = max(max |x|, 1e-30) / 127, code = x / scale rounded half to even (within -127..127).
+template <typename T>
+void quantize_rows(const T* x, int64_t M, int64_t K, int64_t ldx, int8_t* codes, float* scales) {
+  at::parallel_for(0, M, std::max<int64_t>(1, (1 << 14) / K), [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const T* row = x + m * ldx;
+      __m512 top = _mm512_setzero_ps();
+      for (int64_t k = 0; k < K; k += 16) top = _mm512_max_ps(top, _mm512_abs_ps(load16(row + k)));
+      const float scale = std::max(_mm512_reduce_max_ps(top), 1e-30f) / 127.0f;
+      scales[m] = scale;
+      const __m512 divisor = _mm512_set1_ps(scale);
+      for (int64_t k = 0; k < K; k += 16) {
+        const __m512 q = _mm512_roundscale_ps(_mm512_div_ps(load16(row + k), divisor),
+                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + m * K + k), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(q)));
+      }
+    }
+  });
+}
+
+// y = x W^T for int8 W (packed) with per-output scales: x's rows quantized (quantize_rows), summed exactly in int32
+// by TDPBSSD, then float(sum) * x's scale * w's scale (+ bias), each step rounded in float32 as Int8LinearMethod's
+// torch ops round, and rounded once to y's dtype.
+template <typename T>
+void amx_int8_impl(const at::Tensor& x, const at::Tensor& packed, const float* weight_scale, const float* bias,
+                   at::Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1), N = y.size(1);
+  at::Tensor codes = at::empty({M, K}, x.options().dtype(at::kChar));
+  at::Tensor scales = at::empty({M}, x.options().dtype(at::kFloat));
+  quantize_rows(reinterpret_cast<const T*>(x.data_ptr()), M, K, x.stride(0), codes.data_ptr<int8_t>(),
+                scales.data_ptr<float>());
+  const float* sx = scales.data_ptr<float>();
+  T* yp = reinterpret_cast<T*>(y.data_ptr());
+  tile_product<Int8Tiles>(codes.data_ptr<int8_t>(), M, K, K, packed.data_ptr<int8_t>(), packed.size(0) / 2,
+                          [&](int64_t m0, int64_t rows, int64_t pair, const int32_t* sums) {
+                            const int64_t n0 = pair * kOutputs, outputs = std::min(kOutputs, N - n0);
+                            for (int64_t r = 0; r < rows; ++r) {
+                              const __m512 row_scale = _mm512_set1_ps(sx[m0 + r]);
+                              for (int64_t c = 0; c < outputs; c += 16) {
+                                const int64_t count = std::min<int64_t>(16, outputs - c);
+                                const __mmask16 live = count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1);
+                                const __m512i sum = _mm512_maskz_loadu_epi32(live, sums + r * kOutputs + c);
+                                __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum), row_scale),
+                                                         _mm512_maskz_loadu_ps(live, weight_scale + n0 + c));
+                                if (bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(live, bias + n0 + c));
+                                store16(yp + (m0 + r) * N + n0 + c, v, live);
+                              }
+                            }
+                          });
+}
 #endif
 
 // x [M, K] bfloat16 (columns contiguous) times the packed weight of `out_features` outputs, plus bias [N] (bfloat16
@@ -217,11 +315,11 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const std::
               "got ", x.scalar_type(), " ", x.sizes());
   const int64_t K = x.size(1);
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
-                  packed.size(0) % 2 == 0 && packed.size(2) == kTileRows && packed.size(3) == kTileDepth,
+                  packed.size(0) % 2 == 0 && packed.size(2) == kTileRows && packed.size(3) == kBf16Depth,
               "llmplug_cpu::amx_linear: packed must be contiguous bfloat16 [N' / 16, K / 32, 16, 32] (N' even tiles), "
               "got ", packed.scalar_type(), " ", packed.sizes());
-  TORCH_CHECK(packed.size(1) * kTileDepth == K, "llmplug_cpu::amx_linear: x has ", K, " columns, the packed weight ",
-              packed.size(1) * kTileDepth);
+  TORCH_CHECK(packed.size(1) * kBf16Depth == K, "llmplug_cpu::amx_linear: x has ", K, " columns, the packed weight ",
+              packed.size(1) * kBf16Depth);
   TORCH_CHECK(out_features > 0 && out_features <= packed.size(0) * kTileRows &&
                   out_features > (packed.size(0) - 2) * kTileRows,
               "llmplug_cpu::amx_linear: out_features ", out_features, " does not fit the packed weight's ",
@@ -240,11 +338,59 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const std::
   return y;
 }
 
+
+// x [M, K] (bfloat16 or float32, K a multiple of 64) times the int8 weight packed into AMX tiles (pack_weight of its
+// codes) with float32 per-output scales [N], plus bias [N] where given -> [M, N] in x's dtype: Int8LinearMethod's
+// W8A8 product, bit for bit.
+at::Tensor amx_int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& weight_scale,
+                           const std::optional<at::Tensor>& bias, int64_t out_features) {
+  TORCH_CHECK(llmplug::amx_enabled(), "llmplug_cpu::amx_int8_linear: AMX is not available here");
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) &&
+                  x.size(1) % kInt8Depth == 0,
+              "llmplug_cpu::amx_int8_linear: x must be bfloat16 or float32 [M, K], K a multiple of 64, got ",
+              x.scalar_type(), " ", x.sizes());
+  const int64_t K = x.size(1);
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kChar && packed.is_contiguous() &&
+                  packed.size(0) % 2 == 0 && packed.size(1) * kInt8Depth == K && packed.size(2) == kTileRows &&
+                  packed.size(3) == kInt8Depth,
+              "llmplug_cpu::amx_int8_linear: packed must be contiguous int8 [N' / 16, K / 64, 16, 64] for K = ", K,
+              ", got ", packed.scalar_type(), " ", packed.sizes());
+  TORCH_CHECK(out_features > 0 && out_features <= packed.size(0) * kTileRows &&
+                  out_features > (packed.size(0) - 2) * kTileRows,
+              "llmplug_cpu::amx_int8_linear: out_features ", out_features, " does not fit the packed weight");
+  TORCH_CHECK(weight_scale.scalar_type() == at::kFloat && weight_scale.is_contiguous() &&
+                  weight_scale.numel() == out_features,
+              "llmplug_cpu::amx_int8_linear: weight_scale must be contiguous float32 [", out_features, "]");
+  at::Tensor bias_f32;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features, "llmplug_cpu::amx_int8_linear: bias must be [",
+                out_features, "], got ", bias->sizes());
+    bias_f32 = bias->to(at::kFloat).contiguous();
+  }
+  const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
+  at::Tensor y = at::empty({x.size(0), out_features}, x.options());
+#ifdef LLMPLUG_AMX
+  if (y.numel() > 0) {
+    const float* b = bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr;
+    if (x.scalar_type() == at::kBFloat16) {
+      amx_int8_impl<c10::BFloat16>(xc, packed, weight_scale.data_ptr<float>(), b, y);
+    } else {
+      amx_int8_impl<float>(xc, packed, weight_scale.data_ptr<float>(), b, y);
+    }
+  }
+#endif
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llmplug_cpu, m) {
   m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+  m.def("amx_int8_linear(Tensor x, Tensor packed, Tensor weight_scale, Tensor? bias, int out_features) -> Tensor");
   m.def("amx_enabled() -> bool", [] { return llmplug::amx_enabled(); });
 }
 
-TORCH_LIBRARY_IMPL(llmplug_cpu, CPU, m) { m.impl("amx_linear", amx_linear); }
+TORCH_LIBRARY_IMPL(llmplug_cpu, CPU, m) {
+  m.impl("amx_linear", amx_linear);
+  m.impl("amx_int8_linear", amx_int8_linear);
+}
