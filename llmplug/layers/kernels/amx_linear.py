@@ -1,14 +1,15 @@
 """Dense bfloat16 linear layers on Intel AMX with llmplug's own kernel (`llmplug_cpu::amx_linear`,
-native/amx_linear.cpp).
+native/amx_linear.cpp), and the int8 (W8A8) product of `quantization: int8` (`llmplug_cpu::amx_int8_linear`).
 
 oneDNN's AMX kernels sum a row in an order that depends on the number of rows, so in batch-invariant mode they
 run by row plans of 32-row tiles, 4-27x slower than one call at prefill sizes (docs/kernels.md). This kernel sums
 each output over k in one fixed order (AMX tile products, 32 k at a time, in order), whatever the number of rows,
 the tile or the thread: batch invariant by construction, no probe needed, and as fast as oneDNN's one call.
 
-Used in batch-invariant mode where AMX-BF16 runs (`amx_linear_enabled`): the build has it, Linux lends the tile
-state, and neither `LLMPLUG_CPU_AMX=0` nor a oneDNN ISA cap below AMX (`ONEDNN_MAX_CPU_ISA`, which the tests use
-to run each kernel family a CPU has) says otherwise. The int4 kernel's AMX path follows the same switch.
+Used in batch-invariant mode where AMX runs (`amx_linear_enabled`): the build has AMX-BF16 and AMX-INT8, Linux
+lends the tile state, and neither `LLMPLUG_CPU_AMX=0` nor a oneDNN ISA cap below AMX (`ONEDNN_MAX_CPU_ISA`, which
+the tests use to run each kernel family a CPU has) says otherwise. The int4 kernel's AMX path and the int8 layers
+follow the same switch.
 """
 
 from __future__ import annotations

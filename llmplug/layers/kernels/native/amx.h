@@ -7,8 +7,8 @@
 namespace llmplug {
 
 // Whether llmplug's kernels compute with AMX here (decided once per process, amx_linear.cpp): the build has
-// AMX-BF16, Linux lends the process the tile state (arch_prctl(ARCH_REQ_XCOMP_PERM), as oneDNN asks), and neither
-// LLMPLUG_CPU_AMX=0 nor a oneDNN ISA cap below AMX (ONEDNN_MAX_CPU_ISA, DNNL_MAX_CPU_ISA) says otherwise.
+// AMX-BF16 and AMX-INT8, Linux lends the process the tile state (arch_prctl(ARCH_REQ_XCOMP_PERM), as oneDNN asks),
+// and neither LLMPLUG_CPU_AMX=0 nor a oneDNN ISA cap below AMX (ONEDNN_MAX_CPU_ISA, DNNL_MAX_CPU_ISA) says otherwise.
 bool amx_enabled();
 
 // _tile_loadconfig's 64 bytes: each tile's rows and bytes a row (0: unused).

@@ -11,6 +11,10 @@
 // Layout: packed [N' / 16, K / 32, 16, 32] bfloat16, N' = N rounded up to 32 (zero rows): tile (j, t) holds outputs
 // 16 j.. and k = 32 t..; its row p holds the pair k = 32 t + 2 p, + 1 of each of the 16 outputs (AMX's "VNNI"
 // layout of a B tile). x's rows are A tiles as they are (columns contiguous); K a multiple of 32.
+//
+// amx_int8_linear: quantization: int8's W8A8 product (llmplug.layers.int8_linear) with TDPBSSD: x's rows quantized
+// to int8 with a scale each, summed against int8 codes packed the same way ([N' / 16, K / 64, 16, 64], 4 k to a
+// word) exactly in int32, then scaled in float32 and rounded once to x's dtype, as the torch ops it replaces do.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -29,7 +33,8 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__) && defined(__AVX512F__) && \
+    defined(__AVX512BW__)
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -160,6 +165,8 @@ void tile_sums(const typename Tiles::Element* a, int64_t ldx, const typename Til
   }
 }
 
+#undef LLMPLUG_TILE_PRODUCT
+
 // Cache blocking. A tile load that misses L1 costs several times a tile product here (an L2 tile ~4x an L1 one), so
 // a task takes one block of x's rows against a group of column pairs, k in chunks: a block's chunk of x (32 rows x
 // 576 bytes, 18 KiB) stays in L1 while the group's pairs pass (18 KiB each), and a group's packed weight (<= ~1 MiB)
@@ -244,7 +251,9 @@ inline __m512 load16(const c10::BFloat16* p) {
       reinterpret_cast<const __m256i*>(p))), 16));
 }
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline void store16(c10::BFloat16* p, __m512 v, __mmask16 live) { _mm256_mask_storeu_epi16(p, live, llmplug::bf16_bits(v)); }
+inline void store16(c10::BFloat16* p, __m512 v, __mmask16 live) {
+  _mm256_mask_storeu_epi16(p, live, llmplug::bf16_bits(v));
+}
 inline void store16(float* p, __m512 v, __mmask16 live) { _mm512_mask_storeu_ps(p, live, v); }
 
 // Each row of x [M, K] (K a multiple of 16) as int8 codes and a float32 scale, int8_linear.quantize_rows's
@@ -308,7 +317,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const std::
 #ifdef LLMPLUG_AMX
               "LLMPLUG_CPU_AMX=0, an ISA cap below AMX, or the OS refused the tile state)"
 #else
-              "built without AMX-BF16)"
+              "built without AMX-BF16 and AMX-INT8)"
 #endif
   );
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "llmplug_cpu::amx_linear: x must be bfloat16 [M, K], "

@@ -81,7 +81,9 @@ struct F16 {
 
 #ifdef LLMPLUG_AVX512
 // 16 bf16 values (their bits) as float32, exactly.
-inline __m512 bf16_lanes(__m256i bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)); }
+inline __m512 bf16_lanes(__m256i bits) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
 #endif
 
 // Calls fn.template operator()<Type>() for x's dtype.
@@ -117,7 +119,8 @@ inline void rms_norm_row_bf16(uint16_t* row, const uint16_t* residual, const uin
     const __mmask16 live = c + 16 <= cols ? __mmask16(0xFFFF) : __mmask16((1u << (cols - c)) - 1);
     __m512 v = bf16_lanes(_mm256_maskz_loadu_epi16(live, row + c));
     if (residual != nullptr) {
-      const __m256i sum = llmplug::bf16_bits(_mm512_add_ps(v, bf16_lanes(_mm256_maskz_loadu_epi16(live, residual + c))));
+      const __m512 r = bf16_lanes(_mm256_maskz_loadu_epi16(live, residual + c));
+      const __m256i sum = llmplug::bf16_bits(_mm512_add_ps(v, r));
       _mm256_mask_storeu_epi16(row + c, live, sum);
       v = bf16_lanes(sum);
     }
