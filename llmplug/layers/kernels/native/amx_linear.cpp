@@ -309,6 +309,14 @@ void amx_int8_impl(const at::Tensor& x, const at::Tensor& packed, const float* w
 }
 #endif
 
+// A kernel's bias [N] (any float dtype) as float32, or an undefined tensor for none.
+at::Tensor float32_bias(const char* op, const std::optional<at::Tensor>& bias, int64_t out_features) {
+  if (!bias.has_value() || !bias->defined()) return at::Tensor();
+  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features, "llmplug_cpu::", op, ": bias must be [",
+              out_features, "], got ", bias->sizes());
+  return bias->to(at::kFloat).contiguous();
+}
+
 // x [M, K] bfloat16 (columns contiguous) times the packed weight of `out_features` outputs, plus bias [N] (bfloat16
 // or float32) where given -> [M, N] bfloat16.
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
@@ -333,12 +341,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const std::
                   out_features > (packed.size(0) - 2) * kTileRows,
               "llmplug_cpu::amx_linear: out_features ", out_features, " does not fit the packed weight's ",
               packed.size(0) * kTileRows, " rows");
-  at::Tensor bias_f32;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features, "llmplug_cpu::amx_linear: bias must be [",
-                out_features, "], got ", bias->sizes());
-    bias_f32 = bias->to(at::kFloat).contiguous();
-  }
+  const at::Tensor bias_f32 = float32_bias("amx_linear", bias, out_features);
   const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
   at::Tensor y = at::empty({x.size(0), out_features}, x.options());
 #ifdef LLMPLUG_AMX
@@ -346,7 +349,6 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const std::
 #endif
   return y;
 }
-
 
 // x [M, K] (bfloat16 or float32, K a multiple of 64) times the int8 weight packed into AMX tiles (pack_weight of its
 // codes) with float32 per-output scales [N], plus bias [N] where given -> [M, N] in x's dtype: Int8LinearMethod's
@@ -370,12 +372,7 @@ at::Tensor amx_int8_linear(const at::Tensor& x, const at::Tensor& packed, const 
   TORCH_CHECK(weight_scale.scalar_type() == at::kFloat && weight_scale.is_contiguous() &&
                   weight_scale.numel() == out_features,
               "llmplug_cpu::amx_int8_linear: weight_scale must be contiguous float32 [", out_features, "]");
-  at::Tensor bias_f32;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features, "llmplug_cpu::amx_int8_linear: bias must be [",
-                out_features, "], got ", bias->sizes());
-    bias_f32 = bias->to(at::kFloat).contiguous();
-  }
+  const at::Tensor bias_f32 = float32_bias("amx_int8_linear", bias, out_features);
   const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
   at::Tensor y = at::empty({x.size(0), out_features}, x.options());
 #ifdef LLMPLUG_AMX
