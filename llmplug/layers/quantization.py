@@ -38,6 +38,7 @@ from torch import nn
 from llmplug.core.errors import ModelLoadError
 from llmplug.layers.forward_context import GeneratedRows, current_generated_rows
 from llmplug.layers.kernels.int4_matmul import NATIVE_INT4_DTYPES, NativeInt4, native_int4_available
+from llmplug.layers.kernels.w4a8 import W4A8, w4a8_enabled
 from llmplug.layers.int8_linear import Int8LinearMethod, int8_matmul_exact
 from llmplug.layers.packed_linear import cpu_dense_method
 from llmplug.layers.row_invariance import remembered_probe
@@ -337,7 +338,7 @@ class Int4LinearMethod:
     """
 
     def __init__(
-        self, packed: PackedInt4 | NativeInt4, max_tokens: int | None, exact: bool, dense: LinearMethod = DENSE,
+        self, packed: PackedInt4 | NativeInt4 | W4A8, max_tokens: int | None, exact: bool, dense: LinearMethod = DENSE,
         rows: str | None = None,
     ) -> None:
         rows = rows or ("all" if max_tokens is None else "small")
@@ -445,13 +446,16 @@ def linear_method_for(weight: torch.Tensor, options: LinearOptions) -> LinearMet
 
 def _pack_int4(
     weight: torch.Tensor, groups: Int4Groups, options: LinearOptions, rows: str
-) -> PackedInt4 | NativeInt4 | None:
-    """The int4 copy's kernel: llmplug's own (row invariant by construction, faster from ~16 rows) wherever a row's
-    bits must not depend on its batch and it is built; else torch's (the fastest for a few rows), probed row
-    invariant for the shape in the batch-invariant mode; None where neither can take the weight (logged)."""
+) -> PackedInt4 | NativeInt4 | W4A8 | None:
+    """The int4 copy's kernel: llmplug's own (row invariant by construction) wherever a row's bits must not depend on
+    its batch and it is built -- for bfloat16 and Q4_0 / Q4_1 blocks W4A8 (int8 activations, as llama.cpp; the
+    fastest at every row count), else NativeInt4 (bf16 or float32 activations, the file's weights exactly); else
+    torch's (the fastest for a few rows), probed row invariant for the shape in the batch-invariant mode; None where
+    none can take the weight (logged)."""
     if rows != "small" and weight.device.type == "cpu" and weight.dtype in NATIVE_INT4_DTYPES \
             and native_int4_available():
-        return NativeInt4.pack(groups, weight.dtype)
+        w4a8 = W4A8.pack(groups) if weight.dtype == torch.bfloat16 and w4a8_enabled() else None
+        return w4a8 or NativeInt4.pack(groups, weight.dtype)
     reason = packable(groups)
     if reason is None and options.row_invariant and not int4_rows_invariant(
         *weight.shape, groups.num_planes, weight.dtype, torch.get_num_threads()

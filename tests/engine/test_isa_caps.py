@@ -22,12 +22,13 @@ from llmplug.layers.kernels.native import MARCH_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 # what depends on the kernel family: the packed linear layers' row plans, the tiny families' invariance in
-# bf16 / float32 / int8, the int8 matmul's exactness; and, under AVX2 (the family furthest from AVX-512's and
-# AMX's blockings; the uncapped suite runs the CPU's best), the default model's 32 chat prompts alone vs together
-# (greedy: the seeded pair runs the same kernels)
+# bf16 / float32 / int8, the int8 matmul's exactness, the W4A8 matmul's bits; and, under AVX2 (the family
+# furthest from AVX-512's and AMX's blockings; the uncapped suite runs the CPU's best), the default model's 32 chat
+# prompts alone vs together (greedy: the seeded pair runs the same kernels)
 TESTS = [
     "tests/layers/test_packed_linear.py",
     "tests/layers/test_int8_linear.py",
+    "tests/layers/kernels/test_w4a8_matmul.py",  # the W4A8 kernel's vector paths: the same bits as its AMX one
     "tests/engine/test_batch_invariance_property.py::test_logits_and_tokens_do_not_depend_on_batch_chunks_prefix_hits_or_preemption",
 ]
 DEFAULT_MODEL_PAIR = ("tests/engine/test_batch_invariance.py::"
@@ -65,7 +66,7 @@ def test_the_generic_build_of_llmplugs_cpu_kernels_passes_their_tests() -> None:
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
                "tests/layers/kernels/test_native_kernels.py", "tests/layers/kernels/test_paged_attention.py",
                "tests/layers/kernels/test_gguf_matmul.py", "tests/layers/kernels/test_fp8_matmul.py",
-               "tests/layers/kernels/test_int4_matmul.py", "-k", "not amx"]
+               "tests/layers/kernels/test_int4_matmul.py", "tests/layers/kernels/test_w4a8_matmul.py", "-k", "not amx"]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     tail = done.stdout[-3000:] + done.stderr[-2000:]
     assert done.returncode == 0, tail

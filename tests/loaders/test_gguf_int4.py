@@ -21,6 +21,7 @@ from llmplug.core.config import EngineConfig, ModelConfig
 from llmplug.layers.decoder.native_stack import NativeDecoderStack
 from llmplug.layers.forward_context import current_generated_rows
 from llmplug.layers.kernels.int4_matmul import NativeInt4
+from llmplug.layers.kernels.w4a8 import W4A8, W4A8_ENV
 from llmplug.layers.quantization import DENSE, Int4Groups, Int4LinearMethod, PackedInt4, int4_kernel_supported
 from llmplug.loaders.gguf import GGUFLoader, dequantize_tensor, int4_groups_of_tensor, iter_gguf_weights
 from llmplug.plugins.models.llama import LlamaForCausalLM
@@ -112,6 +113,20 @@ def test_auto_packs_every_layer_exactly_in_the_rows_of_its_dense_weight(tiny_fil
         # rounding of both (the scales', the weight's)
         torch.testing.assert_close(method.packed.matmul(eye).float(), weight.T.float(), rtol=0.02, atol=2e-3, msg=name)
     assert not any(hasattr(param, "int4_staging") for param in model.parameters())
+
+
+def test_in_bf16_q4_1_layers_take_w4a8_unless_switched_off_and_q8_0_keeps_bf16_activations(
+    tiny_files: dict[Q, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernel of each int4 copy in bf16: W4A8 for one-plane Q4_1 blocks (int8 activations, docs/kernels.md),
+    NativeInt4 for Q8_0's two planes, for float32 and under LLMPLUG_CPU_W4A8=0."""
+    def kernels(qtype: Q, dtype: str = "bfloat16") -> set[type]:
+        return {type(m.packed) for m in layer_methods(load(tiny_files[qtype], "auto", dtype, True)).values()}
+
+    assert kernels(Q.Q4_1) == {W4A8} and kernels(Q.Q8_0) == {NativeInt4}
+    assert kernels(Q.Q4_1, "float32") == {NativeInt4}
+    monkeypatch.setenv(W4A8_ENV, "0")
+    assert kernels(Q.Q4_1) == {NativeInt4}
 
 
 def test_none_keeps_every_layer_dense_and_int4_quantizes_a_dense_file(tiny_files: dict[Q, Path]) -> None:

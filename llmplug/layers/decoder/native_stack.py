@@ -3,8 +3,8 @@
 The straight-line run (fast_path.py) still pays Python for each layer: its calls, views and per-layer checks cost
 ~60 us a layer at one decode token, beside ~100 us of kernels (a third of the default model's decode step). When
 every layer is plain (no q/k norms) and each linear's method computes the step's rows with one kernel the stack
-knows -- llmplug's int4 matmul (`NativeInt4`), its AMX matmul, oneDNN's packed linear or F.linear, the last two by
-their row plan -- the C++ stack (native/decoder_stack.cpp) makes the same kernel calls with the same arguments in the
+knows -- llmplug's int4 matmuls (`NativeInt4`, `W4A8`), its AMX matmul, oneDNN's packed linear or F.linear, the last
+two by their row plan -- the C++ stack (native/decoder_stack.cpp) makes the same kernel calls with the same arguments in the
 same order, so its outputs are the straight-line run's bit for bit. An int4 copy of rows "generated" computes a
 step of generated tokens only with its int4 kernel and a prompt-only step with its dense method: each step of the
 default model but the mixed ones (prompt chunks beside decodes) takes the stack. Any other step, and any layer with
@@ -28,6 +28,7 @@ from llmplug.layers.attention.torch_sdpa import TorchSDPAMetadata
 from llmplug.layers.decoder.plain_layer import PlainLayer, layer_allows
 from llmplug.layers.forward_context import current_generated_rows
 from llmplug.layers.kernels.int4_matmul import NativeInt4
+from llmplug.layers.kernels.w4a8 import W4A8
 from llmplug.layers.packed_linear import AmxLinearMethod, PrepackedLinearMethod, RowPlannedDenseMethod
 from llmplug.layers.quantization import DENSE, Int4LinearMethod, LinearMethod
 from llmplug.layers.rotary import RotaryCosSin
@@ -156,14 +157,14 @@ def release_native_stacks(model: nn.Module) -> None:
 _PROMPT, _GENERATED = "prompt", "generated"  # the kinds of step a stack is built for
 _EMPTY = torch.empty(0)
 _MISSING = object()  # a watched value no longer where it was
-_INT4, _PACKED, _DENSE, _AMX = 0, 1, 2, 3  # decoder_stack.cpp's LinearKind
+_INT4, _PACKED, _DENSE, _AMX, _W4A8 = 0, 1, 2, 3, 4  # decoder_stack.cpp's LinearKind
 
 
 def _step_method(method: LinearMethod, step: str, rows: int) -> LinearMethod | None:
     """The method that computes this step's `rows` rows of a linear whose method is `method`, if the stack knows it."""
     if type(method) is Int4LinearMethod:
         if method.rows == "all" or (method.rows == "generated" and step == _GENERATED):
-            return method if type(method.packed) is NativeInt4 else None
+            return method if type(method.packed) in (NativeInt4, W4A8) else None
         if method.rows == "generated" or (method.rows == "small" and rows > method.max_tokens):
             return _step_method(method.dense, step, rows)  # its dense method for every row
         return None
@@ -178,6 +179,8 @@ def _linear_spec(linear: nn.Module, method: LinearMethod) -> tuple[list[torch.Te
     """A linear's three weight tensors and (kind, group size, min_rows, tile) for DecoderStack.add_layer."""
     if type(method) is Int4LinearMethod:
         packed = method.packed
+        if type(packed) is W4A8:
+            return [packed.packed, _EMPTY, _EMPTY], [_W4A8, packed.out_features, 0, 0]
         return [packed.qweight, packed.scales, packed.zeros], [_INT4, packed.group_size, 0, 0]
     if type(method) is AmxLinearMethod:
         return [method.packed, _EMPTY, _EMPTY], [_AMX, method.weight.shape[0], 0, 0]

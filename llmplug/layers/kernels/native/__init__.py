@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 KERNELS_ENV = "LLMPLUG_CPU_KERNELS"  # "auto" (default): on CPU tensors when the kernels build; "0": never
 NAME = "llmplug_cpu_ops"
 SOURCES = tuple(Path(__file__).with_name(name) for name in (
-    "ops.cpp", "fp8.cpp", "int4.cpp", "amx_linear.cpp", "decoder_stack.cpp"
+    "ops.cpp", "fp8.cpp", "int4.cpp", "w4a8.cpp", "amx_linear.cpp", "decoder_stack.cpp"
 ))
 HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))  # included by the sources: part of the build's key
 MARCH_ENV = "LLMPLUG_CPU_MARCH"  # the target CPU of the build: "native" (default) or a generic one, e.g. x86-64-v2
@@ -119,6 +119,7 @@ def _register_fakes() -> None:
         "gguf_matmul": lambda x, w, type_id, tables: x.new_empty(x.shape[0], w.shape[0]),
         "fp8_matmul": lambda x, w, scale: x.new_empty(x.shape[0], w.shape[0]),
         "int4_matmul": lambda x, qweight, scales, zeros, group_size: x.new_empty(x.shape[0], qweight.shape[0]),
+        "w4a8_matmul": lambda x, packed, out_features: x.new_empty(x.shape[0], out_features),
         "amx_linear": lambda x, packed, bias, out_features: x.new_empty(x.shape[0], out_features),
         "amx_int8_linear": lambda x, packed, scale, bias, out_features: x.new_empty(x.shape[0], out_features),
         "gguf_get_rows": lambda w, ids, type_id, tables, out: None,

@@ -5,11 +5,11 @@
 // (tests/models/test_decoder_fast_path.py checks it).
 //
 // A linear is one of the methods the layers compute with (llmplug.layers.decoder.native_stack): llmplug's int4
-// matmul (then its bias added), oneDNN's packed linear (mkldnn::_linear_pointwise) or F.linear (at::linear), the
-// last two called by their row plan (layers/row_invariance.py RowPlan: fewer rows than `min_rows` padded with zero
-// rows, or the rows in calls of exactly `tile`, the last padded). The kernels
-// are reached through the dispatcher (ops.cpp, int4.cpp, oneDNN): a typed handle where llmplug registered the
-// kernel, a boxed call for oneDNN's, looked up once.
+// or W4A8 matmul (then its bias added), oneDNN's packed linear (mkldnn::_linear_pointwise) or F.linear
+// (at::linear), the last two called by their row plan (layers/row_invariance.py RowPlan: fewer rows than
+// `min_rows` padded with zero rows, or the rows in calls of exactly `tile`, the last padded). The kernels are reached
+// through the dispatcher (ops.cpp, int4.cpp, w4a8.cpp, oneDNN): a typed handle where llmplug registered the kernel,
+// a boxed call for oneDNN's, looked up once.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -56,6 +56,8 @@ struct Kernels {
                                       int64_t)>
       amx_linear = kernel<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
                                      int64_t)>("llmplug_cpu::amx_linear");
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)> w4a8_matmul =
+      kernel<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>("llmplug_cpu::w4a8_matmul");
 
   static const Kernels& get() {
     static const Kernels kernels;  // after the library's registrations: the first run, never at load
@@ -63,10 +65,12 @@ struct Kernels {
   }
 };
 
-enum class LinearKind : int64_t { kInt4 = 0, kPacked = 1, kDense = 2, kAmx = 3 };  // native_stack.py's numbering
+// native_stack.py's numbering
+enum class LinearKind : int64_t { kInt4 = 0, kPacked = 1, kDense = 2, kAmx = 3, kW4A8 = 4 };
 
 // One linear: int4 (weights: qweight, scales, zeros in NativeInt4's layout), oneDNN packed (weights: the packed
-// weight), dense (weights: the weight) or AMX (weights: amx_linear's packed tiles; group_size: its out_features);
+// weight), dense (weights: the weight), AMX (weights: amx_linear's packed tiles; group_size: its out_features) or
+// W4A8 (weights: w4a8_matmul's packed blocks; group_size: its out_features);
 // its bias (undefined: none); its row plan's min_rows and tile (oneDNN and dense kinds; tile 0: none)
 struct Linear {
   LinearKind kind;
@@ -74,8 +78,9 @@ struct Linear {
   int64_t group_size, min_rows, tile;
 
   at::Tensor operator()(const Kernels& k, const at::Tensor& x) const {
-    if (kind == LinearKind::kInt4) {
-      at::Tensor y = k.int4_matmul.call(x, w0, w1, w2, group_size);
+    if (kind == LinearKind::kInt4 || kind == LinearKind::kW4A8) {
+      at::Tensor y = kind == LinearKind::kInt4 ? k.int4_matmul.call(x, w0, w1, w2, group_size)
+                                               : k.w4a8_matmul.call(x, w0, group_size);
       if (bias.defined()) y.add_(bias);  // as Int4LinearMethod: y += bias
       return y;
     }
@@ -134,7 +139,7 @@ class DecoderStack : public torch::CustomClassHolder {
                 "llmplug_cpu::DecoderStack.add_layer: a two-plane kv_cache [2, Hkv, blocks, block_size, D] expected");
     auto linear = [&](int i) {
       const int64_t kind = linear_ints[4 * i];
-      TORCH_CHECK(kind >= 0 && kind <= 3, "llmplug_cpu::DecoderStack.add_layer: unknown linear kind ", kind);
+      TORCH_CHECK(kind >= 0 && kind <= 4, "llmplug_cpu::DecoderStack.add_layer: unknown linear kind ", kind);
       const at::Tensor& bias = biases[i];
       return Linear{static_cast<LinearKind>(kind), linears[3 * i], linears[3 * i + 1], linears[3 * i + 2],
                     bias.numel() ? bias : at::Tensor(), linear_ints[4 * i + 1], linear_ints[4 * i + 2],
