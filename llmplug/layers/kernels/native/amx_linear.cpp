@@ -247,8 +247,7 @@ void amx_linear_impl(const at::Tensor& x, const at::Tensor& packed, const float*
 
 // 16 values of x as float32: bf16 widened, float32 as they are.
 inline __m512 load16(const c10::BFloat16* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
-      reinterpret_cast<const __m256i*>(p))), 16));
+  return llmplug::bf16_floats(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline void store16(c10::BFloat16* p, __m512 v, __mmask16 live) {

@@ -1,10 +1,15 @@
-// float32 to bfloat16 with AVX-512, as c10::BFloat16(float) rounds: to nearest even, in integers (vcvtneps2bf16
-// would flush denormals), any NaN 0x7FC0. For the kernels that store bf16 sums (int4.cpp, amx_linear.cpp).
+// bfloat16 <-> float32 with AVX-512 for llmplug's kernels: widening (exact), and rounding as c10::BFloat16(float)
+// rounds: to nearest even, in integers (vcvtneps2bf16 would flush denormals), any NaN 0x7FC0.
 #pragma once
 
 #include <immintrin.h>
 
 namespace llmplug {
+
+// 16 bfloat16 values (their bits) as float32, exactly: each shifted into a float's high half.
+inline __m512 bf16_floats(__m256i bits) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
 
 // The 16 lanes of v as bfloat16 bits.
 inline __m256i bf16_bits(__m512 v) {

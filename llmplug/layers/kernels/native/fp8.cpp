@@ -23,6 +23,8 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
+
+#include "bf16.h"
 #define LLMPLUG_FP8_AVX512 1
 #if defined(__AVX512BF16__)
 #define LLMPLUG_FP8_AVX512_BF16 1
@@ -75,7 +77,7 @@ struct F16Act {
 struct BF16Act {  // without AVX512-BF16: round to nearest even in integers (weights are finite)
   using raw = c10::BFloat16;
   static inline __m512 load(const c10::BFloat16* p, __mmask16 m) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+    return llmplug::bf16_floats(_mm256_maskz_loadu_epi16(m, p));
   }
   static inline __m512 round(__m512 w) {
     const __m512i u = _mm512_castps_si512(w);

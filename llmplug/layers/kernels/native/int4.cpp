@@ -108,8 +108,7 @@ inline __m512 group_values(float scale, float zero) {
 inline __mmask16 first(int64_t count) { return count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1); }
 inline __m512 load16(const float* p, int64_t count) { return _mm512_maskz_loadu_ps(first(count), p); }
 inline __m512 load16(const c10::BFloat16* p, int64_t count) {
-  const __m256i h = _mm256_maskz_loadu_epi16(first(count), p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  return llmplug::bf16_floats(_mm256_maskz_loadu_epi16(first(count), p));
 }
 inline __m512 load16(const c10::Half* p, int64_t count) {
   return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(first(count), p));
@@ -157,8 +156,7 @@ struct F32Act {
 struct BF16Act {  // without AVX512-BF16: round to nearest even in integers (weights are finite)
   using raw = c10::BFloat16;
   static inline __m512 load(const c10::BFloat16* p) {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return llmplug::bf16_floats(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
   static inline __m512 round(__m512 w) {
     const __m512i u = _mm512_castps_si512(w);

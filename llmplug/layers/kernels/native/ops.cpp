@@ -62,8 +62,7 @@ struct BF16 {
   }
 #ifdef LLMPLUG_AVX512
   static inline __m512 load16(const uint16_t* p) {
-    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+    return llmplug::bf16_floats(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
 #endif
 };
@@ -80,10 +79,7 @@ struct F16 {
 };
 
 #ifdef LLMPLUG_AVX512
-// 16 bf16 values (their bits) as float32, exactly.
-inline __m512 bf16_lanes(__m256i bits) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
+using llmplug::bf16_floats;
 #endif
 
 // Calls fn.template operator()<Type>() for x's dtype.
@@ -117,20 +113,20 @@ inline void rms_norm_row_bf16(uint16_t* row, const uint16_t* residual, const uin
   __m512 squares = _mm512_setzero_ps();
   for (int64_t c = 0; c < cols; c += 16) {
     const __mmask16 live = c + 16 <= cols ? __mmask16(0xFFFF) : __mmask16((1u << (cols - c)) - 1);
-    __m512 v = bf16_lanes(_mm256_maskz_loadu_epi16(live, row + c));
+    __m512 v = bf16_floats(_mm256_maskz_loadu_epi16(live, row + c));
     if (residual != nullptr) {
-      const __m512 r = bf16_lanes(_mm256_maskz_loadu_epi16(live, residual + c));
+      const __m512 r = bf16_floats(_mm256_maskz_loadu_epi16(live, residual + c));
       const __m256i sum = llmplug::bf16_bits(_mm512_add_ps(v, r));
       _mm256_mask_storeu_epi16(row + c, live, sum);
-      v = bf16_lanes(sum);
+      v = bf16_floats(sum);
     }
     squares = _mm512_fmadd_ps(v, v, squares);  // masked-off lanes hold +0: they add exactly nothing
   }
   const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(squares) / static_cast<float>(cols) + eps));
   for (int64_t c = 0; c < cols; c += 16) {
     const __mmask16 live = c + 16 <= cols ? __mmask16(0xFFFF) : __mmask16((1u << (cols - c)) - 1);
-    const __m512 v = bf16_lanes(_mm256_maskz_loadu_epi16(live, row + c));
-    const __m512 w = bf16_lanes(_mm256_maskz_loadu_epi16(live, weight + c));
+    const __m512 v = bf16_floats(_mm256_maskz_loadu_epi16(live, row + c));
+    const __m512 w = bf16_floats(_mm256_maskz_loadu_epi16(live, weight + c));
     _mm256_mask_storeu_epi16(out + c, live, llmplug::bf16_bits(_mm512_mul_ps(_mm512_mul_ps(v, inv), w)));
   }
 }
@@ -206,7 +202,7 @@ inline __m256i silu_and_mul16(const uint16_t* gate, const uint16_t* up) {
   const __m512 g = BF16::load16(gate);
   const __m512 minus_g = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), _mm512_set1_epi32(INT32_MIN)));
   const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), _ZGVeN16v_expf(minus_g)));
-  return llmplug::bf16_bits(_mm512_mul_ps(bf16_lanes(llmplug::bf16_bits(silu)), BF16::load16(up)));
+  return llmplug::bf16_bits(_mm512_mul_ps(bf16_floats(llmplug::bf16_bits(silu)), BF16::load16(up)));
 }
 #endif
 
@@ -251,8 +247,8 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 inline void rotate_half_bf16(uint16_t* y, const uint16_t* cos, const uint16_t* sin, int64_t half) {
   for (int64_t d = 0; d < half; d += 16) {
     const __m512 lo = BF16::load16(y + d), hi = BF16::load16(y + d + half);
-    const __m512 lo_cos = bf16_lanes(llmplug::bf16_bits(_mm512_mul_ps(lo, BF16::load16(cos + d))));
-    const __m512 hi_cos = bf16_lanes(llmplug::bf16_bits(_mm512_mul_ps(hi, BF16::load16(cos + d + half))));
+    const __m512 lo_cos = bf16_floats(llmplug::bf16_bits(_mm512_mul_ps(lo, BF16::load16(cos + d))));
+    const __m512 hi_cos = bf16_floats(llmplug::bf16_bits(_mm512_mul_ps(hi, BF16::load16(cos + d + half))));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + d),
                         llmplug::bf16_bits(_mm512_fmadd_ps(hi, BF16::load16(sin + d), lo_cos)));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + d + half),

@@ -86,8 +86,7 @@ void quantize_block_scalar(const T* x, int8_t* q, float& scale, float& sum) {
 #ifdef LLMPLUG_W4A8_AVX512
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  return llmplug::bf16_floats(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 // quantize_block_scalar's bits, 16 lanes at a time (max is exact in any order; the sum is of integers).
