@@ -1,4 +1,4 @@
-"""llmplug's native int4 matmul vs its float32-parameter layout vs torch's int4 kernel vs dense packed bf16, on
+"""llmplug's int4 matmuls (W4A8; bf16 activations in two layouts) vs torch's int4 kernel vs dense packed bf16, on
 SmolLM2-135M's linear layers.
 
     python benchmarks/int4_kernel.py [--rows 1,2,4,8,16,32] [--rounds 5] [--steps 3] [--layers 30] [--threads N]
@@ -7,11 +7,14 @@ A step is every linear layer of the model once (qkv [960, 576], o [576, 576], ga
 for each of `--layers` layers, each with its own random weight, then the LM head [49152, 576]) on M rows of bf16
 activations; `--layers 0` times the head alone. The weights are quantized as the default GGUF's are: the layers
 Q4_1 (float16 d and m, one int4 plane), the head Q8_0 (float16 d, two planes). Compared, in one process, the kernels
-alternating within each round: `native` (NativeInt4.pack, llmplug_cpu::int4_matmul: float16 scales and minimums,
+alternating within each round: `w4a8` (W4A8.pack, llmplug_cpu::w4a8_matmul: the layers' Q4_1 blocks times int8
+activations, 0.625 bytes a weight; the head, which W4A8 does not take, as `native`: what the default model runs),
+`native` (NativeInt4.pack, llmplug_cpu::int4_matmul: float16 scales and minimums,
 0.625 bytes a weight; the head as int8 codes, 1.0625), `native f32 groups` (the same kernel on the layout before
 those: float32 scales and zeros, 0.75 bytes a weight a plane, the head 1.5), `torch int4` (PackedInt4,
 `_weight_int4pack_mm_for_cpu`, bf16 scales and zeros) and `dense` (the bf16 weight packed for oneDNN,
-`mkldnn._linear_pointwise`, what a dense layer runs). All but torch int4 and dense compute the same weights.
+`mkldnn._linear_pointwise`, what a dense layer runs). The native kernels compute the same weights; w4a8 those
+weights with int8 activations.
 Reported: ms per step, the best round of each (a round times `--steps` steps), and the ratios. Timings are noisy on
 a shared machine: compare the ratios, and note the load (`uptime`) printed with them.
 
@@ -33,13 +36,14 @@ import torch
 
 from llmplug.layers.kernels.amx_linear import AMX_ENV
 from llmplug.layers.kernels.int4_matmul import NativeInt4, native_int4_available
+from llmplug.layers.kernels.w4a8 import W4A8
 from llmplug.layers.quantization import Int4Groups, PackedInt4
 
 HIDDEN, INTERMEDIATE, VOCAB = 576, 1536, 49152
 LAYER_SHAPES = [(960, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]  # [N, K]
 HEAD_SHAPE = (VOCAB, HIDDEN)
 DTYPE = torch.bfloat16
-KERNELS = ("native", "native f32 groups", "torch int4", "dense")
+KERNELS = ("w4a8", "native", "native f32 groups", "torch int4", "dense")
 GROUP = 32
 
 Matmul = Callable[[torch.Tensor], torch.Tensor]
@@ -78,9 +82,11 @@ def kernels_for(weight: torch.Tensor, head: bool) -> dict[str, Matmul]:
     """The ways (KERNELS) to compute x @ weight^T for one [N, K] weight (Q8_0 for the head, else Q4_1)."""
     groups = q8_0(weight) if head else q4_1(weight)
     native = NativeInt4.pack(groups, DTYPE)
+    w4a8 = W4A8.pack(groups)  # None for the head's Q8_0 planes
     packed_int4 = PackedInt4.pack(groups, DTYPE, torch.device("cpu"))
     dense = torch.ops.mkldnn._reorder_linear_weight(weight.to(DTYPE))
     return {
+        "w4a8": (w4a8 or native).matmul,
         "native": native.matmul,
         "native f32 groups": float32_groups(groups).matmul,
         "torch int4": packed_int4.matmul,
@@ -139,14 +145,15 @@ def main() -> None:
           f"{args.layers} layers + head, bf16, best of {args.rounds} rounds x {args.steps} steps, "
           f"{AMX_ENV}={os.environ.get(AMX_ENV, '')!r}")
     print(f"load before: {uptime}")
-    print("| M | native ms | native f32 groups ms | torch int4 ms | dense bf16 ms | native / f32 groups | "
-          "native / torch int4 | native / dense |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| M | w4a8 ms | native ms | native f32 groups ms | torch int4 ms | dense bf16 ms | w4a8 / native | "
+          "native / f32 groups | native / torch int4 | native / dense |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for rows in (int(m) for m in args.rows.split(",")):
         best = measure(rows, layers, args.rounds, args.steps)
-        native, float32, torch_int4, dense = (best[name] for name in KERNELS)
-        print(f"| {rows} | {native:.2f} | {float32:.2f} | {torch_int4:.2f} | {dense:.2f} | {native / float32:.2f} | "
-              f"{native / torch_int4:.2f} | {native / dense:.2f} |", flush=True)
+        w4a8, native, float32, torch_int4, dense = (best[name] for name in KERNELS)
+        print(f"| {rows} | {w4a8:.2f} | {native:.2f} | {float32:.2f} | {torch_int4:.2f} | {dense:.2f} | "
+              f"{w4a8 / native:.2f} | {native / float32:.2f} | {native / torch_int4:.2f} | {native / dense:.2f} |",
+              flush=True)
     print(f"load after: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from llmplug.platforms.cpu_threads import configure_cpu_threads
@@ -30,7 +31,9 @@ from throughput import load_tokenizer, make_prompts  # noqa: E402 - benchmarks/ 
 MODES = [
     ("none, float32 (reference)", {"dtype": "float32", "quantization": "none"}),
     ("none, bf16 (dense)", {"dtype": "bfloat16", "quantization": "none"}),
-    ("auto, bf16 (the default: dense prompt, int4 generated tokens)", {"dtype": "bfloat16"}),
+    ("auto, bf16 (the default: dense prompt, int4 generated tokens, W4A8)", {"dtype": "bfloat16"}),
+    ("auto, bf16, LLMPLUG_CPU_W4A8=0 (generated tokens with bf16 activations)",
+     {"dtype": "bfloat16", "env": {"LLMPLUG_CPU_W4A8": "0"}}),
     ("auto, no batch invariance, one stream (int4 for calls of <= 8 tokens)",
      {"dtype": "bfloat16", "quantization": "auto", "batch_invariant": False, "max_num_seqs": 1}),
     ("int4 + batch_invariant (LM head requantized)", {"dtype": "bfloat16", "quantization": "int4",
@@ -56,7 +59,18 @@ def distributions(model: str, prompts: list[list[int]], answers: list[list[int]]
     """Each prompt's next-token log-probabilities [len(answer), V] along its reference answer, under `engine`."""
     from llmplug import LLM, SamplingParams
 
-    llm = LLM(model=model, **{"max_num_seqs": len(prompts), "enable_prefix_caching": False, **engine})
+    engine = dict(engine)
+    env = engine.pop("env", {})  # process settings the mode needs while the engine loads
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        llm = LLM(model=model, **{"max_num_seqs": len(prompts), "enable_prefix_caching": False, **engine})
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     rows: list[list[torch.Tensor]] = [[] for _ in prompts]
     params = [
         SamplingParams(temperature=0.0, max_tokens=len(answer), ignore_eos=True,
@@ -92,7 +106,7 @@ def main() -> int:
 
     model = resolve_model_path(args.model or DEFAULT_MODEL)
     prompts = make_prompts(load_tokenizer(model), args.num_prompts)
-    reference_engine = MODES[0][1]
+    reference_engine = MODES[0][1]  # no "env"
     llm = LLM(model=model, max_num_seqs=len(prompts), enable_prefix_caching=False, **reference_engine)
     greedy = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     answers = [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
