@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import sys
+from unittest import mock
 
 from llmplug.platforms.cpu_threads import configure_cpu_threads
 
@@ -60,17 +61,8 @@ def distributions(model: str, prompts: list[list[int]], answers: list[list[int]]
     from llmplug import LLM, SamplingParams
 
     engine = dict(engine)
-    env = engine.pop("env", {})  # process settings the mode needs while the engine loads
-    saved = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)
-    try:
+    with mock.patch.dict(os.environ, engine.pop("env", {})):  # process settings the mode loads its engine under
         llm = LLM(model=model, **{"max_num_seqs": len(prompts), "enable_prefix_caching": False, **engine})
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
     rows: list[list[torch.Tensor]] = [[] for _ in prompts]
     params = [
         SamplingParams(temperature=0.0, max_tokens=len(answer), ignore_eos=True,
