@@ -46,10 +46,10 @@ def rows(m: int, k: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
 
 def quantized_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Codes [M, K], scales dx and code sums sx [M, K / 32], each 32 k as Q8_1: dx = max |x| / 127, codes
-    round(x * (1 / dx)) to nearest even, all in float32."""
+    round(x * (1 / dx)) to nearest even, all in float32 (codes 0 where dx is not a normal float)."""
     blocks = x.float().unflatten(-1, (-1, 32))
     dx = blocks.abs().amax(-1) / 127
-    inverse = torch.where(dx != 0, 1 / dx, torch.zeros_like(dx))
+    inverse = torch.where(dx >= torch.finfo(torch.float32).tiny, 1 / dx, torch.zeros_like(dx))
     codes = torch.round(blocks * inverse[..., None]).clamp(-127, 127)
     return codes.flatten(-2), dx, codes.sum(-1)
 
@@ -131,6 +131,7 @@ def test_strided_rows_nan_and_zero_blocks():
     assert torch.equal(packed.matmul(x), packed.matmul(x.contiguous()))
     x = rows(10, 96, torch.bfloat16)
     x[0, :32] = 0  # a zero block adds nothing
+    x[0, 32:64] *= 2.0**-128  # a block too small for its scale's inverse: codes 0 on every path
     x[1, 40] = float("nan")  # a NaN or an infinity makes every output of its row NaN, and no other row's
     x[2, 70] = float("inf")
     groups = gguf_groups("Q4_1", 48, 96, seed=1)

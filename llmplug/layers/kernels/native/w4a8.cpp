@@ -11,7 +11,7 @@
 // CPU (docs/kernels.md, "W4A8"). That is what lets a decode step of one row take the AVX-512 path and a batch the
 // AMX one, each the fastest at its size, with the same bits.
 //
-// Layout (llmplug.layers.kernels.w4a8.W4A8.pack): packed [N / 16, K / 32, 320] uint8, for 16 columns and 32 k:
+// Layout (llmplug.layers.kernels.w4a8.W4A8.pack): packed [ceil(N / 16), K / 32, 320] uint8, for 16 columns and 32 k:
 // 4 x 64 bytes of codes, where byte 4c + j of the i-th 64 holds column c's k = 4i + j in its low nibble and
 // k = 16 + 4i + j in its high one (unpacked, the 8 rows of 64 bytes are AMX's B tile for 32 k: VNNI quads), then the
 // 16 columns' d, then their m (float16).
@@ -59,7 +59,8 @@ struct Quantized {
 };
 
 // A row's block of 32 k: its scale dx and sum, codes into q (scalar, the reference for every path). A block holding
-// a NaN or an infinity gets dx = NaN (codes 0): every output of its row is NaN, as a float matmul's would be.
+// a NaN or an infinity gets dx = NaN (codes 0): every output of its row is NaN, as a float matmul's would be. A
+// block whose dx is below float32's normal range (max |x| < 127 * 2^-126) gets codes 0: 1 / dx would overflow.
 template <typename T>
 void quantize_block_scalar(const T* x, int8_t* q, float& scale, float& sum) {
   float amax = 0.0f;
@@ -72,7 +73,7 @@ void quantize_block_scalar(const T* x, int8_t* q, float& scale, float& sum) {
     }
     amax = std::max(amax, v);
   }
-  const float d = amax / 127.0f, inverse = d != 0.0f ? 1.0f / d : 0.0f;
+  const float d = amax / 127.0f, inverse = d >= FLT_MIN ? 1.0f / d : 0.0f;
   int32_t s = 0;
   for (int64_t k = 0; k < kBlock; ++k) {
     const float v = std::nearbyint(static_cast<float>(x[k]) * inverse);  // to nearest even, as vcvtps2dq
@@ -98,7 +99,7 @@ void quantize_block(const T* x, int8_t* q, float& scale, float& sum) {
   }
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(lo, hi));
   const float d = amax / 127.0f;
-  const __m512 inverse = _mm512_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+  const __m512 inverse = _mm512_set1_ps(d >= FLT_MIN ? 1.0f / d : 0.0f);
   const __m512i limit = _mm512_set1_epi32(127);
   auto codes = [&](__m512 v) {
     return _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v, inverse)), limit),
