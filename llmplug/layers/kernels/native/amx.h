@@ -11,11 +11,16 @@ namespace llmplug {
 // and neither LLMPLUG_CPU_AMX=0 nor a oneDNN ISA cap below AMX (ONEDNN_MAX_CPU_ISA, DNNL_MAX_CPU_ISA) says otherwise.
 bool amx_enabled();
 
-// _tile_loadconfig's 64 bytes: each tile's rows and bytes a row (0: unused).
+// ldtilecfg's 64 bytes: each tile's rows and bytes a row (0: unused).
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
 };
+
+// ldtilecfg of `config`. GCC 12's _tile_loadconfig tells the compiler the instruction reads the config's first 8
+// bytes only, so it may drop the stores of the rest (seen in w4a8.cpp: a zeroed config, then SIGSEGV); this asm
+// names all 64 as its input.
+inline void load_tile_config(const TileConfig& config) { asm volatile("ldtilecfg %0" : : "m"(config)); }
 
 }  // namespace llmplug

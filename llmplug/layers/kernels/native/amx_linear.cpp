@@ -85,7 +85,7 @@ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 void configure_tiles() {
   llmplug::TileConfig config;
   for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = kTileRows;
-  _tile_loadconfig(&config);
+  llmplug::load_tile_config(config);
 }
 
 // What a tile product multiplies: bf16 pairs summed into float32 (TDPBF16PS), or int8 quads into int32 (TDPBSSD,

@@ -740,8 +740,7 @@ void amx_groups(const Weight& w, const uint32_t* xp, int64_t M, int64_t N, int64
     for (int64_t m0 = 0; m0 < M; m0 += Tr * kAmxRows) {
       const int64_t rows = std::min<int64_t>(Tr * kAmxRows, M - m0), last = (rows - 1) / kAmxRows;
       if (rows != configured) {
-        const TileConfig config = amx_config<Tc>(rows);
-        _tile_loadconfig(&config);
+        llmplug::load_tile_config(amx_config<Tc>(rows));
         configured = rows;
       }
       unrolled<Tc>([&]<int Ct>() {

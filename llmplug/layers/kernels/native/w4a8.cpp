@@ -306,9 +306,7 @@ void amx_groups(const uint8_t* packed, const Quantized& xq, int64_t M, int64_t N
     for (int64_t r0 = 0; r0 < M; r0 += kAmxRows) {
       const int64_t rows = std::min<int64_t>(kAmxRows, M - r0), computed = (rows + 3) / 4 * 4;
       if (computed != configured) {
-        const TileConfig config = amx_config(computed);
-        asm volatile("" : : "r"(&config) : "memory");  // GCC 12 otherwise drops the stores ldtilecfg reads
-        _tile_loadconfig(&config);
+        llmplug::load_tile_config(amx_config(computed));
         configured = computed;
       }
       switch (computed) {
