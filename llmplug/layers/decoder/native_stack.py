@@ -4,8 +4,8 @@ The straight-line run (fast_path.py) still pays Python for each layer: its calls
 ~60 us a layer at one decode token, beside ~100 us of kernels (a third of the default model's decode step). When
 every layer is plain (no q/k norms) and each linear's method computes the step's rows with one kernel the stack
 knows -- llmplug's int4 matmuls (`NativeInt4`, `W4A8`), its AMX matmul, oneDNN's packed linear or F.linear, the last
-two by their row plan -- the C++ stack (native/decoder_stack.cpp) makes the same kernel calls with the same arguments in the
-same order, so its outputs are the straight-line run's bit for bit. An int4 copy of rows "generated" computes a
+two by their row plan -- the C++ stack (native/decoder_stack.cpp) makes the same kernel calls with the same arguments
+in the same order, so its outputs are the straight-line run's bit for bit. An int4 copy of rows "generated" computes a
 step of generated tokens only with its int4 kernel and a prompt-only step with its dense method: each step of the
 default model but the mixed ones (prompt chunks beside decodes) takes the stack. Any other step, and any layer with
 hooks or LoRA, runs as before.
