@@ -36,7 +36,7 @@ from llmplug.layers.kernels.native import native_available, ops
 if TYPE_CHECKING:  # llmplug.layers.quantization will choose this kernel: no import back at run time
     from llmplug.layers.quantization import Int4Groups
 
-__all__ = ["NATIVE_INT4_DTYPES", "NativeInt4", "native_int4_available"]
+__all__ = ["NATIVE_INT4_DTYPES", "NativeInt4", "float16_scales_and_minimums", "native_int4_available"]
 
 NATIVE_INT4_DTYPES = (torch.float32, torch.bfloat16)  # the activation dtypes the kernel takes
 _BLOCK = 32  # k per 16 bytes of codes in the kernel's layout
@@ -113,15 +113,23 @@ def _per_row(t: torch.Tensor) -> torch.Tensor:  # [P, N, G] -> [N, P, G]
     return t.permute(1, 0, 2).contiguous()
 
 
-def _int4_params(groups: Int4Groups, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scales and zeros [N, P, G]: float16 scales and minimums m = zero - 8 scale where the kernel's m + 8 * scale
-    (8 * scale exact, one rounding) gives back every zero bit for bit (GGUF Q4_0, Q4_1), else in `dtype`."""
+def float16_scales_and_minimums(groups: Int4Groups) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The groups' scales d and minimums m = zero - 8 d [P, N, G] as float16, where d is a float16 and m + 8 d (8 d
+    exact, one rounding in float32) gives back every zero bit for bit: GGUF Q4_0 and Q4_1 blocks; else None."""
     scale, zero = groups.scale, groups.zero
-    if dtype == torch.float32 and _holds(scale, torch.float16):
-        minimum = (zero - 8 * scale).to(torch.float16)
-        if _same_bits(minimum.float() + 8 * scale, zero):
-            return _per_row(scale.to(torch.float16)), _per_row(minimum)
-    return _per_row(scale.to(dtype)), _per_row(zero.to(dtype))
+    if not _holds(scale, torch.float16):
+        return None
+    minimum = (zero - 8 * scale).to(torch.float16)
+    return (scale.to(torch.float16), minimum) if _same_bits(minimum.float() + 8 * scale, zero) else None
+
+
+def _int4_params(groups: Int4Groups, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scales and zeros [N, P, G]: float16 scales and minimums (float16_scales_and_minimums) where they hold the
+    groups exactly and `dtype` is float32, else in `dtype`."""
+    narrow = float16_scales_and_minimums(groups) if dtype == torch.float32 else None
+    if narrow is not None:
+        return _per_row(narrow[0]), _per_row(narrow[1])
+    return _per_row(groups.scale.to(dtype)), _per_row(groups.zero.to(dtype))
 
 
 def _q8_0_codes(groups: Int4Groups) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from llmplug.layers.kernels.int4_matmul import float16_scales_and_minimums
 from llmplug.layers.kernels.native import native_available, ops
 
 if TYPE_CHECKING:  # llmplug.layers.quantization chooses this kernel: no import back at run time
@@ -53,12 +54,10 @@ class W4A8:
     def pack(cls, groups: Int4Groups) -> "W4A8 | None":
         """The groups packed, where they are one plane of float16 d and m (w = d q + m, m = zero - 8 d exactly: GGUF
         Q4_0 and Q4_1 blocks); None for any other groups."""
-        if groups.num_planes != 1 or groups.group_size % _BLOCK:
+        narrow = float16_scales_and_minimums(groups) if groups.num_planes == 1 else None
+        if narrow is None or groups.group_size % _BLOCK:
             return None
-        scale, zero = groups.scale[0], groups.zero[0]  # [N, G] float32
-        d, m = scale.to(torch.float16), (zero - 8 * scale).to(torch.float16)
-        if not (_same(d.float(), scale) and _same(m.float() + 8 * scale, zero)):
-            return None
+        d, m = narrow[0][0], narrow[1][0]  # [N, G] float16
         n, k = groups.q.shape[1:]
         pad = -n % _COLUMNS
         per_block = groups.group_size // _BLOCK  # a group's parameters repeat for each of its blocks
@@ -84,6 +83,3 @@ class W4A8:
         """[M, K] -> [M, N] in x's dtype (float32 or bfloat16); each row's bits independent of M and the CPU."""
         return ops().w4a8_matmul(x, self.packed, self.out_features)
 
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.view(torch.int32), b.view(torch.int32))
