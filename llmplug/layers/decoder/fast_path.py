@@ -27,8 +27,10 @@ from llmplug.layers.attention.torch_sdpa import TorchSDPAMetadata, native_attent
 from llmplug.layers.decoder.native_stack import NativeDecoderStack
 from llmplug.layers.decoder.plain_layer import PlainLayer, layer_allows, plain_layer
 from llmplug.layers.forward_context import get_forward_context
+from llmplug.layers.kernels.amx_linear import amx_linear_silu_and_mul
 from llmplug.layers.kernels.native import ops, use_native
 from llmplug.layers.linear import LinearBase
+from llmplug.layers.packed_linear import AmxLinearMethod
 from llmplug.layers.rotary import RotaryCosSin
 
 __all__ = ["DecoderFastPath", "LayerRows"]
@@ -125,4 +127,13 @@ def _run(
     )
     norm = plain.mlp_norm
     x, residual = kernels.fused_add_rms_norm(hidden, residual, norm.weight, norm.variance_epsilon), hidden
-    return _linear(plain.down, kernels.silu_and_mul(_linear(plain.gate_up, x))), residual
+    return _linear(plain.down, _silu_and_mul_of(plain.gate_up, x)), residual
+
+
+def _silu_and_mul_of(gate_up: LinearBase, x: torch.Tensor) -> torch.Tensor:
+    """`silu_and_mul(gate_up(x))`: one call where gate_up computes with the AMX kernel and its gate and up halves are
+    whole tiles (the same bits, without the [T, 2 d] product in memory between the two), else the two."""
+    method = gate_up.quant_method
+    if type(method) is AmxLinearMethod and method.weight.shape[0] % 32 == 0:
+        return amx_linear_silu_and_mul(x, method.packed, gate_up.bias, method.weight.shape[0])
+    return ops().silu_and_mul(_linear(gate_up, x))

@@ -21,7 +21,15 @@ import torch.nn.functional as F
 
 from llmplug.layers.kernels.native import native_available, ops
 
-__all__ = ["AMX_ENV", "amx_int8_linear", "amx_linear", "amx_linear_enabled", "pack_weight", "packable"]
+__all__ = [
+    "AMX_ENV",
+    "amx_int8_linear",
+    "amx_linear",
+    "amx_linear_enabled",
+    "amx_linear_silu_and_mul",
+    "pack_weight",
+    "packable",
+]
 
 AMX_ENV = "LLMPLUG_CPU_AMX"  # "auto" (default): AMX where it runs; "0": never (read by the kernels, amx.h)
 _TILE_BYTES, _COLUMN_TILES = 64, 32  # bytes of k a tile row holds; outputs a task computes (the packed rows' multiple)
@@ -61,6 +69,16 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
     """x [..., K] bf16 times the packed weight, plus bias -> [..., out_features] bf16."""
     rows = x.reshape(-1, x.shape[-1])
     return ops().amx_linear(rows, packed, bias, out_features).view(*x.shape[:-1], out_features)
+
+
+def amx_linear_silu_and_mul(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    """silu_and_mul of x [..., K] times gate_up's packed weight (out_features = 2 d, d a multiple of 16) -> [..., d]
+    bf16, bit for bit the two calls', without the [..., 2 d] product in memory between them."""
+    rows = x.reshape(-1, x.shape[-1])
+    out = ops().amx_linear_silu_and_mul(rows, packed, bias, out_features)
+    return out.view(*x.shape[:-1], out_features // 2)
 
 
 def amx_int8_linear(x: torch.Tensor, packed: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,

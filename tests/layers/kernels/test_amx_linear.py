@@ -10,8 +10,9 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from llmplug.layers.kernels.amx_linear import AMX_ENV, amx_linear_enabled, pack_weight
+from llmplug.layers.kernels.amx_linear import AMX_ENV, amx_linear_enabled, amx_linear_silu_and_mul, pack_weight
 from llmplug.layers.kernels.int4_matmul import NativeInt4
 from llmplug.layers.kernels.native import native_available, ops
 from llmplug.layers.linear import ReplicatedLinear
@@ -108,6 +109,37 @@ def test_bad_arguments_are_refused_by_name_then_a_good_call_works(args, named) -
     with pytest.raises(RuntimeError, match=named):
         ops().amx_linear(*args(x, packed))
     assert torch.equal(ops().amx_linear(x, packed, bias, 48), (x.double() @ w.double().T + bias.double()).bfloat16())
+
+
+@needs_amx
+@pytest.mark.parametrize("m", [1, 16, 17, 33, 70])
+@pytest.mark.parametrize("n", [64, 96])
+def test_gate_up_through_silu_and_mul_gives_torchs_silu_of_the_exact_product(m: int, n: int) -> None:
+    """gate_up's product (the gate's n / 2 outputs, then the up's) through SiLU-and-mul in one call: each output is
+    torch's silu of the exact gate sum rounded to bf16, times the exact up sum rounded, as the two calls give."""
+    x, w, bias = integer_case(m, n, 128, seed=m)
+    packed, d = pack_weight(w), n // 2
+    for b in (bias, None):
+        product = (x.double() @ w.double().T + (0 if b is None else b.double())).bfloat16()
+        expected = F.silu(product[:, :d]) * product[:, d:]
+        assert torch.equal(amx_linear_silu_and_mul(x, packed, b, n), expected)
+        assert torch.equal(ops().silu_and_mul(ops().amx_linear(x, packed, b, n)), expected)
+    wide = torch.cat([x, x], dim=1)[:, :128]  # rows 256 apart
+    assert torch.equal(amx_linear_silu_and_mul(wide, packed, bias, n), amx_linear_silu_and_mul(x, packed, bias, n))
+
+
+@needs_amx
+def test_the_fused_op_refuses_halves_that_are_not_whole_tiles_then_a_good_call_works() -> None:
+    x, w, bias = integer_case(3, 48, 64)
+    with pytest.raises(RuntimeError, match="amx_linear_silu_and_mul: out_features .* multiple of 32, got 48"):
+        ops().amx_linear_silu_and_mul(x, pack_weight(w), bias, 48)
+    with pytest.raises(RuntimeError, match="amx_linear_silu_and_mul: x must be bfloat16"):
+        ops().amx_linear_silu_and_mul(x.float(), pack_weight(w[:32]), None, 32)
+    product = (x.double() @ w[:32].double().T).bfloat16()
+    assert torch.equal(ops().amx_linear_silu_and_mul(x, pack_weight(w[:32]), None, 32),
+                       F.silu(product[:, :16]) * product[:, 16:])
+    checks = torch.library.opcheck(ops().amx_linear_silu_and_mul.default, (x, pack_weight(w[:32]), None, 32))
+    assert set(checks.values()) == {"SUCCESS"}, checks
 
 
 def test_int8_codes_pack_four_k_to_a_word() -> None:

@@ -1,9 +1,10 @@
 """llmplug's CPU kernels (`ops.cpp`): RMSNorm with its residual add, SiLU-and-mul, rotary, the KV write, paged
 attention, and the matmul of GGUF-quantized weights from their raw blocks (llmplug.quantization.gguf); (`fp8.cpp`)
 the matmul of fp8 weights with their scales (llmplug.quantization.fp8); (`int4.cpp`) the matmul of weight-only int4
-groups (llmplug.layers.kernels.int4_matmul); (`amx_linear.cpp`) the bf16 and int8 (W8A8) matmuls on Intel AMX tiles
-(llmplug.layers.kernels.amx_linear); (`decoder_stack.cpp`) `torch.classes.llmplug_cpu.DecoderStack`, a
-model's plain int4 layers run as one call a step (llmplug.layers.decoder.native_stack).
+groups (llmplug.layers.kernels.int4_matmul); (`amx_linear.cpp`) the bf16 and int8 (W8A8) matmuls on Intel AMX
+tiles, the bf16 one also through SiLU-and-mul (llmplug.layers.kernels.amx_linear); (`decoder_stack.cpp`)
+`torch.classes.llmplug_cpu.DecoderStack`, a model's plain int4 layers run as one call a step
+(llmplug.layers.decoder.native_stack).
 
 Eager PyTorch runs each of these as 5–40 small ops, each a Python-level dispatch of a few microseconds,
 which at one decode token is most of their cost (docs/benchmarks.md). Here each is one call, with every
@@ -121,6 +122,7 @@ def _register_fakes() -> None:
         "int4_matmul": lambda x, qweight, scales, zeros, group_size: x.new_empty(x.shape[0], qweight.shape[0]),
         "w4a8_matmul": lambda x, packed, out_features: x.new_empty(x.shape[0], out_features),
         "amx_linear": lambda x, packed, bias, out_features: x.new_empty(x.shape[0], out_features),
+        "amx_linear_silu_and_mul": lambda x, packed, bias, out_features: x.new_empty(x.shape[0], out_features // 2),
         "amx_int8_linear": lambda x, packed, scale, bias, out_features: x.new_empty(x.shape[0], out_features),
         "gguf_get_rows": lambda w, ids, type_id, tables, out: None,
     }

@@ -39,6 +39,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "activation.h"
 #include "bf16.h"
 #define LLMPLUG_AMX 1
 #endif
@@ -174,12 +175,14 @@ void tile_sums(const typename Tiles::Element* a, int64_t ldx, const typename Til
 constexpr int64_t kChunkTiles = 9;        // k tiles a chunk
 constexpr int64_t kGroupBytes = 1 << 20;  // a group's packed weight, at most (unless one pair is more)
 
-// x [M, K] (rows ldx apart) times the packed weight ([pairs * 2 tiles of 16 outputs, K / kDepth, 16, 64 bytes]):
+// x [M, K] (rows ldx apart) times the packed weight ([column tiles of 16 outputs, K / kDepth, 16, 64 bytes]):
 // calls store(m0, rows, pair, sums) once per block of rows and pair of column tiles with their finished sums, row r's
-// 32 outputs 32 pair.. at sums + 32 r. Every sum is its output's tile products over K in order, whatever M.
+// 32 outputs at sums + 32 r. Pair p is column tiles 2 p and 2 p + 1 (outputs 32 p..), or with `split` > 0 tiles p and
+// p + split (a gate output and its up output 16 split apart, for a product stored through SiLU-and-mul). Every sum
+// is its output's tile products over K in order, whatever M and the pairing.
 template <typename Tiles, typename Store>
 void tile_product(const typename Tiles::Element* xp, int64_t M, int64_t K, int64_t ldx,
-                  const typename Tiles::Element* wp, int64_t pairs, const Store& store) {
+                  const typename Tiles::Element* wp, int64_t pairs, const Store& store, int64_t split = 0) {
   using Element = typename Tiles::Element;
   const int64_t depth_tiles = K / Tiles::kDepth;
   // a block: 32 rows (16 where M is at most 16: a decode step computes no padding rows it need not)
@@ -216,11 +219,12 @@ void tile_product(const typename Tiles::Element* xp, int64_t M, int64_t K, int64
         const int64_t t1 = std::min(depth_tiles, t0 + kChunkTiles);
         for (int64_t pair = first; pair < last; ++pair) {
           auto* pair_sums = sums + (pair - first) * kSums;
-          const Element* b0 = wp + 2 * pair * column_tile;
+          const Element* b0 = wp + (split > 0 ? pair : 2 * pair) * column_tile;
+          const Element* b1 = split > 0 ? wp + (pair + split) * column_tile : b0 + column_tile;
           if (block_rows == kTileRows) {
-            tile_sums<Tiles, 1>(a, lda, b0, b0 + column_tile, t0, t1, pair_sums);
+            tile_sums<Tiles, 1>(a, lda, b0, b1, t0, t1, pair_sums);
           } else {
-            tile_sums<Tiles, 2>(a, lda, b0, b0 + column_tile, t0, t1, pair_sums);
+            tile_sums<Tiles, 2>(a, lda, b0, b1, t0, t1, pair_sums);
           }
           if (t1 == depth_tiles) store(m0, rows, pair, pair_sums);
         }
@@ -244,6 +248,31 @@ void amx_linear_impl(const at::Tensor& x, const at::Tensor& packed, const float*
                           });
 }
 
+// silu(x W_gate^T + b_gate) * (x W_up^T + b_up) -> y [M, d] for gate_up's packed weight (2 d outputs: the gate's d,
+// then the up's; d a multiple of 16): each output's two sums are amx_linear_impl's (its tile products, the bias,
+// one rounding to bf16), then silu_and_mul's arithmetic (activation.h), as the two calls give, without writing the
+// [M, 2 d] product and reading it back.
+void amx_linear_silu_and_mul_impl(const at::Tensor& x, const at::Tensor& packed, const float* bias, at::Tensor& y) {
+  const int64_t d = y.size(1), tiles = d / kTileRows;
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  const uint16_t* silu = llmplug::silu_table();
+  tile_product<Bf16Tiles>(
+      reinterpret_cast<const c10::BFloat16*>(x.data_ptr()), x.size(0), x.size(1), x.stride(0),
+      reinterpret_cast<const c10::BFloat16*>(packed.data_ptr()), tiles,
+      [&](int64_t m0, int64_t rows, int64_t pair, const float* sums) {
+        const int64_t n0 = pair * kTileRows;
+        for (int64_t r = 0; r < rows; ++r) {
+          __m512 gate = _mm512_loadu_ps(sums + r * kOutputs), up = _mm512_loadu_ps(sums + r * kOutputs + kTileRows);
+          if (bias != nullptr) {
+            gate = _mm512_add_ps(gate, _mm512_loadu_ps(bias + n0));
+            up = _mm512_add_ps(up, _mm512_loadu_ps(bias + d + n0));
+          }
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(yp + (m0 + r) * d + n0),
+                              llmplug::silu_and_mul_bf16(llmplug::bf16_bits(gate), llmplug::bf16_bits(up), silu));
+        }
+      },
+      tiles);
+}
 
 // 16 values of x as float32: bf16 widened, float32 as they are.
 inline __m512 load16(const c10::BFloat16* p) {
@@ -316,35 +345,57 @@ at::Tensor float32_bias(const char* op, const std::optional<at::Tensor>& bias, i
   return bias->to(at::kFloat).contiguous();
 }
 
-// x [M, K] bfloat16 (columns contiguous) times the packed weight of `out_features` outputs, plus bias [N] (bfloat16
-// or float32) where given -> [M, N] bfloat16.
-at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
-                      int64_t out_features) {
-  TORCH_CHECK(llmplug::amx_enabled(), "llmplug_cpu::amx_linear: AMX is not available here (",
+// amx_linear's checks of its arguments, for `op`.
+void check_amx_linear(const char* op, const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
+  TORCH_CHECK(llmplug::amx_enabled(), "llmplug_cpu::", op, ": AMX is not available here (",
 #ifdef LLMPLUG_AMX
               "LLMPLUG_CPU_AMX=0, an ISA cap below AMX, or the OS refused the tile state)"
 #else
               "built without AMX-BF16 and AMX-INT8)"
 #endif
   );
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "llmplug_cpu::amx_linear: x must be bfloat16 [M, K], "
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "llmplug_cpu::", op, ": x must be bfloat16 [M, K], "
               "got ", x.scalar_type(), " ", x.sizes());
   const int64_t K = x.size(1);
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
                   packed.size(0) % 2 == 0 && packed.size(2) == kTileRows && packed.size(3) == kBf16Depth,
-              "llmplug_cpu::amx_linear: packed must be contiguous bfloat16 [N' / 16, K / 32, 16, 32] (N' even tiles), "
+              "llmplug_cpu::", op, ": packed must be contiguous bfloat16 [N' / 16, K / 32, 16, 32] (N' even tiles), "
               "got ", packed.scalar_type(), " ", packed.sizes());
-  TORCH_CHECK(packed.size(1) * kBf16Depth == K, "llmplug_cpu::amx_linear: x has ", K, " columns, the packed weight ",
+  TORCH_CHECK(packed.size(1) * kBf16Depth == K, "llmplug_cpu::", op, ": x has ", K, " columns, the packed weight ",
               packed.size(1) * kBf16Depth);
   TORCH_CHECK(out_features > 0 && out_features <= packed.size(0) * kTileRows &&
                   out_features > (packed.size(0) - 2) * kTileRows,
-              "llmplug_cpu::amx_linear: out_features ", out_features, " does not fit the packed weight's ",
+              "llmplug_cpu::", op, ": out_features ", out_features, " does not fit the packed weight's ",
               packed.size(0) * kTileRows, " rows");
+}
+
+// x [M, K] bfloat16 (columns contiguous) times the packed weight of `out_features` outputs, plus bias [N] (bfloat16
+// or float32) where given -> [M, N] bfloat16.
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                      int64_t out_features) {
+  check_amx_linear("amx_linear", x, packed, out_features);
   const at::Tensor bias_f32 = float32_bias("amx_linear", bias, out_features);
   const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
   at::Tensor y = at::empty({x.size(0), out_features}, x.options());
 #ifdef LLMPLUG_AMX
   if (y.numel() > 0) amx_linear_impl(xc, packed, bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr, y);
+#endif
+  return y;
+}
+
+// amx_linear's product of gate_up's weight (out_features = 2 d: the gate's d outputs, then the up's; d a multiple of
+// 16) through SiLU-and-mul -> [M, d] bfloat16: the bits of silu_and_mul(amx_linear(x, packed, bias, 2 d)).
+at::Tensor amx_linear_silu_and_mul(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                                   int64_t out_features) {
+  TORCH_CHECK(out_features % (2 * kTileRows) == 0, "llmplug_cpu::amx_linear_silu_and_mul: out_features (gate and up) "
+              "must be a multiple of 32, got ", out_features);
+  check_amx_linear("amx_linear_silu_and_mul", x, packed, out_features);
+  const at::Tensor bias_f32 = float32_bias("amx_linear_silu_and_mul", bias, out_features);
+  const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
+  at::Tensor y = at::empty({x.size(0), out_features / 2}, x.options());
+#ifdef LLMPLUG_AMX
+  if (y.numel() > 0)
+    amx_linear_silu_and_mul_impl(xc, packed, bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr, y);
 #endif
   return y;
 }
@@ -391,11 +442,13 @@ at::Tensor amx_int8_linear(const at::Tensor& x, const at::Tensor& packed, const 
 
 TORCH_LIBRARY_FRAGMENT(llmplug_cpu, m) {
   m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+  m.def("amx_linear_silu_and_mul(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   m.def("amx_int8_linear(Tensor x, Tensor packed, Tensor weight_scale, Tensor? bias, int out_features) -> Tensor");
   m.def("amx_enabled() -> bool", [] { return llmplug::amx_enabled(); });
 }
 
 TORCH_LIBRARY_IMPL(llmplug_cpu, CPU, m) {
   m.impl("amx_linear", amx_linear);
+  m.impl("amx_linear_silu_and_mul", amx_linear_silu_and_mul);
   m.impl("amx_int8_linear", amx_int8_linear);
 }

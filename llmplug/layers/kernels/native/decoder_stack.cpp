@@ -56,6 +56,11 @@ struct Kernels {
                                       int64_t)>
       amx_linear = kernel<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
                                      int64_t)>("llmplug_cpu::amx_linear");
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                      int64_t)>
+      amx_linear_silu_and_mul = kernel<at::Tensor(const at::Tensor&, const at::Tensor&,
+                                                  const std::optional<at::Tensor>&, int64_t)>(
+          "llmplug_cpu::amx_linear_silu_and_mul");
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)> w4a8_matmul =
       kernel<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>("llmplug_cpu::w4a8_matmul");
 
@@ -94,6 +99,14 @@ struct Linear {
     }
     if (rows < min_rows) return dense(k, pad(x, min_rows)).narrow(0, 0, rows);  // fewer rows padded
     return dense(k, x);
+  }
+
+  // silu_and_mul of this linear's x (a gate_up's): one call where the kind is AMX and the gate and up halves are
+  // whole tiles (fast_path._silu_and_mul_of), the same bits.
+  at::Tensor silu_and_mul(const Kernels& k, const at::Tensor& x) const {
+    if (kind == LinearKind::kAmx && group_size % 32 == 0)
+      return k.amx_linear_silu_and_mul.call(x, w0, bias_or_none(), group_size);
+    return k.silu_and_mul.call((*this)(k, x));
   }
 
  private:
@@ -176,7 +189,7 @@ class DecoderStack : public torch::CustomClassHolder {
       hidden = layer.o(k, attended);
       x = k.fused_add_rms_norm.call(hidden, residual, layer.mlp_norm, layer.mlp_eps);
       residual = hidden;
-      hidden = layer.down(k, k.silu_and_mul.call(layer.gate_up(k, x)));
+      hidden = layer.down(k, layer.gate_up.silu_and_mul(k, x));
     }
     return {hidden, residual};
   }

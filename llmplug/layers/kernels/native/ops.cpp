@@ -28,6 +28,7 @@
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define LLMPLUG_AVX512 1
+#include "activation.h"
 #include "bf16.h"
 #endif
 
@@ -80,6 +81,9 @@ struct F16 {
 
 #ifdef LLMPLUG_AVX512
 using llmplug::bf16_floats;
+
+// 16 bfloat16 values' bits from memory.
+inline __m256i load_bits(const uint16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 #endif
 
 // Calls fn.template operator()<Type>() for x's dtype.
@@ -192,20 +196,6 @@ at::Tensor fused_add_rms_norm(at::Tensor x, const at::Tensor& residual, const at
   return rms_norm_impl(x, residual, weight, eps);
 }
 
-#ifdef LLMPLUG_AVX512
-// glibc's 16-lane expf (libmvec): what `#pragma omp simd` loops call where the compiler picks 512-bit vectors
-extern "C" __m512 _ZGVeN16v_expf(__m512) noexcept;
-
-// silu(gate) * up of 16 bf16 lanes with the scalar loop's roundings (silu to bf16, then the product to bf16): the
-// compiler's vectorization of that loop (8 lanes here) took ~3 cycles an element, this ~2.
-inline __m256i silu_and_mul16(const uint16_t* gate, const uint16_t* up) {
-  const __m512 g = BF16::load16(gate);
-  const __m512 minus_g = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), _mm512_set1_epi32(INT32_MIN)));
-  const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), _ZGVeN16v_expf(minus_g)));
-  return llmplug::bf16_bits(_mm512_mul_ps(bf16_floats(llmplug::bf16_bits(silu)), BF16::load16(up)));
-}
-#endif
-
 // x [N, 2d] = [gate | up] (rows may be strided) -> silu(gate) * up [N, d].
 at::Tensor silu_and_mul(const at::Tensor& x) {
   check_rows(x, "silu_and_mul", "x");
@@ -217,6 +207,9 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
     const raw* xp = reinterpret_cast<const raw*>(x.data_ptr());
     raw* op = reinterpret_cast<raw*>(out.data_ptr());
     const int64_t xs = x.stride(0);
+#ifdef LLMPLUG_AVX512
+    const uint16_t* silu = std::is_same_v<T, BF16> ? llmplug::silu_table() : nullptr;
+#endif
     at::parallel_for(0, rows, grain(2 * d), [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         const raw* gate = xp + i * xs;
@@ -227,7 +220,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
         if constexpr (std::is_same_v<T, BF16>)
           for (; vectorized + 16 <= d; vectorized += 16)
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + vectorized),
-                                silu_and_mul16(gate + vectorized, up + vectorized));
+                                llmplug::silu_and_mul_bf16(load_bits(gate + vectorized), load_bits(up + vectorized), silu));
 #endif
 #pragma omp simd
         for (int64_t c = vectorized; c < d; ++c) {
