@@ -147,8 +147,8 @@ void tile_sums(const typename Tiles::Element* a, int64_t ldx, const typename Til
     }
   }
   for (int64_t t = t0; t < t1; ++t) {
-    _tile_loadd(6, b0 + t * kTileElements, 64);
-    _tile_loadd(7, b1 + t * kTileElements, 64);
+    _tile_stream_loadd(6, b0 + t * kTileElements, 64);  // the weight's tiles: not kept in L1, which holds x's
+    _tile_stream_loadd(7, b1 + t * kTileElements, 64);
     _tile_loadd(4, a + t * kDepth, lda);
     LLMPLUG_TILE_PRODUCT(0, 4, 6);
     LLMPLUG_TILE_PRODUCT(1, 4, 7);
@@ -170,9 +170,11 @@ void tile_sums(const typename Tiles::Element* a, int64_t ldx, const typename Til
 
 // Cache blocking. A tile load that misses L1 costs several times a tile product here (an L2 tile ~4x an L1 one), so
 // a task takes one block of x's rows against a group of column pairs, k in chunks: a block's chunk of x (32 rows x
-// 576 bytes, 18 KiB) stays in L1 while the group's pairs pass (18 KiB each), and a group's packed weight (<= ~1 MiB)
-// stays in L2 while the blocks pass. 1.5-1.9 -> 2.6-3.3 TFLOP/s at prefill sizes on 2 cores (docs/kernels.md).
-constexpr int64_t kChunkTiles = 9;        // k tiles a chunk
+// up to 1,152 bytes, 36 KiB) stays in L1 while the group's pairs pass, their tiles loaded with TILELOADDT1 so that
+// they stream through without evicting it, and a group's packed weight (<= ~1 MiB) stays in L2 while the blocks
+// pass. Each chunk boundary stores and reloads the pairs' sums, so chunks are as long as L1 allows: one for K = 576
+// (docs/kernels.md).
+constexpr int64_t kChunkTiles = 18;       // k tiles a chunk, at most
 constexpr int64_t kGroupBytes = 1 << 20;  // a group's packed weight, at most (unless one pair is more)
 
 // x [M, K] (rows ldx apart) times the packed weight ([column tiles of 16 outputs, K / kDepth, 16, 64 bytes]):
@@ -185,6 +187,7 @@ void tile_product(const typename Tiles::Element* xp, int64_t M, int64_t K, int64
                   const typename Tiles::Element* wp, int64_t pairs, const Store& store, int64_t split = 0) {
   using Element = typename Tiles::Element;
   const int64_t depth_tiles = K / Tiles::kDepth;
+  const int64_t chunk_tiles = ceil_div(depth_tiles, ceil_div(depth_tiles, kChunkTiles));  // K's chunks, even
   // a block: 32 rows (16 where M is at most 16: a decode step computes no padding rows it need not)
   const int64_t block_rows = M <= kTileRows ? kTileRows : 2 * kTileRows;
   const int64_t blocks = ceil_div(M, block_rows);
@@ -215,8 +218,8 @@ void tile_product(const typename Tiles::Element* xp, int64_t M, int64_t K, int64
         }
         a = padded.data(), lda = K;
       }
-      for (int64_t t0 = 0; t0 < depth_tiles; t0 += kChunkTiles) {
-        const int64_t t1 = std::min(depth_tiles, t0 + kChunkTiles);
+      for (int64_t t0 = 0; t0 < depth_tiles; t0 += chunk_tiles) {
+        const int64_t t1 = std::min(depth_tiles, t0 + chunk_tiles);
         for (int64_t pair = first; pair < last; ++pair) {
           auto* pair_sums = sums + (pair - first) * kSums;
           const Element* b0 = wp + (split > 0 ? pair : 2 * pair) * column_tile;
