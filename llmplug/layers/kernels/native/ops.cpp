@@ -218,9 +218,11 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
         int64_t vectorized = 0;
 #ifdef LLMPLUG_AVX512
         if constexpr (std::is_same_v<T, BF16>)
-          for (; vectorized + 16 <= d; vectorized += 16)
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + vectorized),
-                                llmplug::silu_and_mul_bf16(load_bits(gate + vectorized), load_bits(up + vectorized), silu));
+          for (; vectorized + 16 <= d; vectorized += 16) {
+            const __m256i product =
+                llmplug::silu_and_mul_bf16(load_bits(gate + vectorized), load_bits(up + vectorized), silu);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + vectorized), product);
+          }
 #endif
 #pragma omp simd
         for (int64_t c = vectorized; c < d; ++c) {
