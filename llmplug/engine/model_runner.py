@@ -347,6 +347,9 @@ class ModelRunner:
             block_tables = np.zeros((len(reqs), 1), dtype=np.int64)
             slot_mapping = np.zeros(num_tokens, dtype=np.int64)
         input_ids = np.fromiter((t for r in reqs for t in r.token_ids), dtype=np.int64, count=num_tokens)
+        prompts = (self.prompt_token_ids.get(r.req_id) for r in reqs)  # none for the profile run's: all prompt
+        prompt_lens = np.fromiter((_NO_PROMPT if p is None else len(p) for p in prompts), dtype=np.int64,
+                                  count=len(reqs))
         # the last position of each request that samples; with draft tokens, also each draft's position
         num_samples = np.fromiter((r.samples * (1 + len(r.spec_token_ids)) for r in reqs), dtype=np.int64,
                                   count=len(reqs))
@@ -356,7 +359,7 @@ class ModelRunner:
         sample_indices = np.repeat(query_start_loc[1:], num_samples) - rows_to_end
         on_device = _one_copy(self.device, input_ids=input_ids, positions=positions, query_start_loc=query_start_loc,
                               seq_lens=seq_lens, computed=computed, block_tables=block_tables,
-                              slot_mapping=slot_mapping, sample_indices=sample_indices)
+                              slot_mapping=slot_mapping, sample_indices=sample_indices, prompt_lens=prompt_lens)
         common = CommonAttentionMetadata(
             query_start_loc=on_device["query_start_loc"],
             seq_lens=on_device["seq_lens"],
@@ -364,6 +367,7 @@ class ModelRunner:
             block_tables=on_device["block_tables"],
             slot_mapping=on_device["slot_mapping"],
             positions=on_device["positions"],
+            prompt_lens=on_device["prompt_lens"],
             block_size=bs,
             num_reqs=len(reqs),
             num_tokens=num_tokens,
@@ -382,9 +386,6 @@ class ModelRunner:
             recurrent = build_recurrent_metadata(query_lens, computed, slots, self.device)
         generated = None
         if self.splits_generated_rows:  # a row is a generated token where its position is past its prompt
-            prompts = (self.prompt_token_ids.get(r.req_id) for r in reqs)  # none for the profile run's: all prompt
-            prompt_lens = np.fromiter((_NO_PROMPT if p is None else len(p) for p in prompts), dtype=np.int64,
-                                      count=len(reqs))
             generated = GeneratedRows.from_mask(positions >= prompt_lens[req_index])
         # every token samples (a request samples at most its chunk's tokens): the sample rows are 0..T-1, in order
         samples_every_row = num_sample_rows == num_tokens

@@ -47,6 +47,9 @@ class CommonAttentionMetadata:
     batch_invariant: bool = False
     # spans of prompt tokens attending bidirectionally, for a model that declares `bidirectional_spans`; else empty
     bidirectional_spans: tuple[BidirectionalSpan, ...] = ()
+    # [B] int64, each request's prompt length (positions before it are prompt tokens: the CPU attention computes
+    # those rows with its prompt kernel, docs/kernels.md); None: every row as a generated one
+    prompt_lens: torch.Tensor | None = None
 
 
 @dataclass(slots=True, frozen=True)

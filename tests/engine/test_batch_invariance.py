@@ -113,3 +113,33 @@ def _tokens_and_logprobs(output) -> list[tuple[int, float]]:
     """Each generated token with its log-probability."""
     completion = output.outputs[0]
     return [(token, step[token].logprob) for token, step in zip(completion.token_ids, completion.logprobs)]
+
+
+def test_prompt_attention_rows_do_not_depend_on_chunks_batches_prefix_hits_or_turns(tmp_path) -> None:
+    """Prompt rows of head dim 64 in blocks of 16 take the CPU attention's prompt kernel (AMX tiles of 16 rows where
+    AMX is on, docs/kernels.md) and generated rows the float32 rows: each answer is bitwise the same alone,
+    prefilled in chunks of 24 tokens (tiles cut mid-way) beside the others' decodes, after a prefix-cache hit, and
+    as a second turn whose prompt holds the first answer (computed as generated rows)."""
+    config = tiny_config(LlamaConfig, hidden_size=256, intermediate_size=256, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=512, max_position_embeddings=512)
+    path = str(save_tiny_checkpoint(config, tmp_path / "llama").path)
+    generator = torch.Generator().manual_seed(0)
+    first = torch.randint(0, 512, (100,), generator=generator).tolist()
+    prompts = [first, first[:64] + [5, 6, 7], *(torch.randint(0, 512, (n,), generator=generator).tolist()
+                                               for n in (37, 70, 5))]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
+
+    def answers(batches: list[list[list[int]]], **engine) -> list[list[tuple[int, float]]]:
+        llm = LLM(path, dtype="bfloat16", skip_tokenizer_init=True, max_num_seqs=8, **engine)
+        try:
+            return [_tokens_and_logprobs(o) for batch in batches
+                    for o in llm.generate([{"prompt_token_ids": p} for p in batch], greedy, use_tqdm=False)]
+        finally:
+            llm.shutdown()
+
+    alone = answers([[p] for p in prompts], enable_prefix_caching=False)
+    assert answers([prompts], max_num_batched_tokens=24, enable_prefix_caching=False) == alone
+    assert answers([[p] for p in prompts], enable_prefix_caching=True) == alone  # prompt 1 hits prompt 0's blocks
+    second = first + [token for token, _ in alone[0]] + [8, 9]
+    turns = answers([[first], [second]], enable_prefix_caching=True)
+    assert turns[1] == answers([[second]], enable_prefix_caching=False)[0]

@@ -637,12 +637,12 @@ def native_attention(
     if cache.size(0) == 2:
         return ops().cache_and_attend(
             q, k, v, cache, common.slot_mapping, common.block_tables, common.query_start_loc, common.seq_lens,
-            layer.scale, window, chunk,
+            layer.scale, window, chunk, common.prompt_lens,
         )
     write_kv(cache, k, v, common.slot_mapping)  # values inside the keys: one plane
     return ops().paged_attention(
         q.view(q.shape[0], layer.num_heads, layer.head_dim), cache[0], cache[0][..., : layer.v_head_dim],
-        common.block_tables, common.query_start_loc, common.seq_lens, layer.scale, window, chunk,
+        common.block_tables, common.query_start_loc, common.seq_lens, layer.scale, window, chunk, common.prompt_lens,
     )
 
 

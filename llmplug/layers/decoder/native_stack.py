@@ -88,7 +88,7 @@ class NativeDecoderStack:
         common = metadata.common
         return built.stack.run(
             hidden, residual, [r.cos for r in ropes], [r.sin for r in ropes], [int(r.is_neox_style) for r in ropes],
-            common.slot_mapping, common.block_tables, common.query_start_loc, common.seq_lens,
+            common.slot_mapping, common.block_tables, common.query_start_loc, common.seq_lens, common.prompt_lens,
         )
 
     def _step_methods(

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from llmplug.layers.activation import SiluAndMul
+from llmplug.layers.kernels.amx_linear import amx_linear_enabled
 from llmplug.layers.kernels.native import KERNELS_ENV, native_available, ops, use_native
 from llmplug.layers.layernorm import RMSNorm
 from llmplug.layers.rotary import get_rope
@@ -84,14 +85,18 @@ class PagedCase:
         self.cache = (torch.randn(2, kv_heads, num_blocks, block_size, dim, generator=gen) * 2).to(dtype)
         self.queries = {r: torch.randn(n, heads, dim, generator=gen).to(dtype) for r, n in enumerate(seq_lens)}
 
-    def run(self, reqs: list[int], q_lens: list[int], window: int = 0, chunk: int = 0, scale: float = 0.125):
-        """Attention of the last q_lens[i] tokens of each request reqs[i], in one call -> {req: [q_len, H * D]}."""
+    def run(self, reqs: list[int], q_lens: list[int], window: int = 0, chunk: int = 0, scale: float = 0.125,
+            prompt_lens: dict[int, int] | None = None):
+        """Attention of the last q_lens[i] tokens of each request reqs[i], in one call -> {req: [q_len, H * D]};
+        `prompt_lens` (request -> prompt length) passes each request's prompt length to the kernel."""
         width = max(len(self.tables[r]) for r in reqs)
         tables = torch.tensor([self.tables[r] + [0] * (width - len(self.tables[r])) for r in reqs])
         q = torch.cat([self.queries[r][-n:] for r, n in zip(reqs, q_lens)])
         starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()])
         lens = torch.tensor([self.seq_lens[r] for r in reqs])
-        out = ops().paged_attention(q, self.cache[0], self.cache[1], tables, starts, lens, scale, window, chunk)
+        prompts = None if prompt_lens is None else torch.tensor([prompt_lens[r] for r in reqs])
+        out = ops().paged_attention(q, self.cache[0], self.cache[1], tables, starts, lens, scale, window, chunk,
+                                    prompts)
         return {r: out[starts[i] : starts[i + 1]] for i, r in enumerate(reqs)}
 
     def reference(self, r: int, window: int = 0, chunk: int = 0, scale: float = 0.125) -> torch.Tensor:
@@ -169,6 +174,66 @@ def test_a_rows_bits_do_not_depend_on_the_batch_or_the_chunking(
             assert torch.equal(tail, alone[-q_len:])
     finally:
         torch.set_num_threads(before)
+
+
+# Prompt rows (positions before their request's prompt length) of a bf16 layer with 64 or 128 dims, blocks of 16
+# tokens and plain causal attention take the AMX prompt kernel where AMX is on (prompt_attention.cpp); elsewhere,
+# and for generated rows, the float32 rows above. PROMPT_SHAPES: (query heads, KV heads, dim).
+PROMPT_SHAPES = [(6, 2, 64), (8, 2, 128)]
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), PROMPT_SHAPES, ids=["d64", "d128"])
+def test_prompt_rows_match_a_float64_reference(heads: int, kv_heads: int, dim: int) -> None:
+    lens = [1, 15, 16, 17, 40, 77]
+    case = PagedCase(lens, heads=heads, kv_heads=kv_heads, dim=dim, block_size=16)
+    reqs = list(range(len(lens)))
+    got = case.run(reqs, lens, scale=dim**-0.5, prompt_lens=dict(enumerate(lens)))
+    rows = case.run(reqs, lens, scale=dim**-0.5)  # the float32 rows
+    for r in reqs:  # probabilities rounded to bf16 (as an eager bf16 attention rounds them): a bf16 tolerance
+        torch.testing.assert_close(got[r].double(), case.reference(r, scale=dim**-0.5), rtol=3e-2, atol=3e-2)
+    if amx_linear_enabled():  # the prompt kernel ran: its probabilities are rounded, the float32 rows' are not
+        assert any(not torch.equal(got[r], rows[r]) for r in reqs)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), PROMPT_SHAPES, ids=["d64", "d128"])
+def test_a_prompt_rows_bits_do_not_depend_on_the_batch_or_the_chunking(
+    threads: int, heads: int, kv_heads: int, dim: int
+) -> None:
+    """Request 2's prompt: whole and alone, in a batch beside decodes and other prompts, and as later chunks of
+    every size that starts or ends inside a tile of 16 rows (down to one row); bit for bit the same."""
+    case = PagedCase([5, 31, 70, 12], heads=heads, kv_heads=kv_heads, dim=dim, block_size=16)
+    prompts = {0: 4, 1: 31, 2: 70, 3: 11}  # requests 0 and 3 decode their first generated token
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        alone = case.run([2], [70], prompt_lens=prompts)[2]
+        batched = case.run([0, 1, 2, 3], [1, 31, 70, 1], prompt_lens=prompts)[2]
+        assert torch.equal(alone, batched)
+        for q_len in (1, 3, 16, 17, 33, 54):
+            tail = case.run([1, 2, 3], [2, q_len, 1], prompt_lens=prompts)[2]
+            assert torch.equal(tail, alone[-q_len:]), q_len
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_generated_rows_and_windowed_layers_keep_the_float32_rows() -> None:
+    """A request whose prompt is its first 20 tokens: its later rows are the float32 rows' bits, its prompt rows the
+    whole-prompt call's, in one call; a sliding window keeps the float32 rows for every row."""
+    case = PagedCase([45], block_size=16)
+    everything = case.run([0], [45], prompt_lens={0: 45})[0]
+    rows = case.run([0], [45])[0]
+    mixed = case.run([0], [45], prompt_lens={0: 20})[0]
+    assert torch.equal(mixed[:20], everything[:20]) and torch.equal(mixed[20:], rows[20:])
+    assert torch.equal(case.run([0], [45], window=9, prompt_lens={0: 45})[0], case.run([0], [45], window=9)[0])
+
+
+def test_bad_prompt_lens_are_refused_by_name() -> None:
+    case = PagedCase([6, 9], block_size=16)
+    with pytest.raises(RuntimeError, match="prompt_lens must be int64"):
+        ops().paged_attention(case.queries[0], case.cache[0], case.cache[1], torch.tensor([case.tables[0]]),
+                              torch.tensor([0, 6]), torch.tensor([6]), 0.125, 0, 0, torch.tensor([6, 9]))
+    assert torch.equal(case.run([0], [6], prompt_lens={0: 6})[0], case.run([0], [6], prompt_lens={0: 6})[0])
 
 
 def test_bad_metadata_is_refused_by_name() -> None:

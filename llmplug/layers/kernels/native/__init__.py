@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 KERNELS_ENV = "LLMPLUG_CPU_KERNELS"  # "auto" (default): on CPU tensors when the kernels build; "0": never
 NAME = "llmplug_cpu_ops"
 SOURCES = tuple(Path(__file__).with_name(name) for name in (
-    "ops.cpp", "fp8.cpp", "int4.cpp", "w4a8.cpp", "amx_linear.cpp", "decoder_stack.cpp"
+    "ops.cpp", "prompt_attention.cpp", "fp8.cpp", "int4.cpp", "w4a8.cpp", "amx_linear.cpp", "decoder_stack.cpp"
 ))
 HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))  # included by the sources: part of the build's key
 MARCH_ENV = "LLMPLUG_CPU_MARCH"  # the target CPU of the build: "native" (default) or a generic one, e.g. x86-64-v2

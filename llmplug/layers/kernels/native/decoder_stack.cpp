@@ -44,13 +44,10 @@ struct Kernels {
       kernel<at::Tensor(const at::Tensor&)>("llmplug_cpu::silu_and_mul");
   c10::TypedOperatorHandle<void(at::Tensor, const at::Tensor&, const at::Tensor&, bool)> rotary_embedding =
       kernel<void(at::Tensor, const at::Tensor&, const at::Tensor&, bool)>("llmplug_cpu::rotary_embedding");
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor,
-                                      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                      double, int64_t, int64_t)>
-      cache_and_attend =
-          kernel<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor, const at::Tensor&,
-                            const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t, int64_t)>(
-              "llmplug_cpu::cache_and_attend");
+  using CacheAndAttend = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor,
+                                    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
+                                    int64_t, int64_t, const std::optional<at::Tensor>&);
+  c10::TypedOperatorHandle<CacheAndAttend> cache_and_attend = kernel<CacheAndAttend>("llmplug_cpu::cache_and_attend");
   c10::OperatorHandle packed_linear = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
                                       int64_t)>
@@ -164,11 +161,12 @@ class DecoderStack : public torch::CustomClassHolder {
 
   // Every layer on hidden [T, hidden] (and the residual stream, none before the first layer) -> the last layer's
   // (output, residual). ropes: each rotation's cos, sin [T, 1, R] and whether it is rotate-half; the attention
-  // metadata as cache_and_attend takes it.
+  // metadata as cache_and_attend takes it (prompt_lens: each request's prompt length, or none).
   std::tuple<at::Tensor, at::Tensor> run(at::Tensor hidden, std::optional<at::Tensor> residual_in,
                                          std::vector<at::Tensor> cos, std::vector<at::Tensor> sin,
                                          std::vector<int64_t> neox, at::Tensor slot_mapping, at::Tensor block_tables,
-                                         at::Tensor query_start_loc, at::Tensor seq_lens) {
+                                         at::Tensor query_start_loc, at::Tensor seq_lens,
+                                         std::optional<at::Tensor> prompt_lens) {
     const Kernels& k = Kernels::get();
     at::Tensor residual = residual_in.value_or(at::Tensor());
     for (const Layer& layer : layers_) {
@@ -185,7 +183,7 @@ class DecoderStack : public torch::CustomClassHolder {
       const at::Tensor attended = k.cache_and_attend.call(
           qkv.narrow(1, 0, layer.q_size), qkv.narrow(1, layer.q_size, layer.kv_size),
           qkv.narrow(1, k_end, qkv.size(1) - k_end), layer.kv_cache, slot_mapping, block_tables, query_start_loc,
-          seq_lens, layer.scale, layer.window, layer.chunk);
+          seq_lens, layer.scale, layer.window, layer.chunk, prompt_lens);
       hidden = layer.o(k, attended);
       x = k.fused_add_rms_norm.call(hidden, residual, layer.mlp_norm, layer.mlp_eps);
       residual = hidden;

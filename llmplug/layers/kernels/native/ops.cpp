@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -31,6 +32,7 @@
 #include "activation.h"
 #include "bf16.h"
 #endif
+#include "prompt_attention.h"
 
 // glibc's vector variants of expf (libmvec): lets `#pragma omp simd` loops call them without -ffast-math
 extern "C" __attribute__((simd("notinbranch"))) float expf(float) noexcept;
@@ -572,6 +574,7 @@ inline int64_t first_key(int64_t pos, int64_t window, int64_t chunk) {
 // one KV head.
 struct AttentionTile {
   int64_t token, rows, pos0, request;
+  bool prompt;  // prompt rows, computed by prompt_tile (AMX)
 };
 
 // Per-thread scratch of paged_attention, sized for the call's largest tile.
@@ -642,10 +645,13 @@ int64_t tile_rows(int64_t group, int64_t longest) {
 // One task is a tile of a request's consecutive tokens (one token when decoding) and a KV head: its G = H / Hkv
 // query heads share each key read. A row's result depends only on its own query and keys, never on its tile.
 // Tasks are ordered first, last, second, second to last, ... so that the threads' contiguous shares of a long
-// prompt (later rows see more keys) hold as much work each.
+// prompt (later rows see more keys) hold as much work each. With prompt_lens [B] (each request's prompt length),
+// a bf16 layer's prompt rows (positions before it) take prompt_tile where it serves (AMX; prompt_attention.h) in
+// tiles of 16, and its generated rows the float32 rows above: a row's kernel follows from its position alone.
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                           const at::Tensor& seq_lens, double scale, int64_t window, int64_t chunk) {
+                           const at::Tensor& seq_lens, double scale, int64_t window, int64_t chunk,
+                           const std::optional<at::Tensor>& prompt_lens) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "llmplug_cpu::paged_attention: q must be [T, H, D], D contiguous");
   TORCH_CHECK(key_cache.dim() == 4 && value_cache.dim() == 4 && key_cache.stride(3) == 1 && value_cache.stride(3) == 1,
               "llmplug_cpu::paged_attention: caches must be [Hkv, num_blocks, block_size, D], D contiguous");
@@ -675,11 +681,23 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache, con
     longest = std::max(longest, lens[r]), widest = std::max(widest, q_len);
   }
   const int64_t rows = std::min(tile_rows(shape.group, longest), std::max<int64_t>(1, widest));
+  TORCH_CHECK(!prompt_lens.has_value() || (prompt_lens->scalar_type() == at::kLong && prompt_lens->dim() == 1 &&
+                                            prompt_lens->is_contiguous() && prompt_lens->numel() == num_reqs),
+              "llmplug_cpu::paged_attention: prompt_lens must be int64 [", num_reqs, "]");
+  const bool prompt_tiles = prompt_lens.has_value() && q.scalar_type() == at::kBFloat16 &&
+                            llmplug::prompt_tile_supported(dim, dim_v, block_size, window, chunk);
+  const int64_t* prompt_ends = prompt_tiles ? prompt_lens->data_ptr<int64_t>() : nullptr;
   std::vector<AttentionTile> tiles;
   tiles.reserve(tokens);
-  for (int64_t r = 0; r < num_reqs; ++r)
-    for (int64_t i = 0, q_len = qsl[r + 1] - qsl[r]; i < q_len; i += rows)
-      tiles.push_back({qsl[r] + i, std::min(rows, q_len - i), lens[r] - q_len + i, r});
+  for (int64_t r = 0; r < num_reqs; ++r) {
+    const int64_t q_len = qsl[r + 1] - qsl[r], pos0 = lens[r] - q_len;
+    // rows before `prompted` are prompt rows
+    const int64_t prompted = prompt_ends ? std::clamp<int64_t>(prompt_ends[r] - pos0, 0, q_len) : 0;
+    for (int64_t i = 0; i < prompted; i += 16)
+      tiles.push_back({qsl[r] + i, std::min<int64_t>(16, prompted - i), pos0 + i, r, true});
+    for (int64_t i = prompted; i < q_len; i += rows)
+      tiles.push_back({qsl[r] + i, std::min(rows, q_len - i), pos0 + i, r, false});
+  }
   const int64_t num_tiles = static_cast<int64_t>(tiles.size());
   at::Tensor out = at::empty({tokens, heads * dim_v}, q.options());
   const int64_t* tables = block_tables.data_ptr<int64_t>();
@@ -695,11 +713,25 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache, con
     const raw* vp = reinterpret_cast<const raw*>(value_cache.data_ptr());
     raw* op = reinterpret_cast<raw*>(out.data_ptr());
     const int64_t group = shape.group, tasks = num_tiles * kv_heads;
+    const llmplug::PromptShape prompt_shape{group, dim, block_size, shape.k_block_stride, shape.k_row_stride,
+                                            shape.v_block_stride, shape.v_row_stride};
     at::parallel_for(0, tasks, grain(rows * longest * (dim + dim_v) * group, 1 << 16), [&](int64_t begin, int64_t end) {
       AttentionScratch scratch(rows, shape, longest);
+      llmplug::PromptScratch prompt_scratch;
       for (int64_t task = begin; task < end; ++task) {
         const int64_t order = task / kv_heads, kvh = task % kv_heads;
         const AttentionTile& tile = tiles[order % 2 ? num_tiles - 1 - order / 2 : order / 2];
+        if (tile.prompt) {
+          auto bits = [](const raw* p) { return reinterpret_cast<const uint16_t*>(p); };
+          const raw* keys = kp + kvh * key_cache.stride(0);
+          const raw* values = vp + kvh * value_cache.stride(0);
+          raw* rows_out = op + (tile.token * heads + kvh * group) * dim_v;
+          llmplug::prompt_tile(bits(qp + tile.token * q.stride(0) + kvh * group * q.stride(1)), q.stride(0),
+                               q.stride(1), bits(keys), bits(values), tables + tile.request * table_stride,
+                               prompt_shape, tile.pos0, tile.rows, fscale, prompt_scratch,
+                               reinterpret_cast<uint16_t*>(rows_out), heads * dim_v);
+          continue;
+        }
         attend(qp + tile.token * q.stride(0) + kvh * group * q.stride(1), q.stride(0), q.stride(1),
                kp + kvh * key_cache.stride(0), vp + kvh * value_cache.stride(0),
                tables + tile.request * table_stride, tile, window, chunk, fscale, shape, scratch,
@@ -716,7 +748,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache, con
 at::Tensor cache_and_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor kv_cache,
                             const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                             const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
-                            int64_t window, int64_t chunk) {
+                            int64_t window, int64_t chunk, const std::optional<at::Tensor>& prompt_lens) {
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2,
               "llmplug_cpu::cache_and_attend: kv_cache must be [2, Hkv, num_blocks, block_size, D], got ",
               kv_cache.sizes());
@@ -729,7 +761,7 @@ at::Tensor cache_and_attend(const at::Tensor& q, const at::Tensor& k, const at::
   reshape_and_cache(k.view({tokens, kv_heads, dim}), v.view({tokens, kv_heads, dim}), key_cache, value_cache,
                     slot_mapping);
   return paged_attention(q.view({tokens, q.size(1) / dim, dim}), key_cache, value_cache, block_tables,
-                         query_start_loc, seq_lens, scale, window, chunk);
+                         query_start_loc, seq_lens, scale, window, chunk, prompt_lens);
 }
 
 // Greedy choice of each row of logits [B, V] (float32, rows may be strided): the first column holding the row's
@@ -1395,10 +1427,12 @@ TORCH_LIBRARY(llmplug_cpu, m) {
   m.def("reshape_and_cache(Tensor k, Tensor v, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping) -> ()");
   m.def(
       "paged_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-      "Tensor query_start_loc, Tensor seq_lens, float scale, int window, int chunk) -> Tensor");
+      "Tensor query_start_loc, Tensor seq_lens, float scale, int window, int chunk, "
+      "Tensor? prompt_lens=None) -> Tensor");
   m.def(
       "cache_and_attend(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slot_mapping, Tensor block_tables, "
-      "Tensor query_start_loc, Tensor seq_lens, float scale, int window, int chunk) -> Tensor");
+      "Tensor query_start_loc, Tensor seq_lens, float scale, int window, int chunk, "
+      "Tensor? prompt_lens=None) -> Tensor");
   m.def("greedy(Tensor logits) -> (Tensor, Tensor)");
   m.def("row_bmm(Tensor a, Tensor b) -> Tensor");
   m.def("gguf_matmul(Tensor x, Tensor w, int type_id, Tensor[] tables) -> Tensor");
