@@ -200,8 +200,8 @@ def test_prompt_rows_match_a_float64_reference(heads: int, kv_heads: int, dim: i
 def test_a_prompt_rows_bits_do_not_depend_on_the_batch_or_the_chunking(
     threads: int, heads: int, kv_heads: int, dim: int
 ) -> None:
-    """Request 2's prompt: whole and alone, in a batch beside decodes and other prompts, and as later chunks of
-    every size that starts or ends inside a tile of 16 rows (down to one row); bit for bit the same."""
+    """Request 2's prompt: whole and alone, in a batch beside decodes and other prompts, and as later chunks that
+    start and end inside the kernel's tiles (32 rows, 16 at a time; down to one row); bit for bit the same."""
     case = PagedCase([5, 31, 70, 12], heads=heads, kv_heads=kv_heads, dim=dim, block_size=16)
     prompts = {0: 4, 1: 31, 2: 70, 3: 11}  # requests 0 and 3 decode their first generated token
     before = torch.get_num_threads()

@@ -693,8 +693,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache, con
     const int64_t q_len = qsl[r + 1] - qsl[r], pos0 = lens[r] - q_len;
     // rows before `prompted` are prompt rows
     const int64_t prompted = prompt_ends ? std::clamp<int64_t>(prompt_ends[r] - pos0, 0, q_len) : 0;
-    for (int64_t i = 0; i < prompted; i += 16)
-      tiles.push_back({qsl[r] + i, std::min<int64_t>(16, prompted - i), pos0 + i, r, true});
+    for (int64_t i = 0; i < prompted; i += llmplug::kPromptTileRows)
+      tiles.push_back({qsl[r] + i, std::min(llmplug::kPromptTileRows, prompted - i), pos0 + i, r, true});
     for (int64_t i = prompted; i < q_len; i += rows)
       tiles.push_back({qsl[r] + i, std::min(rows, q_len - i), pos0 + i, r, false});
   }

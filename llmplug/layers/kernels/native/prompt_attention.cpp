@@ -117,29 +117,21 @@ void configure_tiles() {
   load_tile_config(config);
 }
 
-}  // namespace
-
-void prompt_tile(const uint16_t* q, int64_t q_token_stride, int64_t q_head_stride, const uint16_t* keys,
-                 const uint16_t* values, const int64_t* table, const PromptShape& shape, int64_t pos0, int64_t rows,
-                 float scale, PromptScratch& scratch, uint16_t* out, int64_t out_token_stride) {
+// Rows pos0 .. pos0 + rows - 1 (rows <= 16) against the key and value tiles made for at least their keys.
+void attend_rows(const uint16_t* q, int64_t q_token_stride, int64_t q_head_stride, const uint32_t* kt,
+                 const uint16_t* vt, const PromptShape& shape, int64_t pos0, int64_t rows, float scale,
+                 PromptScratch& scratch, uint16_t* out, int64_t out_token_stride) {
   const int64_t D = shape.dim, n = pos0 + rows, n16 = (n + 15) / 16 * 16, n32 = (n + 31) / 32 * 32;
   const int64_t blocks = n16 / 16, chunks = D / 32, columns = D / 16;
-  scratch.keys.resize(std::max<size_t>(scratch.keys.size(), blocks * chunks * 256));
-  scratch.values.resize(std::max<size_t>(scratch.values.size(), n32 / 32 * columns * 512));
   scratch.scores.resize(std::max<size_t>(scratch.scores.size(), kRows * n16 + 16));
   scratch.probs.resize(std::max<size_t>(scratch.probs.size(), kRows * n32));
-  uint32_t* const kt = scratch.keys.data();
-  uint16_t* const vt = scratch.values.data();
+  scratch.exps.resize(std::max<size_t>(scratch.exps.size(), n16));
   float* const scores = scratch.scores.data();
   uint16_t* const probs = scratch.probs.data();
-  key_tiles(keys, table, shape, n, kt);
-  value_tiles(values, table, shape, n, vt);
+  float* const e = scratch.exps.data();
   std::fill(probs + rows * n32, probs + kRows * n32, uint16_t{0});  // rows past the tile's: zero probabilities
   alignas(64) uint16_t queries[kRows * 128];
   alignas(64) float sums[kRows * 128];
-  std::vector<float>& e = scratch.exps;
-  e.resize(std::max<size_t>(e.size(), n16));
-  configure_tiles();
   const int64_t score_stride = n16 * 4, prob_stride = n32 * 2;
   for (int64_t g = 0; g < shape.group; ++g) {
     for (int64_t r = 0; r < kRows; ++r) {
@@ -165,7 +157,7 @@ void prompt_tile(const uint16_t* q, int64_t q_token_stride, int64_t q_head_strid
       if (pair) _tile_stored(1, scores + 16 * (j + 1), score_stride);
     }
     for (int64_t r = 0; r < rows; ++r)
-      softmax_row(scores + r * n16, pos0 + r + 1, n32, scale, probs + r * n32, e.data());
+      softmax_row(scores + r * n16, pos0 + r + 1, n32, scale, probs + r * n32, e);
     for (int64_t c0 = 0; c0 < columns; c0 += 4) {  // 64 dims at a time: four C tiles
       _tile_zero(0);
       _tile_zero(1);
@@ -197,6 +189,23 @@ void prompt_tile(const uint16_t* q, int64_t q_token_stride, int64_t q_head_strid
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * out_token_stride + g * D + 16 * c), bf16_bits(v));
       }
   }
+}
+
+}  // namespace
+
+void prompt_tile(const uint16_t* q, int64_t q_token_stride, int64_t q_head_stride, const uint16_t* keys,
+                 const uint16_t* values, const int64_t* table, const PromptShape& shape, int64_t pos0, int64_t rows,
+                 float scale, PromptScratch& scratch, uint16_t* out, int64_t out_token_stride) {
+  const int64_t n = pos0 + rows, blocks = (n + 15) / 16, chunks = (n + 31) / 32;
+  scratch.keys.resize(std::max<size_t>(scratch.keys.size(), blocks * shape.dim / 32 * 256));
+  scratch.values.resize(std::max<size_t>(scratch.values.size(), chunks * shape.dim / 16 * 512));
+  key_tiles(keys, table, shape, n, scratch.keys.data());
+  value_tiles(values, table, shape, n, scratch.values.data());
+  configure_tiles();
+  for (int64_t r = 0; r < rows; r += kRows)  // the key and value tiles shared by 16 rows at a time
+    attend_rows(q + r * q_token_stride, q_token_stride, q_head_stride, scratch.keys.data(), scratch.values.data(),
+                shape, pos0 + r, std::min(kRows, rows - r), scale, scratch, out + r * out_token_stride,
+                out_token_stride);
   _tile_release();
 }
 #else
