@@ -7,7 +7,8 @@ so equal hashes mean equal prefixes. What the tokens alone do not say enters as 
 the block; for a multimodal prompt, the content hash of each image whose placeholders fall in the block — never
 only placeholder tokens. A model with bidirectional spans (multimodal.bidirectional_spans) never gets a hit that ends
 inside one, and a prompt block of one whose whole prompt is a span is named with the prompt's length; so is a block
-holding generated tokens of a model that computes them with other kernels than prompts (int4 decode). Freed
+holding generated tokens of a model that computes them with other kernels than prompts (int4 decode; the CPU
+attention's AMX prompt tiles). Freed
 blocks keep their hash and stay reusable until the pool needs them again; the least recently freed is
 evicted first.
 
@@ -469,9 +470,10 @@ class KVCacheManager:
         return (("prompt", request.num_prompt_tokens),)
 
     def _generated_key(self, request: Request, block: int) -> tuple:
-        """A model whose generated tokens take other kernels than its prompts (int4 decode, prompts dense): the K/V of
-        a block holding generated positions depend on where its request's prompt ended, so its name (and the names
-        chained after it) holds the prompt's length; blocks wholly inside a prompt stay shared with any prompt."""
+        """A model whose generated tokens take other kernels than its prompts (int4 decode, prompts dense; the CPU
+        attention's prompt tiles): the K/V of a block holding generated positions depend on where its request's prompt
+        ended, so its name (and the names chained after it) holds the prompt's length; blocks wholly inside a prompt
+        stay shared with any prompt."""
         if not self.splits_generated_rows or (block + 1) * self.block_size <= request.num_prompt_tokens:
             return ()
         return (("generated after", request.num_prompt_tokens),)

@@ -151,6 +151,12 @@ class ModelRunner:
         # prompt spans attending both ways (multimodal.bidirectional_spans): Gemma 3's images, PaliGemma's prompt
         self.span_kind = getattr(self.model, "bidirectional_spans", None)
         self.splits_generated_rows = splits_generated_rows(self.model)
+        # the KV blocks of generated tokens are named apart (kv_cache.py) where some layer computes generated rows
+        # with other kernels than prompt rows: int4 linears (above) or the attention backend (its prompt kernel)
+        self.generated_rows_apart = self.splits_generated_rows or any(
+            self.attn_backend.computes_prompt_rows_apart(layer, self.dtype, self.device, self.block_size)
+            for layer in self._attention_layers()
+        )
         if self.span_kind is not None:
             check_spans_supported(type(self.model).__name__, self.attn_backend, self._attention_layers())
         # what a step calls: the model, or its forward captured by torch.compile (device.compile)

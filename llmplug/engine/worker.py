@@ -248,8 +248,9 @@ class Worker:
             "pooling": runner.pooling_info,
             "num_state_slots": spec.num_state_slots,
             "row_variant": row_variant_weights(runner.model),
-            # int4 copies for generated tokens only (prompts dense): their KV blocks are named apart (kv_cache.py)
-            "splits_generated_rows": runner.splits_generated_rows,
+            # generated tokens computed by other kernels than prompts (int4 copies, the CPU attention's prompt tiles):
+            # their KV blocks are named apart (kv_cache.py)
+            "splits_generated_rows": runner.generated_rows_apart,
             # the width of prompt embeddings (model.enable_prompt_embeds): the model's, or the config's hidden_size
             "embedding_size": getattr(runner.model, "embedding_size", None) or getattr(hf, "hidden_size", None),
             # a multimodal model's placeholder token (the input processor expands each image into a run of them)

@@ -127,9 +127,8 @@ def test_prompt_attention_rows_do_not_depend_on_chunks_batches_prefix_hits_or_tu
     first = torch.randint(0, 512, (100,), generator=generator).tolist()
     prompts = [first, first[:64] + [5, 6, 7], *(torch.randint(0, 512, (n,), generator=generator).tolist()
                                                for n in (37, 70, 5))]
-    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
-
-    def answers(batches: list[list[list[int]]], **engine) -> list[list[tuple[int, float]]]:
+    def answers(batches: list[list[list[int]]], max_tokens: int = 12, **engine) -> list[list[tuple[int, float]]]:
+        greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
         llm = LLM(path, dtype="bfloat16", skip_tokenizer_init=True, max_num_seqs=8, **engine)
         try:
             return [_tokens_and_logprobs(o) for batch in batches
@@ -140,6 +139,7 @@ def test_prompt_attention_rows_do_not_depend_on_chunks_batches_prefix_hits_or_tu
     alone = answers([[p] for p in prompts], enable_prefix_caching=False)
     assert answers([prompts], max_num_batched_tokens=24, enable_prefix_caching=False) == alone
     assert answers([[p] for p in prompts], enable_prefix_caching=True) == alone  # prompt 1 hits prompt 0's blocks
-    second = first + [token for token, _ in alone[0]] + [8, 9]
-    turns = answers([[first], [second]], enable_prefix_caching=True)
-    assert turns[1] == answers([[second]], enable_prefix_caching=False)[0]
+    # 40 generated tokens fill the blocks of positions 96..127: cached, but named apart from a prompt's
+    second = first + [token for token, _ in answers([[first]], max_tokens=40)[0]] + [8, 9]
+    turns = answers([[first], [second]], enable_prefix_caching=True, max_tokens=40)
+    assert turns[1] == answers([[second]], enable_prefix_caching=False, max_tokens=40)[0]

@@ -78,6 +78,14 @@ class AttentionBackend(abc.ABC):
         past a request's keys as masked padding must clear them, since 0 * NaN is NaN. Default: nothing."""
 
     @classmethod
+    def computes_prompt_rows_apart(cls, layer: "Attention", dtype: torch.dtype, device: torch.device,
+                                   block_size: int) -> bool:
+        """Whether `layer`'s prompt rows (positions before `CommonAttentionMetadata.prompt_lens`) take another kernel
+        than its generated rows: then the engine names the KV blocks of generated tokens apart (kv_cache.py), so a
+        later prompt holding them computes them as a prompt does. Default: no."""
+        return False
+
+    @classmethod
     def supports(cls, head_dim: int, dtype: torch.dtype) -> bool:
         """Whether this backend can run layers of `head_dim` in `dtype` (platforms ask before choosing)."""
         return True

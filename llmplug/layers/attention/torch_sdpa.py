@@ -563,6 +563,12 @@ class TorchSDPABackend(AttentionBackend):
         return (planes, layer.num_kv_heads, num_blocks, block_size, layer.head_dim)
 
     @classmethod
+    def computes_prompt_rows_apart(cls, layer: "Attention", dtype: torch.dtype, device: torch.device,
+                                   block_size: int) -> bool:
+        """The CPU kernels' AMX prompt tiles (prompt_rows_apart)."""
+        return prompt_rows_apart(layer, dtype, device, block_size)
+
+    @classmethod
     def discard_step(cls, layer: "Attention", slot_mapping: torch.Tensor) -> None:
         """Zero the failed step's slots and drop the decode mirror: decode pads keys to the batch's longest and
         the batch-invariant mode to whole tiles, reading slots no request owns (masked, but 0 * NaN is NaN)."""
@@ -616,6 +622,15 @@ class TorchSDPABackend(AttentionBackend):
         take = prefill.tokens.take
         prefill.tokens.put(out, _prefill(layer, take(q), take(k), take(v), prefill, cache))
         return out
+
+
+def prompt_rows_apart(layer: "Attention", dtype: torch.dtype, device: torch.device, block_size: int) -> bool:
+    """Whether llmplug's CPU attention computes this layer's prompt rows with its AMX prompt tiles (docs/kernels.md),
+    and its generated rows with the float32 rows: bf16 layers the kernels serve, with the kernel's own condition."""
+    if device.type != "cpu" or dtype != torch.bfloat16 or not native_capable(layer) or not use_native(torch.empty(0)):
+        return False
+    return bool(ops().prompt_tile_supported(layer.head_dim, layer.v_head_dim, block_size, layer.sliding_window or 0,
+                                            layer.attention_chunk or 0))
 
 
 def native_capable(layer: "Attention") -> bool:

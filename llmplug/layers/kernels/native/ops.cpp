@@ -1433,6 +1433,10 @@ TORCH_LIBRARY(llmplug_cpu, m) {
       "cache_and_attend(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slot_mapping, Tensor block_tables, "
       "Tensor query_start_loc, Tensor seq_lens, float scale, int window, int chunk, "
       "Tensor? prompt_lens=None) -> Tensor");
+  m.def("prompt_tile_supported(int dim, int dim_v, int block_size, int window, int chunk) -> bool",
+        [](int64_t dim, int64_t dim_v, int64_t block_size, int64_t window, int64_t chunk) {
+          return llmplug::prompt_tile_supported(dim, dim_v, block_size, window, chunk);
+        });
   m.def("greedy(Tensor logits) -> (Tensor, Tensor)");
   m.def("row_bmm(Tensor a, Tensor b) -> Tensor");
   m.def("gguf_matmul(Tensor x, Tensor w, int type_id, Tensor[] tables) -> Tensor");
