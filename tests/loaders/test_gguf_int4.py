@@ -165,15 +165,18 @@ def test_engine_greedy_output_with_int4_equals_dense_in_fp32(tiny_files: dict[Q,
 # ---------------------------------------------------------------- the embedded SmolLM2 (Q4_1, Q8_0 embedding)
 
 # "What is the capital of France?" starts its bf16 answer on a near-tie ("The" vs "L'", 0.08 nats apart in float32)
-# that any change of rounding flips; this phrasing's first six tokens lead by >= 0.875 nats on the torch paths and
-# llmplug's CPU kernels, dense and int4 (measured 2026-12-02)
+# that any change of rounding flips; these phrasings' first five tokens lead by >= 0.87 nats, dense and int4. Past a
+# near-tie of the dense answer (its top two within NEAR_TIE nats: bf16 logits tie exactly at times) the int4 answer
+# may take the other branch, so the answers are compared up to the dense answer's first near-tie, at least
+# MIN_SAME_TOKENS of them (2026-12-07: all 9 of the first answer's tokens, 5 of the second's, whose sixth is a tie).
 CHATS = ["What is the capital city of France? Answer in one sentence.", "Name three primary colors."]
-SAME_TOKENS = 16
+NEAR_TIE = 0.25
+MIN_SAME_TOKENS = 5
 
 
 @pytest.fixture(scope="module")
 def smollm2_outputs() -> dict[str, list[list[int]]]:
-    params = SamplingParams(temperature=0.0, max_tokens=24)
+    params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=2)
     outputs = {}
     for quantization in ("auto", "none"):
         llm = LLM(quantization=quantization)  # the platform's dtype: bfloat16 on this CPU
@@ -182,6 +185,12 @@ def smollm2_outputs() -> dict[str, list[list[int]]]:
         results = [llm.generate([prompt], params, use_tqdm=False)[0] for prompt in prompts]
         outputs[quantization] = [list(r.outputs[0].token_ids) for r in results]
         outputs[quantization + " text"] = [r.outputs[0].text for r in results]
+        # each step's lead of the greedy token over the runner-up, in nats
+        outputs[quantization + " leads"] = [
+            [top[0] - top[1] for top in (sorted((lp.logprob for lp in step.values()), reverse=True)
+                                         for step in r.outputs[0].logprobs)]
+            for r in results
+        ]
         # freed before the next engine loads (its reference cycles would keep the model until a collection)
         del llm
         gc.collect()
@@ -189,8 +198,10 @@ def smollm2_outputs() -> dict[str, list[list[int]]]:
 
 
 def test_smollm2_greedy_output_with_int4_equals_dense(smollm2_outputs: dict[str, list]) -> None:
-    for auto, none in zip(smollm2_outputs["auto"], smollm2_outputs["none"]):
-        assert auto[:SAME_TOKENS] == none[:SAME_TOKENS]
+    for auto, none, leads in zip(smollm2_outputs["auto"], smollm2_outputs["none"], smollm2_outputs["none leads"]):
+        same = next((i for i, lead in enumerate(leads) if lead < NEAR_TIE), len(none))
+        assert same >= MIN_SAME_TOKENS, f"the dense answer reaches a near-tie at token {same}: {leads}"
+        assert auto[:same] == none[:same]
 
 
 def test_smollm2_with_int4_knows_the_capital_of_france(smollm2_outputs: dict[str, list]) -> None:
