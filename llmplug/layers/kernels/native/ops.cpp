@@ -647,7 +647,7 @@ int64_t tile_rows(int64_t group, int64_t longest) {
 // Tasks are ordered first, last, second, second to last, ... so that the threads' contiguous shares of a long
 // prompt (later rows see more keys) hold as much work each. With prompt_lens [B] (each request's prompt length),
 // a bf16 layer's prompt rows (positions before it) take prompt_tile where it serves (AMX; prompt_attention.h) in
-// tiles of 16, and its generated rows the float32 rows above: a row's kernel follows from its position alone.
+// tiles of kPromptTileRows, and its generated rows the float32 rows above: a row's kernel follows from its position.
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                            const at::Tensor& seq_lens, double scale, int64_t window, int64_t chunk,
