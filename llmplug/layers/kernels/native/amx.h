@@ -23,4 +23,11 @@ struct alignas(64) TileConfig {
 // names all 64 as its input.
 inline void load_tile_config(const TileConfig& config) { asm volatile("ldtilecfg %0" : : "m"(config)); }
 
+// All 8 tiles as 16 rows of 64 bytes (amx_linear's and the prompt attention's tiles).
+inline void configure_full_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
+  load_tile_config(config);
+}
+
 }  // namespace llmplug

@@ -83,12 +83,6 @@ constexpr int64_t kInt8Depth = 64;  // and int8
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-void configure_tiles() {
-  llmplug::TileConfig config;
-  for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = kTileRows;
-  llmplug::load_tile_config(config);
-}
-
 // What a tile product multiplies: bf16 pairs summed into float32 (TDPBF16PS), or int8 quads into int32 (TDPBSSD,
 // exact). A tile row is 64 bytes: kDepth k of x, or of one output's weights.
 struct Bf16Tiles {
@@ -197,7 +191,7 @@ void tile_product(const typename Tiles::Element* xp, int64_t M, int64_t K, int64
   const int64_t wanted = std::max(ceil_div(pairs, fit), std::min(pairs, ceil_div(4 * at::get_num_threads(), blocks)));
   const int64_t per_group = ceil_div(pairs, wanted), groups = ceil_div(pairs, per_group);
   at::parallel_for(0, groups * blocks, 1, [&](int64_t begin, int64_t end) {
-    configure_tiles();  // per thread and chunk: oneDNN's kernels, on the same thread, configure their own
+    llmplug::configure_full_tiles();  // per thread and chunk: oneDNN's kernels, on the same thread, configure their own
     // the last block's rows, zero rows after them (whole tiles of x), made once per chunk: only the last is short
     std::vector<Element> padded;
     // each pair's sums between k chunks, 64-byte aligned (a tile load or store across cache lines costs ~3x)

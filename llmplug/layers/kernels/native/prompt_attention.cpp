@@ -112,12 +112,6 @@ void softmax_row(const float* scores, int64_t n, int64_t n32, float scale, uint1
   }
 }
 
-void configure_tiles() {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = kRows;
-  load_tile_config(config);
-}
-
 // Rows pos0 .. pos0 + rows - 1 (rows <= 16) against the key and value tiles made for at least their keys.
 void attend_rows(const uint16_t* q, int64_t q_token_stride, int64_t q_head_stride, const uint32_t* kt,
                  const uint16_t* vt, const PromptShape& shape, int64_t pos0, int64_t rows, float scale,
@@ -202,7 +196,7 @@ void prompt_tile(const uint16_t* q, int64_t q_token_stride, int64_t q_head_strid
   scratch.values.resize(std::max<size_t>(scratch.values.size(), chunks * shape.dim / 16 * 512));
   key_tiles(keys, table, shape, n, scratch.keys.data());
   value_tiles(values, table, shape, n, scratch.values.data());
-  configure_tiles();
+  configure_full_tiles();
   for (int64_t r = 0; r < rows; r += kRows)  // the key and value tiles shared by 16 rows at a time
     attend_rows(q + r * q_token_stride, q_token_stride, q_head_stride, scratch.keys.data(), scratch.values.data(),
                 shape, pos0 + r, std::min(kRows, rows - r), scale, scratch, out + r * out_token_stride,
