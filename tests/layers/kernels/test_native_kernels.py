@@ -312,20 +312,26 @@ def test_rotary_gives_the_torch_paths_bits(monkeypatch: pytest.MonkeyPatch, neox
     assert not torch.equal(results[0], qkv)  # it did rotate
 
 
-def test_reshape_and_cache_stores_each_tokens_heads_at_its_slot() -> None:
+@pytest.mark.parametrize(("tokens", "dim"), [(5, 16), (700, 64), (300, 128)])  # 32, 128, 256 bytes a row
+def test_reshape_and_cache_stores_each_tokens_heads_at_its_slot(tokens: int, dim: int) -> None:
     gen = torch.Generator().manual_seed(4)
-    kv = torch.randn(5, 2 * 3 * 16, generator=gen).to(torch.bfloat16)  # k and v side by side, as in a fused qkv row
-    k, v = kv[:, :48].view(5, 3, 16), kv[:, 48:].view(5, 3, 16)
-    cache = torch.zeros(2, 3, 6, 4, 16, dtype=torch.bfloat16)
-    slots = torch.tensor([17, 2, 23, 8, 9])
+    heads, blocks = 3, tokens // 4 + 2
+    kv = torch.randn(tokens, 2 * heads * dim, generator=gen).to(torch.bfloat16)  # k and v side by side (fused qkv)
+    k, v = kv[:, : heads * dim].view(tokens, heads, dim), kv[:, heads * dim :].view(tokens, heads, dim)
+    cache = torch.zeros(2, heads, blocks, 4, dim, dtype=torch.bfloat16)
+    slots = torch.randperm(4 * blocks, generator=gen)[:tokens]
     ops().reshape_and_cache(k, v, cache[0], cache[1], slots)
-    flat = cache.view(2, 3, 24, 16)
+    flat = cache.view(2, heads, 4 * blocks, dim)
     assert torch.equal(flat[0][:, slots], k.transpose(0, 1)) and torch.equal(flat[1][:, slots], v.transpose(0, 1))
-    untouched = torch.ones(24, dtype=torch.bool)
+    untouched = torch.ones(4 * blocks, dtype=torch.bool)
     untouched[slots] = False
     assert flat[:, :, untouched].abs().sum() == 0
-    with pytest.raises(RuntimeError, match="slot 24 of token 0 is outside the cache's 24 slots"):
-        ops().reshape_and_cache(k, v, cache[0], cache[1], torch.tensor([24, 0, 1, 2, 3]))
+    bad = slots.clone()
+    bad[0] = 4 * blocks
+    with pytest.raises(RuntimeError, match=f"slot {4 * blocks} of token 0 is outside the cache's {4 * blocks} slots"):
+        ops().reshape_and_cache(k, v, cache[0], cache[1], bad)
+    ops().reshape_and_cache(k, v, cache[0], cache[1], slots)  # the next good call works
+    assert torch.equal(flat[0][:, slots], k.transpose(0, 1))
 
 
 def test_the_build_directory_is_the_same_after_building(monkeypatch, tmp_path):

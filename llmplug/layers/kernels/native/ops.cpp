@@ -331,15 +331,28 @@ void reshape_and_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor key_
   auto* kc = static_cast<char*>(key_cache.data_ptr());
   auto* vc = static_cast<char*>(value_cache.data_ptr());
   const int64_t es = k.element_size();
-  for (int64_t t = 0; t < tokens; ++t) {
-    const int64_t block = slot[t] / block_size, offset = slot[t] % block_size;
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      std::memcpy(kc + (h * key_cache.stride(0) + block * key_cache.stride(1) + offset * key_cache.stride(2)) * es,
-                  kp + (t * k.stride(0) + h * k.stride(1)) * es, row_bytes_k);
-      std::memcpy(vc + (h * value_cache.stride(0) + block * value_cache.stride(1) + offset * value_cache.stride(2)) * es,
-                  vp + (t * v.stride(0) + h * v.stride(1)) * es, row_bytes_v);
+  // a prefill writes thousands of rows of 128 or 256 bytes: copies of a constant size (inlined, not libc's call),
+  // tokens split between the threads (each slot is one token's)
+  const auto copy = [](char* to, const char* from, int64_t bytes) {
+    if (bytes == 128) {
+      std::memcpy(to, from, 128);
+    } else if (bytes == 256) {
+      std::memcpy(to, from, 256);
+    } else {
+      std::memcpy(to, from, bytes);
     }
-  }
+  };
+  at::parallel_for(0, tokens, grain(kv_heads * (row_bytes_k + row_bytes_v), 1 << 16), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t block = slot[t] / block_size, offset = slot[t] % block_size;
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        copy(kc + (h * key_cache.stride(0) + block * key_cache.stride(1) + offset * key_cache.stride(2)) * es,
+             kp + (t * k.stride(0) + h * k.stride(1)) * es, row_bytes_k);
+        copy(vc + (h * value_cache.stride(0) + block * value_cache.stride(1) + offset * value_cache.stride(2)) * es,
+             vp + (t * v.stride(0) + h * v.stride(1)) * es, row_bytes_v);
+      }
+    }
+  });
 }
 
 // sum_d q[d] * k[d] over n dims: 16 lanes of partial sums added as a tree where AVX-512 runs and n is whole
