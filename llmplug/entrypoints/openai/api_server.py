@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -318,11 +319,25 @@ def run_server(config: EngineConfig, settings: ServerSettings) -> int:
             "generation: /v1/completions, /v1/chat/completions, /v1/responses"
         logger.info("serving %s (%s) on http://%s:%d", ", ".join(app.state.model_names), kind, settings.host,
                     settings.port)
-        with _absorb_replayed_signals():
+        with _absorb_replayed_signals(), _startup_heap_frozen():
             server.run()
     finally:
         engine.shutdown()
     return 0
+
+
+@contextlib.contextmanager
+def _startup_heap_frozen() -> Iterator[None]:
+    """While serving, keep the heap built at startup (the model's modules, the imported code: ~450,000 objects
+    with the default model) out of the cyclic collector's reach, as vLLM's engine core does: a full collection
+    walks all of it holding the GIL, 185-190 ms in which no stream advances; frozen, under 1 ms. Unfrozen when
+    serving ends, so that a server run in a thread of a longer process leaves nothing frozen."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 @contextlib.contextmanager

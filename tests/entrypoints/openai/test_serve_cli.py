@@ -90,3 +90,25 @@ def test_sigterm_lets_in_flight_requests_finish_then_exits(tiny_chat_model):
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_serving_keeps_the_startup_heap_out_of_the_collector_and_unfreezes_after():
+    """A full collection while serving walks only what serving made (api_server._startup_heap_frozen)."""
+    import gc
+    import weakref
+
+    from llmplug.entrypoints.openai.api_server import _startup_heap_frozen
+
+    assert gc.get_freeze_count() == 0
+    with _startup_heap_frozen():
+        assert gc.get_freeze_count() > 10_000  # this process's imported code and objects
+        cycle = Cycle()  # garbage that serving makes is still collected
+        cycle.me, gone = cycle, weakref.ref(cycle)
+        del cycle
+        gc.collect()
+        assert gone() is None
+    assert gc.get_freeze_count() == 0
+
+
+class Cycle:
+    me: object
