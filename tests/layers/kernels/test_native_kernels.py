@@ -54,27 +54,31 @@ def test_bf16_silu_and_mul_gives_torchs_bits_for_every_gate() -> None:
         assert torch.equal(got.isnan(), expected.isnan())
         assert torch.equal(got.nan_to_num(), expected.nan_to_num()), f"up = {up}"
 
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equal, NaN for NaN (the kernels' NaN is c10's 0x7FC0; torch's vectorized conversion keeps payloads)."""
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(
+        a.nan_to_num(0.0).view(torch.int16), b.nan_to_num(0.0).view(torch.int16))
+
+
 def test_bf16_rounding_gives_torchs_bits_for_normal_denormal_nan_and_overflowing_lanes() -> None:
     """The kernels' float32 -> bf16 rounding (bf16.h: vcvtneps2bf16 where a vector has no denormal or NaN lane, the
     integer rounding where it has) against torch's, through the sum fused_add_rms_norm writes back. Rows of 64: some
     16-lane vectors all normal, others holding a denormal, a NaN or an overflow, in every lane position."""
     gen = torch.Generator().manual_seed(0)
-    bits = lambda n: torch.randint(-32768, 32768, (n,), generator=gen, dtype=torch.int32).to(torch.int16)
-    x, r = bits(64 * 64).view(torch.bfloat16), bits(64 * 64).view(torch.bfloat16)  # every exponent, ties included
-    x, r = x.view(64, 64).clone(), r.view(64, 64).clone()
+    x, r = (torch.randint(-32768, 32768, (64, 64), generator=gen, dtype=torch.int32).to(torch.int16)
+            .view(torch.bfloat16) for _ in range(2))  # random bit patterns: every exponent, ties included
     tiny, nan = torch.tensor(2.0**-130, dtype=torch.bfloat16), torch.tensor(float("nan"), dtype=torch.bfloat16)
     for row in range(0, 64, 4):
         lane = row // 4  # one special lane in one vector of the row, the row's others normal
         x[row, lane], r[row, lane] = tiny, tiny / 2  # a denormal sum
         x[row + 1, 16 + lane], r[row + 1, 16 + lane] = nan, 1.0
-        x[row + 2, 32 + lane], r[row + 2, 32 + lane] = float("inf"), float("-inf")  # NaN from finite-free inputs
+        x[row + 2, 32 + lane], r[row + 2, 32 + lane] = float("inf"), float("-inf")  # their sum: NaN
         big = torch.finfo(torch.bfloat16).max
         x[row + 3, 48 + lane], r[row + 3, 48 + lane] = big, big  # rounds past the largest: infinity
     expected = (x.float() + r.float()).bfloat16()
     stream = x.clone()
     ops().fused_add_rms_norm(stream, r, torch.ones(64, dtype=torch.bfloat16), 1e-5)
-    same_bits = lambda a, b: torch.equal(a.isnan(), b.isnan()) and torch.equal(  # NaNs: c10's 0x7FC0, torch's payload
-        a.nan_to_num(0.0).view(torch.int16), b.nan_to_num(0.0).view(torch.int16))
     assert same_bits(stream, expected) and stream.isnan().sum() >= 16 and stream.isinf().sum() >= 16
     assert stream.view(torch.int16)[stream.isnan()].eq(0x7FC0).all()
     assert stream[0, 0] != 0 and stream[0, 0].abs() < torch.finfo(torch.bfloat16).tiny  # the denormal was kept
