@@ -5,9 +5,11 @@
     python benchmarks/throughput.py --model DIR --num-prompts 32 --output-len 128
 
 Reports output tokens/s of each engine for a batch of prompts and for one stream, prefill tokens/s
-(the batch's prompt tokens, one output token each; prefix cache off), and the ratios; llmplug with its
-defaults (for a GGUF of exact int4 blocks, as the default model: generated tokens in int4, prompts dense), with
-dense weights (`quantization: none`, GGUF only) and with `quantization: int8` (docs/quantization.md). With --compile
+(the batch's prompt tokens, one output token each; prefix cache off; llmplug's and HF's rows the median of
+--prefill-repeats calls: one call is ~0.2-0.5 s, which a shared host's noise moves by ~20 %), and the ratios;
+llmplug with its defaults (for a GGUF of exact int4 blocks, as the default model: generated tokens in int4,
+prompts dense), with dense weights (`quantization: none`, GGUF only) and with `quantization: int8`
+(docs/quantization.md). With --compile
 also llmplug with `device.compile` (compiled in the warm-up, not timed); with --cpu-clock every row is
 timed in CPU seconds of the process, steadier when other jobs share the machine.
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -49,7 +52,9 @@ def make_prompts(tokenizer, num_prompts: int) -> list[list[int]]:
 
 
 def bench_llmplug(model: str, prompts: list[list[int]], output_len: int, dtype: str,
-                  quantization: str = "auto", clock=time.perf_counter, **engine) -> float:
+                  quantization: str = "auto", clock=time.perf_counter, repeats: int = 1, **engine) -> float:
+    """Output tokens/s of one `generate` of the prompts (with output_len 1, prompt tokens/s), the median of
+    `repeats` calls after a warm-up."""
     from llmplug import LLM, SamplingParams
 
     llm = LLM(model=model, dtype=dtype, max_num_seqs=max(len(prompts), 1), quantization=quantization, **engine)
@@ -57,9 +62,12 @@ def bench_llmplug(model: str, prompts: list[list[int]], output_len: int, dtype: 
     # warm-up: the same prompts for one token, so every measured row finds its kernels and memory as a
     # running server does (HF's prefill row is warmed the same way)
     llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=1), use_tqdm=False)
-    start = clock()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    elapsed = clock() - start
+    times = []
+    for _ in range(repeats):
+        start = clock()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        times.append(clock() - start)
+    elapsed = statistics.median(times)
     llm.shutdown()
     if output_len == 1:  # a prefill measure: the prompts' tokens are the work
         return sum(map(len, prompts)) / elapsed
@@ -114,16 +122,20 @@ def bench_hf_generate_batch(hf, prompts: list[list[int]], output_len: int, pad_i
     return sum(len(r.generated_tokens) for r in results.values()) / elapsed
 
 
-def bench_hf_prefill(hf, prompts: list[list[int]], pad_id: int, clock=time.perf_counter) -> float:
-    """Prompt tokens/s of one padded forward over the batch (what `generate` does before its first token)."""
+def bench_hf_prefill(hf, prompts: list[list[int]], pad_id: int, clock=time.perf_counter, repeats: int = 1) -> float:
+    """Prompt tokens/s of one padded forward over the batch (what `generate` does before its first token), the
+    median of `repeats` forwards after a warm-up."""
     width = max(map(len, prompts))
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts]).to(hf.device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts]).to(hf.device)
     with torch.inference_mode():
         hf(ids, attention_mask=mask, logits_to_keep=1)  # warm-up: the same forward
-        start = clock()
-        hf(ids, attention_mask=mask, logits_to_keep=1)
-    return sum(map(len, prompts)) / (clock() - start)
+        times = []
+        for _ in range(repeats):
+            start = clock()
+            hf(ids, attention_mask=mask, logits_to_keep=1)
+            times.append(clock() - start)
+    return sum(map(len, prompts)) / statistics.median(times)
 
 
 def load_llama_cpp(gguf: str):
@@ -170,6 +182,8 @@ def main() -> int:
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--prefill-repeats", type=int, default=5,
+                    help="time each prefill row (llmplug's and HF's) as the median of this many calls")
     ap.add_argument("--skip-hf-batch", action="store_true", help="skip HF generate_batch (continuous batching)")
     ap.add_argument("--compile", action="store_true", help="also time llmplug with device.compile (torch.compile)")
     ap.add_argument("--cpu-clock", action="store_true",
@@ -203,7 +217,7 @@ def main() -> int:
     for name, engine in variants.items():
         engine = {**engine, "enable_prefix_caching": False, "clock": clock}  # the aims are stated cache off
         # prefill: prompt tokens per second of a step that only prefills (one output token each)
-        record(f"{name} prefill", bench_llmplug(model, batch, 1, args.dtype, **engine))
+        record(f"{name} prefill", bench_llmplug(model, batch, 1, args.dtype, repeats=args.prefill_repeats, **engine))
         record(f"{name} batch", bench_llmplug(model, batch, args.output_len, args.dtype, **engine))
         record(f"{name} single", bench_llmplug(model, single, args.output_len, args.dtype, **engine))
     llama_cpp = load_llama_cpp(model) if model.endswith(".gguf") else None
@@ -211,7 +225,7 @@ def main() -> int:
         record("llama.cpp prefill", bench_llama_cpp(llama_cpp, batch, 1, clock=clock))
         record("llama.cpp single", bench_llama_cpp(llama_cpp, single, args.output_len, clock=clock))
         del llama_cpp
-    record("hf prefill", bench_hf_prefill(hf, batch, pad_id, clock=clock))
+    record("hf prefill", bench_hf_prefill(hf, batch, pad_id, clock=clock, repeats=args.prefill_repeats))
     record("hf generate batch", bench_hf_generate(hf, batch, args.output_len, pad_id, clock=clock))
     record("hf generate single", bench_hf_generate(hf, single, args.output_len, pad_id, clock=clock))
     if not args.skip_hf_batch:
