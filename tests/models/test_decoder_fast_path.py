@@ -2,7 +2,8 @@
 the tiny Llama, Mistral, Qwen2 (biases) and Qwen3 (q/k norms, scaled rope) models: flattened prefill, a chunk
 between decodes, batched decodes; a hooked layer runs its modules (the hook fires) while the others stay fast.
 With dense or int4 layers, the C++ stack of all layers (decoder/native_stack.py) gives the straight-line run's bits,
-and follows a replaced weight, norm weight, bias or cache."""
+and follows a replaced weight, norm weight, bias or cache. A qkv on the AMX kernel rotates its heads as it stores
+them, with the same bits."""
 
 from __future__ import annotations
 
@@ -12,15 +13,16 @@ import torch
 from llmplug.layers.decoder import fast_path
 from llmplug.layers.decoder.fast_path import DecoderFastPath
 from llmplug.layers.decoder.native_stack import NativeDecoderStack
+from llmplug.layers.kernels.amx_linear import amx_linear_enabled
 from llmplug.layers.kernels.int4_matmul import NativeInt4
 from llmplug.layers.kernels.native import native_available
-from llmplug.layers.packed_linear import PrepackedLinearMethod, RowPlannedDenseMethod
+from llmplug.layers.packed_linear import AmxLinearMethod, PrepackedLinearMethod, RowPlannedDenseMethod
 from llmplug.layers.quantization import Int4LinearMethod, quantize_int4
 from llmplug.layers.row_invariance import RowPlan
 from llmplug.testing.paged import PagedHarness
 
 from .test_llama_parity import prompts
-from .tiny_models import TinyModel
+from .tiny_models import TinyModel, make_tiny
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="the fast path runs on llmplug's CPU kernels")
 
@@ -248,3 +250,35 @@ def test_the_native_stack_follows_each_value_it_was_built_from(
     got = run_steps(model, vocab)
     assert all(stack_runs) and not all(torch.equal(a, b) for a, b in zip(got, before))
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def kernel_calls(run) -> dict[str, int]:
+    """Calls of llmplug's CPU kernels (and others) while `run()` runs, by name."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        run()
+    return {event.key: event.count for event in profile.key_averages()}
+
+
+@pytest.mark.skipif(not amx_linear_enabled(), reason="no AMX-BF16 here")
+def test_a_qkv_on_amx_rotates_its_heads_as_it_stores_them(tmp_path, stack_runs: list[bool]) -> None:
+    """Heads of 32 dims (rotate-half, no q/k norms) with qkv on the AMX kernel: the product rotates the q and k heads
+    as it stores them, one call instead of two, in the straight-line run and the C++ stack alike, with the module
+    path's bits (the tiny Llama's biases included)."""
+    tiny = make_tiny("llama", tmp_path, overrides={"num_attention_heads": 2, "num_key_value_heads": 1})
+    model = tiny.load("bfloat16")
+    plain = model.model.run_layers.plain
+    for layer in plain:  # AMX is the batch-invariant mode's method; this load is not in that mode
+        assert layer.attention.head_dim == 32
+        layer.qkv.quant_method = AmxLinearMethod(layer.qkv.weight)
+    vocab = tiny.hf_model.config.vocab_size
+    expected = module_path_steps(model, vocab)
+    for name, steps in (("straight line", lambda: straight_line_steps(model, vocab)),
+                        ("stack", lambda: run_steps(model, vocab))):
+        stack_runs.clear()
+        got: list[torch.Tensor] = []
+        calls = kernel_calls(lambda: got.extend(steps()))
+        assert calls.get("llmplug_cpu::amx_linear_rotary") == len(expected) * len(plain), name
+        assert "llmplug_cpu::rotary_embedding" not in calls, name
+        assert any(stack_runs) == (name == "stack")
+        for step, (a, b) in enumerate(zip(got, expected)):
+            assert torch.equal(a, b), f"{name}, step {step}: max diff {(a - b).abs().max().item():.3e}"

@@ -27,7 +27,7 @@ from llmplug.layers.attention.torch_sdpa import TorchSDPAMetadata, native_attent
 from llmplug.layers.decoder.native_stack import NativeDecoderStack
 from llmplug.layers.decoder.plain_layer import PlainLayer, layer_allows, plain_layer
 from llmplug.layers.forward_context import get_forward_context
-from llmplug.layers.kernels.amx_linear import amx_linear_silu_and_mul
+from llmplug.layers.kernels.amx_linear import amx_linear_rotary, amx_linear_silu_and_mul
 from llmplug.layers.kernels.native import ops, use_native
 from llmplug.layers.linear import LinearBase
 from llmplug.layers.packed_linear import AmxLinearMethod
@@ -112,15 +112,17 @@ def _run(
         x, residual = kernels.rms_norm(hidden, norm.weight, norm.variance_epsilon), hidden
     else:  # the kernel writes hidden + residual into hidden: the new stream
         x, residual = kernels.fused_add_rms_norm(hidden, residual, norm.weight, norm.variance_epsilon), hidden
-    qkv = _linear(plain.qkv, x)
     q_end, k_end = attention.q_size, attention.q_size + attention.kv_size
-    qk = qkv[:, :k_end].view(qkv.shape[0], plain.rotary_heads, attention.head_dim)
-    if not attention.qk_norm_after_rope:
-        attention._norm_qk_(qk)
-    if rope is not None:
-        kernels.rotary_embedding(qk, rope.cos, rope.sin, rope.is_neox_style)
-    if attention.qk_norm_after_rope:
-        attention._norm_qk_(qk)
+    qkv = _qkv_rotated(plain, x, rope, k_end)
+    if qkv is None:
+        qkv = _linear(plain.qkv, x)
+        qk = qkv[:, :k_end].view(qkv.shape[0], plain.rotary_heads, attention.head_dim)
+        if not attention.qk_norm_after_rope:
+            attention._norm_qk_(qk)
+        if rope is not None:
+            kernels.rotary_embedding(qk, rope.cos, rope.sin, rope.is_neox_style)
+        if attention.qk_norm_after_rope:
+            attention._norm_qk_(qk)
     attn = plain.attn
     hidden = _linear(
         plain.o, native_attention(attn, qkv[:, :q_end], qkv[:, q_end:k_end], qkv[:, k_end:], attn.kv_cache, metadata)
@@ -128,6 +130,18 @@ def _run(
     norm = plain.mlp_norm
     x, residual = kernels.fused_add_rms_norm(hidden, residual, norm.weight, norm.variance_epsilon), hidden
     return _linear(plain.down, _silu_and_mul_of(plain.gate_up, x)), residual
+
+
+def _qkv_rotated(plain: PlainLayer, x: torch.Tensor, rope: RotaryCosSin | None, k_end: int) -> torch.Tensor | None:
+    """qkv(x) with its q and k heads (the first k_end outputs) rotated as the product stores them: one call where qkv
+    computes with the AMX kernel, the layer has no q/k norms and the rotary is rotate-half over whole heads of a
+    multiple of 32 dims (the bits of the product, then rotary_embedding); None elsewhere."""
+    method, head_dim = plain.qkv.quant_method, plain.attention.head_dim
+    if (type(method) is not AmxLinearMethod or rope is None or not rope.is_neox_style or head_dim % 32
+            or rope.cos.shape[-1] != head_dim or plain.attention.q_norm is not None):
+        return None
+    return amx_linear_rotary(x, method.packed, plain.qkv.bias, method.weight.shape[0], rope.cos, rope.sin, k_end,
+                             head_dim)
 
 
 def _silu_and_mul_of(gate_up: LinearBase, x: torch.Tensor) -> torch.Tensor:

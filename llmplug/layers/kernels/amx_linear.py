@@ -26,6 +26,7 @@ __all__ = [
     "amx_int8_linear",
     "amx_linear",
     "amx_linear_enabled",
+    "amx_linear_rotary",
     "amx_linear_silu_and_mul",
     "pack_weight",
     "packable",
@@ -79,6 +80,17 @@ def amx_linear_silu_and_mul(
     rows = x.reshape(-1, x.shape[-1])
     out = ops().amx_linear_silu_and_mul(rows, packed, bias, out_features)
     return out.view(*x.shape[:-1], out_features // 2)
+
+
+def amx_linear_rotary(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int, cos: torch.Tensor,
+    sin: torch.Tensor, rotary_columns: int, head_dim: int,
+) -> torch.Tensor:
+    """x [T, K] bf16 times a qkv weight's packed tiles, plus bias, with the first `rotary_columns` outputs (q and k
+    heads of head_dim, a multiple of 32) rotated rotate-half by cos and sin (RotaryCosSin's, [T, 1, head_dim] bf16)
+    -> [T, out_features] bf16, bit for bit `amx_linear` then `rotary_embedding` of those heads, without writing the
+    heads and reading them back."""
+    return ops().amx_linear_rotary(x, packed, bias, out_features, cos, sin, rotary_columns, head_dim)
 
 
 def amx_int8_linear(x: torch.Tensor, packed: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,

@@ -12,7 +12,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmplug.layers.kernels.amx_linear import AMX_ENV, amx_linear_enabled, amx_linear_silu_and_mul, pack_weight
+from llmplug.layers.kernels.amx_linear import (
+    AMX_ENV,
+    amx_linear_enabled,
+    amx_linear_rotary,
+    amx_linear_silu_and_mul,
+    pack_weight,
+)
 from llmplug.layers.kernels.int4_matmul import NativeInt4
 from llmplug.layers.kernels.native import native_available, ops
 from llmplug.layers.linear import ReplicatedLinear
@@ -139,6 +145,57 @@ def test_the_fused_op_refuses_halves_that_are_not_whole_tiles_then_a_good_call_w
     assert torch.equal(ops().amx_linear_silu_and_mul(x, pack_weight(w[:32]), None, 32),
                        F.silu(product[:, :16]) * product[:, 16:])
     checks = torch.library.opcheck(ops().amx_linear_silu_and_mul.default, (x, pack_weight(w[:32]), None, 32))
+    assert set(checks.values()) == {"SUCCESS"}, checks
+
+
+def rotary_tables(m: int, head_dim: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [m, 1, head_dim] bf16 as RotaryCosSin lays them out (rotate-half; sin signed) for random angles."""
+    angle = torch.rand(m, 1, head_dim // 2, generator=torch.Generator().manual_seed(seed)) * 100
+    return torch.cat([angle.cos()] * 2, -1).bfloat16(), torch.cat([-angle.sin(), angle.sin()], -1).bfloat16()
+
+
+@needs_amx
+@pytest.mark.parametrize("m", [1, 17, 70])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(3, 1, 64), (2, 1, 128), (2, 2, 32)])
+def test_qkv_through_the_rotary_gives_torchs_rotation_of_the_exact_product(
+    m: int, heads: int, kv_heads: int, head_dim: int
+) -> None:
+    """A qkv product (q, k and v heads) whose q and k heads are rotated as they are stored: each is torch's rotate-half
+    (x * cos, rounded, plus its partner times sin: RotaryCosSin's ops) of the exact sum rounded to bf16, v's outputs
+    the exact sums, as amx_linear then rotary_embedding give."""
+    n, rotary = (heads + 2 * kv_heads) * head_dim, (heads + kv_heads) * head_dim
+    x, w, bias = integer_case(m, n, 128, seed=m + head_dim)
+    packed = pack_weight(w)
+    cos, sin = rotary_tables(m, head_dim, seed=m)
+    for b in (bias, None):
+        product = (x.double() @ w.double().T + (0 if b is None else b.double())).bfloat16()
+        expected = product.clone()
+        qk = expected[:, :rotary].view(m, heads + kv_heads, head_dim)
+        qk.mul_(cos).addcmul_(product[:, :rotary].view_as(qk).roll(head_dim // 2, dims=-1), sin)
+        got = amx_linear_rotary(x, packed, b, n, cos, sin, rotary, head_dim)
+        assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
+        two_calls = ops().amx_linear(x, packed, b, n)
+        ops().rotary_embedding(two_calls[:, :rotary].view(m, heads + kv_heads, head_dim), cos, sin, True)
+        assert torch.equal(got.view(torch.int16), two_calls.view(torch.int16))
+
+
+@needs_amx
+@pytest.mark.parametrize("args,named", [
+    (lambda x, p, cos, sin: (x, p, None, 96, cos, sin, 48, 48), "head_dim must be a positive multiple of 32"),
+    (lambda x, p, cos, sin: (x, p, None, 96, cos, sin, 80, 32), "rotary_columns a multiple of it"),
+    (lambda x, p, cos, sin: (x, p, None, 96, cos, sin, 128, 32), "within out_features"),
+    (lambda x, p, cos, sin: (x, p, None, 96, cos[:2], sin, 64, 32), "cos and sin must be contiguous bfloat16 .3, 32."),
+    (lambda x, p, cos, sin: (x, p, None, 96, cos, sin.float(), 64, 32), "cos and sin must be contiguous bfloat16"),
+])
+def test_the_rotary_product_refuses_bad_arguments_by_name_then_a_good_call_works(args, named) -> None:
+    x, w, bias = integer_case(3, 96, 64)
+    packed, (cos, sin) = pack_weight(w), rotary_tables(3, 32, seed=1)
+    with pytest.raises(RuntimeError, match=named):
+        ops().amx_linear_rotary(*args(x, packed, cos, sin))
+    expected = ops().amx_linear(x, packed, bias, 96)
+    ops().rotary_embedding(expected[:, :64].view(3, 2, 32), cos, sin, True)
+    assert torch.equal(ops().amx_linear_rotary(x, packed, bias, 96, cos, sin, 64, 32), expected)
+    checks = torch.library.opcheck(ops().amx_linear_rotary.default, (x, packed, bias, 96, cos, sin, 64, 32))
     assert set(checks.values()) == {"SUCCESS"}, checks
 
 

@@ -2,7 +2,8 @@
 attention, and the matmul of GGUF-quantized weights from their raw blocks (llmplug.quantization.gguf); (`fp8.cpp`)
 the matmul of fp8 weights with their scales (llmplug.quantization.fp8); (`int4.cpp`) the matmul of weight-only int4
 groups (llmplug.layers.kernels.int4_matmul); (`amx_linear.cpp`) the bf16 and int8 (W8A8) matmuls on Intel AMX
-tiles, the bf16 one also through SiLU-and-mul (llmplug.layers.kernels.amx_linear); (`decoder_stack.cpp`)
+tiles, the bf16 one also through SiLU-and-mul or a qkv's rotary (llmplug.layers.kernels.amx_linear);
+(`decoder_stack.cpp`)
 `torch.classes.llmplug_cpu.DecoderStack`, a model's plain int4 layers run as one call a step
 (llmplug.layers.decoder.native_stack).
 
@@ -12,10 +13,10 @@ output row computed by one thread in one fixed order: batch invariant by constru
 
 The sources are compiled once with the host's compiler (`torch.utils.cpp_extension`, about a minute, for this
 CPU: `-march=native`, or `$LLMPLUG_CPU_MARCH`) into one library, in a directory named by a hash of every source,
-the flags, torch's version and the CPU, under `TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`); every later process loads the library
-from there in milliseconds. `make setup` builds it (`python -m llmplug.layers.kernels.native`), else the first
-forward pass does. Where it cannot be built (no C++ compiler), the layers keep their torch paths and the log
-says why, once.
+the flags, torch's version and the CPU, under `TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`); every
+later process loads the library from there in milliseconds. `make setup` builds it
+(`python -m llmplug.layers.kernels.native`), else the first forward pass does. Where it cannot be built (no C++
+compiler), the layers keep their torch paths and the log says why, once.
 
 `use_native(x)` is the layers' switch: the kernels run on CPU tensors, eager or compiled (in a torch.compile graph
 each is one opaque call, so the compiled forward computes eager's bits). LLMPLUG_CPU_KERNELS=0 keeps the torch
@@ -123,6 +124,7 @@ def _register_fakes() -> None:
         "w4a8_matmul": lambda x, packed, out_features: x.new_empty(x.shape[0], out_features),
         "amx_linear": lambda x, packed, bias, out_features: x.new_empty(x.shape[0], out_features),
         "amx_linear_silu_and_mul": lambda x, packed, bias, out_features: x.new_empty(x.shape[0], out_features // 2),
+        "amx_linear_rotary": lambda x, packed, bias, out_features, *rotary: x.new_empty(x.shape[0], out_features),
         "amx_int8_linear": lambda x, packed, scale, bias, out_features: x.new_empty(x.shape[0], out_features),
         "gguf_get_rows": lambda w, ids, type_id, tables, out: None,
     }

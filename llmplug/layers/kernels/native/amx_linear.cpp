@@ -31,6 +31,7 @@
 #include <string>
 #include <string_view>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__) && defined(__AVX512F__) && \
@@ -41,6 +42,7 @@
 
 #include "activation.h"
 #include "bf16.h"
+#include "rotary.h"
 #define LLMPLUG_AMX 1
 #endif
 
@@ -171,14 +173,20 @@ void tile_sums(const typename Tiles::Element* a, int64_t ldx, const typename Til
 constexpr int64_t kChunkTiles = 18;       // k tiles a chunk, at most
 constexpr int64_t kGroupBytes = 1 << 20;  // a group's packed weight, at most (unless one pair is more)
 
+// Pair p of column tiles: 2 p and 2 p + 1 (outputs 32 p..).
+struct ConsecutiveTiles {
+  std::pair<int64_t, int64_t> operator()(int64_t pair) const { return {2 * pair, 2 * pair + 1}; }
+};
+
 // x [M, K] (rows ldx apart) times the packed weight ([column tiles of 16 outputs, K / kDepth, 16, 64 bytes]):
 // calls store(m0, rows, pair, sums) once per block of rows and pair of column tiles with their finished sums, row r's
-// 32 outputs at sums + 32 r. Pair p is column tiles 2 p and 2 p + 1 (outputs 32 p..), or with `split` > 0 tiles p and
-// p + split (a gate output and its up output 16 split apart, for a product stored through SiLU-and-mul). Every sum
-// is its output's tile products over K in order, whatever M and the pairing.
-template <typename Tiles, typename Store>
+// 32 outputs at sums + 32 r. column_tiles(p) names pair p's two column tiles: consecutive ones, or two outputs that
+// one store combines (a gate and its up for SiLU-and-mul, a head's dims d and d + half for the rotary). Every sum is
+// its output's tile products over K in order, whatever M and the pairing.
+template <typename Tiles, typename Store, typename ColumnTiles = ConsecutiveTiles>
 void tile_product(const typename Tiles::Element* xp, int64_t M, int64_t K, int64_t ldx,
-                  const typename Tiles::Element* wp, int64_t pairs, const Store& store, int64_t split = 0) {
+                  const typename Tiles::Element* wp, int64_t pairs, const Store& store,
+                  const ColumnTiles& column_tiles = {}) {
   using Element = typename Tiles::Element;
   const int64_t depth_tiles = K / Tiles::kDepth;
   const int64_t chunk_tiles = ceil_div(depth_tiles, ceil_div(depth_tiles, kChunkTiles));  // K's chunks, even
@@ -216,8 +224,9 @@ void tile_product(const typename Tiles::Element* xp, int64_t M, int64_t K, int64
         const int64_t t1 = std::min(depth_tiles, t0 + chunk_tiles);
         for (int64_t pair = first; pair < last; ++pair) {
           auto* pair_sums = sums + (pair - first) * kSums;
-          const Element* b0 = wp + (split > 0 ? pair : 2 * pair) * column_tile;
-          const Element* b1 = split > 0 ? wp + (pair + split) * column_tile : b0 + column_tile;
+          const auto [tile0, tile1] = column_tiles(pair);
+          const Element* b0 = wp + tile0 * column_tile;
+          const Element* b1 = wp + tile1 * column_tile;
           if (block_rows == kTileRows) {
             tile_sums<Tiles, 1>(a, lda, b0, b1, t0, t1, pair_sums);
           } else {
@@ -231,18 +240,79 @@ void tile_product(const typename Tiles::Element* xp, int64_t M, int64_t K, int64
   });
 }
 
+// Rows m0 .. m0 + rows - 1 of y [M, N] at outputs n0 .. (up to 32), rounded from their sums (+ bias).
+void store_outputs(c10::BFloat16* y, int64_t N, int64_t m0, int64_t rows, int64_t n0, const float* sums,
+                   const float* bias) {
+  const int64_t outputs = std::min(kOutputs, N - n0);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < outputs; c += 16)
+      round_store(y + (m0 + r) * N + n0 + c, sums + r * kOutputs + c, bias ? bias + n0 + c : nullptr,
+                  std::min<int64_t>(16, outputs - c));
+}
+
 void amx_linear_impl(const at::Tensor& x, const at::Tensor& packed, const float* bias, at::Tensor& y) {
   const int64_t N = y.size(1);
   auto* yp = reinterpret_cast<c10::BFloat16*>(y.data_ptr());
   tile_product<Bf16Tiles>(reinterpret_cast<const c10::BFloat16*>(x.data_ptr()), x.size(0), x.size(1), x.stride(0),
                           reinterpret_cast<const c10::BFloat16*>(packed.data_ptr()), packed.size(0) / 2,
                           [&](int64_t m0, int64_t rows, int64_t pair, const float* sums) {
-                            const int64_t n0 = pair * kOutputs, outputs = std::min(kOutputs, N - n0);
-                            for (int64_t r = 0; r < rows; ++r)
-                              for (int64_t c = 0; c < outputs; c += 16)
-                                round_store(yp + (m0 + r) * N + n0 + c, sums + r * kOutputs + c,
-                                            bias ? bias + n0 + c : nullptr, std::min<int64_t>(16, outputs - c));
+                            store_outputs(yp, N, m0, rows, pair * kOutputs, sums, bias);
                           });
+}
+
+// The pairs of a qkv product stored through the rotary: the first `rotary_pairs` pair dims d and d + half of a
+// head (16 dims each: tiles j and j + half_tiles of head h), the others consecutive tiles from `first_plain` on.
+struct HeadHalves {
+  int64_t rotary_pairs, half_tiles, first_plain;
+  std::pair<int64_t, int64_t> operator()(int64_t pair) const {
+    if (pair >= rotary_pairs) {
+      const int64_t tile = first_plain + 2 * (pair - rotary_pairs);
+      return {tile, tile + 1};
+    }
+    const int64_t lo = pair / half_tiles * 2 * half_tiles + pair % half_tiles;
+    return {lo, lo + half_tiles};
+  }
+};
+
+// y = x W^T (+ bias) with the first `rotary_columns` outputs (heads of head_dim) rotated rotate-half by cos and sin
+// [M, head_dim] (bf16, RotaryCosSin's layout): each output rounded to bf16 as amx_linear_impl rounds it, then
+// rotary_embedding's arithmetic (rotary.h) on a head's dims d and d + half, which one pair of tiles computes
+// together -- the bits of the two calls, without writing the q and k heads and reading them back.
+void amx_linear_rotary_impl(const at::Tensor& x, const at::Tensor& packed, const float* bias, const uint16_t* cos,
+                            const uint16_t* sin, int64_t rotary_columns, int64_t head_dim, at::Tensor& y) {
+  const int64_t N = y.size(1), half = head_dim / 2;
+  const HeadHalves halves{rotary_columns / kOutputs, half / kTileRows, rotary_columns / kTileRows};
+  auto* yp = reinterpret_cast<c10::BFloat16*>(y.data_ptr());
+  auto* bits = reinterpret_cast<uint16_t*>(y.data_ptr());
+  // an output as amx_linear_impl stores it: its sum (+ bias) rounded to bf16, as float32
+  auto rounded = [&](const float* sum, int64_t n) {
+    const __m512 v = _mm512_loadu_ps(sum);
+    return llmplug::bf16_floats(llmplug::bf16_bits(bias ? _mm512_add_ps(v, _mm512_loadu_ps(bias + n)) : v));
+  };
+  tile_product<Bf16Tiles>(
+      reinterpret_cast<const c10::BFloat16*>(x.data_ptr()), x.size(0), x.size(1), x.stride(0),
+      reinterpret_cast<const c10::BFloat16*>(packed.data_ptr()), packed.size(0) / 2,
+      [&](int64_t m0, int64_t rows, int64_t pair, const float* sums) {
+        if (pair >= halves.rotary_pairs) {
+          store_outputs(yp, N, m0, rows, rotary_columns + (pair - halves.rotary_pairs) * kOutputs, sums, bias);
+          return;
+        }
+        const auto [lo_tile, hi_tile] = halves(pair);
+        const int64_t lo_n = lo_tile * kTileRows, hi_n = hi_tile * kTileRows, d = lo_n % head_dim;
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t m = m0 + r;
+          const __m512 lo = rounded(sums + r * kOutputs, lo_n), hi = rounded(sums + r * kOutputs + kTileRows, hi_n);
+          auto table = [&](const uint16_t* t, int64_t dim) {
+            return llmplug::bf16_floats(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + m * head_dim + dim)));
+          };
+          __m256i out_lo, out_hi;
+          llmplug::rotate_half_16(lo, hi, table(cos, d), table(cos, d + half), table(sin, d), table(sin, d + half),
+                                  out_lo, out_hi);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(bits + m * N + lo_n), out_lo);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(bits + m * N + hi_n), out_hi);
+        }
+      },
+      halves);
 }
 
 // silu(x W_gate^T + b_gate) * (x W_up^T + b_up) -> y [M, d] for gate_up's packed weight (2 d outputs: the gate's d,
@@ -268,7 +338,7 @@ void amx_linear_silu_and_mul_impl(const at::Tensor& x, const at::Tensor& packed,
                               llmplug::silu_and_mul_bf16(llmplug::bf16_bits(gate), llmplug::bf16_bits(up), silu));
         }
       },
-      tiles);
+      [tiles](int64_t pair) { return std::pair<int64_t, int64_t>{pair, pair + tiles}; });
 }
 
 // 16 values of x as float32: bf16 widened, float32 as they are.
@@ -397,6 +467,34 @@ at::Tensor amx_linear_silu_and_mul(const at::Tensor& x, const at::Tensor& packed
   return y;
 }
 
+// amx_linear's product of a qkv weight with its first rotary_columns outputs (q and k heads of head_dim, a multiple of
+// 32) rotated rotate-half by cos and sin [M, head_dim] (bfloat16, contiguous) -> [M, out_features] bfloat16: the
+// bits of rotary_embedding(amx_linear(x, packed, bias, out_features)[:, :rotary_columns], cos, sin, neox).
+at::Tensor amx_linear_rotary(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                             int64_t out_features, const at::Tensor& cos, const at::Tensor& sin,
+                             int64_t rotary_columns, int64_t head_dim) {
+  check_amx_linear("amx_linear_rotary", x, packed, out_features);
+  TORCH_CHECK(head_dim > 0 && head_dim % (2 * kTileRows) == 0 && rotary_columns > 0 &&
+                  rotary_columns % head_dim == 0 && rotary_columns <= out_features,
+              "llmplug_cpu::amx_linear_rotary: head_dim must be a positive multiple of 32 and rotary_columns a "
+              "multiple of it within out_features, got head_dim ", head_dim, ", rotary_columns ", rotary_columns,
+              ", out_features ", out_features);
+  for (const at::Tensor* t : {&cos, &sin})
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->is_contiguous() && t->numel() == x.size(0) * head_dim,
+                "llmplug_cpu::amx_linear_rotary: cos and sin must be contiguous bfloat16 [", x.size(0), ", ",
+                head_dim, "], got ", t->scalar_type(), " ", t->sizes());
+  const at::Tensor bias_f32 = float32_bias("amx_linear_rotary", bias, out_features);
+  const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
+  at::Tensor y = at::empty({x.size(0), out_features}, x.options());
+#ifdef LLMPLUG_AMX
+  if (y.numel() > 0)
+    amx_linear_rotary_impl(xc, packed, bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr,
+                           reinterpret_cast<const uint16_t*>(cos.data_ptr()),
+                           reinterpret_cast<const uint16_t*>(sin.data_ptr()), rotary_columns, head_dim, y);
+#endif
+  return y;
+}
+
 // x [M, K] (bfloat16 or float32, K a multiple of 64) times the int8 weight packed into AMX tiles (pack_weight of its
 // codes) with float32 per-output scales [N], plus bias [N] where given -> [M, N] in x's dtype: Int8LinearMethod's
 // W8A8 product, bit for bit.
@@ -440,6 +538,8 @@ at::Tensor amx_int8_linear(const at::Tensor& x, const at::Tensor& packed, const 
 TORCH_LIBRARY_FRAGMENT(llmplug_cpu, m) {
   m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   m.def("amx_linear_silu_and_mul(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+  m.def("amx_linear_rotary(Tensor x, Tensor packed, Tensor? bias, int out_features, Tensor cos, Tensor sin, "
+        "int rotary_columns, int head_dim) -> Tensor");
   m.def("amx_int8_linear(Tensor x, Tensor packed, Tensor weight_scale, Tensor? bias, int out_features) -> Tensor");
   m.def("amx_enabled() -> bool", [] { return llmplug::amx_enabled(); });
 }
@@ -447,5 +547,6 @@ TORCH_LIBRARY_FRAGMENT(llmplug_cpu, m) {
 TORCH_LIBRARY_IMPL(llmplug_cpu, CPU, m) {
   m.impl("amx_linear", amx_linear);
   m.impl("amx_linear_silu_and_mul", amx_linear_silu_and_mul);
+  m.impl("amx_linear_rotary", amx_linear_rotary);
   m.impl("amx_int8_linear", amx_int8_linear);
 }

@@ -18,6 +18,7 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -58,6 +59,10 @@ struct Kernels {
       amx_linear_silu_and_mul = kernel<at::Tensor(const at::Tensor&, const at::Tensor&,
                                                   const std::optional<at::Tensor>&, int64_t)>(
           "llmplug_cpu::amx_linear_silu_and_mul");
+  using AmxLinearRotary = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t,
+                                     const at::Tensor&, const at::Tensor&, int64_t, int64_t);
+  c10::TypedOperatorHandle<AmxLinearRotary> amx_linear_rotary =
+      kernel<AmxLinearRotary>("llmplug_cpu::amx_linear_rotary");
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)> w4a8_matmul =
       kernel<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>("llmplug_cpu::w4a8_matmul");
 
@@ -104,6 +109,15 @@ struct Linear {
     if (kind == LinearKind::kAmx && group_size % 32 == 0)
       return k.amx_linear_silu_and_mul.call(x, w0, bias_or_none(), group_size);
     return k.silu_and_mul.call((*this)(k, x));
+  }
+
+  // This linear's x (a qkv's) with its first `columns` outputs (heads of head_dim) rotated rotate-half by cos and sin
+  // [T, 1, head_dim]: one call where the kind is AMX and the rotary takes whole heads of a multiple of 32 dims
+  // (fast_path._qkv_rotated), the same bits as the product and rotary_embedding; an undefined tensor elsewhere.
+  at::Tensor rotated(const Kernels& k, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool neox,
+                     int64_t columns, int64_t head_dim) const {
+    if (kind != LinearKind::kAmx || !neox || head_dim % 32 != 0 || cos.size(-1) != head_dim) return {};
+    return k.amx_linear_rotary.call(x, w0, bias_or_none(), group_size, cos, sin, columns, head_dim);
   }
 
  private:
@@ -173,12 +187,15 @@ class DecoderStack : public torch::CustomClassHolder {
       at::Tensor x = residual.defined() ? k.fused_add_rms_norm.call(hidden, residual, layer.input_norm, layer.input_eps)
                                         : k.rms_norm.call(hidden, layer.input_norm, layer.input_eps);
       residual = hidden;  // the stream: the first layer's input, else hidden + residual written into hidden
-      const at::Tensor qkv = layer.qkv(k, x);
-      const int64_t tokens = qkv.size(0), k_end = layer.q_size + layer.kv_size;
-      if (layer.rope >= 0) {
-        const auto r = static_cast<size_t>(layer.rope);
-        k.rotary_embedding.call(qkv.narrow(1, 0, k_end).view({tokens, layer.rotary_heads, layer.head_dim}), cos[r],
-                                sin[r], neox[r] != 0);
+      const int64_t k_end = layer.q_size + layer.kv_size;
+      const auto r = static_cast<size_t>(std::max<int64_t>(layer.rope, 0));
+      at::Tensor qkv;
+      if (layer.rope >= 0) qkv = layer.qkv.rotated(k, x, cos[r], sin[r], neox[r] != 0, k_end, layer.head_dim);
+      if (!qkv.defined()) {
+        qkv = layer.qkv(k, x);
+        if (layer.rope >= 0)
+          k.rotary_embedding.call(qkv.narrow(1, 0, k_end).view({qkv.size(0), layer.rotary_heads, layer.head_dim}),
+                                  cos[r], sin[r], neox[r] != 0);
       }
       const at::Tensor attended = k.cache_and_attend.call(
           qkv.narrow(1, 0, layer.q_size), qkv.narrow(1, layer.q_size, layer.kv_size),

@@ -31,6 +31,7 @@
 #define LLMPLUG_AVX512 1
 #include "activation.h"
 #include "bf16.h"
+#include "rotary.h"
 #endif
 #include "prompt_attention.h"
 
@@ -238,18 +239,15 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 }
 
 #ifdef LLMPLUG_AVX512
-// One head's rotate-half rotary in place, bf16, half a multiple of 16: the rounding of the scalar loop below as GCC
-// compiles it (x * cos rounded, then its partner times sin added in one fused multiply-add, rounded), 16 lanes at a
-// time instead of that loop's 8.
+// One head's rotate-half rotary in place, bf16, half a multiple of 16: the rounding of the scalar loop below
+// (rotary.h), 16 lanes at a time instead of that loop's 8.
 inline void rotate_half_bf16(uint16_t* y, const uint16_t* cos, const uint16_t* sin, int64_t half) {
   for (int64_t d = 0; d < half; d += 16) {
-    const __m512 lo = BF16::load16(y + d), hi = BF16::load16(y + d + half);
-    const __m512 lo_cos = bf16_floats(llmplug::bf16_bits(_mm512_mul_ps(lo, BF16::load16(cos + d))));
-    const __m512 hi_cos = bf16_floats(llmplug::bf16_bits(_mm512_mul_ps(hi, BF16::load16(cos + d + half))));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + d),
-                        llmplug::bf16_bits(_mm512_fmadd_ps(hi, BF16::load16(sin + d), lo_cos)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + d + half),
-                        llmplug::bf16_bits(_mm512_fmadd_ps(lo, BF16::load16(sin + d + half), hi_cos)));
+    __m256i lo, hi;
+    llmplug::rotate_half_16(BF16::load16(y + d), BF16::load16(y + d + half), BF16::load16(cos + d),
+                            BF16::load16(cos + d + half), BF16::load16(sin + d), BF16::load16(sin + d + half), lo, hi);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + d), lo);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + d + half), hi);
   }
 }
 #endif
