@@ -8,8 +8,9 @@
 namespace llmplug {
 
 // Prompt rows a task takes: 16 at a time against key and value tiles made once for them all (32: 0.81-0.87x the
-// time of 16 on the default model's prompts of 45-2,048 tokens; 64: no faster).
-constexpr int64_t kPromptTileRows = 32;
+// time of 16 on the default model's prompts of 45-2,048 tokens; 64: 0.92x the time of 32 on the 32 benchmark
+// prompts of 41-48 tokens, one task each instead of two, 0.88x on 512 tokens, the same on 2,048).
+constexpr int64_t kPromptTileRows = 64;
 
 // The cache's layout and head dims a prompt tile reads (elements, bf16).
 struct PromptShape {
