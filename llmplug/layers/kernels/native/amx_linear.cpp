@@ -119,10 +119,13 @@ inline void round_store(c10::BFloat16* out, const float* in, const float* bias, 
 
 // Adds k tiles [t0, t1) of x's rows `a` (ldx apart; Rows x 16 rows) against the packed weight's two column tiles
 // `b0`, `b1` (1 KB a k tile) to the sums [Rows x 16][32 outputs] in `sums` (zeros first where t0 == 0). The sums
-// leave the tiles exactly as they are, so a sum made in chunks of k is the one a single pass makes.
-template <typename Tiles, int Rows>
+// leave the tiles exactly as they are, so a sum made in chunks of k is the one a single pass makes. After each k
+// tile's products it calls between(): vector work placed there (the previous pair's stores) runs while the tile
+// unit computes, instead of after it.
+template <typename Tiles, int Rows, typename Between>
 void tile_sums(const typename Tiles::Element* a, int64_t ldx, const typename Tiles::Element* b0,
-               const typename Tiles::Element* b1, int64_t t0, int64_t t1, typename Tiles::Sum* sums) {
+               const typename Tiles::Element* b1, int64_t t0, int64_t t1, typename Tiles::Sum* sums,
+               const Between& between) {
   constexpr int64_t kDepth = Tiles::kDepth, kTileElements = kTileRows * kDepth;  // elements of a packed tile
   constexpr int64_t stride = kOutputs * 4;                                        // bytes a row of sums
   const int64_t lda = ldx * int64_t(sizeof(typename Tiles::Element));
@@ -153,6 +156,7 @@ void tile_sums(const typename Tiles::Element* a, int64_t ldx, const typename Til
       LLMPLUG_TILE_PRODUCT(2, 5, 6);
       LLMPLUG_TILE_PRODUCT(3, 5, 7);
     }
+    between();
   }
   _tile_stored(0, sums, stride);
   _tile_stored(1, sums + kTileRows, stride);
@@ -179,8 +183,9 @@ struct ConsecutiveTiles {
 };
 
 // x [M, K] (rows ldx apart) times the packed weight ([column tiles of 16 outputs, K / kDepth, 16, 64 bytes]):
-// calls store(m0, rows, pair, sums) once per block of rows and pair of column tiles with their finished sums, row r's
-// 32 outputs at sums + 32 r. column_tiles(p) names pair p's two column tiles: consecutive ones, or two outputs that
+// calls store(m0, r0, r1, pair, sums) for rows r0 .. r1 - 1 of each block of rows (from row m0) and pair of column
+// tiles with their finished sums, row r's 32 outputs at sums + 32 r: a pair's rows a few at a time between the next
+// pair's k tiles (the stores overlap its tile products), the block's last pair's at its end. column_tiles(p) names pair p's two column tiles: consecutive ones, or two outputs that
 // one store combines (a gate and its up for SiLU-and-mul, a head's dims d and d + half for the rotary). Every sum is
 // its output's tile products over K in order, whatever M and the pairing.
 template <typename Tiles, typename Store, typename ColumnTiles = ConsecutiveTiles>
@@ -220,31 +225,43 @@ void tile_product(const typename Tiles::Element* xp, int64_t M, int64_t K, int64
         }
         a = padded.data(), lda = K;
       }
+      // the finished pair whose rows are being stored (-1: none), rows stored so far, and rows a k tile
+      int64_t pending = -1, stored = 0, per_step = rows;
+      auto store_rows = [&](int64_t upto) {
+        if (pending >= 0 && upto > stored) store(m0, stored, upto, pending, sums + (pending - first) * kSums);
+        stored = std::max(stored, upto);
+      };
+      auto between = [&] { store_rows(std::min(rows, stored + per_step)); };
       for (int64_t t0 = 0; t0 < depth_tiles; t0 += chunk_tiles) {
         const int64_t t1 = std::min(depth_tiles, t0 + chunk_tiles);
+        per_step = ceil_div(rows, t1 - t0);
         for (int64_t pair = first; pair < last; ++pair) {
           auto* pair_sums = sums + (pair - first) * kSums;
           const auto [tile0, tile1] = column_tiles(pair);
           const Element* b0 = wp + tile0 * column_tile;
           const Element* b1 = wp + tile1 * column_tile;
           if (block_rows == kTileRows) {
-            tile_sums<Tiles, 1>(a, lda, b0, b1, t0, t1, pair_sums);
+            tile_sums<Tiles, 1>(a, lda, b0, b1, t0, t1, pair_sums, between);
           } else {
-            tile_sums<Tiles, 2>(a, lda, b0, b1, t0, t1, pair_sums);
+            tile_sums<Tiles, 2>(a, lda, b0, b1, t0, t1, pair_sums, between);
           }
-          if (t1 == depth_tiles) store(m0, rows, pair, pair_sums);
+          if (t1 == depth_tiles) {
+            store_rows(rows);
+            pending = pair, stored = 0;
+          }
         }
       }
+      store_rows(rows);
     }
     _tile_release();
   });
 }
 
-// Rows m0 .. m0 + rows - 1 of y [M, N] at outputs n0 .. (up to 32), rounded from their sums (+ bias).
-void store_outputs(c10::BFloat16* y, int64_t N, int64_t m0, int64_t rows, int64_t n0, const float* sums,
+// Rows m0 + r0 .. m0 + r1 - 1 of y [M, N] at outputs n0 .. (up to 32), rounded from their sums (+ bias).
+void store_outputs(c10::BFloat16* y, int64_t N, int64_t m0, int64_t r0, int64_t r1, int64_t n0, const float* sums,
                    const float* bias) {
   const int64_t outputs = std::min(kOutputs, N - n0);
-  for (int64_t r = 0; r < rows; ++r)
+  for (int64_t r = r0; r < r1; ++r)
     for (int64_t c = 0; c < outputs; c += 16)
       round_store(y + (m0 + r) * N + n0 + c, sums + r * kOutputs + c, bias ? bias + n0 + c : nullptr,
                   std::min<int64_t>(16, outputs - c));
@@ -255,8 +272,8 @@ void amx_linear_impl(const at::Tensor& x, const at::Tensor& packed, const float*
   auto* yp = reinterpret_cast<c10::BFloat16*>(y.data_ptr());
   tile_product<Bf16Tiles>(reinterpret_cast<const c10::BFloat16*>(x.data_ptr()), x.size(0), x.size(1), x.stride(0),
                           reinterpret_cast<const c10::BFloat16*>(packed.data_ptr()), packed.size(0) / 2,
-                          [&](int64_t m0, int64_t rows, int64_t pair, const float* sums) {
-                            store_outputs(yp, N, m0, rows, pair * kOutputs, sums, bias);
+                          [&](int64_t m0, int64_t r0, int64_t r1, int64_t pair, const float* sums) {
+                            store_outputs(yp, N, m0, r0, r1, pair * kOutputs, sums, bias);
                           });
 }
 
@@ -292,14 +309,14 @@ void amx_linear_rotary_impl(const at::Tensor& x, const at::Tensor& packed, const
   tile_product<Bf16Tiles>(
       reinterpret_cast<const c10::BFloat16*>(x.data_ptr()), x.size(0), x.size(1), x.stride(0),
       reinterpret_cast<const c10::BFloat16*>(packed.data_ptr()), packed.size(0) / 2,
-      [&](int64_t m0, int64_t rows, int64_t pair, const float* sums) {
+      [&](int64_t m0, int64_t r0, int64_t r1, int64_t pair, const float* sums) {
         if (pair >= halves.rotary_pairs) {
-          store_outputs(yp, N, m0, rows, rotary_columns + (pair - halves.rotary_pairs) * kOutputs, sums, bias);
+          store_outputs(yp, N, m0, r0, r1, rotary_columns + (pair - halves.rotary_pairs) * kOutputs, sums, bias);
           return;
         }
         const auto [lo_tile, hi_tile] = halves(pair);
         const int64_t lo_n = lo_tile * kTileRows, hi_n = hi_tile * kTileRows, d = lo_n % head_dim;
-        for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t r = r0; r < r1; ++r) {
           const int64_t m = m0 + r;
           const __m512 lo = rounded(sums + r * kOutputs, lo_n), hi = rounded(sums + r * kOutputs + kTileRows, hi_n);
           auto table = [&](const uint16_t* t, int64_t dim) {
@@ -326,9 +343,9 @@ void amx_linear_silu_and_mul_impl(const at::Tensor& x, const at::Tensor& packed,
   tile_product<Bf16Tiles>(
       reinterpret_cast<const c10::BFloat16*>(x.data_ptr()), x.size(0), x.size(1), x.stride(0),
       reinterpret_cast<const c10::BFloat16*>(packed.data_ptr()), tiles,
-      [&](int64_t m0, int64_t rows, int64_t pair, const float* sums) {
+      [&](int64_t m0, int64_t r0, int64_t r1, int64_t pair, const float* sums) {
         const int64_t n0 = pair * kTileRows;
-        for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t r = r0; r < r1; ++r) {
           __m512 gate = _mm512_loadu_ps(sums + r * kOutputs), up = _mm512_loadu_ps(sums + r * kOutputs + kTileRows);
           if (bias != nullptr) {
             gate = _mm512_add_ps(gate, _mm512_loadu_ps(bias + n0));
@@ -386,9 +403,9 @@ void amx_int8_impl(const at::Tensor& x, const at::Tensor& packed, const float* w
   const float* sx = scales.data_ptr<float>();
   T* yp = reinterpret_cast<T*>(y.data_ptr());
   tile_product<Int8Tiles>(codes.data_ptr<int8_t>(), M, K, K, packed.data_ptr<int8_t>(), packed.size(0) / 2,
-                          [&](int64_t m0, int64_t rows, int64_t pair, const int32_t* sums) {
+                          [&](int64_t m0, int64_t r0, int64_t r1, int64_t pair, const int32_t* sums) {
                             const int64_t n0 = pair * kOutputs, outputs = std::min(kOutputs, N - n0);
-                            for (int64_t r = 0; r < rows; ++r) {
+                            for (int64_t r = r0; r < r1; ++r) {
                               const __m512 row_scale = _mm512_set1_ps(sx[m0 + r]);
                               for (int64_t c = 0; c < outputs; c += 16) {
                                 const int64_t count = std::min<int64_t>(16, outputs - c);
