@@ -185,9 +185,10 @@ struct ConsecutiveTiles {
 // x [M, K] (rows ldx apart) times the packed weight ([column tiles of 16 outputs, K / kDepth, 16, 64 bytes]):
 // calls store(m0, r0, r1, pair, sums) for rows r0 .. r1 - 1 of each block of rows (from row m0) and pair of column
 // tiles with their finished sums, row r's 32 outputs at sums + 32 r: a pair's rows a few at a time between the next
-// pair's k tiles (the stores overlap its tile products), the block's last pair's at its end. column_tiles(p) names pair p's two column tiles: consecutive ones, or two outputs that
-// one store combines (a gate and its up for SiLU-and-mul, a head's dims d and d + half for the rotary). Every sum is
-// its output's tile products over K in order, whatever M and the pairing.
+// pair's k tiles (the stores overlap its tile products), the block's last pair's at its end. column_tiles(p) names
+// pair p's two column tiles: consecutive ones, or two outputs that one store combines (a gate and its up for
+// SiLU-and-mul, a head's dims d and d + half for the rotary). Every sum is its output's tile products over K in
+// order, whatever M and the pairing.
 template <typename Tiles, typename Store, typename ColumnTiles = ConsecutiveTiles>
 void tile_product(const typename Tiles::Element* xp, int64_t M, int64_t K, int64_t ldx,
                   const typename Tiles::Element* wp, int64_t pairs, const Store& store,

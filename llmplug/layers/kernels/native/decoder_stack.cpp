@@ -18,7 +18,6 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -188,14 +187,17 @@ class DecoderStack : public torch::CustomClassHolder {
                                         : k.rms_norm.call(hidden, layer.input_norm, layer.input_eps);
       residual = hidden;  // the stream: the first layer's input, else hidden + residual written into hidden
       const int64_t k_end = layer.q_size + layer.kv_size;
-      const auto r = static_cast<size_t>(std::max<int64_t>(layer.rope, 0));
       at::Tensor qkv;
-      if (layer.rope >= 0) qkv = layer.qkv.rotated(k, x, cos[r], sin[r], neox[r] != 0, k_end, layer.head_dim);
-      if (!qkv.defined()) {
+      if (layer.rope < 0) {
         qkv = layer.qkv(k, x);
-        if (layer.rope >= 0)
+      } else {
+        const auto r = static_cast<size_t>(layer.rope);
+        qkv = layer.qkv.rotated(k, x, cos[r], sin[r], neox[r] != 0, k_end, layer.head_dim);
+        if (!qkv.defined()) {
+          qkv = layer.qkv(k, x);
           k.rotary_embedding.call(qkv.narrow(1, 0, k_end).view({qkv.size(0), layer.rotary_heads, layer.head_dim}),
                                   cos[r], sin[r], neox[r] != 0);
+        }
       }
       const at::Tensor attended = k.cache_and_attend.call(
           qkv.narrow(1, 0, layer.q_size), qkv.narrow(1, layer.q_size, layer.kv_size),

@@ -113,8 +113,8 @@ void check_rows(const at::Tensor& x, const char* op, const char* name) {
 #ifdef LLMPLUG_AVX512
 // One bf16 row of rms_norm_impl, 16 lanes at a time (the compiler's vectorization of the loops below took 1.15-1.25x
 // as long): the residual's sum rounded as BF16::store rounds and written back, its squares summed in 16 lanes (a
-// fused multiply-add each, lanes added by _mm512_reduce_add_ps's tree), then each value times the inverse root,
-// rounded, times the weight, rounded. `values` (cols rounded up to 16 floats) keeps the row's values as float32
+// fused multiply-add each, lanes added by _mm512_reduce_add_ps's tree), then each value times the inverse root and
+// the weight, rounded once. `values` (cols rounded up to 16 floats) keeps the row's values as float32
 // between the passes and `weight` is float32 (zeros after cols): the second pass converts nothing, ~0.8x the time.
 inline void rms_norm_row_bf16(uint16_t* row, const uint16_t* residual, const float* weight, uint16_t* out,
                               int64_t cols, float eps, float* values) {
